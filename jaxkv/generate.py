@@ -1,0 +1,323 @@
+"""Generation: prefill, the decode step, and the `lax.scan` decode loop. Knows nothing of tokenizers.
+
+The pipeline for one `generate` call:
+
+  1. Host: validate everything (nothing is computed for bad input), pad the batch to a power of two and the
+     prompts to a length bucket, left-aligned padding so that all sequences share one write slot.
+  2. `prefill` (one jit): allocates the cache at its fixed shape, runs the whole padded prompt batch through the
+     model in one pass, fills slots [0, T) and returns the last token's logits.
+  3. `decode` (one jit, cache donated): a `lax.scan` over the new tokens. Each step samples a token from the
+     previous logits, then runs only that token through the model: Q, K and V for one token, K and V appended at
+     slot `length`, attention over the cache. Sequences that emitted a stop token are marked done and keep running
+     as padding; the host drops everything after the stop token.
+
+Shapes, sampling settings and seeds are arranged so nothing recompiles per prompt length or sampling setting:
+prompt lengths and batch sizes are bucketed, sampling parameters, the PRNG key and the stop ids are traced values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from collections.abc import Callable, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxkv.cache import KVCache
+from jaxkv.config import Config
+from jaxkv.model import Decoder, Model
+from jaxkv.sampling import Sampler
+
+MIN_PROMPT_BUCKET = 16  # prompts pad to a power of two >= this: lengths 1..500 compile 6 prefill shapes
+CAPACITY_ROUNDING = 64  # default cache capacity: padded prompt + new tokens, rounded up to a multiple of this
+STOP_ID_SLOTS = 8  # stop ids are padded to a multiple of this (with -1, never a token) so their number is traced
+
+
+@dataclasses.dataclass
+class Generation:
+    """Result of `generate`.
+
+    tokens: per prompt, the new token ids; a stop token that ended the sequence is included, nothing after it.
+    finish_reasons: per prompt, "stop" (a stop token was emitted) or "length" (max_new_tokens reached).
+    stats: measured figures of this call (seconds, tokens/s, cache bytes).
+    """
+
+    tokens: list[list[int]]
+    finish_reasons: list[str]
+    stats: dict = dataclasses.field(default_factory=dict)
+
+
+# --- compiled pieces ------------------------------------------------------------------------------------------
+
+
+def _forward(params, tokens, cache, *, config, attention, kv_slots=None, last_only=False):
+    """tokens int32[B, T] into the cache -> (float32[B, T or 1, V], cache)."""
+    return Decoder(config).apply({"params": params}, tokens, cache.positions(tokens.shape[1]), cache,
+                                 kv_slots=kv_slots, last_only=last_only, attention=attention)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "capacity", "attention"))
+def prefill(params, tokens, start, *, config: Config, capacity: int, attention: str):
+    """Allocates a cache of `capacity` slots and fills slots [0, T) with the left-padded prompts.
+
+    Args:
+      tokens: int32[B, T], prompt b in tokens[b, start[b]:].
+      start: int32[B], the number of padding slots before each prompt.
+
+    Returns:
+      (float32[B, V] logits of each prompt's last token, the cache with length T).
+    """
+    cache = KVCache.allocate(config, tokens.shape[0], capacity, start=start)
+    # The cache is empty, so after this call only slots [0, T) can be live: attend over those alone.
+    logits, cache = _forward(params, tokens, cache, config=config, attention=attention,
+                             kv_slots=tokens.shape[1], last_only=True)
+    return logits[:, 0], cache
+
+
+@functools.partial(jax.jit, static_argnames=("config", "attention"), donate_argnames=("cache",))
+def decode_step(params, tokens, cache: KVCache, *, config: Config, attention: str = "xla"):
+    """One decode step for a research loop: tokens int32[B] -> (float32[B, V] logits, cache).
+
+    The cache is donated: XLA writes the new K/V into the input buffers in place, and the caller's cache is
+    invalid afterwards. The caller must ensure `cache.length < cache.capacity`.
+    """
+    logits, cache = _forward(params, tokens[:, None], cache, config=config, attention=attention)
+    return logits[:, 0], cache
+
+
+@flax.struct.dataclass
+class LoopState:
+    """The decode loop's carry.
+
+    cache:   the KV cache (its `length` is the slot the next token goes to).
+    logits:  float32[B, V], the logits the next token is sampled from.
+    key:     the PRNG key; split every step, the half used for sampling is never reused.
+    done:    bool[B], the sequence has emitted a stop token; later tokens are padding.
+    num_new: int32[B], tokens emitted before and including the stop token.
+    """
+
+    cache: KVCache
+    logits: jax.Array
+    key: jax.Array
+    done: jax.Array
+    num_new: jax.Array
+
+
+def _emit(state: LoopState, sampler, stop_ids):
+    """Samples one token per sequence and updates the stop bookkeeping -> (state, int32[B] tokens)."""
+    key, sample_key = jax.random.split(state.key)
+    tokens = sampler(state.logits, sample_key).astype(jnp.int32)
+    num_new = state.num_new + (~state.done).astype(jnp.int32)
+    done = state.done | jnp.any(tokens[:, None] == stop_ids[None, :], axis=-1)
+    return state.replace(key=key, done=done, num_new=num_new), tokens
+
+
+@functools.partial(jax.jit, static_argnames=("config", "steps", "attention"), donate_argnames=("cache",))
+def decode(params, cache: KVCache, logits, key, sampler, stop_ids, *, config: Config, steps: int, attention: str):
+    """Samples `steps` tokens per sequence in one compiled `lax.scan`.
+
+    Args:
+      cache: the prefilled cache (donated: updated in place).
+      logits: float32[B, V], the prompts' last logits.
+      sampler: a pytree callable `(logits, key) -> int32[B]` (a `Sampler`, or a user function wrapped in
+        `jax.tree_util.Partial`).
+      stop_ids: int32[n], padded with -1.
+
+    Returns:
+      (int32[B, steps] tokens, int32[B] tokens emitted up to and including the stop token, bool[B] stopped,
+       the cache).
+    """
+    B = logits.shape[0]
+    state = LoopState(cache=cache, logits=logits, key=key, done=jnp.zeros((B,), bool),
+                      num_new=jnp.zeros((B,), jnp.int32))
+
+    def body(state, _):
+        state, tokens = _emit(state, sampler, stop_ids)
+        logits, cache = _forward(params, tokens[:, None], state.cache, config=config, attention=attention)
+        return state.replace(cache=cache, logits=logits[:, 0]), tokens
+
+    # steps - 1 forward passes: the last token is sampled but never fed back.
+    state, tokens = lax.scan(body, state, length=steps - 1)
+    state, last = _emit(state, sampler, stop_ids)
+    tokens = jnp.concatenate([tokens.T, last[:, None]], axis=1)  # [B, steps]
+    return tokens, state.num_new, state.done, state.cache
+
+
+# --- host side ------------------------------------------------------------------------------------------------
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _check_int(name, value, minimum):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _check_float(name, value):
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number, got {value!r}") from None
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def _token_lists(prompts, vocab_size: int) -> list[list[int]]:
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) and not isinstance(prompts, np.ndarray):
+        raise ValueError("prompts must be a list of token-id lists")
+    if len(prompts) == 0:
+        raise ValueError("prompts is empty: pass at least one prompt")
+    out = []
+    for i, prompt in enumerate(prompts):
+        arr = np.asarray(prompt)
+        if arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
+            raise ValueError(f"prompt {i} must be a flat list of integer token ids")
+        if arr.size == 0:
+            raise ValueError(f"prompt {i} is empty: a prompt needs at least one token")
+        bad = (arr < 0) | (arr >= vocab_size)
+        if bad.any():
+            raise ValueError(f"prompt {i}: token id {int(arr[bad][0])} is outside the vocabulary [0, {vocab_size})")
+        out.append([int(t) for t in arr])
+    return out
+
+
+def _sampler(temperature, top_k, top_p, min_p, sampler):
+    if sampler is not None:
+        if temperature != 0.0 or top_k is not None or top_p is not None or min_p is not None:
+            raise ValueError("pass either sampler or temperature/top_k/top_p/min_p, not both")
+        if isinstance(sampler, Sampler):
+            return sampler
+        if not callable(sampler):
+            raise ValueError(f"sampler must be a callable (logits, key) -> token ids, got {sampler!r}")
+        # Partial keeps the function in the pytree's static structure: the same function never recompiles.
+        return jax.tree_util.Partial(sampler)
+    temperature = _check_float("temperature", temperature)
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+    if top_k is not None:
+        top_k = _check_int("top_k", top_k, 1)
+    if top_p is not None:
+        top_p = _check_float("top_p", top_p)
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if min_p is not None:
+        min_p = _check_float("min_p", min_p)
+        if not 0.0 <= min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {min_p}")
+    return Sampler.make(temperature, top_k, top_p, min_p)
+
+
+def _stop_ids(stop_tokens, config: Config) -> np.ndarray:
+    ids = list(config.eos_ids) if stop_tokens is None else stop_tokens
+    if isinstance(ids, (int, np.integer)):
+        ids = [ids]
+    ids = [_check_int("stop token", t, 0) for t in ids]
+    for t in ids:
+        if t >= config.vocab_size:
+            raise ValueError(f"stop token {t} is outside the vocabulary [0, {config.vocab_size})")
+    slots = max(STOP_ID_SLOTS, -(-len(ids) // STOP_ID_SLOTS) * STOP_ID_SLOTS)
+    return np.array(ids + [-1] * (slots - len(ids)), np.int32)
+
+
+def plan_shapes(lengths: Sequence[int], max_new_tokens: int, max_len: int | None, config: Config):
+    """Validates lengths and picks (padded batch, padded prompt length T, cache capacity S). Raises ValueError."""
+    longest = max(lengths)
+    for i, n in enumerate(lengths):
+        if n + max_new_tokens > config.max_positions:
+            raise ValueError(f"prompt {i} has {n} tokens; with max_new_tokens={max_new_tokens} it needs "
+                             f"{n + max_new_tokens} positions, beyond the model's max positions "
+                             f"({config.max_positions})")
+    if max_len is not None:
+        max_len = _check_int("max_len", max_len, 1)
+        if longest + max_new_tokens > max_len:
+            raise ValueError(f"the longest prompt has {longest} tokens; prompt_len + max_new_tokens = "
+                             f"{longest} + {max_new_tokens} = {longest + max_new_tokens} exceeds max_len={max_len}")
+    bucket = max(MIN_PROMPT_BUCKET, _next_pow2(longest))
+    if max_len is None:
+        capacity = -(-(bucket + max_new_tokens) // CAPACITY_ROUNDING) * CAPACITY_ROUNDING
+    else:
+        capacity = max_len
+    # The padded prompt and the new tokens must fit: shrink the bucket rather than overflow the cache.
+    padded_len = min(bucket, capacity - max_new_tokens)
+    return _next_pow2(len(lengths)), padded_len, capacity
+
+
+def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
+             top_p: float | None = None, min_p: float | None = None, sampler: Callable | None = None, seed: int = 0,
+             stop_tokens: Sequence[int] | None = None, max_len: int | None = None,
+             attention: str | None = None) -> Generation:
+    """Generates up to `max_new_tokens` tokens for each prompt.
+
+    Args:
+      prompts: a list of token-id lists, of any lengths.
+      temperature, top_k, top_p, min_p: sampling; temperature 0 is greedy. None disables a filter.
+      sampler: instead of the above, a jittable `(logits float32[B, V], key) -> int32[B]`.
+      seed: PRNG seed; the key is split every step.
+      stop_tokens: ids that end a sequence (included in its output). None: the model's eos ids; []: never stop.
+      max_len: cache capacity in slots; must hold the longest prompt plus max_new_tokens. Default: just enough,
+        rounded up so that similar requests share a compiled shape.
+      attention: attention implementation; default config.attention.
+
+    Raises:
+      ValueError: for any bad argument, before any compute.
+    """
+    config = model.config
+    token_lists = _token_lists(prompts, config.vocab_size)
+    max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 1)
+    sample_fn = _sampler(temperature, top_k, top_p, min_p, sampler)
+    stop_ids = _stop_ids(stop_tokens, config)
+    seed = _check_int("seed", seed, -(2 ** 63))
+    attention = attention or config.attention
+    from jaxkv import attention as attention_impls
+    attention_impls.get(attention)  # unknown names fail here, before compute
+    lengths = [len(p) for p in token_lists]
+    batch, T, capacity = plan_shapes(lengths, max_new_tokens, max_len, config)
+
+    # Left padding: prompt b occupies slots [T - len_b, T). Filler rows (batch padding) hold a single token.
+    tokens = np.zeros((batch, T), np.int32)
+    start = np.full((batch,), T - 1, np.int32)
+    for b, prompt in enumerate(token_lists):
+        tokens[b, T - len(prompt):] = prompt
+        start[b] = T - len(prompt)
+
+    t0 = time.perf_counter()
+    logits, cache = prefill(model.params, jnp.asarray(tokens), jnp.asarray(start), config=config,
+                            capacity=capacity, attention=attention)
+    logits.block_until_ready()
+    t1 = time.perf_counter()
+    out, num_new, stopped, cache = decode(model.params, cache, logits, jax.random.PRNGKey(seed), sample_fn,
+                                          jnp.asarray(stop_ids), config=config, steps=max_new_tokens,
+                                          attention=attention)
+    out, num_new, stopped = np.asarray(out), np.asarray(num_new), np.asarray(stopped)
+    t2 = time.perf_counter()
+
+    n = len(token_lists)
+    result = [out[b, : num_new[b]].tolist() for b in range(n)]
+    reasons = ["stop" if stopped[b] else "length" for b in range(n)]
+    decode_s = t2 - t1
+    stats = {
+        "prompt_tokens": int(sum(lengths)),
+        "new_tokens": int(sum(len(r) for r in result)),
+        "padded_batch": batch,
+        "padded_prompt_len": T,
+        "cache_capacity": capacity,
+        "kv_cache_bytes": cache.nbytes(),
+        "prefill_s": t1 - t0,
+        "decode_s": decode_s,
+        # Every row runs all max_new_tokens steps (finished rows as padding), so steps/s is the honest rate.
+        "decode_steps_per_s": max_new_tokens / decode_s if decode_s > 0 else float("inf"),
+        "decode_tokens_per_s": n * max_new_tokens / decode_s if decode_s > 0 else float("inf"),
+    }
+    return Generation(tokens=result, finish_reasons=reasons, stats=stats)

@@ -1,0 +1,184 @@
+"""The decoder: `(params, tokens, positions, cache) -> (logits, cache)`, Flax linen applied functionally.
+
+The cache is an explicit immutable pytree (`jaxkv.cache.KVCache`) that goes in and comes out; there is no Flax
+mutable "cache" collection. With a cache, the T new tokens' keys and values are written to slots
+[cache.length, cache.length + T) and the queries attend over the cache. Without one (`cache=None`), the tokens
+attend causally to each other only: the no-cache recompute reference.
+
+This is the one place that picks the attention implementation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv import attention as attention_impls
+from jaxkv.cache import KVCache
+from jaxkv.config import Config
+from jaxkv.layers import Mlp, Norm, apply_rope, fan_in_init, rope_angles
+
+
+class Attention(nn.Module):
+    config: Config
+    layer: int
+
+    @nn.compact
+    def __call__(self, x, rope, cache, live, attention: str):
+        """x [B, T, D]; rope: (cos, sin) or None; live: bool[B, T, S'] -> ([B, T, D], cache)."""
+        cfg = self.config
+        D, N, K, H = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        dtype = jnp.dtype(cfg.dtype)
+
+        def project(name, heads):
+            w = self.param(name, fan_in_init(D), (D, heads, H), dtype)
+            y = jnp.einsum("btd,dnh->btnh", x, w)
+            if cfg.qkv_bias:
+                y = y + self.param(name + "_bias", nn.initializers.zeros, (heads, H), dtype)
+            return y
+
+        q, k, v = project("wq", N), project("wk", K), project("wv", K)  # [B, T, N|K, H]
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, H], the cache layout
+        if cache is not None:
+            cache = cache.write(self.layer, k, v)
+            S = live.shape[-1]  # attend over the first S' slots only (S' = S except in prefill)
+            k, v = cache.keys[self.layer][:, :, :S], cache.values[self.layer][:, :, :S]
+        out = attention_impls.get(attention)(q, k, v, live, scale=1.0 / math.sqrt(H))  # [B, T, N, H]
+        wo = self.param("wo", fan_in_init(N * H), (N, H, D), dtype)
+        y = jnp.einsum("btnh,nhd->btd", out, wo)
+        if cfg.out_bias:
+            y = y + self.param("wo_bias", nn.initializers.zeros, (D,), dtype)
+        return y, cache
+
+
+class Block(nn.Module):
+    config: Config
+    layer: int
+
+    @nn.compact
+    def __call__(self, x, rope, cache, live, attention: str):
+        h, cache = Attention(self.config, self.layer, name="attn")(Norm(self.config, name="attn_norm")(x), rope,
+                                                                    cache, live, attention)
+        x = x + h
+        x = x + Mlp(self.config, name="mlp")(Norm(self.config, name="mlp_norm")(x))
+        return x, cache
+
+
+class Decoder(nn.Module):
+    config: Config
+
+    @nn.compact
+    def __call__(self, tokens, positions, cache: KVCache | None = None, *, kv_slots: int | None = None,
+                 last_only: bool = False, attention: str | None = None):
+        """Runs T tokens through the model.
+
+        Args:
+          tokens: int32[B, T].
+          positions: int32[B, T] position ids; a negative position marks a padding token, whose hidden state is
+            zeroed (so whatever its embedding holds cannot matter) and which no real token attends to.
+          cache: with a cache, tokens go to slots [cache.length, cache.length + T) and attend over the cache;
+            positions must then equal `cache.positions(T)`. Without, tokens attend causally to each other.
+          kv_slots: static bound S' <= S on the slots that can be live after this call; attention reads only
+            cache slots [0, S'). Prefill from an empty cache passes T, so it costs O(T^2) rather than O(T S).
+          last_only: compute logits for the last token only ([B, 1, V]), all generation needs after prefill.
+          attention: implementation name; defaults to config.attention.
+
+        Returns:
+          (float32[B, T or 1, V] logits, the updated cache or None).
+        """
+        cfg = self.config
+        dtype = jnp.dtype(cfg.dtype)
+        T = tokens.shape[1]
+        attention = attention or cfg.attention
+        embedding = self.param("embedding", fan_in_init(cfg.d_model), (cfg.vocab_size, cfg.d_model), dtype)
+        x = jnp.take(embedding, tokens, axis=0)  # [B, T, D]
+        real = positions >= 0  # [B, T]
+        rope = None
+        if cfg.positions == "learned":
+            table = self.param("pos_embedding", fan_in_init(cfg.d_model), (cfg.max_positions, cfg.d_model), dtype)
+            # Padding tokens have negative positions; read row 0 for them (their state is zeroed just below).
+            x = x + jnp.take(table, jnp.maximum(positions, 0), axis=0)
+        else:
+            rope = rope_angles(positions, cfg)
+        x = jnp.where(real[..., None], x, jnp.zeros((), x.dtype))
+
+        if cache is None:
+            idx = jnp.arange(T)
+            live = (idx[None, :, None] >= idx[None, None, :]) & real[:, None, :]  # [B, T, T]: causal, real keys
+            if cfg.sliding_window is not None:
+                live &= idx[None, None, :] > idx[None, :, None] - cfg.sliding_window
+        else:
+            live = cache.live_mask(T, cfg.sliding_window, kv_slots)  # [B, T, S']
+        for layer in range(cfg.n_layers):
+            x, cache = Block(cfg, layer, name=f"layer_{layer}")(x, rope, cache, live, attention)
+        if cache is not None:
+            cache = cache.advance(T)
+
+        if last_only:
+            x = x[:, -1:]
+        x = Norm(cfg, name="final_norm")(x)
+        if cfg.tie_embeddings:
+            logits = jnp.einsum("btd,vd->btv", x, embedding, preferred_element_type=jnp.float32)
+        else:
+            head = self.param("lm_head", fan_in_init(cfg.d_model), (cfg.d_model, cfg.vocab_size), dtype)
+            logits = jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)
+        return logits, cache
+
+
+def init_params(config: Config, seed: int = 0):
+    """Random parameters for `config` (the Flax variables dict {"params": ...})."""
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    return jax.jit(Decoder(config).init)(jax.random.PRNGKey(seed), tokens, tokens)
+
+
+@dataclasses.dataclass
+class Model:
+    """A config, its parameters (the Flax "params" dict) and optionally a tokenizer."""
+
+    config: Config
+    params: dict
+    tokenizer: object | None = None
+
+    @classmethod
+    def random(cls, config: Config, seed: int = 0) -> "Model":
+        """Random weights: Normal(0, 1/sqrt(fan_in)) projections, unit norms, zero biases."""
+        return cls(config=config, params=init_params(config, seed)["params"])
+
+    def apply(self, tokens, positions, cache=None, **kwargs):
+        """`Decoder(config).apply` with this model's parameters; see `Decoder.__call__`."""
+        return Decoder(self.config).apply({"params": self.params}, tokens, positions, cache, **kwargs)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "attention"))
+def _full_forward(params, tokens, *, config: Config, attention: str):
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    return Decoder(config).apply({"params": params}, tokens, positions, None, attention=attention)[0]
+
+
+def logits(model: Model, tokens, *, attention: str | None = None) -> np.ndarray:
+    """float32[B, T, V]: the full forward pass over `tokens` ([B, T] ids, or one list of ids) with no cache.
+
+    This recomputes everything from scratch: the reference that cached decoding is tested against.
+    """
+    arr = np.asarray(tokens)
+    if arr.ndim == 1:
+        arr = arr[None]
+    if arr.ndim != 2 or arr.shape[1] == 0 or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"tokens must be a non-empty [batch, seq] array of integer ids, got shape {arr.shape} "
+                         f"and dtype {arr.dtype}")
+    bad = (arr < 0) | (arr >= model.config.vocab_size)
+    if bad.any():
+        raise ValueError(f"token id {int(arr[bad][0])} is outside the vocabulary [0, {model.config.vocab_size})")
+    if arr.shape[1] > model.config.max_positions:
+        raise ValueError(f"{arr.shape[1]} tokens exceed the model's max positions ({model.config.max_positions})")
+    attention = attention or model.config.attention
+    return np.asarray(_full_forward(model.params, jnp.asarray(arr, jnp.int32), config=model.config,
+                                    attention=attention))

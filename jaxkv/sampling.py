@@ -1,0 +1,115 @@
+"""Sampling: pure, jittable functions `(logits, key) -> token ids`.
+
+Filters map float logits [B, V] to logits with the removed tokens set to -inf, so they compose:
+
+    def my_sampler(logits, key):
+        logits = top_p_filter(top_k_filter(logits / 0.8, 40), 0.95)
+        return jax.random.categorical(key, logits)
+
+`Sampler` composes temperature, top-k, top-p and min-p (in that order, as transformers does) with its parameters as
+pytree leaves, so inside jit they are traced values: changing them never recompiles.
+
+Ties are broken deterministically everywhere: among equal logits the lower token id ranks first.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def greedy(logits, key=None):
+    """int32[B]: the highest-scoring token (the lowest id among ties). `key` is accepted and ignored."""
+    del key
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+def _descending(logits):
+    """(order, sorted logits): token ids by decreasing logit, ties by increasing id."""
+    order = jnp.argsort(-logits, axis=-1, stable=True)  # [B, V]
+    return order, jnp.take_along_axis(logits, order, axis=-1)
+
+
+def _unsort(keep_sorted, order):
+    """Scatters a mask over sorted positions back to token ids."""
+    rows = jnp.arange(order.shape[0])[:, None]
+    return jnp.zeros_like(keep_sorted).at[rows, order].set(keep_sorted)
+
+
+def _top_k_keep(sorted_logits, k):
+    V = sorted_logits.shape[-1]
+    k = jnp.where(k <= 0, V, k)  # 0 (or less) disables the filter
+    return jnp.arange(V) < k  # [V], broadcast over rows
+
+
+def _top_p_keep(sorted_logits, p):
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    # Keep a token while the mass of the better-ranked tokens is still short of p: the smallest prefix whose mass
+    # reaches p. The top token is always kept (mass_before == 0 < p for p > 0); p >= 1 keeps everything.
+    return (mass_before < p) | (p >= 1.0)
+
+
+def top_k_filter(logits, k):
+    """Keeps exactly the k best tokens (ties broken by id, so never more than k); k <= 0 keeps all."""
+    order, sorted_logits = _descending(logits)
+    keep = _unsort(jnp.broadcast_to(_top_k_keep(sorted_logits, k), sorted_logits.shape), order)
+    return jnp.where(keep, logits, -jnp.inf)
+
+
+def top_p_filter(logits, p):
+    """Nucleus: keeps the smallest set of best tokens whose probability mass reaches p (0 < p <= 1)."""
+    order, sorted_logits = _descending(logits)
+    keep = _unsort(_top_p_keep(sorted_logits, p), order)
+    return jnp.where(keep, logits, -jnp.inf)
+
+
+def min_p_filter(logits, min_p):
+    """Keeps tokens whose probability is at least min_p times the top token's; min_p = 0 keeps all."""
+    # p_i >= m * p_max  <=>  logit_i >= logit_max + log(m); log(0) = -inf keeps everything.
+    threshold = jnp.max(logits, axis=-1, keepdims=True) + jnp.log(jnp.asarray(min_p, jnp.float32))
+    return jnp.where(logits >= threshold, logits, -jnp.inf)
+
+
+@flax.struct.dataclass
+class Sampler:
+    """temperature -> top-k -> top-p -> min-p -> categorical; temperature 0 is greedy.
+
+    Fields are pytree leaves (traced inside jit). Disabled values: top_k 0, top_p 1.0, min_p 0.0.
+    """
+
+    temperature: jax.Array | float = 0.0
+    top_k: jax.Array | int = 0
+    top_p: jax.Array | float = 1.0
+    min_p: jax.Array | float = 0.0
+
+    @classmethod
+    def make(cls, temperature=0.0, top_k=None, top_p=None, min_p=None) -> "Sampler":
+        """From generate-style arguments (None = disabled), as arrays so values never become static."""
+        return cls(temperature=jnp.asarray(temperature, jnp.float32),
+                   top_k=jnp.asarray(0 if top_k is None else top_k, jnp.int32),
+                   top_p=jnp.asarray(1.0 if top_p is None else top_p, jnp.float32),
+                   min_p=jnp.asarray(0.0 if min_p is None else min_p, jnp.float32))
+
+    def __call__(self, logits, key):
+        logits = logits.astype(jnp.float32)
+
+        def sample(_):
+            x = logits / jnp.maximum(self.temperature, 1e-6)
+            # Sorting the vocabulary is the expensive part: skip it unless top-k or top-p is on.
+            needs_sort = (self.top_k > 0) | (self.top_p < 1.0)
+            x = lax.cond(needs_sort, self._sorted_filters, lambda x: x, x)
+            x = min_p_filter(x, self.min_p)
+            return jax.random.categorical(key, x, axis=-1).astype(jnp.int32)
+
+        return lax.cond(self.temperature <= 0.0, lambda _: greedy(logits), sample, None)
+
+    def _sorted_filters(self, x):
+        """top-k then top-p (over the renormalized top-k survivors) with a single sort."""
+        order, sorted_x = _descending(x)
+        keep = jnp.broadcast_to(_top_k_keep(sorted_x, self.top_k), sorted_x.shape)
+        sorted_x = jnp.where(keep, sorted_x, -jnp.inf)
+        keep &= _top_p_keep(sorted_x, self.top_p)
+        return jnp.where(_unsort(keep, order), x, -jnp.inf)

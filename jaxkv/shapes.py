@@ -1,0 +1,30 @@
+"""The one legend of shape letters and logical axis names used across jaxkv.
+
+Shape letters (docstrings, einsums and shape comments use these and nothing else):
+
+  B  batch (sequences decoded together)
+  T  tokens in this call (the padded prompt in prefill, 1 in a decode step)
+  S  cache capacity in slots (`max_len`); a slot is one position of the fixed-shape cache
+  N  query heads
+  K  key/value heads
+  G  query heads per KV head, N // K
+  H  head dim
+  D  model (residual) dim
+  F  feed-forward hidden dim
+  V  vocabulary
+  L  layers
+  P  pages (paged cache)
+
+Logical axis names name the same axes for sharding rules: a rule maps a logical name to a mesh axis, so sharding
+over batch and KV heads never needs to know where those axes sit in a particular array.
+"""
+
+BATCH = "batch"
+KV_HEADS = "kv_heads"
+SEQUENCE = "sequence"
+HEAD_DIM = "head_dim"
+
+# Axis order of every cached key/value array: [B, K, S, H]. Batch and KV heads lead so that sharding either one
+# splits the cache into contiguous per-device blocks, and each (sequence, KV head) row of S x H is contiguous, which
+# is what a decode kernel streams.
+KV_AXES = (BATCH, KV_HEADS, SEQUENCE, HEAD_DIM)
