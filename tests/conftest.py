@@ -1,0 +1,43 @@
+"""Shared fixtures: tiny configs covering every attention and position variant.
+
+XLA_FLAGS must be set before jax is first imported, so multi-device tests can see 8 host devices; nothing here
+depends on the device count otherwise.
+"""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import pytest  # noqa: E402
+
+import jaxkv  # noqa: E402
+
+BASE = dict(vocab_size=97, d_model=64, n_layers=2, n_heads=4, ffn_dim=96, max_positions=4096)
+
+# name -> config; each differs from the Llama-style GQA default in one way that matters for caching.
+CONFIGS = {
+    "mha": jaxkv.Config(**BASE, n_kv_heads=4),
+    "gqa": jaxkv.Config(**BASE, n_kv_heads=2),
+    "mqa": jaxkv.Config(**BASE, n_kv_heads=1),
+    # head_dim != d_model / n_heads, q/k/v bias, Llama-3 rope scaling
+    "gqa-wide-heads": jaxkv.Config(**BASE, n_kv_heads=2, head_dim=24, qkv_bias=True, rope_theta=500000.0,
+                                   rope_scaling=jaxkv.RopeScaling(8.0, 1.0, 4.0, 64)),
+    # GPT-2 style: learned absolute positions, LayerNorm, GELU MLP, biases everywhere, tied head
+    "learned": jaxkv.Config(**{**BASE, "max_positions": 256}, n_kv_heads=4, positions="learned",
+                            norm_kind="layernorm", ffn_kind="gelu", qkv_bias=True, out_bias=True, mlp_bias=True,
+                            tie_embeddings=True),
+    "sliding": jaxkv.Config(**BASE, n_kv_heads=2, sliding_window=8),
+}
+
+_models = {}
+
+
+def model_for(name: str) -> jaxkv.Model:
+    if name not in _models:
+        _models[name] = jaxkv.Model.random(CONFIGS[name], seed=1)
+    return _models[name]
+
+
+@pytest.fixture(params=sorted(CONFIGS))
+def any_model(request):
+    return model_for(request.param)
