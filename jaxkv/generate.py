@@ -293,12 +293,13 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
         start[b] = T - len(prompt)
 
     t0 = time.perf_counter()
-    logits, cache = prefill(model.params, jnp.asarray(tokens), jnp.asarray(start), config=config,
+    # device_put, not jnp.asarray: the latter compiles a staging function per shape.
+    logits, cache = prefill(model.params, jax.device_put(tokens), jax.device_put(start), config=config,
                             capacity=capacity, attention=attention)
     logits.block_until_ready()
     t1 = time.perf_counter()
     out, num_new, stopped, cache = decode(model.params, cache, logits, jax.random.PRNGKey(seed), sample_fn,
-                                          jnp.asarray(stop_ids), config=config, steps=max_new_tokens,
+                                          jax.device_put(stop_ids), config=config, steps=max_new_tokens,
                                           attention=attention)
     out, num_new, stopped = np.asarray(out), np.asarray(num_new), np.asarray(stopped)
     t2 = time.perf_counter()

@@ -38,7 +38,8 @@ class Attention(nn.Module):
 
         def project(name, heads):
             w = self.param(name, fan_in_init(D), (D, heads, H), dtype)
-            y = jnp.einsum("btd,dnh->btnh", x, w)
+            # A plain [D, heads*H] matmul: with the 3-D einsum XLA:CPU may transpose (copy) the weight every step.
+            y = (x @ w.reshape(D, heads * H)).reshape(*x.shape[:2], heads, H)
             if cfg.qkv_bias:
                 y = y + self.param(name + "_bias", nn.initializers.zeros, (heads, H), dtype)
             return y
@@ -53,7 +54,7 @@ class Attention(nn.Module):
             k, v = cache.keys[self.layer][:, :, :S], cache.values[self.layer][:, :, :S]
         out = attention_impls.get(attention)(q, k, v, live, scale=1.0 / math.sqrt(H))  # [B, T, N, H]
         wo = self.param("wo", fan_in_init(N * H), (N, H, D), dtype)
-        y = jnp.einsum("btnh,nhd->btd", out, wo)
+        y = out.reshape(*out.shape[:2], N * H) @ wo.reshape(N * H, D)  # [B, T, D]
         if cfg.out_bias:
             y = y + self.param("wo_bias", nn.initializers.zeros, (D,), dtype)
         return y, cache

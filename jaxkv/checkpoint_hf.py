@@ -1,0 +1,670 @@
+"""Loads a local Hugging Face checkpoint directory (config.json + safetensors weights) into a `jaxkv.Model`.
+
+Only safetensors is read, through `safetensors.safe_open(framework="numpy")`: never pickle, so a checkpoint cannot
+run code. The loader works in two phases so that a bad checkpoint fails with a clear `ValueError` or
+`FileNotFoundError` (naming the file, tensor or config field) before anything large is allocated:
+
+  1. Plan (small reads only): parse config.json into a `jaxkv.Config` (with caps on every size), derive the exact
+     list of tensors and shapes that config implies, and read the safetensors headers (names, shapes, dtypes;
+     `safe_open` reads only the header and checks that the file covers every tensor's byte range, so a truncated
+     file is caught here). Every expected tensor must be present with the expected shape, and every tensor
+     present must be expected or a known redundant one.
+  2. Load: read one tensor at a time, convert it to jaxkv's layout, cast it, and put it on the device.
+
+Per-architecture name mapping (HF name, after the base-model prefix `model.` / `transformer.`; letters as in
+`jaxkv.shapes`; `{i}` is the layer; paths are into `Model.params`):
+
+  Llama / Mistral / Qwen2 (torch nn.Linear weights are [out, in], so every weight is transposed)
+    embed_tokens.weight                  [V, D]    -> embedding                      as is
+    layers.{i}.input_layernorm.weight    [D]       -> layer_{i}/attn_norm/scale      as is
+    layers.{i}.post_attention_layernorm.weight [D] -> layer_{i}/mlp_norm/scale       as is
+    layers.{i}.self_attn.q_proj.weight   [N*H, D]  -> layer_{i}/attn/wq [D, N, H]    transpose, reshape
+    layers.{i}.self_attn.k_proj.weight   [K*H, D]  -> layer_{i}/attn/wk [D, K, H]    transpose, reshape
+    layers.{i}.self_attn.v_proj.weight   [K*H, D]  -> layer_{i}/attn/wv [D, K, H]    transpose, reshape
+    layers.{i}.self_attn.{q,k,v}_proj.bias [N*H | K*H] -> layer_{i}/attn/w{q,k,v}_bias [N | K, H]  reshape
+                                                     (Qwen2 always; Llama with attention_bias)
+    layers.{i}.self_attn.o_proj.weight   [D, N*H]  -> layer_{i}/attn/wo [N, H, D]    transpose, reshape
+    layers.{i}.self_attn.o_proj.bias     [D]       -> layer_{i}/attn/wo_bias         (Llama with attention_bias)
+    layers.{i}.mlp.gate_proj.weight      [F, D]    -> layer_{i}/mlp/w_gate [D, F]    transpose
+    layers.{i}.mlp.up_proj.weight        [F, D]    -> layer_{i}/mlp/w_up [D, F]      transpose
+    layers.{i}.mlp.down_proj.weight      [D, F]    -> layer_{i}/mlp/w_down [F, D]    transpose
+    layers.{i}.mlp.{gate,up,down}_proj.bias        -> layer_{i}/mlp/w_{gate,up,down}_bias  (Llama with mlp_bias)
+    norm.weight                          [D]       -> final_norm/scale               as is
+    lm_head.weight (no prefix)           [V, D]    -> lm_head [D, V]                 transpose (untied only)
+
+  GPT-2 (Conv1D weights are already [in, out]; nothing is transposed)
+    wte.weight                           [V, D]    -> embedding                      as is
+    wpe.weight                           [P, D]    -> pos_embedding                  as is (P = n_positions)
+    h.{i}.ln_1.{weight,bias}             [D]       -> layer_{i}/attn_norm/{scale,bias}
+    h.{i}.ln_2.{weight,bias}             [D]       -> layer_{i}/mlp_norm/{scale,bias}
+    h.{i}.attn.c_attn.weight             [D, 3*D]  -> layer_{i}/attn/w{q,k,v} [D, N, H]  split q|k|v, reshape
+    h.{i}.attn.c_attn.bias               [3*D]     -> layer_{i}/attn/w{q,k,v}_bias [N, H] split q|k|v, reshape
+    h.{i}.attn.c_proj.weight             [D, D]    -> layer_{i}/attn/wo [N, H, D]    reshape
+    h.{i}.attn.c_proj.bias               [D]       -> layer_{i}/attn/wo_bias
+    h.{i}.mlp.c_fc.{weight,bias}         [D, F], [F] -> layer_{i}/mlp/w_fc, w_fc_bias
+    h.{i}.mlp.c_proj.{weight,bias}       [F, D], [D] -> layer_{i}/mlp/w_down, w_down_bias
+    ln_f.{weight,bias}                   [D]       -> final_norm/{scale,bias}
+    lm_head.weight (no prefix)           [V, D]    -> lm_head [D, V]                 transpose (untied only)
+
+Tolerated redundant tensors (checked, then dropped): `lm_head.weight` of a tied model if it equals the embedding,
+rotary `inv_freq` buffers (jaxkv computes RoPE on the fly), GPT-2's `attn.bias` / `attn.masked_bias` mask buffers.
+Any other unused tensor is an error: it most likely means the architecture is mis-mapped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import jax.numpy as jnp
+import ml_dtypes  # noqa: F401  (registers "bfloat16" with numpy, so safe_open(framework="numpy") can read BF16)
+import numpy as np
+import safetensors
+from safetensors import safe_open
+
+from jaxkv.config import DTYPES, Config, RopeScaling
+from jaxkv.model import Model
+
+LLAMA, MISTRAL, QWEN2, GPT2 = "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel"
+ARCHITECTURES = (LLAMA, MISTRAL, QWEN2, GPT2)
+BASE_PREFIX = {LLAMA: "model.", MISTRAL: "model.", QWEN2: "model.", GPT2: "transformer."}
+
+# Sanity caps on config values, checked before anything is built from them. Each is well beyond any released
+# model of these families (largest: vocab 256k, hidden 16k, 126 layers), yet small enough that a corrupt or
+# hostile config.json (vocab 10**12, 10**6 layers) is refused with a message naming the field rather than
+# attempting an allocation. The tensors themselves must then match the config exactly, so memory use is bounded
+# by the checkpoint's own size.
+MAX_VOCAB = 1 << 22
+MAX_D_MODEL = 1 << 16
+MAX_LAYERS = 1024
+MAX_HEADS = 1024
+MAX_HEAD_DIM = 1024
+MAX_FFN = 1 << 20
+MAX_LEARNED_POSITIONS = 1 << 20  # GPT-2's n_positions sizes a table; RoPE's max_position_embeddings sizes nothing
+MAX_PARAMS = 10 ** 12
+
+# Checkpoint dtypes (safetensors names) that can hold weights, and their jaxkv names.
+FLOAT_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+# Buffers that older exports saved next to the weights; they carry no learned state.
+_REDUNDANT = (
+    re.compile(r"(.*\.)?rotary_emb\.inv_freq"),
+    re.compile(r"(.*\.)?h\.\d+\.attn\.(bias|masked_bias)"),
+)
+
+
+# --- config ---------------------------------------------------------------------------------------------------
+
+
+def read_config(directory: str | os.PathLike) -> dict:
+    """The parsed config.json of a checkpoint directory. FileNotFoundError / ValueError naming the file."""
+    path = Path(directory) / CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: not found; a Hugging Face checkpoint directory needs a {CONFIG_FILE}")
+    try:
+        hf = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(hf).__name__}")
+    return hf
+
+
+def architecture(hf: dict, *, source: str) -> str:
+    """`architectures[0]` of the config, which must be one this module can map."""
+    archs = hf.get("architectures")
+    if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
+        raise ValueError(f"{source}: field 'architectures' must be a non-empty list of names, got {archs!r}; "
+                         f"supported: {', '.join(ARCHITECTURES)}")
+    if archs[0] not in ARCHITECTURES:
+        raise ValueError(f"{source}: unsupported architecture {archs[0]!r} (field 'architectures'); "
+                         f"supported: {', '.join(ARCHITECTURES)}")
+    return archs[0]
+
+
+class _Fields:
+    """Typed, capped reads of config.json fields; every error names the source file and the field."""
+
+    def __init__(self, hf: dict, source: str):
+        self.hf, self.source = hf, source
+
+    def fail(self, field: str, message: str):
+        raise ValueError(f"{self.source}: field {field!r} {message}")
+
+    def int(self, field: str, default=None, *, cap: int | None = None, required: bool = False) -> int | None:
+        value = self.hf.get(field)
+        if value is None:
+            if required:
+                self.fail(field, "is missing")
+            return default
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            self.fail(field, f"must be a positive integer, got {value!r}")
+        if cap is not None and value > cap:
+            self.fail(field, f"= {value} is beyond the supported maximum {cap}; the config is likely corrupt")
+        return value
+
+    def float(self, field: str, default: float, value=None) -> float:
+        value = self.hf.get(field) if value is None else value
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            self.fail(field, f"must be a finite number, got {value!r}")
+        return float(value)
+
+    def bool(self, field: str, default: bool) -> bool:
+        value = self.hf.get(field, default)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            self.fail(field, f"must be true or false, got {value!r}")
+        return value
+
+    def str(self, field: str, default: str) -> str:
+        value = self.hf.get(field, default)
+        if not isinstance(value, str):
+            self.fail(field, f"must be a string, got {value!r}")
+        return value
+
+
+def config_from_hf(hf_config: dict, *, source: str) -> Config:
+    """The `jaxkv.Config` of a Hugging Face config.json (already parsed). `source` names it in error messages.
+
+    Raises ValueError for an unsupported architecture or option, a missing or mistyped field, or a value beyond
+    the sanity caps (MAX_*), naming the field. The returned config has dtype "float32"; `load_hf` sets the
+    weights' dtype.
+    """
+    if not isinstance(hf_config, dict):
+        raise ValueError(f"{source}: expected a JSON object, got {type(hf_config).__name__}")
+    arch = architecture(hf_config, source=source)
+    fields = _Fields(hf_config, source)
+    kwargs = _gpt2_fields(fields) if arch == GPT2 else _llama_family_fields(fields, arch)
+    kwargs["eos_ids"] = _eos_ids(fields, kwargs["vocab_size"])
+    config = Config(**kwargs)
+    if config.param_count() > MAX_PARAMS:
+        raise ValueError(f"{source}: the config implies {config.param_count():,} parameters, beyond the supported "
+                         f"maximum {MAX_PARAMS:,}; the config is likely corrupt")
+    return config
+
+
+def _eos_ids(fields: _Fields, vocab_size: int) -> tuple[int, ...]:
+    value = fields.hf.get("eos_token_id")
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab_size:
+            fields.fail("eos_token_id", f"must be token ids in [0, {vocab_size}) (vocab_size), got {value!r}")
+    return tuple(ids)
+
+
+def _head_dim(fields: _Fields, d_model: int, n_heads: int, field: str = "head_dim") -> int:
+    # Llama/Mistral/Qwen2 all read `head_dim` when present and fall back to hidden_size // num_attention_heads.
+    head_dim = fields.int(field, cap=MAX_HEAD_DIM)
+    if head_dim is None:
+        if d_model % n_heads:
+            fields.fail(field, f"is missing and hidden size {d_model} is not divisible by {n_heads} heads")
+        head_dim = d_model // n_heads
+    return head_dim
+
+
+def _llama_family_fields(f: _Fields, arch: str) -> dict:
+    d_model = f.int("hidden_size", cap=MAX_D_MODEL, required=True)
+    n_heads = f.int("num_attention_heads", cap=MAX_HEADS, required=True)
+    act = f.str("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        f.fail("hidden_act", f"= {act!r} is not supported; jaxkv's SwiGLU MLP uses silu")
+    # Defaults are transformers' own for a field the file omits.
+    defaults = {LLAMA: (2048, False), MISTRAL: (131072, False), QWEN2: (32768, False)}[arch]
+    kwargs = dict(
+        vocab_size=f.int("vocab_size", cap=MAX_VOCAB, required=True),
+        d_model=d_model,
+        n_layers=f.int("num_hidden_layers", cap=MAX_LAYERS, required=True),
+        n_heads=n_heads,
+        n_kv_heads=f.int("num_key_value_heads", n_heads, cap=MAX_HEADS),
+        head_dim=_head_dim(f, d_model, n_heads),
+        ffn_dim=f.int("intermediate_size", cap=MAX_FFN, required=True),
+        ffn_kind="swiglu",
+        norm_kind="rmsnorm",
+        norm_eps=f.float("rms_norm_eps", 1e-6),
+        positions="rope",
+        # RoPE is computed on the fly from position ids, so this only bounds generation; it sizes no allocation.
+        max_positions=f.int("max_position_embeddings", defaults[0]),
+        tie_embeddings=f.bool("tie_word_embeddings", defaults[1]),
+    )
+    kwargs["rope_theta"], kwargs["rope_scaling"] = _rope(f, kwargs["max_positions"])
+    if arch == LLAMA:
+        # Llama's attention_bias covers q, k, v and o; mlp_bias covers gate, up and down.
+        kwargs["qkv_bias"] = kwargs["out_bias"] = f.bool("attention_bias", False)
+        kwargs["mlp_bias"] = f.bool("mlp_bias", False)
+    elif arch == QWEN2:
+        kwargs["qkv_bias"] = True  # Qwen2 always has q/k/v biases and never an o_proj bias
+        kwargs["sliding_window"] = _qwen2_window(f, kwargs["n_layers"])
+    else:
+        # transformers' mask keeps key j for query i when j > i - sliding_window (masking_utils.sliding_window_overlay,
+        # checked in transformers 5.24): the `sliding_window` most recent tokens, the query itself included. That
+        # is exactly jaxkv's Config.sliding_window, so the value maps unchanged (the parity tests check it with a
+        # window smaller than the sequence). Its cache keeps sliding_window - 1 old tokens plus the new one, the
+        # same set.
+        kwargs["sliding_window"] = f.int("sliding_window", None)
+        if "sliding_window" not in f.hf:
+            kwargs["sliding_window"] = 4096  # transformers' MistralConfig default when the field is absent
+    return kwargs
+
+
+def _qwen2_window(f: _Fields, n_layers: int) -> int | None:
+    """Qwen2's sliding window: one window for every layer or none; per-layer mixes are refused.
+
+    transformers: the window applies only with use_sliding_window, and then to the layers whose `layer_types`
+    entry is "sliding_attention" (by default the layers i >= max_window_layers)."""
+    window = f.int("sliding_window", None) if f.bool("use_sliding_window", False) else None
+    types = f.hf.get("layer_types")
+    if types is None:
+        first_sliding = f.hf.get("max_window_layers", 28)  # may be 0: every layer slides
+        if isinstance(first_sliding, bool) or not isinstance(first_sliding, int) or first_sliding < 0:
+            f.fail("max_window_layers", f"must be a non-negative integer, got {first_sliding!r}")
+        types = ["sliding_attention" if window is not None and i >= first_sliding else "full_attention"
+                 for i in range(n_layers)]
+    if not isinstance(types, list) or len(types) != n_layers or \
+            not set(types) <= {"full_attention", "sliding_attention"}:
+        f.fail("layer_types", f"must list 'full_attention' or 'sliding_attention' for each of the {n_layers} "
+                              f"layers, got {types!r}")
+    sliding = {t == "sliding_attention" for t in types}
+    if sliding == {False}:
+        return None
+    if window is None:
+        f.fail("layer_types", "has sliding_attention layers but use_sliding_window is false or sliding_window "
+                              "is unset")
+    if sliding == {True, False}:
+        f.fail("layer_types", "mixes sliding and full attention layers (see max_window_layers); jaxkv supports "
+                              "one sliding window for all layers only")
+    return window
+
+
+def _rope(f: _Fields, max_positions: int) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, RopeScaling or None), from either transformers 5.x's `rope_parameters` (which holds
+    rope_theta and rope_type together) or the 4.x top-level `rope_theta` + `rope_scaling` (type under "type"
+    or "rope_type")."""
+    params = f.hf.get("rope_parameters")
+    field = "rope_parameters"
+    if params is None:
+        params, field = f.hf.get("rope_scaling") or {}, "rope_scaling"
+    if not isinstance(params, dict):
+        f.fail(field, f"must be an object, got {params!r}")
+    theta = f.float(f"{field}.rope_theta", 10000.0, params.get("rope_theta", f.hf.get("rope_theta")))
+    if theta <= 0:
+        f.fail(f"{field}.rope_theta", f"must be > 0, got {theta}")
+    partial = params.get("partial_rotary_factor", f.hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        f.fail("partial_rotary_factor", f"= {partial!r} is not supported (jaxkv rotates the whole head)")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "llama3":
+        f.fail(f"{field}.rope_type", f"= {rope_type!r} is not supported; supported: 'default', 'llama3'")
+
+    def number(key, default=None):
+        value = params.get(key, default)
+        if value is None:
+            f.fail(f"{field}.{key}", "is missing (required by rope_type 'llama3')")
+        return f.float(f"{field}.{key}", 0.0, value)
+
+    original = params.get("original_max_position_embeddings", max_positions)  # transformers' fallback
+    if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+        f.fail(f"{field}.original_max_position_embeddings", f"must be a positive integer, got {original!r}")
+    try:
+        scaling = RopeScaling(factor=number("factor"), low_freq_factor=number("low_freq_factor"),
+                              high_freq_factor=number("high_freq_factor"), original_max_positions=original)
+    except ValueError as e:
+        raise ValueError(f"{f.source}: field {field!r}: {e}") from None
+    return theta, scaling
+
+
+def _gpt2_fields(f: _Fields) -> dict:
+    act = f.str("activation_function", "gelu_new")
+    # gelu_new and gelu_pytorch_tanh are the same tanh approximation, which is jaxkv's GELU.
+    if act not in ("gelu_new", "gelu_pytorch_tanh"):
+        f.fail("activation_function", f"= {act!r} is not supported; jaxkv's GELU MLP is gelu_new (tanh "
+                                      "approximation)")
+    refused = {"scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+               "add_cross_attention": False, "scale_attn_weights": True}
+    for field, supported in refused.items():
+        if f.bool(field, supported) != supported:
+            f.fail(field, f"= {not supported} is not supported by jaxkv (only {str(supported).lower()})")
+    d_model = f.int("n_embd", cap=MAX_D_MODEL, required=True)
+    n_heads = f.int("n_head", cap=MAX_HEADS, required=True)
+    if d_model % n_heads:
+        f.fail("n_head", f"= {n_heads} does not divide n_embd = {d_model}")
+    if d_model // n_heads > MAX_HEAD_DIM:
+        f.fail("n_embd", f"/ n_head = {d_model // n_heads} is beyond the supported maximum head dim "
+                         f"{MAX_HEAD_DIM}")
+    return dict(
+        vocab_size=f.int("vocab_size", cap=MAX_VOCAB, required=True),
+        d_model=d_model,
+        n_layers=f.int("n_layer", cap=MAX_LAYERS, required=True),
+        n_heads=n_heads,
+        n_kv_heads=n_heads,
+        ffn_dim=f.int("n_inner", 4 * d_model, cap=MAX_FFN),
+        ffn_kind="gelu",
+        norm_kind="layernorm",
+        norm_eps=f.float("layer_norm_epsilon", 1e-5),
+        positions="learned",
+        max_positions=f.int("n_positions", 1024, cap=MAX_LEARNED_POSITIONS),
+        qkv_bias=True,
+        out_bias=True,
+        mlp_bias=True,
+        tie_embeddings=f.bool("tie_word_embeddings", True),
+    )
+
+
+# --- the tensor plan ------------------------------------------------------------------------------------------
+
+Convert = Callable[[np.ndarray], dict[tuple[str, ...], np.ndarray]]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """One checkpoint tensor: its HF name (without the base-model prefix), the shape the config implies (and
+    that shape in letters, for error messages), and how it becomes jaxkv parameters."""
+
+    name: str
+    shape: tuple[int, ...]
+    letters: str
+    convert: Convert
+
+
+def _as_is(path):
+    return lambda w: {path: w}
+
+
+def _linear(path, *shape):
+    """torch nn.Linear weight [out, in] -> transposed to [in, out], then reshaped to `shape`."""
+    return lambda w: {path: w.T.reshape(shape)}
+
+
+def _reshape(path, *shape):
+    return lambda w: {path: w.reshape(shape)}
+
+
+def _split_qkv(paths, *shape):
+    """GPT-2 c_attn packs q, k and v along its last (output) axis: [..., 3*D] -> three [..., *shape]."""
+    def convert(w):
+        lead = w.shape[:-1]
+        return {p: part.reshape(*lead, *shape) for p, part in zip(paths, np.split(w, 3, axis=-1))}
+    return convert
+
+
+def tensor_specs(arch: str, config: Config) -> list[TensorSpec]:
+    """Every tensor a checkpoint of `arch` with `config` must hold (base-model prefix stripped, except for
+    `lm_head.weight`, which sits outside the base model)."""
+    specs = _gpt2_specs(config) if arch == GPT2 else _llama_family_specs(config)
+    if not config.tie_embeddings:
+        V, D = config.vocab_size, config.d_model
+        specs.append(TensorSpec("lm_head.weight", (V, D), "[V, D]", _linear(("lm_head",), D, V)))
+    return specs
+
+
+def _llama_family_specs(cfg: Config) -> list[TensorSpec]:
+    V, D, N, K, H, F = cfg.vocab_size, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
+    specs = [TensorSpec("embed_tokens.weight", (V, D), "[V, D]", _as_is(("embedding",))),
+             TensorSpec("norm.weight", (D,), "[D]", _as_is(("final_norm", "scale")))]
+    for i in range(cfg.n_layers):
+        hf, jx = f"layers.{i}.", f"layer_{i}"
+        specs += [
+            TensorSpec(hf + "input_layernorm.weight", (D,), "[D]", _as_is((jx, "attn_norm", "scale"))),
+            TensorSpec(hf + "post_attention_layernorm.weight", (D,), "[D]", _as_is((jx, "mlp_norm", "scale"))),
+            TensorSpec(hf + "self_attn.q_proj.weight", (N * H, D), "[N*H, D]", _linear((jx, "attn", "wq"), D, N, H)),
+            TensorSpec(hf + "self_attn.k_proj.weight", (K * H, D), "[K*H, D]", _linear((jx, "attn", "wk"), D, K, H)),
+            TensorSpec(hf + "self_attn.v_proj.weight", (K * H, D), "[K*H, D]", _linear((jx, "attn", "wv"), D, K, H)),
+            TensorSpec(hf + "self_attn.o_proj.weight", (D, N * H), "[D, N*H]", _linear((jx, "attn", "wo"), N, H, D)),
+            TensorSpec(hf + "mlp.gate_proj.weight", (F, D), "[F, D]", _linear((jx, "mlp", "w_gate"), D, F)),
+            TensorSpec(hf + "mlp.up_proj.weight", (F, D), "[F, D]", _linear((jx, "mlp", "w_up"), D, F)),
+            TensorSpec(hf + "mlp.down_proj.weight", (D, F), "[D, F]", _linear((jx, "mlp", "w_down"), F, D)),
+        ]
+        if cfg.qkv_bias:
+            specs += [
+                TensorSpec(hf + "self_attn.q_proj.bias", (N * H,), "[N*H]", _reshape((jx, "attn", "wq_bias"), N, H)),
+                TensorSpec(hf + "self_attn.k_proj.bias", (K * H,), "[K*H]", _reshape((jx, "attn", "wk_bias"), K, H)),
+                TensorSpec(hf + "self_attn.v_proj.bias", (K * H,), "[K*H]", _reshape((jx, "attn", "wv_bias"), K, H)),
+            ]
+        if cfg.out_bias:
+            specs.append(TensorSpec(hf + "self_attn.o_proj.bias", (D,), "[D]", _as_is((jx, "attn", "wo_bias"))))
+        if cfg.mlp_bias:
+            specs += [TensorSpec(hf + f"mlp.{hf_name}_proj.bias", (n,), letter, _as_is((jx, "mlp", f"w_{hf_name}_bias")))
+                      for hf_name, n, letter in (("gate", F, "[F]"), ("up", F, "[F]"), ("down", D, "[D]"))]
+    return specs
+
+
+def _gpt2_specs(cfg: Config) -> list[TensorSpec]:
+    V, D, N, H, F, P = cfg.vocab_size, cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.ffn_dim, cfg.max_positions
+    specs = [TensorSpec("wte.weight", (V, D), "[V, D]", _as_is(("embedding",))),
+             TensorSpec("wpe.weight", (P, D), "[P, D] (P = n_positions)", _as_is(("pos_embedding",))),
+             TensorSpec("ln_f.weight", (D,), "[D]", _as_is(("final_norm", "scale"))),
+             TensorSpec("ln_f.bias", (D,), "[D]", _as_is(("final_norm", "bias")))]
+    for i in range(cfg.n_layers):
+        hf, jx = f"h.{i}.", f"layer_{i}"
+        specs += [
+            TensorSpec(hf + "ln_1.weight", (D,), "[D]", _as_is((jx, "attn_norm", "scale"))),
+            TensorSpec(hf + "ln_1.bias", (D,), "[D]", _as_is((jx, "attn_norm", "bias"))),
+            TensorSpec(hf + "ln_2.weight", (D,), "[D]", _as_is((jx, "mlp_norm", "scale"))),
+            TensorSpec(hf + "ln_2.bias", (D,), "[D]", _as_is((jx, "mlp_norm", "bias"))),
+            TensorSpec(hf + "attn.c_attn.weight", (D, 3 * D), "[D, 3*D]",
+                       _split_qkv([(jx, "attn", w) for w in ("wq", "wk", "wv")], N, H)),
+            TensorSpec(hf + "attn.c_attn.bias", (3 * D,), "[3*D]",
+                       _split_qkv([(jx, "attn", w) for w in ("wq_bias", "wk_bias", "wv_bias")], N, H)),
+            TensorSpec(hf + "attn.c_proj.weight", (D, D), "[N*H, D]", _reshape((jx, "attn", "wo"), N, H, D)),
+            TensorSpec(hf + "attn.c_proj.bias", (D,), "[D]", _as_is((jx, "attn", "wo_bias"))),
+            TensorSpec(hf + "mlp.c_fc.weight", (D, F), "[D, F]", _as_is((jx, "mlp", "w_fc"))),
+            TensorSpec(hf + "mlp.c_fc.bias", (F,), "[F]", _as_is((jx, "mlp", "w_fc_bias"))),
+            TensorSpec(hf + "mlp.c_proj.weight", (F, D), "[F, D]", _as_is((jx, "mlp", "w_down"))),
+            TensorSpec(hf + "mlp.c_proj.bias", (D,), "[D]", _as_is((jx, "mlp", "w_down_bias"))),
+        ]
+    return specs
+
+
+# --- safetensors headers --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredTensor:
+    """A tensor's name as written in its file, the file, and what its header says (no data is read)."""
+
+    name: str
+    file: Path
+    shape: tuple[int, ...]
+    dtype: str  # safetensors dtype name: "F32", "BF16", ...
+
+
+def weight_files(directory: Path) -> tuple[list[Path], dict[str, str] | None, Path | None]:
+    """(safetensors files, the index's tensor -> file map or None, the index path or None).
+
+    transformers' order: a single model.safetensors first, then a sharded one through its index."""
+    single, index = directory / SINGLE_FILE, directory / INDEX_FILE
+    if single.is_file():
+        return [single], None, None
+    if index.is_file():
+        weight_map = _read_index(index)
+        shards = []
+        for name in sorted(set(weight_map.values())):
+            path = directory / name
+            if not path.is_file():
+                raise FileNotFoundError(f"{path}: shard named in {index} is missing")
+            shards.append(path)
+        return shards, weight_map, index
+    pickles = sorted(p.name for p in directory.glob("*.bin")) + sorted(p.name for p in directory.glob("*.pt*"))
+    if pickles:
+        raise ValueError(f"{directory}: has only {', '.join(pickles)} (a pickle-based PyTorch checkpoint), which "
+                         f"jaxkv does not read because unpickling can run arbitrary code; convert it to "
+                         f"safetensors (e.g. `model.save_pretrained(dir, safe_serialization=True)` in transformers)")
+    raise FileNotFoundError(f"{directory}: no {SINGLE_FILE} or {INDEX_FILE} found")
+
+
+def _read_index(path: Path) -> dict[str, str]:
+    try:
+        index = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{path}: expected an object with a non-empty 'weight_map' of tensor name -> file")
+    for tensor, name in weight_map.items():
+        # Shards sit next to the index; a path that leaves the directory is refused rather than followed.
+        if not isinstance(name, str) or not name or Path(name).name != name or name in (".", ".."):
+            raise ValueError(f"{path}: tensor {tensor!r} maps to {name!r}, which is not a file name in the "
+                             f"checkpoint directory")
+    return weight_map
+
+
+def read_headers(files: list[Path], weight_map: dict[str, str] | None, index: Path | None) -> dict[str, StoredTensor]:
+    """name -> StoredTensor for every tensor in `files`, from their headers alone.
+
+    A truncated or corrupt file fails here: safe_open checks that the file covers every tensor's byte range.
+    With an index, each tensor must sit in the shard the index names, and each tensor of a shard must be listed.
+    """
+    stored: dict[str, StoredTensor] = {}
+    for path in files:
+        for name, shape, dtype in _header(path):
+            if name in stored:
+                raise ValueError(f"tensor {name!r} appears in both {stored[name].file} and {path}")
+            if weight_map is not None and weight_map.get(name) != path.name:
+                where = f"puts it in {weight_map[name]!r}" if name in weight_map else "does not list it"
+                raise ValueError(f"{path}: holds tensor {name!r}, but {index} {where}")
+            stored[name] = StoredTensor(name, path, shape, dtype)
+    if weight_map is not None:
+        for name, file in weight_map.items():
+            if name not in stored:
+                raise ValueError(f"{index}: lists tensor {name!r} in {file!r}, but that file does not hold it")
+    return stored
+
+
+def _header(path: Path) -> list[tuple[str, tuple[int, ...], str]]:
+    try:
+        with safe_open(path, framework="numpy") as f:
+            out = []
+            for name in f.keys():
+                piece = f.get_slice(name)
+                out.append((name, tuple(int(n) for n in piece.get_shape()), piece.get_dtype()))
+            return out
+    except (safetensors.SafetensorError, OSError, ValueError, TypeError) as e:
+        raise ValueError(f"{path}: not a valid safetensors file (truncated or corrupt?): {e}") from None
+
+
+# --- matching ---------------------------------------------------------------------------------------------------
+
+
+def _strip_prefix(stored: dict[str, StoredTensor], prefix: str) -> dict[str, StoredTensor]:
+    """Keys without the base-model prefix. A checkpoint saved from the base model alone (e.g. the original `gpt2`
+    upload) has no prefix at all; `lm_head.weight` never has one."""
+    if not any(name.startswith(prefix) for name in stored):
+        return dict(stored)
+    return {name.removeprefix(prefix): t for name, t in stored.items()}
+
+
+def match(specs: list[TensorSpec], stored: dict[str, StoredTensor], *, tied: bool,
+          prefix: str) -> tuple[list[tuple[TensorSpec, StoredTensor]], StoredTensor | None]:
+    """Pairs every expected tensor with its stored one, checking names, shapes and dtypes; refuses leftovers.
+
+    Returns (pairs, the stored lm_head of a tied model, to be compared with the embedding, or None). The first
+    pair is the embedding.
+    """
+    by_name = _strip_prefix(stored, prefix)
+    pairs = []
+    for spec in specs:
+        t = by_name.pop(spec.name, None)
+        if t is None:
+            full = spec.name if spec.name == "lm_head.weight" else prefix + spec.name
+            raise ValueError(f"tensor {full!r} is missing from the checkpoint")
+        if t.shape != spec.shape:
+            raise ValueError(f"tensor {t.name!r} in {t.file} has shape {list(t.shape)}, but config.json implies "
+                             f"{spec.letters} = {list(spec.shape)}")
+        if t.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"tensor {t.name!r} in {t.file} has dtype {t.dtype}; expected one of "
+                             f"{', '.join(FLOAT_DTYPES)}")
+        pairs.append((spec, t))
+    tied_head = by_name.pop("lm_head.weight", None) if tied else None
+    if tied_head is not None and tied_head.shape != pairs[0][1].shape:
+        raise ValueError(f"tensor 'lm_head.weight' in {tied_head.file} has shape {list(tied_head.shape)}, but the "
+                         f"model ties it to the embedding of shape {list(pairs[0][1].shape)}")
+    for name, t in by_name.items():
+        if not any(p.fullmatch(name) for p in _REDUNDANT):
+            raise ValueError(f"tensor {t.name!r} in {t.file} is not used by this architecture (is config.json's "
+                             f"'architectures' right?)")
+    return pairs, tied_head
+
+
+# --- loading ----------------------------------------------------------------------------------------------------
+
+
+def load_hf(directory: str | os.PathLike, *, dtype: str | None = None) -> Model:
+    """Loads a Hugging Face checkpoint directory (config.json + model.safetensors, or shards with
+    model.safetensors.index.json) of a supported architecture (see ARCHITECTURES) into a `jaxkv.Model`.
+
+    Args:
+      directory: the checkpoint directory.
+      dtype: "float32", "bfloat16" or "float16" to cast the weights to; None keeps the checkpoint's dtype (that
+        of its embedding, for a checkpoint that mixes dtypes).
+
+    Returns:
+      Model(config, params, tokenizer=None), with config.dtype the params' dtype.
+
+    Raises:
+      FileNotFoundError: the directory, config.json, or a weight file or shard is missing.
+      ValueError: anything else wrong with the checkpoint (see the module docstring), before large allocations.
+    """
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype must be None or one of {DTYPES}, got {dtype!r}")
+    root = Path(directory)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root}: not a directory")
+    hf = read_config(root)
+    source = str(root / CONFIG_FILE)
+    arch = architecture(hf, source=source)
+    config = config_from_hf(hf, source=source)
+    specs = tensor_specs(arch, config)
+    stored = read_headers(*weight_files(root))
+    pairs, tied_head = match(specs, stored, tied=config.tie_embeddings, prefix=BASE_PREFIX[arch])
+    if tied_head is not None:
+        _check_tied_head(tied_head, pairs[0][1])
+    target = dtype or FLOAT_DTYPES[pairs[0][1].dtype]
+    params = _load(pairs, target)
+    return Model(config=config.replace(dtype=target), params=params, tokenizer=None)
+
+
+def _read(t: StoredTensor) -> np.ndarray:
+    try:
+        with safe_open(t.file, framework="numpy") as f:
+            return f.get_tensor(t.name)
+    except (safetensors.SafetensorError, OSError, ValueError, TypeError) as e:
+        raise ValueError(f"{t.file}: could not read tensor {t.name!r}: {e}") from None
+
+
+def _check_tied_head(head: StoredTensor, embedding: StoredTensor):
+    """A tied model's stored lm_head is redundant only if it really equals the embedding."""
+    if not np.array_equal(_read(head), _read(embedding)):
+        raise ValueError(f"tensor 'lm_head.weight' in {head.file} differs from the embedding {embedding.name!r}, "
+                         f"but config.json sets tie_word_embeddings, so it would be silently dropped")
+
+
+def _load(pairs: list[tuple[TensorSpec, StoredTensor]], target: str) -> dict:
+    """Reads, converts and casts each tensor in turn (one host copy at a time) into the nested params dict."""
+    params: dict = {}
+    for spec, t in pairs:
+        w = _read(t)
+        # safetensors has no checksum; random bytes in the data region usually decode to some NaN or inf.
+        if not np.isfinite(w).all():
+            raise ValueError(f"tensor {t.name!r} in {t.file} holds NaN or infinite values (corrupt checkpoint?)")
+        for path, value in spec.convert(w).items():
+            value = value.astype(target)
+            if not np.isfinite(value).all():
+                raise ValueError(f"tensor {t.name!r} in {t.file} overflows {target}; load it with a wider dtype")
+            node = params
+            for key in path[:-1]:
+                node = node.setdefault(key, {})
+            node[path[-1]] = jnp.asarray(value)
+    return params

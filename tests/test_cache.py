@@ -1,0 +1,78 @@
+"""The KV-cache pytree: what it holds, its masks, and in-place updates of donated buffers."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxkv
+from conftest import CONFIGS, model_for
+
+
+def test_leaves_are_keys_values_and_declared_bookkeeping_only():
+    cfg = CONFIGS["gqa-wide-heads"]  # N*H != D, so a cached query or hidden state would have a telltale shape
+    cache = jaxkv.KVCache.allocate(cfg, batch=3, max_len=40)
+    leaves = jax.tree_util.tree_leaves(cache)
+    kv_shape = (3, cfg.n_kv_heads, 40, cfg.head_dim)
+    assert len(leaves) == 2 * cfg.n_layers + 2
+    assert [leaf.shape for leaf in cache.keys] == [kv_shape] * cfg.n_layers
+    assert [leaf.shape for leaf in cache.values] == [kv_shape] * cfg.n_layers
+    assert cache.start.shape == (3,) and cache.start.dtype == jnp.int32
+    assert cache.length.shape == () and cache.length.dtype == jnp.int32
+    # The bytes are exactly 2 x layers x KV heads x head dim x bytes per element per token (plus nothing else).
+    assert cache.nbytes() == cfg.kv_bytes_per_token() * 3 * 40
+
+
+def test_kv_bytes_per_token_formula():
+    # The mission's worked example: 40 layers x 5120 width in fp16 = 819,200 bytes; 8 KV heads of 128: 163,840.
+    mha = jaxkv.Config(vocab_size=10, d_model=5120, n_layers=40, n_heads=40, ffn_dim=16, dtype="float16")
+    gqa = mha.replace(n_kv_heads=8, head_dim=128)
+    assert mha.kv_bytes_per_token() == 819_200
+    assert gqa.kv_bytes_per_token() == 163_840
+
+
+def test_live_mask_hand_computed():
+    cfg = CONFIGS["mqa"]
+    cache = jaxkv.KVCache.allocate(cfg, batch=2, max_len=6, start=jnp.array([0, 2]))
+    cache = cache.advance(3)  # slots 0..2 written; row 1 is padding in slots 0, 1
+    # One query at slot 3: row 0 sees slots 0..3, row 1 sees slots 2..3.
+    np.testing.assert_array_equal(cache.live_mask(1)[:, 0], [[1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 0, 0]])
+    # Two queries (slots 3, 4) with a window of 2: each sees itself and the slot before.
+    np.testing.assert_array_equal(cache.live_mask(2, sliding_window=2)[0],
+                                  [[0, 0, 1, 1, 0, 0], [0, 0, 0, 1, 1, 0]])
+    np.testing.assert_array_equal(cache.positions(2), [[3, 4], [1, 2]])
+
+
+def _aliased_params(compiled_text: str) -> str:
+    line = next((ln for ln in compiled_text.splitlines() if "input_output_alias" in ln), "")
+    return line
+
+
+def test_decode_step_updates_the_donated_cache_in_place():
+    model = model_for("gqa")
+    cfg = model.config
+    _, cache = jaxkv.prefill(model.params, jnp.ones((2, 4), jnp.int32), jnp.zeros(2, jnp.int32), config=cfg,
+                             capacity=32, attention="xla")
+    tokens = jnp.ones((2,), jnp.int32)
+    compiled = jaxkv.decode_step.lower(model.params, tokens, cache, config=cfg).compile()
+    alias = _aliased_params(compiled.as_text())
+    # Every key and value buffer (2 per layer) must be aliased input -> output.
+    assert alias.count("may-alias") + alias.count("must-alias") >= 2 * cfg.n_layers, alias
+    donated = list(cache.keys) + list(cache.values)
+    _, new_cache = jaxkv.decode_step(model.params, tokens, cache, config=cfg)
+    assert all(buf.is_deleted() for buf in donated)
+    assert int(new_cache.length) == 5
+
+
+def test_decode_loop_updates_the_donated_cache_in_place():
+    model = model_for("gqa")
+    cfg = model.config
+    logits, cache = jaxkv.prefill(model.params, jnp.ones((2, 4), jnp.int32), jnp.zeros(2, jnp.int32), config=cfg,
+                                  capacity=32, attention="xla")
+    args = (model.params, cache, logits, jax.random.PRNGKey(0), jaxkv.Sampler.make(), jnp.full((8,), -1))
+    compiled = jaxkv.decode.lower(*args, config=cfg, steps=5, attention="xla").compile()
+    alias = _aliased_params(compiled.as_text())
+    assert alias.count("may-alias") + alias.count("must-alias") >= 2 * cfg.n_layers, alias
+    donated = list(cache.keys) + list(cache.values)
+    *_, new_cache = jaxkv.decode(*args, config=cfg, steps=5, attention="xla")
+    assert all(buf.is_deleted() for buf in donated)
+    assert int(new_cache.length) == 4 + 4
