@@ -1,0 +1,55 @@
+"""The attention reference against hand-computed cases, and its masking guarantees."""
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.attention import reference
+
+ATOL = 1e-6  # float32 arithmetic on a handful of numbers
+
+
+def test_single_query_two_keys_hand_computed():
+    # q = [1, 0], keys [1, 0] and [0, 1], scale 1: scores 1 and 0, weights e/(e+1) and 1/(e+1).
+    q = jnp.array([1.0, 0.0]).reshape(1, 1, 1, 2)
+    k = jnp.array([[1.0, 0.0], [0.0, 1.0]]).reshape(1, 1, 2, 2)
+    v = jnp.array([[10.0, 0.0], [0.0, 20.0]]).reshape(1, 1, 2, 2)
+    live = jnp.ones((1, 1, 2), bool)
+    w0 = math.e / (math.e + 1)
+    out = reference.attention(q, k, v, live, scale=1.0)
+    np.testing.assert_allclose(np.asarray(out).ravel(), [10 * w0, 20 * (1 - w0)], atol=ATOL)
+
+
+def test_masked_slot_is_ignored_even_if_nan():
+    # Only slot 0 live: the output is exactly v[0], whatever slot 1 holds.
+    q = jnp.ones((1, 1, 1, 2))
+    k = jnp.array([[1.0, 1.0], [jnp.nan, jnp.nan]]).reshape(1, 1, 2, 2)
+    v = jnp.array([[3.0, 4.0], [jnp.nan, jnp.inf]]).reshape(1, 1, 2, 2)
+    live = jnp.array([[[True, False]]])
+    np.testing.assert_array_equal(np.asarray(reference.attention(q, k, v, live, scale=1.0)).ravel(), [3.0, 4.0])
+
+
+def test_fully_masked_row_is_finite():
+    q = jnp.ones((1, 1, 1, 2))
+    k = jnp.full((1, 1, 3, 2), 1e4)
+    v = jnp.ones((1, 1, 3, 2))
+    out = reference.attention(q, k, v, jnp.zeros((1, 1, 3), bool), scale=1.0)
+    assert np.isfinite(np.asarray(out)).all()
+
+
+def test_large_logits_are_stable():
+    q = jnp.full((1, 1, 1, 2), 1e3)
+    k = jnp.array([[1e3, 1e3], [-1e3, -1e3]]).reshape(1, 1, 2, 2)
+    v = jnp.array([[1.0, 2.0], [5.0, 6.0]]).reshape(1, 1, 2, 2)
+    out = reference.attention(q, k, v, jnp.ones((1, 1, 2), bool), scale=1.0)
+    np.testing.assert_allclose(np.asarray(out).ravel(), [1.0, 2.0], atol=ATOL)
+
+
+def test_gqa_heads_read_their_own_kv_group():
+    # 4 query heads, 2 KV heads: heads 0, 1 read KV head 0 (values 1), heads 2, 3 read KV head 1 (values 2).
+    q = jnp.ones((1, 1, 4, 2))
+    k = jnp.ones((1, 2, 3, 2))
+    v = jnp.stack([jnp.ones((3, 2)), 2 * jnp.ones((3, 2))])[None]
+    out = np.asarray(reference.attention(q, k, v, jnp.ones((1, 1, 3), bool), scale=1.0))
+    np.testing.assert_allclose(out[0, 0, :, 0], [1, 1, 2, 2], atol=ATOL)
