@@ -1,10 +1,11 @@
 """jaxkv: KV-cached decoding for decoder-only transformers in JAX."""
 
 from jaxkv.cache import KVCache
+from jaxkv.checkpoint import load, save
 from jaxkv.config import PRESETS, Config, RopeScaling
 from jaxkv.generate import Generation, decode, decode_step, generate, prefill
 from jaxkv.model import Decoder, Model, logits
 from jaxkv.sampling import Sampler
 
 __all__ = ["Config", "Decoder", "Generation", "KVCache", "Model", "PRESETS", "RopeScaling", "Sampler", "decode",
-           "decode_step", "generate", "logits", "prefill"]
+           "decode_step", "generate", "load", "logits", "prefill", "save"]

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental import io_callback
 
 from jaxkv.cache import KVCache
 from jaxkv.config import Config
@@ -51,6 +52,7 @@ class Generation:
     tokens: list[list[int]]
     finish_reasons: list[str]
     stats: dict = dataclasses.field(default_factory=dict)
+    text: list[str] | None = None  # decoded new tokens, when the model has a tokenizer
 
 
 # --- compiled pieces ------------------------------------------------------------------------------------------
@@ -109,17 +111,24 @@ class LoopState:
     num_new: jax.Array
 
 
-def _emit(state: LoopState, sampler, stop_ids):
-    """Samples one token per sequence and updates the stop bookkeeping -> (state, int32[B] tokens)."""
+def _emit(state: LoopState, sampler, stop_ids, stream):
+    """Samples one token per sequence and updates the stop bookkeeping -> (state, int32[B] tokens).
+
+    With `stream`, the tokens and which rows are still running go to the host as they are produced (an ordered
+    io_callback: the compiled loop stays one loop, the host sees every step in order).
+    """
     key, sample_key = jax.random.split(state.key)
     tokens = sampler(state.logits, sample_key).astype(jnp.int32)
+    if stream is not None:
+        io_callback(stream, None, tokens, ~state.done, ordered=True)
     num_new = state.num_new + (~state.done).astype(jnp.int32)
     done = state.done | jnp.any(tokens[:, None] == stop_ids[None, :], axis=-1)
     return state.replace(key=key, done=done, num_new=num_new), tokens
 
 
-@functools.partial(jax.jit, static_argnames=("config", "steps", "attention"), donate_argnames=("cache",))
-def decode(params, cache: KVCache, logits, key, sampler, stop_ids, *, config: Config, steps: int, attention: str):
+@functools.partial(jax.jit, static_argnames=("config", "steps", "attention", "stream"), donate_argnames=("cache",))
+def decode(params, cache: KVCache, logits, key, sampler, stop_ids, *, config: Config, steps: int, attention: str,
+           stream: Callable | None = None):
     """Samples `steps` tokens per sequence in one compiled `lax.scan`.
 
     Args:
@@ -128,6 +137,7 @@ def decode(params, cache: KVCache, logits, key, sampler, stop_ids, *, config: Co
       sampler: a pytree callable `(logits, key) -> int32[B]` (a `Sampler`, or a user function wrapped in
         `jax.tree_util.Partial`).
       stop_ids: int32[n], padded with -1.
+      stream: optional host function (tokens int32[B], running bool[B]) called once per step, in order.
 
     Returns:
       (int32[B, steps] tokens, int32[B] tokens emitted up to and including the stop token, bool[B] stopped,
@@ -138,18 +148,37 @@ def decode(params, cache: KVCache, logits, key, sampler, stop_ids, *, config: Co
                       num_new=jnp.zeros((B,), jnp.int32))
 
     def body(state, _):
-        state, tokens = _emit(state, sampler, stop_ids)
+        state, tokens = _emit(state, sampler, stop_ids, stream)
         logits, cache = _forward(params, tokens[:, None], state.cache, config=config, attention=attention)
         return state.replace(cache=cache, logits=logits[:, 0]), tokens
 
     # steps - 1 forward passes: the last token is sampled but never fed back.
     state, tokens = lax.scan(body, state, length=steps - 1)
-    state, last = _emit(state, sampler, stop_ids)
+    state, last = _emit(state, sampler, stop_ids, stream)
     tokens = jnp.concatenate([tokens.T, last[:, None]], axis=1)  # [B, steps]
     return tokens, state.num_new, state.done, state.cache
 
 
 # --- host side ------------------------------------------------------------------------------------------------
+
+_COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                   "/jax/core/compile/backend_compile_duration")
+_compile_seconds = [0.0]  # running total of tracing + lowering + compiling in this process (all threads)
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, duration, **_: _compile_seconds.__setitem__(0, _compile_seconds[0] + duration)
+    if event in _COMPILE_EVENTS else None)
+
+
+class _Phase:
+    """Wall time of a phase, split into compile time (from JAX's compile events) and the rest."""
+
+    def __enter__(self):
+        self.t0, self.c0 = time.perf_counter(), _compile_seconds[0]
+        return self
+
+    def __exit__(self, *exc):
+        self.compile_s = _compile_seconds[0] - self.c0
+        self.run_s = max(time.perf_counter() - self.t0 - self.compile_s, 0.0)
 
 
 def _next_pow2(n: int) -> int:
@@ -174,9 +203,15 @@ def _check_float(name, value):
     return value
 
 
-def _token_lists(prompts, vocab_size: int) -> list[list[int]]:
-    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) and not isinstance(prompts, np.ndarray):
-        raise ValueError("prompts must be a list of token-id lists")
+def _token_lists(prompts, vocab_size: int, tokenizer) -> list[list[int]]:
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if not isinstance(prompts, (Sequence, np.ndarray)):
+        raise ValueError("prompts must be a list of token-id lists (or of strings, for a model with a tokenizer)")
+    if any(isinstance(p, str) for p in prompts):
+        if tokenizer is None:
+            raise ValueError("text prompts need a model with a tokenizer; this one has none: pass token ids")
+        prompts = [tokenizer.encode(p).ids if isinstance(p, str) else p for p in prompts]
     if len(prompts) == 0:
         raise ValueError("prompts is empty: pass at least one prompt")
     out = []
@@ -257,11 +292,12 @@ def plan_shapes(lengths: Sequence[int], max_new_tokens: int, max_len: int | None
 def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, min_p: float | None = None, sampler: Callable | None = None, seed: int = 0,
              stop_tokens: Sequence[int] | None = None, max_len: int | None = None,
-             attention: str | None = None) -> Generation:
+             attention: str | None = None, stream: Callable | None = None) -> Generation:
     """Generates up to `max_new_tokens` tokens for each prompt.
 
     Args:
-      prompts: a list of token-id lists, of any lengths.
+      prompts: a list of token-id lists, of any lengths; or, for a model with a tokenizer, a string or a list of
+        strings.
       temperature, top_k, top_p, min_p: sampling; temperature 0 is greedy. None disables a filter.
       sampler: instead of the above, a jittable `(logits float32[B, V], key) -> int32[B]`.
       seed: PRNG seed; the key is split every step.
@@ -269,12 +305,14 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
       max_len: cache capacity in slots; must hold the longest prompt plus max_new_tokens. Default: just enough,
         rounded up so that similar requests share a compiled shape.
       attention: attention implementation; default config.attention.
+      stream: optional host callback `(prompt_index, token_id)`, called for every new token as the compiled loop
+        produces it (tokens after a stop token are not passed).
 
     Raises:
       ValueError: for any bad argument, before any compute.
     """
     config = model.config
-    token_lists = _token_lists(prompts, config.vocab_size)
+    token_lists = _token_lists(prompts, config.vocab_size, model.tokenizer)
     max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 1)
     sample_fn = _sampler(temperature, top_k, top_p, min_p, sampler)
     stop_ids = _stop_ids(stop_tokens, config)
@@ -292,22 +330,27 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
         tokens[b, T - len(prompt):] = prompt
         start[b] = T - len(prompt)
 
-    t0 = time.perf_counter()
-    # device_put, not jnp.asarray: the latter compiles a staging function per shape.
-    logits, cache = prefill(model.params, jax.device_put(tokens), jax.device_put(start), config=config,
-                            capacity=capacity, attention=attention)
-    logits.block_until_ready()
-    t1 = time.perf_counter()
-    out, num_new, stopped, cache = decode(model.params, cache, logits, jax.random.PRNGKey(seed), sample_fn,
-                                          jax.device_put(stop_ids), config=config, steps=max_new_tokens,
-                                          attention=attention)
-    out, num_new, stopped = np.asarray(out), np.asarray(num_new), np.asarray(stopped)
-    t2 = time.perf_counter()
+    on_step = None
+    if stream is not None:
+        if not callable(stream):
+            raise ValueError(f"stream must be a callable (prompt_index, token_id), got {stream!r}")
+        on_step = _StepStream(stream, len(token_lists))
+
+    with _Phase() as prefill_time:
+        # device_put, not jnp.asarray: the latter compiles a staging function per shape.
+        logits, cache = prefill(model.params, jax.device_put(tokens), jax.device_put(start), config=config,
+                                capacity=capacity, attention=attention)
+        logits.block_until_ready()
+    with _Phase() as decode_time:
+        out, num_new, stopped, cache = decode(model.params, cache, logits, jax.random.PRNGKey(seed), sample_fn,
+                                              jax.device_put(stop_ids), config=config, steps=max_new_tokens,
+                                              attention=attention, stream=on_step)
+        out, num_new, stopped = np.asarray(out), np.asarray(num_new), np.asarray(stopped)
 
     n = len(token_lists)
     result = [out[b, : num_new[b]].tolist() for b in range(n)]
     reasons = ["stop" if stopped[b] else "length" for b in range(n)]
-    decode_s = t2 - t1
+    decode_s = decode_time.run_s
     stats = {
         "prompt_tokens": int(sum(lengths)),
         "new_tokens": int(sum(len(r) for r in result)),
@@ -315,10 +358,29 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
         "padded_prompt_len": T,
         "cache_capacity": capacity,
         "kv_cache_bytes": cache.nbytes(),
-        "prefill_s": t1 - t0,
+        # Seconds exclude tracing and compiling, which are reported apart (zero once a shape is warm).
+        "prefill_s": prefill_time.run_s,
         "decode_s": decode_s,
+        "compile_s": prefill_time.compile_s + decode_time.compile_s,
         # Every row runs all max_new_tokens steps (finished rows as padding), so steps/s is the honest rate.
         "decode_steps_per_s": max_new_tokens / decode_s if decode_s > 0 else float("inf"),
         "decode_tokens_per_s": n * max_new_tokens / decode_s if decode_s > 0 else float("inf"),
     }
-    return Generation(tokens=result, finish_reasons=reasons, stats=stats)
+    text = None
+    if model.tokenizer is not None:
+        text = [model.tokenizer.decode(r, skip_special_tokens=True) for r in result]
+    return Generation(tokens=result, finish_reasons=reasons, stats=stats, text=text)
+
+
+@dataclasses.dataclass(frozen=True)
+class _StepStream:
+    """Adapts a per-token callback to the per-step io_callback. Hashable by value, so the same user callback
+    reuses the compiled loop."""
+
+    callback: Callable
+    num_prompts: int
+
+    def __call__(self, tokens, running):
+        for b in range(self.num_prompts):  # filler rows (batch padding) are never reported
+            if running[b]:
+                self.callback(b, int(tokens[b]))

@@ -134,6 +134,12 @@ class Decoder(nn.Module):
         return logits, cache
 
 
+def param_shapes(config: Config) -> dict:
+    """The parameter tree as jax.ShapeDtypeStruct leaves: what `config` implies, without allocating anything."""
+    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    return jax.eval_shape(Decoder(config).init, jax.random.PRNGKey(0), tokens, tokens)["params"]
+
+
 def init_params(config: Config, seed: int = 0) -> dict:
     """Random parameters for `config` (the Flax "params" dict), drawn with numpy.
 
@@ -141,8 +147,7 @@ def init_params(config: Config, seed: int = 0) -> dict:
     Normal(0, 1/sqrt(fan_in))), but without compiling an init function: a jitted Flax init spends seconds
     compiling one threefry sampler per parameter on CPU; this takes milliseconds.
     """
-    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
-    shapes = jax.eval_shape(Decoder(config).init, jax.random.PRNGKey(0), tokens, tokens)["params"]
+    shapes = param_shapes(config)
     rng = np.random.default_rng(seed)
 
     def draw(path, leaf):

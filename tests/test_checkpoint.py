@@ -1,0 +1,103 @@
+"""jaxkv.save / jaxkv.load: bit-exact round trips, and refusal of mismatched or damaged checkpoints."""
+
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+import jaxkv
+from conftest import CONFIGS, model_for
+
+
+def byte_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    # id i is byte i, spelled in the GPT-2 byte-to-unicode alphabet that the ByteLevel pre-tokenizer emits:
+    # printable bytes stand for themselves, the others are shifted to 256 + n in byte order.
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    shifted = iter(range(256, 512))
+    vocab = {chr(b if b in printable else next(shifted)): b for b in range(256)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def leaves_equal(a, b):
+    la, lb = jax.tree_util.tree_leaves_with_path(a), jax.tree_util.tree_leaves_with_path(b)
+    return [p for p, _ in la] == [p for p, _ in lb] and all(
+        x.dtype == y.dtype and np.array_equal(np.asarray(x), np.asarray(y)) for (_, x), (_, y) in zip(la, lb))
+
+
+@pytest.mark.parametrize("name", ["gqa-wide-heads", "learned"])
+def test_round_trip_is_bit_exact(name, tmp_path):
+    model = jaxkv.Model(CONFIGS[name], model_for(name).params, byte_tokenizer())
+    jaxkv.save(model, tmp_path / "m")
+    loaded = jaxkv.load(tmp_path / "m")
+    assert loaded.config == model.config
+    assert leaves_equal(loaded.params, model.params)
+    assert loaded.tokenizer.to_str() == model.tokenizer.to_str()
+
+
+def test_bfloat16_round_trip_and_cast(tmp_path):
+    model = jaxkv.checkpoint.cast(model_for("gqa"), "bfloat16")
+    jaxkv.save(model, tmp_path / "m")
+    loaded = jaxkv.load(tmp_path / "m")
+    assert loaded.config.dtype == "bfloat16" and leaves_equal(loaded.params, model.params)
+    as_f32 = jaxkv.load(tmp_path / "m", dtype="float32")
+    assert as_f32.config.dtype == "float32"
+    assert all(leaf.dtype == np.float32 for leaf in jax.tree_util.tree_leaves(as_f32.params))
+
+
+def test_save_refuses_to_overwrite(tmp_path):
+    jaxkv.save(model_for("mqa"), tmp_path / "m")
+    with pytest.raises(ValueError, match="not empty"):
+        jaxkv.save(model_for("mqa"), tmp_path / "m")
+
+
+def test_restore_refuses_a_config_that_does_not_match_the_arrays(tmp_path):
+    jaxkv.save(model_for("gqa"), tmp_path / "m")
+    path = tmp_path / "m" / "jaxkv_config.json"
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({**data, "n_kv_heads": 4}))
+    with pytest.raises(ValueError, match=r"parameter \['layer_0'\]\['attn'\]\['wk'\] is stored as float32\[64, 2, 16\]"):
+        jaxkv.load(tmp_path / "m")
+    path.write_text(json.dumps({**data, "dtype": "bfloat16"}))  # stored float32: refuse, never cast silently
+    with pytest.raises(ValueError, match="stored as float32.*needs bfloat16"):
+        jaxkv.load(tmp_path / "m")
+    path.write_text(json.dumps({**data, "qkv_bias": True}))
+    with pytest.raises(ValueError, match="missing parameter"):
+        jaxkv.load(tmp_path / "m")
+    path.write_text(json.dumps({**data, "n_wheels": 4}))
+    with pytest.raises(ValueError, match=r"unknown config field\(s\) \['n_wheels'\]"):
+        jaxkv.load(tmp_path / "m")
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        jaxkv.load(tmp_path / "m")
+
+
+def test_missing_pieces_are_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such directory"):
+        jaxkv.load(tmp_path / "nowhere")
+    jaxkv.save(model_for("mqa"), tmp_path / "m")
+    shutil.rmtree(tmp_path / "m" / "params")
+    with pytest.raises(FileNotFoundError, match="missing parameter checkpoint"):
+        jaxkv.load(tmp_path / "m")
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        jaxkv.load(tmp_path / "m", dtype="float64")
+
+
+def test_text_prompts_and_generation_text(tmp_path):
+    model = jaxkv.Model(CONFIGS["learned"].replace(vocab_size=256), None, byte_tokenizer())
+    model.params = jaxkv.Model.random(model.config, seed=2).params
+    out = jaxkv.generate(model, ["héllo", "a"], max_new_tokens=5, stop_tokens=[])
+    ids = [list("héllo".encode()), list(b"a")]
+    by_ids = jaxkv.generate(model, ids, max_new_tokens=5, stop_tokens=[])
+    assert out.tokens == by_ids.tokens
+    assert out.text == [bytes(t).decode("utf-8", errors="replace") for t in out.tokens]
+    single = jaxkv.generate(model, "héllo", max_new_tokens=5, stop_tokens=[])
+    assert single.tokens == out.tokens[:1]
+    with pytest.raises(ValueError, match="need a model with a tokenizer"):
+        jaxkv.generate(model_for("gqa"), ["hello"], max_new_tokens=2)
