@@ -84,6 +84,8 @@ def _generate(args) -> dict:
     out = jaxkv.generate(model, [prompt], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                          top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
                          max_len=args.max_len, stream=stream)
+    if isinstance(stream, _TextStream):  # bytes held back as an incomplete character at the very end
+        sys.stdout.write(out.text[0][len(stream.printed):])
     s = out.stats
     return {
         "text": out.text[0] if out.text is not None else None,
