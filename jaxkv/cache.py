@@ -88,21 +88,6 @@ class KVCache:
     def advance(self, num_tokens: int) -> "KVCache":
         return dataclasses.replace(self, length=self.length + num_tokens)
 
-    def live_mask(self, num_tokens: int, sliding_window: int | None = None, num_slots: int | None = None):
-        """bool[B, T, S']: which cached slots each of the next `num_tokens` query tokens may attend to.
-
-        The queries sit in slots [length, length + T). A key slot is live for a query when it holds a real token
-        of the same sequence (>= start), is not in the future (causal), and, with a sliding window, is one of the
-        `sliding_window` most recent slots. `num_slots` (S' <= S) limits the mask to the first S' slots.
-        """
-        S = self.capacity if num_slots is None else num_slots
-        q_slot = self.length + jnp.arange(num_tokens, dtype=jnp.int32)  # [T]
-        k_slot = jnp.arange(S, dtype=jnp.int32)  # [S']
-        live = (k_slot[None, None, :] >= self.start[:, None, None]) & (k_slot[None, None, :] <= q_slot[None, :, None])
-        if sliding_window is not None:
-            live &= k_slot[None, None, :] > q_slot[None, :, None] - sliding_window
-        return live
-
     def positions(self, num_tokens: int) -> jax.Array:
         """int32[B, T]: position ids of the next `num_tokens` tokens of each sequence."""
         q_slot = self.length + jnp.arange(num_tokens, dtype=jnp.int32)

@@ -34,7 +34,7 @@ Per-architecture name mapping (HF name, after the base-model prefix `model.` / `
 
   GPT-2 (Conv1D weights are already [in, out]; nothing is transposed)
     wte.weight                           [V, D]    -> embedding                      as is
-    wpe.weight                           [P, D]    -> pos_embedding                  as is (P = n_positions)
+    wpe.weight                   [n_positions, D]  -> pos_embedding                  as is
     h.{i}.ln_1.{weight,bias}             [D]       -> layer_{i}/attn_norm/{scale,bias}
     h.{i}.ln_2.{weight,bias}             [D]       -> layer_{i}/mlp_norm/{scale,bias}
     h.{i}.attn.c_attn.weight             [D, 3*D]  -> layer_{i}/attn/w{q,k,v} [D, N, H]  split q|k|v, reshape
@@ -46,9 +46,13 @@ Per-architecture name mapping (HF name, after the base-model prefix `model.` / `
     ln_f.{weight,bias}                   [D]       -> final_norm/{scale,bias}
     lm_head.weight (no prefix)           [V, D]    -> lm_head [D, V]                 transpose (untied only)
 
-Tolerated redundant tensors (checked, then dropped): `lm_head.weight` of a tied model if it equals the embedding,
-rotary `inv_freq` buffers (jaxkv computes RoPE on the fly), GPT-2's `attn.bias` / `attn.masked_bias` mask buffers.
-Any other unused tensor is an error: it most likely means the architecture is mis-mapped.
+Redundant tensors that are dropped: `lm_head.weight` of a tied model (only after checking that it equals the
+embedding), rotary `inv_freq` buffers of the Llama family (jaxkv computes RoPE on the fly), and GPT-2's
+`attn.bias` / `attn.masked_bias` causal-mask buffers. Any other unused tensor is an error: it most likely means
+the architecture is mis-mapped.
+
+Also from config.json: `eos_token_id` (int or list) becomes Config.eos_ids. Weights keep the checkpoint's dtype
+unless `load_hf(..., dtype=...)` casts them; Config.dtype always records the params' dtype.
 """
 
 from __future__ import annotations
@@ -95,11 +99,11 @@ CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
-# Buffers that older exports saved next to the weights; they carry no learned state.
-_REDUNDANT = (
-    re.compile(r"(.*\.)?rotary_emb\.inv_freq"),
-    re.compile(r"(.*\.)?h\.\d+\.attn\.(bias|masked_bias)"),
-)
+# Buffers that older exports saved next to the weights (names without the base-model prefix); they carry no
+# learned state.
+_ROTARY_BUFFER = re.compile(r"(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")
+REDUNDANT = {LLAMA: _ROTARY_BUFFER, MISTRAL: _ROTARY_BUFFER, QWEN2: _ROTARY_BUFFER,
+             GPT2: re.compile(r"h\.\d+\.attn\.(bias|masked_bias)")}
 
 
 # --- config ---------------------------------------------------------------------------------------------------
@@ -152,10 +156,12 @@ class _Fields:
             self.fail(field, f"= {value} is beyond the supported maximum {cap}; the config is likely corrupt")
         return value
 
-    def float(self, field: str, default: float, value=None) -> float:
-        value = self.hf.get(field) if value is None else value
-        if value is None:
-            return default
+    def float(self, field: str, default: float) -> float:
+        value = self.hf.get(field)
+        return default if value is None else self.number(field, value)
+
+    def number(self, field: str, value) -> float:
+        """`value` (read by the caller, e.g. from a nested object) as a finite float."""
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             self.fail(field, f"must be a finite number, got {value!r}")
         return float(value)
@@ -169,7 +175,9 @@ class _Fields:
         return value
 
     def str(self, field: str, default: str) -> str:
-        value = self.hf.get(field, default)
+        value = self.hf.get(field)
+        if value is None:
+            return default
         if not isinstance(value, str):
             self.fail(field, f"must be a string, got {value!r}")
         return value
@@ -220,8 +228,8 @@ def _llama_family_fields(f: _Fields, arch: str) -> dict:
     act = f.str("hidden_act", "silu")
     if act not in ("silu", "swish"):
         f.fail("hidden_act", f"= {act!r} is not supported; jaxkv's SwiGLU MLP uses silu")
-    # Defaults are transformers' own for a field the file omits.
-    defaults = {LLAMA: (2048, False), MISTRAL: (131072, False), QWEN2: (32768, False)}[arch]
+    # transformers' own default, for a file that omits the field.
+    default_max_positions = {LLAMA: 2048, MISTRAL: 131072, QWEN2: 32768}[arch]
     kwargs = dict(
         vocab_size=f.int("vocab_size", cap=MAX_VOCAB, required=True),
         d_model=d_model,
@@ -235,8 +243,8 @@ def _llama_family_fields(f: _Fields, arch: str) -> dict:
         norm_eps=f.float("rms_norm_eps", 1e-6),
         positions="rope",
         # RoPE is computed on the fly from position ids, so this only bounds generation; it sizes no allocation.
-        max_positions=f.int("max_position_embeddings", defaults[0]),
-        tie_embeddings=f.bool("tie_word_embeddings", defaults[1]),
+        max_positions=f.int("max_position_embeddings", default_max_positions),
+        tie_embeddings=f.bool("tie_word_embeddings", False),
     )
     kwargs["rope_theta"], kwargs["rope_scaling"] = _rope(f, kwargs["max_positions"])
     if arch == LLAMA:
@@ -247,14 +255,14 @@ def _llama_family_fields(f: _Fields, arch: str) -> dict:
         kwargs["qkv_bias"] = True  # Qwen2 always has q/k/v biases and never an o_proj bias
         kwargs["sliding_window"] = _qwen2_window(f, kwargs["n_layers"])
     else:
-        # transformers' mask keeps key j for query i when j > i - sliding_window (masking_utils.sliding_window_overlay,
-        # checked in transformers 5.24): the `sliding_window` most recent tokens, the query itself included. That
-        # is exactly jaxkv's Config.sliding_window, so the value maps unchanged (the parity tests check it with a
-        # window smaller than the sequence). Its cache keeps sliding_window - 1 old tokens plus the new one, the
-        # same set.
-        kwargs["sliding_window"] = f.int("sliding_window", None)
-        if "sliding_window" not in f.hf:
-            kwargs["sliding_window"] = 4096  # transformers' MistralConfig default when the field is absent
+        # transformers' mask keeps key j for query i when j > i - sliding_window (masking_utils.
+        # sliding_window_overlay, transformers 5.24): the `sliding_window` most recent tokens, the query itself
+        # included. That is exactly jaxkv's Config.sliding_window, so the value maps unchanged, not off by one
+        # (the parity tests check it with a window of 8 and 40+ tokens). Its sliding cache keeps
+        # sliding_window - 1 old tokens plus the new one: the same set. Both index by cache slot, padding
+        # included, so left-padded batches agree too.
+        # null disables the window; an absent field means transformers' MistralConfig default, 4096.
+        kwargs["sliding_window"] = f.int("sliding_window", None) if "sliding_window" in f.hf else 4096
     return kwargs
 
 
@@ -297,7 +305,10 @@ def _rope(f: _Fields, max_positions: int) -> tuple[float, RopeScaling | None]:
         params, field = f.hf.get("rope_scaling") or {}, "rope_scaling"
     if not isinstance(params, dict):
         f.fail(field, f"must be an object, got {params!r}")
-    theta = f.float(f"{field}.rope_theta", 10000.0, params.get("rope_theta", f.hf.get("rope_theta")))
+    if any(isinstance(v, dict) for v in params.values()):
+        f.fail(field, "holds per-layer-type RoPE settings, which jaxkv does not support")
+    theta = params.get("rope_theta", f.hf.get("rope_theta"))
+    theta = 10000.0 if theta is None else f.number(f"{field}.rope_theta", theta)
     if theta <= 0:
         f.fail(f"{field}.rope_theta", f"must be > 0, got {theta}")
     partial = params.get("partial_rotary_factor", f.hf.get("partial_rotary_factor", 1.0))
@@ -309,11 +320,10 @@ def _rope(f: _Fields, max_positions: int) -> tuple[float, RopeScaling | None]:
     if rope_type != "llama3":
         f.fail(f"{field}.rope_type", f"= {rope_type!r} is not supported; supported: 'default', 'llama3'")
 
-    def number(key, default=None):
-        value = params.get(key, default)
-        if value is None:
+    def number(key):
+        if params.get(key) is None:
             f.fail(f"{field}.{key}", "is missing (required by rope_type 'llama3')")
-        return f.float(f"{field}.{key}", 0.0, value)
+        return f.number(f"{field}.{key}", params[key])
 
     original = params.get("original_max_position_embeddings", max_positions)  # transformers' fallback
     if isinstance(original, bool) or not isinstance(original, int) or original < 1:
@@ -436,15 +446,15 @@ def _llama_family_specs(cfg: Config) -> list[TensorSpec]:
         if cfg.out_bias:
             specs.append(TensorSpec(hf + "self_attn.o_proj.bias", (D,), "[D]", _as_is((jx, "attn", "wo_bias"))))
         if cfg.mlp_bias:
-            specs += [TensorSpec(hf + f"mlp.{hf_name}_proj.bias", (n,), letter, _as_is((jx, "mlp", f"w_{hf_name}_bias")))
-                      for hf_name, n, letter in (("gate", F, "[F]"), ("up", F, "[F]"), ("down", D, "[D]"))]
+            specs += [TensorSpec(hf + f"mlp.{proj}_proj.bias", (n,), letter, _as_is((jx, "mlp", f"w_{proj}_bias")))
+                      for proj, n, letter in (("gate", F, "[F]"), ("up", F, "[F]"), ("down", D, "[D]"))]
     return specs
 
 
 def _gpt2_specs(cfg: Config) -> list[TensorSpec]:
-    V, D, N, H, F, P = cfg.vocab_size, cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.ffn_dim, cfg.max_positions
+    V, D, N, H, F = cfg.vocab_size, cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.ffn_dim
     specs = [TensorSpec("wte.weight", (V, D), "[V, D]", _as_is(("embedding",))),
-             TensorSpec("wpe.weight", (P, D), "[P, D] (P = n_positions)", _as_is(("pos_embedding",))),
+             TensorSpec("wpe.weight", (cfg.max_positions, D), "[n_positions, D]", _as_is(("pos_embedding",))),
              TensorSpec("ln_f.weight", (D,), "[D]", _as_is(("final_norm", "scale"))),
              TensorSpec("ln_f.bias", (D,), "[D]", _as_is(("final_norm", "bias")))]
     for i in range(cfg.n_layers):
@@ -566,13 +576,14 @@ def _strip_prefix(stored: dict[str, StoredTensor], prefix: str) -> dict[str, Sto
     return {name.removeprefix(prefix): t for name, t in stored.items()}
 
 
-def match(specs: list[TensorSpec], stored: dict[str, StoredTensor], *, tied: bool,
-          prefix: str) -> tuple[list[tuple[TensorSpec, StoredTensor]], StoredTensor | None]:
+def match(specs: list[TensorSpec], stored: dict[str, StoredTensor], *, arch: str,
+          tied: bool) -> tuple[list[tuple[TensorSpec, StoredTensor]], StoredTensor | None]:
     """Pairs every expected tensor with its stored one, checking names, shapes and dtypes; refuses leftovers.
 
     Returns (pairs, the stored lm_head of a tied model, to be compared with the embedding, or None). The first
     pair is the embedding.
     """
+    prefix = BASE_PREFIX[arch]
     by_name = _strip_prefix(stored, prefix)
     pairs = []
     for spec in specs:
@@ -592,7 +603,7 @@ def match(specs: list[TensorSpec], stored: dict[str, StoredTensor], *, tied: boo
         raise ValueError(f"tensor 'lm_head.weight' in {tied_head.file} has shape {list(tied_head.shape)}, but the "
                          f"model ties it to the embedding of shape {list(pairs[0][1].shape)}")
     for name, t in by_name.items():
-        if not any(p.fullmatch(name) for p in _REDUNDANT):
+        if not REDUNDANT[arch].fullmatch(name):
             raise ValueError(f"tensor {t.name!r} in {t.file} is not used by this architecture (is config.json's "
                              f"'architectures' right?)")
     return pairs, tied_head
@@ -628,7 +639,7 @@ def load_hf(directory: str | os.PathLike, *, dtype: str | None = None) -> Model:
     config = config_from_hf(hf, source=source)
     specs = tensor_specs(arch, config)
     stored = read_headers(*weight_files(root))
-    pairs, tied_head = match(specs, stored, tied=config.tie_embeddings, prefix=BASE_PREFIX[arch])
+    pairs, tied_head = match(specs, stored, arch=arch, tied=config.tie_embeddings)
     if tied_head is not None:
         _check_tied_head(tied_head, pairs[0][1])
     target = dtype or FLOAT_DTYPES[pairs[0][1].dtype]
@@ -660,7 +671,8 @@ def _load(pairs: list[tuple[TensorSpec, StoredTensor]], target: str) -> dict:
         if not np.isfinite(w).all():
             raise ValueError(f"tensor {t.name!r} in {t.file} holds NaN or infinite values (corrupt checkpoint?)")
         for path, value in spec.convert(w).items():
-            value = value.astype(target)
+            with np.errstate(over="ignore"):  # reported just below, with the tensor's name
+                value = value.astype(target)
             if not np.isfinite(value).all():
                 raise ValueError(f"tensor {t.name!r} in {t.file} overflows {target}; load it with a wider dtype")
             node = params

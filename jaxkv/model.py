@@ -30,8 +30,12 @@ class Attention(nn.Module):
     layer: int
 
     @nn.compact
-    def __call__(self, x, rope, cache, live, attention: str):
-        """x [B, T, D]; rope: (cos, sin) or None; live: bool[B, T, S'] -> ([B, T, D], cache)."""
+    def __call__(self, x, rope, cache, start, kv_slots, attention: str):
+        """x [B, T, D]; rope: (cos, sin) or None; start int32[B] -> ([B, T, D], cache).
+
+        With a cache, the queries sit in slots [cache.length, cache.length + T) and attend over cache slots
+        [0, kv_slots); without, they sit in slots [0, T) and attend over each other.
+        """
         cfg = self.config
         D, N, K, H = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         dtype = jnp.dtype(cfg.dtype)
@@ -48,11 +52,15 @@ class Attention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, H], the cache layout
+        q_offset = jnp.zeros((), jnp.int32)
         if cache is not None:
+            q_offset = cache.length
             cache = cache.write(self.layer, k, v)
-            S = live.shape[-1]  # attend over the first S' slots only (S' = S except in prefill)
-            k, v = cache.keys[self.layer][:, :, :S], cache.values[self.layer][:, :, :S]
-        out = attention_impls.get(attention)(q, k, v, live, scale=1.0 / math.sqrt(H))  # [B, T, N, H]
+            k, v = cache.keys[self.layer], cache.values[self.layer]
+            if kv_slots is not None and kv_slots < k.shape[2]:
+                k, v = k[:, :, :kv_slots], v[:, :, :kv_slots]
+        out = attention_impls.get(attention)(q, k, v, start, q_offset, scale=1.0 / math.sqrt(H),
+                                             sliding_window=cfg.sliding_window)  # [B, T, N, H]
         wo = self.param("wo", fan_in_init(N * H), (N, H, D), dtype)
         y = out.reshape(*out.shape[:2], N * H) @ wo.reshape(N * H, D)  # [B, T, D]
         if cfg.out_bias:
@@ -65,9 +73,9 @@ class Block(nn.Module):
     layer: int
 
     @nn.compact
-    def __call__(self, x, rope, cache, live, attention: str):
+    def __call__(self, x, rope, cache, start, kv_slots, attention: str):
         h, cache = Attention(self.config, self.layer, name="attn")(Norm(self.config, name="attn_norm")(x), rope,
-                                                                    cache, live, attention)
+                                                                    cache, start, kv_slots, attention)
         x = x + h
         x = x + Mlp(self.config, name="mlp")(Norm(self.config, name="mlp_norm")(x))
         return x, cache
@@ -111,15 +119,10 @@ class Decoder(nn.Module):
             rope = rope_angles(positions, cfg)
         x = jnp.where(real[..., None], x, jnp.zeros((), x.dtype))
 
-        if cache is None:
-            idx = jnp.arange(T)
-            live = (idx[None, :, None] >= idx[None, None, :]) & real[:, None, :]  # [B, T, T]: causal, real keys
-            if cfg.sliding_window is not None:
-                live &= idx[None, None, :] > idx[None, :, None] - cfg.sliding_window
-        else:
-            live = cache.live_mask(T, cfg.sliding_window, kv_slots)  # [B, T, S']
+        # Without a cache, padding must be on the left (as generate lays it out): the first real token's index.
+        start = jnp.sum(~real, axis=1, dtype=jnp.int32) if cache is None else cache.start  # [B]
         for layer in range(cfg.n_layers):
-            x, cache = Block(cfg, layer, name=f"layer_{layer}")(x, rope, cache, live, attention)
+            x, cache = Block(cfg, layer, name=f"layer_{layer}")(x, rope, cache, start, kv_slots, attention)
         if cache is not None:
             cache = cache.advance(T)
 

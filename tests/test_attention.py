@@ -8,6 +8,17 @@ import numpy as np
 from jaxkv.attention import reference
 
 ATOL = 1e-6  # float32 arithmetic on a handful of numbers
+START0 = jnp.array([0], jnp.int32)
+
+
+def test_live_mask_hand_computed():
+    # Row 0 starts at slot 0, row 1 at slot 2 (two padding slots); one query in slot 3 of a 6-slot cache.
+    start = jnp.array([0, 2])
+    np.testing.assert_array_equal(reference.live_mask(start, 3, 1, 6)[:, 0],
+                                  [[1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 0, 0]])
+    # Two queries (slots 3, 4) with a window of 2: each sees itself and the slot before.
+    np.testing.assert_array_equal(reference.live_mask(start, 3, 2, 6, sliding_window=2)[0],
+                                  [[0, 0, 1, 1, 0, 0], [0, 0, 0, 1, 1, 0]])
 
 
 def test_single_query_two_keys_hand_computed():
@@ -15,9 +26,8 @@ def test_single_query_two_keys_hand_computed():
     q = jnp.array([1.0, 0.0]).reshape(1, 1, 1, 2)
     k = jnp.array([[1.0, 0.0], [0.0, 1.0]]).reshape(1, 1, 2, 2)
     v = jnp.array([[10.0, 0.0], [0.0, 20.0]]).reshape(1, 1, 2, 2)
-    live = jnp.ones((1, 1, 2), bool)
     w0 = math.e / (math.e + 1)
-    out = reference.attention(q, k, v, live, scale=1.0)
+    out = reference.attention(q, k, v, START0, jnp.int32(1), scale=1.0)  # query in slot 1 sees slots 0, 1
     np.testing.assert_allclose(np.asarray(out).ravel(), [10 * w0, 20 * (1 - w0)], atol=ATOL)
 
 
@@ -26,15 +36,15 @@ def test_masked_slot_is_ignored_even_if_nan():
     q = jnp.ones((1, 1, 1, 2))
     k = jnp.array([[1.0, 1.0], [jnp.nan, jnp.nan]]).reshape(1, 1, 2, 2)
     v = jnp.array([[3.0, 4.0], [jnp.nan, jnp.inf]]).reshape(1, 1, 2, 2)
-    live = jnp.array([[[True, False]]])
-    np.testing.assert_array_equal(np.asarray(reference.attention(q, k, v, live, scale=1.0)).ravel(), [3.0, 4.0])
+    out = reference.attention(q, k, v, START0, jnp.int32(0), scale=1.0)  # query in slot 0: slot 1 is the future
+    np.testing.assert_array_equal(np.asarray(out).ravel(), [3.0, 4.0])
 
 
 def test_fully_masked_row_is_finite():
     q = jnp.ones((1, 1, 1, 2))
     k = jnp.full((1, 1, 3, 2), 1e4)
     v = jnp.ones((1, 1, 3, 2))
-    out = reference.attention(q, k, v, jnp.zeros((1, 1, 3), bool), scale=1.0)
+    out = reference.attention(q, k, v, jnp.array([3]), jnp.int32(2), scale=1.0)  # start beyond the query
     assert np.isfinite(np.asarray(out)).all()
 
 
@@ -42,7 +52,7 @@ def test_large_logits_are_stable():
     q = jnp.full((1, 1, 1, 2), 1e3)
     k = jnp.array([[1e3, 1e3], [-1e3, -1e3]]).reshape(1, 1, 2, 2)
     v = jnp.array([[1.0, 2.0], [5.0, 6.0]]).reshape(1, 1, 2, 2)
-    out = reference.attention(q, k, v, jnp.ones((1, 1, 2), bool), scale=1.0)
+    out = reference.attention(q, k, v, START0, jnp.int32(1), scale=1.0)
     np.testing.assert_allclose(np.asarray(out).ravel(), [1.0, 2.0], atol=ATOL)
 
 
@@ -51,5 +61,5 @@ def test_gqa_heads_read_their_own_kv_group():
     q = jnp.ones((1, 1, 4, 2))
     k = jnp.ones((1, 2, 3, 2))
     v = jnp.stack([jnp.ones((3, 2)), 2 * jnp.ones((3, 2))])[None]
-    out = np.asarray(reference.attention(q, k, v, jnp.ones((1, 1, 3), bool), scale=1.0))
+    out = np.asarray(reference.attention(q, k, v, START0, jnp.int32(2), scale=1.0))
     np.testing.assert_allclose(out[0, 0, :, 0], [1, 1, 2, 2], atol=ATOL)

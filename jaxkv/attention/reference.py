@@ -1,8 +1,15 @@
 """Attention in plain jax.numpy: the specification every kernel is tested against.
 
+Every implementation takes the same arguments: queries for T consecutive slots starting at `q_offset`, the
+cache's keys and values, and each sequence's first live slot `start`. The query in slot q of sequence b may attend
+to key slot s when
+
+    start[b] <= s <= q                       (a real token of this sequence, not in the future)
+    and q - s < sliding_window               (if there is a window)
+
 Computes in float32 whatever the input dtype. Masking uses `jnp.where` with a large finite negative, never an
 additive -inf: a row with no live key then gets a uniform (finite) distribution instead of NaN, and a NaN or
-garbage value in a masked slot cannot leak into a live row (values of dead slots are zeroed too, because
+garbage value in a dead slot cannot leak into a live row (values of dead slots are zeroed too, because
 0 * NaN is NaN).
 """
 
@@ -14,20 +21,33 @@ import jax.numpy as jnp
 MASKED = -1e30  # large finite negative: exp(MASKED - max) underflows to exactly 0 for any live max
 
 
-def attention(q, k, v, live, *, scale: float):
-    """Softmax attention of queries over cached keys and values.
+def live_mask(start, q_offset, num_queries: int, num_slots: int, sliding_window: int | None = None):
+    """bool[B, T, S]: which key slots each query may attend to (the rule in the module docstring)."""
+    q_slot = q_offset + jnp.arange(num_queries, dtype=jnp.int32)  # [T]
+    k_slot = jnp.arange(num_slots, dtype=jnp.int32)  # [S]
+    live = (k_slot[None, None, :] >= start[:, None, None]) & (k_slot[None, None, :] <= q_slot[None, :, None])
+    if sliding_window is not None:
+        live &= k_slot[None, None, :] > q_slot[None, :, None] - sliding_window
+    return live
+
+
+def attention(q, k, v, start, q_offset, *, scale: float, sliding_window: int | None = None):
+    """Softmax attention of T queries over S cached keys and values.
 
     Args:
-      q: [B, T, N, H] queries.
+      q: [B, T, N, H] queries for slots [q_offset, q_offset + T).
       k, v: [B, K, S, H] keys and values, K dividing N; query head n reads KV head n // (N // K).
-      live: bool[B, T, S], which slots each query may attend to.
+      start: int32[B], each sequence's first live slot.
+      q_offset: int32[], the slot of the first query.
       scale: multiplies q.k (1 / sqrt(H) for standard attention).
+      sliding_window: if set, a query sees only the `sliding_window` most recent slots, itself included.
 
     Returns:
       [B, T, N, H] in q's dtype.
     """
     B, T, N, H = q.shape
-    K = k.shape[1]
+    K, S = k.shape[1], k.shape[2]
+    live = live_mask(start, q_offset, T, S, sliding_window)  # [B, T, S]
     qg = q.reshape(B, T, K, N // K, H)  # [B, T, K, G, H]
     scores = jnp.einsum("btkgh,bksh->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
     scores = jnp.where(live[:, None, None, :, :], scores, MASKED)  # [B, K, G, T, S]

@@ -1,0 +1,87 @@
+"""The memory-bandwidth roofline of decoding: bytes a decode step must move, and the machine's measured bandwidth.
+
+Decode is memory-bound: each step reads every weight once (the token embedding only for the B looked-up rows,
+unless the head is tied to it) and the live K/V cache, and writes one token's K/V per sequence. At a sustained read
+bandwidth W bytes/s, no implementation can exceed `W / bytes_per_step` steps per second; the fraction of that
+reached is the honest measure of a decode loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.config import Config
+
+
+def weight_bytes_per_step(config: Config, batch: int, bytes_per_element: int) -> int:
+    """Weights a decode step reads: all of them, except that an untied token embedding is read only for the
+    `batch` looked-up rows (and a learned position table for `batch` rows)."""
+    total = config.param_count()
+    skipped = 0
+    if not config.tie_embeddings:
+        skipped += (config.vocab_size - batch) * config.d_model
+    if config.positions == "learned":
+        skipped += (config.max_positions - batch) * config.d_model
+    return (total - skipped) * bytes_per_element
+
+
+def decode_bytes_per_step(config: Config, batch: int, live_len: float, bytes_per_element: int = 4,
+                          cache_bytes_per_element: int | None = None) -> float:
+    """Bytes one decode step moves: weights read + live K/V read + new K/V written."""
+    cache_bpe = bytes_per_element if cache_bytes_per_element is None else cache_bytes_per_element
+    per_token = config.kv_bytes_per_token(cache_bpe)
+    return weight_bytes_per_step(config, batch, bytes_per_element) + batch * (live_len + 1) * per_token
+
+
+@dataclasses.dataclass
+class Measurement:
+    median: float
+    low: float
+    high: float
+
+    @classmethod
+    def of(cls, values):
+        return cls(statistics.median(values), min(values), max(values))
+
+
+def _time(fn, *args, reps: int):
+    fn(*args).block_until_ready()  # compile and warm up
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn(*args).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def gemv_bandwidth(nbytes: int = 1 << 30, reps: int = 7) -> Measurement:
+    """Read bandwidth (bytes/s) of a float32 vector-matrix product over a `nbytes` [in, out] matrix: the access
+    pattern of a batch-1 decode step."""
+    cols = 4096
+    rows = max(nbytes // (4 * cols), 1)
+    w = jnp.asarray(np.random.default_rng(0).standard_normal((rows, cols), np.float32))
+    x = jnp.ones((1, rows), jnp.float32)
+    times = _time(jax.jit(lambda x, w: x @ w), x, w, reps=reps)
+    return Measurement.of([w.nbytes / t for t in times])
+
+
+def triad_bandwidth(nbytes: int = 1 << 29, reps: int = 7) -> Measurement:
+    """STREAM triad a = b + s * c over float32 arrays of `nbytes` each: (2 reads + 1 write) * nbytes per pass."""
+    n = nbytes // 4
+    b = jnp.ones((n,), jnp.float32)
+    c = jnp.full((n,), 2.0, jnp.float32)
+    times = _time(jax.jit(lambda b, c: b + 3.0 * c), b, c, reps=reps)
+    return Measurement.of([3 * nbytes / t for t in times])
+
+
+def matmul_flops(n: int = 2048, reps: int = 7) -> Measurement:
+    """float32 FLOP/s of an n x n x n matmul."""
+    a = jnp.asarray(np.random.default_rng(1).standard_normal((n, n), np.float32))
+    times = _time(jax.jit(lambda a, b: a @ b), a, a, reps=reps)
+    return Measurement.of([2 * n ** 3 / t for t in times])
