@@ -16,7 +16,7 @@ NormKind = Literal["rmsnorm", "layernorm"]
 PositionKind = Literal["rope", "learned"]
 
 DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION_IMPLS = ("xla",)
+ATTENTION_IMPLS = ("auto", "xla", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +65,7 @@ class Config:
       sliding_window: if set, a token attends only to the `sliding_window` most recent tokens, itself included.
       eos_ids: default stop tokens for `generate`.
       dtype: parameter and activation dtype; softmax, norms and logits are computed in float32 whatever it is.
-      attention: default attention implementation.
+      attention: default attention implementation: "auto" (Pallas on GPU/TPU, XLA on CPU), "xla" or "pallas".
     """
 
     vocab_size: int
@@ -89,7 +89,7 @@ class Config:
     sliding_window: int | None = None
     eos_ids: tuple[int, ...] = ()
     dtype: str = "float32"
-    attention: str = "xla"
+    attention: str = "auto"
 
     def __post_init__(self):
         # Fill the derived defaults first (frozen: go through object.__setattr__), then validate everything.

@@ -30,6 +30,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import io_callback
 
+from jaxkv import attention as attention_impls
 from jaxkv.cache import KVCache
 from jaxkv.config import Config
 from jaxkv.model import Decoder, Model
@@ -83,7 +84,7 @@ def prefill(params, tokens, start, *, config: Config, capacity: int, attention: 
 
 
 @functools.partial(jax.jit, static_argnames=("config", "attention"), donate_argnames=("cache",))
-def decode_step(params, tokens, cache: KVCache, *, config: Config, attention: str = "xla"):
+def decode_step(params, tokens, cache: KVCache, *, config: Config, attention: str = "auto"):
     """One decode step for a research loop: tokens int32[B] -> (float32[B, V] logits, cache).
 
     The cache is donated: XLA writes the new K/V into the input buffers in place, and the caller's cache is
@@ -304,7 +305,7 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
       stop_tokens: ids that end a sequence (included in its output). None: the model's eos ids; []: never stop.
       max_len: cache capacity in slots; must hold the longest prompt plus max_new_tokens. Default: just enough,
         rounded up so that similar requests share a compiled shape.
-      attention: attention implementation; default config.attention.
+      attention: "auto", "xla" or "pallas"; default config.attention ("auto": Pallas on GPU/TPU, XLA on CPU).
       stream: optional host callback `(prompt_index, token_id)`, called for every new token as the compiled loop
         produces it (tokens after a stop token are not passed).
 
@@ -317,9 +318,8 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
     sample_fn = _sampler(temperature, top_k, top_p, min_p, sampler)
     stop_ids = _stop_ids(stop_tokens, config)
     seed = _check_int("seed", seed, -(2 ** 63))
-    attention = attention or config.attention
-    from jaxkv import attention as attention_impls
-    attention_impls.get(attention)  # unknown names fail here, before compute
+    # Resolved here, before compute: unknown names fail, and "auto" becomes a concrete static name for jit.
+    attention = attention_impls.resolve(attention or config.attention)
     lengths = [len(p) for p in token_lists]
     batch, T, capacity = plan_shapes(lengths, max_new_tokens, max_len, config)
 
