@@ -2,6 +2,7 @@
 
   jaxkv generate --prompt TEXT [--model PATH|tiny] [--max-new-tokens N] [--temperature T] [--top-k K]
                  [--top-p P] [--min-p M] [--seed S] [--dtype D] [--max-len N] [--json]
+  jaxkv bench [options]     (see jaxkv bench --help; the same as python scripts/bench.py)
 
 Bad arguments and bad checkpoints print one line on stderr and exit with status 2; never a traceback.
 """
@@ -100,6 +101,11 @@ def _generate(args) -> dict:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # the benchmark has its own options (scripts/bench.py, same code)
+        from jaxkv import bench
+
+        return bench.main(argv[1:])
     try:
         args = _parser().parse_args(argv)
         result = _generate(args)

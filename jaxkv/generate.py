@@ -31,6 +31,7 @@ from jax import lax
 from jax.experimental import io_callback
 
 from jaxkv import attention as attention_impls
+from jaxkv import roofline
 from jaxkv.cache import KVCache
 from jaxkv.config import Config
 from jaxkv.model import Decoder, Model
@@ -351,6 +352,12 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
     result = [out[b, : num_new[b]].tolist() for b in range(n)]
     reasons = ["stop" if stopped[b] else "length" for b in range(n)]
     decode_s = decode_time.run_s
+    # The first new token comes from the prefill logits; the decode phase runs max_new_tokens - 1 one-token steps
+    # (every row runs all of them, finished rows as padding, so steps are the honest unit).
+    steps = max_new_tokens - 1
+    step_bytes = roofline.decode_bytes_per_step(config, batch, np.mean(lengths) + steps / 2,
+                                                jnp.dtype(config.dtype).itemsize)
+    steps_per_s = steps / decode_s if decode_s > 0 and steps > 0 else 0.0
     stats = {
         "prompt_tokens": int(sum(lengths)),
         "new_tokens": int(sum(len(r) for r in result)),
@@ -362,9 +369,12 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
         "prefill_s": prefill_time.run_s,
         "decode_s": decode_s,
         "compile_s": prefill_time.compile_s + decode_time.compile_s,
-        # Every row runs all max_new_tokens steps (finished rows as padding), so steps/s is the honest rate.
-        "decode_steps_per_s": max_new_tokens / decode_s if decode_s > 0 else float("inf"),
-        "decode_tokens_per_s": n * max_new_tokens / decode_s if decode_s > 0 else float("inf"),
+        "decode_steps": steps,
+        "decode_steps_per_s": steps_per_s,
+        "decode_tokens_per_s": n * steps_per_s,
+        # Bytes a step must move (weights + live K/V read + new K/V written; jaxkv.roofline) and the rate achieved.
+        "bytes_per_step": step_bytes,
+        "achieved_GBps": step_bytes * steps_per_s / 1e9,
     }
     text = None
     if model.tokenizer is not None:
