@@ -373,8 +373,8 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
         "decode_steps_per_s": steps_per_s,
         "decode_tokens_per_s": n * steps_per_s,
         # Bytes a step must move (weights + live K/V read + new K/V written; jaxkv.roofline) and the rate achieved.
-        "bytes_per_step": step_bytes,
-        "achieved_GBps": step_bytes * steps_per_s / 1e9,
+        "bytes_per_step": float(step_bytes),
+        "achieved_GBps": float(step_bytes * steps_per_s / 1e9),
     }
     text = None
     if model.tokenizer is not None:

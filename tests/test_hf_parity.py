@@ -1,0 +1,172 @@
+"""Parity with transformers: tiny random HF models, saved as safetensors and loaded with `load_hf`, must give the
+same logits (float32, atol 1e-4) and token-identical greedy generations, single prompt and ragged batch.
+
+Each HF model is built once per module (CPU, float32, seeded). transformers runs with eager attention and with
+eos disabled (so it never stops or suppresses a token early); jaxkv runs with stop_tokens=[].
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import jaxkv  # noqa: E402
+from jaxkv.checkpoint_hf import config_from_hf, load_hf  # noqa: E402
+
+VOCAB = 160
+PAD, EOS, BOS = 0, 1, 2
+NEW_TOKENS = 32
+ATOL = 1e-4
+# Lengths 12 + 32 new tokens, and a ragged batch of three: every sequence outgrows Mistral's window of 8.
+SINGLE = [[17, 3, 99, 41, 8, 150, 23, 64, 5, 77, 120, 31]]
+RAGGED = [[44, 9, 130, 2, 61], [7, 88, 19, 140, 33, 52, 101, 4, 66, 29, 150, 11, 93],
+          [12, 5, 70, 143, 38, 26, 9, 81, 57]]
+
+LLAMA_LIKE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.25, rms_norm_eps=1e-6,
+                  pad_token_id=PAD, eos_token_id=EOS, bos_token_id=BOS)
+
+# name -> (config class, config kwargs). Each covers one mapping feature the others do not.
+CASES = {
+    "llama-tied": ("LlamaConfig", dict(LLAMA_LIKE, tie_word_embeddings=True)),
+    # untied head, q/k/v/o and MLP biases, head_dim != hidden / heads, Llama-3 rope scaling in 5.x's form
+    "llama-untied-llama3": ("LlamaConfig", dict(
+        LLAMA_LIKE, tie_word_embeddings=False, attention_bias=True, mlp_bias=True, head_dim=24,
+        rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                             high_freq_factor=4.0, original_max_position_embeddings=32))),
+    "mistral-window8": ("MistralConfig", dict(LLAMA_LIKE, sliding_window=8)),
+    "qwen2-bias": ("Qwen2Config", dict(LLAMA_LIKE)),
+    "gpt2": ("GPT2Config", dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=128,
+                                initializer_range=0.25, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=BOS)),
+}
+
+
+def build_hf(config_class: str, kwargs: dict, seed: int = 0):
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_class)(**kwargs)
+    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    # generate() fills unset options from the model's own generation config, so eos must be cleared there too:
+    # otherwise min_new_tokens suppresses eos (id 1), which these random models do pick as their argmax.
+    hf.generation_config.eos_token_id = None
+    return hf
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def pair(request, tmp_path_factory):
+    """(name, HF model, jaxkv model loaded from its save_pretrained directory, that directory)."""
+    hf = build_hf(*CASES[request.param])
+    directory = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(directory, safe_serialization=True)
+    return request.param, hf, load_hf(directory), directory
+
+
+def hf_logits(hf, tokens) -> np.ndarray:
+    with torch.no_grad():
+        return hf(torch.tensor(np.asarray(tokens))).logits.numpy()
+
+
+def hf_greedy(hf, prompts) -> list[list[int]]:
+    """transformers' greedy generation of NEW_TOKENS tokens per prompt, left-padded by hand (no tokenizer)."""
+    T = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), T), PAD, dtype=torch.long)
+    mask = torch.zeros((len(prompts), T), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, T - len(p):] = torch.tensor(p)
+        mask[b, T - len(p):] = 1
+    # No eos (see build_hf): never stop and never suppress a token (min_new_tokens then has nothing to act on).
+    config = transformers.GenerationConfig(do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                           eos_token_id=None, bos_token_id=None, pad_token_id=PAD)
+    with torch.no_grad():
+        out = hf.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+    assert out.shape == (len(prompts), T + NEW_TOKENS)
+    return out[:, T:].tolist()
+
+
+def test_logits_match(pair):
+    name, hf, model, _ = pair
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 24))
+    np.testing.assert_allclose(jaxkv.logits(model, tokens), hf_logits(hf, tokens), atol=ATOL, rtol=0, err_msg=name)
+
+
+@pytest.mark.parametrize("prompts", [SINGLE, RAGGED], ids=["single", "ragged"])
+def test_greedy_generation_is_token_identical(pair, prompts):
+    name, hf, model, _ = pair
+    expected = hf_greedy(hf, prompts)
+    got = jaxkv.generate(model, prompts, max_new_tokens=NEW_TOKENS, stop_tokens=[]).tokens
+    for b, row in enumerate(expected):
+        # A model stuck on one token would make equality meaningless.
+        assert len(set(row)) >= 8, f"{name}: HF output too repetitive to test anything: {row}"
+        assert got[b] == row, f"{name}, prompt {b}"
+
+
+def test_params_have_the_decoder_layout(pair):
+    """Same tree, shapes and dtypes as the Flax decoder's own init, and the config records the params' dtype."""
+    _, _, model, _ = pair
+    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    expected = jax.eval_shape(jaxkv.Decoder(model.config).init, jax.random.PRNGKey(0), tokens, tokens)["params"]
+    got = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), model.params)
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(expected)
+    assert jax.tree_util.tree_leaves(got) == jax.tree_util.tree_leaves(expected)
+    assert model.config.dtype == "float32" and model.config.eos_ids == (EOS,)
+
+
+def test_sliding_window_matters():
+    """The window must change the logits at these lengths, or the Mistral cases would pass with it ignored."""
+    hf = build_hf(*CASES["mistral-window8"])
+    tokens = np.random.default_rng(1).integers(0, VOCAB, (1, 40))
+    ref = hf_logits(hf, tokens)
+    hf.config.sliding_window = None  # read at forward time: the same weights, full causal attention
+    assert np.abs(hf_logits(hf, tokens) - ref)[:, 8:].max() > 1e-2
+
+
+def test_sharded_checkpoint_loads_identically(tmp_path):
+    hf = build_hf(*CASES["llama-untied-llama3"])
+    hf.save_pretrained(tmp_path / "one", safe_serialization=True)
+    hf.save_pretrained(tmp_path / "sharded", safe_serialization=True, max_shard_size="50KB")
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    one, sharded = load_hf(tmp_path / "one"), load_hf(tmp_path / "sharded")
+    assert one.config == sharded.config
+    jax.tree_util.tree_map(np.testing.assert_array_equal, one.params, sharded.params)
+
+
+def test_qwen2_sliding_window_on_every_layer(tmp_path):
+    """use_sliding_window with max_window_layers=0 slides every layer: one jaxkv window, same logits."""
+    hf = build_hf("Qwen2Config", dict(LLAMA_LIKE, use_sliding_window=True, sliding_window=8, max_window_layers=0))
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    model = load_hf(tmp_path)
+    assert model.config.sliding_window == 8
+    tokens = np.random.default_rng(2).integers(0, VOCAB, (1, 30))
+    np.testing.assert_allclose(jaxkv.logits(model, tokens), hf_logits(hf, tokens), atol=ATOL, rtol=0)
+
+
+def test_dtype_cast_and_half_precision_checkpoints(tmp_path):
+    hf = build_hf(*CASES["llama-tied"])
+    hf.save_pretrained(tmp_path / "f32", safe_serialization=True)
+    hf.to(torch.bfloat16).save_pretrained(tmp_path / "bf16", safe_serialization=True)
+    f32 = load_hf(tmp_path / "f32")
+    for directory, dtype, expected in [("f32", "bfloat16", "bfloat16"), ("f32", "float16", "float16"),
+                                       ("bf16", None, "bfloat16"), ("bf16", "float32", "float32")]:
+        model = load_hf(tmp_path / directory, dtype=dtype)
+        assert model.config.dtype == expected
+        assert {a.dtype for a in jax.tree_util.tree_leaves(model.params)} == {jnp.dtype(expected)}
+        if directory == "bf16":  # the bf16 checkpoint holds exactly the f32 weights rounded to bfloat16
+            ref = jax.tree_util.tree_map(lambda a: np.asarray(a.astype(jnp.bfloat16).astype(expected)), f32.params)
+            jax.tree_util.tree_map(np.testing.assert_array_equal, ref, model.params)
+
+
+def test_transformers_4_rope_fields_give_the_same_config():
+    """transformers 4.x writes rope_theta and rope_scaling at the top level; 5.x nests them in rope_parameters."""
+    common = dict(architectures=["LlamaForCausalLM"], vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                  num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256)
+    scaling = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32)
+    v5 = config_from_hf(dict(common, rope_parameters=dict(scaling, rope_type="llama3", rope_theta=5e5)), source="v5")
+    v4 = config_from_hf(dict(common, rope_theta=5e5, rope_scaling=dict(scaling, rope_type="llama3")), source="v4")
+    v4_type = config_from_hf(dict(common, rope_theta=5e5, rope_scaling=dict(scaling, type="llama3")), source="v4")
+    assert v5 == v4 == v4_type
+    assert v5.rope_scaling == jaxkv.RopeScaling(8.0, 1.0, 4.0, 32) and v5.rope_theta == 5e5
