@@ -62,10 +62,16 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(a.size * a.dtype.itemsize for a in (*self.keys, *self.values))
 
-    def write(self, layer: int, k: jax.Array, v: jax.Array) -> "KVCache":
+    def write(self, layer: int, k: jax.Array, v: jax.Array, *, zero_dead_values: bool = False) -> "KVCache":
         """Returns the cache with k, v ([B, K, T, H]) written to slots [length, length + T) of `layer`.
 
         `length` is not advanced here (every layer writes to the same slots); call `advance` once per forward pass.
+
+        `zero_dead_values` also zeroes the value slots no query can see (padding before `start`, anything at or
+        past `length`), so whatever they held (NaN included) cannot reach an attention output as 0 * NaN. The XLA
+        attention path needs this; doing it here, on the buffer about to be updated in place, costs one pass over
+        the values and no copy, whereas masking the values inside the attention made XLA:CPU copy the whole
+        buffer (seen in the compiled HLO). A kernel that masks per block does not need it.
 
         `dynamic_update_slice` clamps an out-of-range start index, which would silently overwrite the last slots.
         Callers check capacity on the host before any compute; as a second line of defence, a write that does not
@@ -80,9 +86,18 @@ class KVCache:
             new = jnp.where(fits, new.astype(buf.dtype), old)
             return lax.dynamic_update_slice_in_dim(buf, new, self.length, axis=2)
 
+        values = self.values[layer]
+        if zero_dead_values:
+            slot = jnp.arange(self.capacity, dtype=jnp.int32)
+            kept = (slot[None, :] >= self.start[:, None]) & (slot[None, :] < self.length)  # [B, S]
+            values = jnp.where(kept[:, None, :, None], values, jnp.zeros((), values.dtype))
         with jax.named_scope("cache_update"):
-            keys = self.keys[:layer] + (update(self.keys[layer], k),) + self.keys[layer + 1:]
-            values = self.values[:layer] + (update(self.values[layer], v),) + self.values[layer + 1:]
+            return self.with_layer(layer, update(self.keys[layer], k), update(values, v))
+
+    def with_layer(self, layer: int, k: jax.Array, v: jax.Array) -> "KVCache":
+        """The cache with layer `layer`'s buffers replaced by k, v ([B, K, S, H])."""
+        keys = self.keys[:layer] + (k,) + self.keys[layer + 1:]
+        values = self.values[:layer] + (v,) + self.values[layer + 1:]
         return dataclasses.replace(self, keys=keys, values=values)
 
     def advance(self, num_tokens: int) -> "KVCache":

@@ -55,7 +55,7 @@ class Attention(nn.Module):
         q_offset = jnp.zeros((), jnp.int32)
         if cache is not None:
             q_offset = cache.length
-            cache = cache.write(self.layer, k, v)
+            cache = cache.write(self.layer, k, v, zero_dead_values=attention_impls.resolve(attention) == "xla")
             k, v = cache.keys[self.layer], cache.values[self.layer]
             if kv_slots is not None and kv_slots < k.shape[2]:
                 k, v = k[:, :, :kv_slots], v[:, :, :kv_slots]

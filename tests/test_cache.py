@@ -69,3 +69,20 @@ def test_decode_loop_updates_the_donated_cache_in_place():
     *_, new_cache = jaxkv.decode(*args, config=cfg, steps=5, attention="xla")
     assert all(buf.is_deleted() for buf in donated)
     assert int(new_cache.length) == 4 + 4
+
+
+def test_compiled_decode_never_copies_the_cache():
+    """The cache must be updated in place inside the loop too: no `copy` of a whole K/V buffer anywhere in the
+    compiled decode step or scan loop (a `lax.cond` around the model, for instance, introduced such copies)."""
+    model = model_for("gqa")
+    cfg = model.config
+    logits, cache = jaxkv.prefill(model.params, jnp.ones((2, 4), jnp.int32), jnp.zeros(2, jnp.int32), config=cfg,
+                                  capacity=48, attention="xla")
+    kv_shape = "f32[2,2,48,16]"
+    args = (model.params, cache, logits, jax.random.PRNGKey(0), jaxkv.Sampler.make(), jnp.full((8,), -1))
+    loop = jaxkv.decode.lower(*args, config=cfg, steps=5, attention="xla").compile().as_text()
+    step = jaxkv.decode_step.lower(model.params, jnp.ones((2,), jnp.int32), cache, config=cfg).compile().as_text()
+    for text in (loop, step):
+        assert kv_shape in text  # the check below looks for the right shape
+        copies = [ln for ln in text.splitlines() if f"= {kv_shape}" in ln and " copy(" in ln]
+        assert not copies, copies[:3]

@@ -9,8 +9,8 @@ to key slot s when
 
 Computes in float32 whatever the input dtype. Masking uses `jnp.where` with a large finite negative, never an
 additive -inf: a row with no live key then gets a uniform (finite) distribution instead of NaN, and a NaN or
-garbage value in a dead slot cannot leak into a live row (values of dead slots are zeroed too, because
-0 * NaN is NaN).
+garbage key in a dead slot cannot leak into a live row. Dead *value* slots must hold finite numbers (a zero
+weight times NaN is NaN): `KVCache.write(..., zero_dead_values=True)` keeps them zero for this path.
 """
 
 from __future__ import annotations
@@ -54,8 +54,5 @@ def attention(q, k, v, start, q_offset, *, scale: float, sliding_window: int | N
     scores = scores - jnp.max(scores, axis=-1, keepdims=True)
     weights = jnp.exp(scores)
     weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    # Slots that no query may see (padding, not yet written) may hold anything; zero them so 0 * NaN cannot occur.
-    any_live = jnp.any(live, axis=1)  # [B, S]
-    v = jnp.where(any_live[:, None, :, None], v, jnp.zeros((), v.dtype))
     out = jnp.einsum("bkgts,bksh->btkgh", weights, v.astype(jnp.float32))  # [B, T, K, G, H]
     return out.reshape(B, T, N, H).astype(q.dtype)
