@@ -49,10 +49,30 @@ def attention(q, k, v, start, q_offset, *, scale: float, sliding_window: int | N
     K, S = k.shape[1], k.shape[2]
     live = live_mask(start, q_offset, T, S, sliding_window)  # [B, T, S]
     qg = q.reshape(B, T, K, N // K, H)  # [B, T, K, G, H]
+    if T == 1:
+        return _decode(qg[:, 0], k, v, live[:, 0], scale).reshape(B, 1, N, H).astype(q.dtype)
     scores = jnp.einsum("btkgh,bksh->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
     scores = jnp.where(live[:, None, None, :, :], scores, MASKED)  # [B, K, G, T, S]
-    scores = scores - jnp.max(scores, axis=-1, keepdims=True)
-    weights = jnp.exp(scores)
-    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    weights = _softmax(scores)
     out = jnp.einsum("bkgts,bksh->btkgh", weights, v.astype(jnp.float32))  # [B, T, K, G, H]
     return out.reshape(B, T, N, H).astype(q.dtype)
+
+
+def _softmax(scores):
+    scores = scores - jnp.max(scores, axis=-1, keepdims=True)
+    weights = jnp.exp(scores)
+    return weights / jnp.sum(weights, axis=-1, keepdims=True)
+
+
+def _decode(q, k, v, live, scale):
+    """One query per sequence: q [B, K, G, H], live bool[B, S] -> float32 [B, K, G, H].
+
+    Written as broadcast-multiply-and-reduce rather than einsum on purpose. The cache buffers were just updated in
+    place; a dot over them with a size-1 batch dimension (batch 1, the common decode case) goes through a bitcast
+    that made XLA:CPU duplicate the update and copy whole cache buffers every step (seen in the compiled HLO). The
+    reduce form reads the updated buffers directly, with no copy at any batch size.
+    """
+    q = q.astype(jnp.float32)
+    scores = jnp.sum(k[:, :, None, :, :] * q[:, :, :, None, :], axis=-1) * scale  # [B, K, G, S]
+    weights = _softmax(jnp.where(live[:, None, None, :], scores, MASKED))  # [B, K, G, S]
+    return jnp.sum(weights[..., None] * v[:, :, None, :, :], axis=-2)  # [B, K, G, H]
