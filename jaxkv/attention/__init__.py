@@ -10,6 +10,14 @@ import jax
 from jaxkv.attention import reference
 
 IMPLEMENTATIONS = {"xla": reference.attention}
+
+try:  # Pallas ships with jaxlib; a build without it simply has no "pallas" implementation.
+    from jaxkv.attention import pallas
+except ImportError:  # pragma: no cover
+    pass
+else:
+    IMPLEMENTATIONS["pallas"] = pallas.attention
+
 NAMES = ("auto", "xla", "pallas")
 
 

@@ -1,0 +1,61 @@
+"""Pallas attention: the public entry point, with the reference's signature plus tuning knobs.
+
+`attention(q, k, v, start, q_offset, *, scale, sliding_window)` computes what `reference.attention` computes
+(for every query row with at least one live key; a row with none returns 0) and dispatches on the shape:
+
+  T == 1  ->  `decode_kernel.decode_attention`: flash-decoding over the cache, reading only live K/V blocks.
+  T > 1   ->  `prefill_kernel.prefill_attention`: causal flash attention, skipping masked key blocks.
+
+Each kernel has two bodies sharing their math: Mosaic for TPU and Triton for GPU (`platform`). On CPU there is no
+Pallas compiler, so the kernels run in the Pallas interpreter (`interpret` defaults to True there); the
+interpreted kernel is the same program, which is what the CPU tests check against the reference.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from jaxkv.attention import decode_kernel, prefill_kernel
+
+PLATFORMS = ("tpu", "gpu")
+
+
+def default_platform() -> str:
+    """The kernel body for the default backend: "gpu" on GPUs, else "tpu" (on CPU either body interprets; the TPU
+    one is the default there)."""
+    return "gpu" if jax.default_backend() == "gpu" else "tpu"
+
+
+def attention(q, k, v, start, q_offset, *, scale: float, sliding_window: int | None = None, interpret=None,
+              platform: str | None = None, decode_block_k: int | None = None, decode_splits: int | None = None,
+              prefill_block_q: int | None = None, prefill_block_k: int | None = None):
+    """Softmax attention of T queries over S cached keys and values, as Pallas kernels.
+
+    Args:
+      q: [B, T, N, H] queries for slots [q_offset, q_offset + T).
+      k, v: [B, K, S, H] keys and values, K dividing N; query head n reads KV head n // (N // K).
+      start: int32[B], each sequence's first live slot.
+      q_offset: int32[], the slot of the first query.
+      scale: multiplies q.k.
+      sliding_window: if set, a query sees only the `sliding_window` most recent slots, itself included.
+      interpret: run in the Pallas interpreter; None means "only on CPU". Any value `pl.pallas_call` accepts
+        (e.g. `pltpu.InterpretParams()`) is passed through.
+      platform: "tpu" (Mosaic) or "gpu" (Triton) kernel body; None picks the default backend's.
+      decode_block_k, decode_splits: decode tile size (slots) and flash-decoding splits.
+      prefill_block_q, prefill_block_k: prefill tile sizes.
+
+    Returns:
+      [B, T, N, H] in q's dtype.
+    """
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    platform = platform or default_platform()
+    if platform not in PLATFORMS:
+        raise ValueError(f"platform must be one of {PLATFORMS}, got {platform!r}")
+    if q.shape[1] == 1:
+        return decode_kernel.decode_attention(q, k, v, start, q_offset, scale=scale, sliding_window=sliding_window,
+                                              platform=platform, block_k=decode_block_k, splits=decode_splits,
+                                              interpret=interpret)
+    return prefill_kernel.prefill_attention(q, k, v, start, q_offset, scale=scale, sliding_window=sliding_window,
+                                            platform=platform, block_q=prefill_block_q,
+                                            block_k=prefill_block_k, interpret=interpret)

@@ -1,0 +1,282 @@
+"""Causal flash attention over the padded prompt batch (T > 1 queries), as a Pallas kernel.
+
+Design
+------
+One program per (sequence b, query head n, block of `block_q` queries); it streams key blocks of `block_k` slots
+through an online softmax (running max, running sum and a float32 accumulator, shared with the decode kernel in
+`decode_kernel.online_softmax_step`), so the [T, S] score matrix never exists: at any time one [block_q, block_k]
+tile does. Query head n reads KV head n // G.
+
+Masking is the reference's rule per (query slot q, key slot s): start[b] <= s <= q and, with a window,
+q - s < window; queries sit in slots q_offset .. q_offset + T - 1 (left padding puts a row's prompt at the end).
+A query block needs only the keys in [lo, hi] with
+
+    lo = max(start[b], first query slot - window + 1),    hi = min(last real query slot, S - 1),
+
+so key blocks wholly above the diagonal, wholly before `start` (left padding) or wholly outside the window are
+never read: causal prefill moves about half the K/V bytes and does half the FLOPs of the dense product, a
+heavily padded row less still, and with a window the work per query block is bounded by the window, not by T.
+
+Block skipping, per backend (same scheme as the decode kernel; see its docstring for the reasoning):
+
+* TPU (Mosaic): grid (B, N, query blocks, key steps) with the key axis "arbitrary" and the softmax state in VMEM
+  scratch. start and q_offset are scalar-prefetched; the K/V index_map starts at the query block's first live key
+  block and clamps at its last, so steps past it re-name the resident block (no DMA) and `pl.when` skips them.
+  With a window, the key axis has only as many steps as a window can span.
+* GPU (Triton): grid (B, N, query blocks); each program loops (`lax.fori_loop`, dynamic trip count) over its live
+  key blocks, loading `k_ref[pl.ds(offset, block_k), :]` from the [S, H] row, the last block shifted back to end
+  at S and its re-read slots masked.
+
+Memory traffic: each query block reads its Q tile once and each live K/V tile once per query head (the G heads of
+a group re-read the same tiles, which on GPU mostly hit L2); writes the output tile once. Prefill is compute
+bound for T in the hundreds, so the skipped tiles are what matter.
+
+Query rows past T (padding of the query axis to a whole block) compute finite garbage that is sliced off; a query
+row with no live key (a left-padding slot) returns 0, where the reference returns a uniform average over the
+slots any query sees: only rows with at least one live key are specified.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltriton
+
+from jaxkv.attention.decode_kernel import (GPU_MIN_DIM, MASKED, block_range, cdiv, gpu_block, next_pow2,
+                                           normalize, online_softmax_step, pad_axis, tpu_block)
+
+# --- shared between the two bodies ---------------------------------------------------------------------------
+
+
+def query_block_bounds(start, q_offset, i, *, block_q: int, num_queries: int, num_slots: int,
+                       window: int | None):
+    """(lo, hi, first query slot) of query block i: its real queries may see only key slots [lo, hi]."""
+    q_first = q_offset + i * block_q
+    q_last = q_offset + jnp.minimum((i + 1) * block_q, num_queries) - 1  # padded query rows do not widen it
+    lo = start if window is None else jnp.maximum(start, q_first - (window - 1))
+    return lo, jnp.minimum(q_last, num_slots - 1), q_first
+
+
+def prefill_masks(q_first, offset, floor, start, lo, hi, window: int | None, rows: int, cols: int, head_dim: int):
+    """Masks of a tile of query rows (slots q_first + r) against key columns (slots offset + c).
+
+    live bool[rows, cols]: the reference's rule, restricted to slots >= floor (GPU: slots a shifted block re-reads
+    were folded in by the previous block) and <= hi (slots past S in a partial TPU block are garbage).
+    v_live bool[cols, head_dim]: slots in [max(lo, floor), hi], the union of the rows' ranges; every live pair's
+    slot is in it.
+    """
+    q_slot = q_first + lax.broadcasted_iota(jnp.int32, (rows, cols), 0)  # [R, C]
+    k_slot = offset + lax.broadcasted_iota(jnp.int32, (rows, cols), 1)  # [R, C]
+    live = (k_slot >= jnp.maximum(start, floor)) & (k_slot <= q_slot) & (k_slot <= hi)
+    if window is not None:
+        live &= q_slot - k_slot < window
+    v_slot = offset + lax.broadcasted_iota(jnp.int32, (cols, head_dim), 0)  # [C, H]
+    return live, (v_slot >= jnp.maximum(lo, floor)) & (v_slot <= hi)
+
+
+def max_key_steps(num_blocks: int, block_q: int, block_k: int, window: int | None) -> int:
+    """Static bound on the key blocks one query block can need: all of them, or what a window can span."""
+    if window is None:
+        return num_blocks
+    return min(num_blocks, cdiv(block_q + window - 1, block_k) + 1)
+
+
+# --- TPU (Mosaic) --------------------------------------------------------------------------------------------
+
+
+def _tpu_step_block(b, i, j, start_ref, qoff_ref, *, block_k: int, num_blocks: int, **bounds):
+    """(key block index, whether it is live) for grid step (b, ., i, j): the query block's j-th live key block,
+    clamped to its last one past the end (same index as the previous step: no DMA)."""
+    lo, hi, _ = query_block_bounds(start_ref[b], qoff_ref[0], i, **bounds)
+    first, count = block_range(lo, hi, block_k)
+    return jnp.clip(first + jnp.maximum(jnp.minimum(j, count - 1), 0), 0, num_blocks - 1), j < count
+
+
+def _prefill_kernel_tpu(start_ref, qoff_ref, q_ref, k_ref, v_ref, o_ref, m_scr, l_scr, acc_scr, *, scale: float,
+                        block_k: int, num_blocks: int, window: int | None, **bounds):
+    """Grid (B, N, query blocks, key steps). q_ref, o_ref [block_q, H]; k_ref, v_ref [block_k, H]."""
+    b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    block, live_step = _tpu_step_block(b, i, j, start_ref, qoff_ref, block_k=block_k, num_blocks=num_blocks,
+                                       window=window, **bounds)
+
+    @pl.when(j == 0)
+    def _init():
+        m_scr[...] = jnp.full(m_scr.shape, MASKED, jnp.float32)
+        l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
+        acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
+
+    @pl.when(live_step)
+    def _step():
+        rows, head_dim = q_ref.shape
+        start = start_ref[b]
+        lo, hi, q_first = query_block_bounds(start, qoff_ref[0], i, window=window, **bounds)
+        live, v_live = prefill_masks(q_first, block * block_k, block * block_k, start, lo, hi, window, rows,
+                                     block_k, head_dim)
+        m, l, acc = online_softmax_step(m_scr[...], l_scr[...], acc_scr[...], q_ref[...], k_ref[...], v_ref[...],
+                                        live, v_live, scale=scale)
+        m_scr[...], l_scr[...], acc_scr[...] = m, l, acc
+
+    @pl.when(j == pl.num_programs(3) - 1)
+    def _emit():
+        o_ref[...] = normalize(acc_scr[...], l_scr[...]).astype(o_ref.dtype)
+
+
+def _prefill_tpu(q, k, v, start, q_offset, *, scale: float, block_q: int, block_k: int, num_queries: int,
+                 window: int | None, interpret):
+    """q [B, N, Tp, H] (Tp a multiple of block_q); k, v [B, K, S, H]; start int32[B]; q_offset int32[1]
+    -> [B, N, Tp, H] in q's dtype."""
+    B, N, Tp, H = q.shape
+    K, S = k.shape[1], k.shape[2]
+    G = N // K
+    block_k = tpu_block(S, block_k)
+    num_blocks = cdiv(S, block_k)
+    bounds = dict(block_q=block_q, num_queries=num_queries, num_slots=S)
+    step_block = functools.partial(_tpu_step_block, block_k=block_k, num_blocks=num_blocks, window=window,
+                                   **bounds)
+
+    def q_map(b, n, i, j, start_ref, qoff_ref):
+        return b, n, i, 0
+
+    def kv_map(b, n, i, j, start_ref, qoff_ref):
+        return b, lax.div(n, G), step_block(b, i, j, start_ref, qoff_ref)[0], 0
+
+    kv_spec = pl.BlockSpec((None, None, block_k, H), kv_map)
+    q_spec = pl.BlockSpec((None, None, block_q, H), q_map)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2,  # start, q_offset: the index maps need them before each step's DMA
+        grid=(B, N, Tp // block_q, max_key_steps(num_blocks, block_q, block_k, window)),
+        in_specs=[q_spec, kv_spec, kv_spec],
+        out_specs=q_spec,
+        scratch_shapes=[pltpu.VMEM((block_q, 1), jnp.float32), pltpu.VMEM((block_q, 1), jnp.float32),
+                        pltpu.VMEM((block_q, H), jnp.float32)],
+    )
+    kernel = functools.partial(_prefill_kernel_tpu, scale=scale, block_k=block_k, num_blocks=num_blocks,
+                               window=window, **bounds)
+    return pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+        interpret=interpret,
+        name="jaxkv_prefill_attention",
+    )(start, q_offset, q, k, v)
+
+
+# --- GPU (Triton) --------------------------------------------------------------------------------------------
+
+
+def _prefill_kernel_gpu(start_ref, qoff_ref, q_ref, k_ref, v_ref, o_ref, *, scale: float, block_k: int,
+                        window: int | None, **bounds):
+    """Grid (B, N, query blocks). start_ref, qoff_ref [1]; q_ref, o_ref [block_q, H]; k_ref, v_ref [S, H] (a
+    pointer: only the loop's slices are read)."""
+    start = start_ref[0]
+    ref_slots = k_ref.shape[0]  # Sp >= num_slots: the shifted block may re-read zero padding, never past it
+    lo, hi, q_first = query_block_bounds(start, qoff_ref[0], pl.program_id(2), window=window, **bounds)
+    first, count = block_range(lo, hi, block_k)
+    q = q_ref[...]  # [block_q, H]
+    rows, head_dim = q.shape
+
+    def body(i, carry):
+        floor = (first + i) * block_k
+        offset = jnp.minimum(floor, ref_slots - block_k)  # the last block shifted back to end at Sp
+        k = k_ref[pl.ds(offset, block_k), :]  # [block_k, H]
+        v = v_ref[pl.ds(offset, block_k), :]  # [block_k, H]
+        live, v_live = prefill_masks(q_first, offset, floor, start, lo, hi, window, rows, block_k, head_dim)
+        return online_softmax_step(*carry, q, k, v, live, v_live, scale=scale)
+
+    init = (jnp.full((rows, 1), MASKED, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
+            jnp.zeros((rows, head_dim), jnp.float32))
+    _, l, acc = lax.fori_loop(0, count, body, init)  # only the live key blocks are loaded
+    o_ref[...] = normalize(acc, l).astype(o_ref.dtype)
+
+
+def _prefill_gpu(q, k, v, start, q_offset, *, scale: float, block_q: int, block_k: int, num_queries: int,
+                 num_slots: int, window: int | None, interpret):
+    """q [B, N, Tp, H]; k, v [B, K, Sp, H] (Sp >= 16; H, block_q powers of two >= 16), of which the first
+    `num_slots` slots are real; start int32[B]; q_offset int32[1] -> [B, N, Tp, H] in q's dtype."""
+    B, N, Tp, H = q.shape
+    K, Sp = k.shape[1], k.shape[2]
+    G = N // K
+    block_k = gpu_block(Sp, block_k)
+
+    def scalar_map(b, n, i):
+        return (b,)
+
+    def qoff_map(b, n, i):
+        return (0,)
+
+    def q_map(b, n, i):
+        return b, n, i, 0
+
+    def kv_map(b, n, i):
+        return b, lax.div(n, G), 0, 0
+
+    kernel = functools.partial(_prefill_kernel_gpu, scale=scale, block_k=block_k, window=window, block_q=block_q,
+                               num_queries=num_queries, num_slots=num_slots)
+    q_spec = pl.BlockSpec((None, None, block_q, H), q_map)
+    kv_spec = pl.BlockSpec((None, None, Sp, H), kv_map)  # whole row: a base pointer, loaded per block
+    return pl.pallas_call(
+        kernel,
+        grid=(B, N, Tp // block_q),
+        in_specs=[pl.BlockSpec((1,), scalar_map), pl.BlockSpec((1,), qoff_map), q_spec, kv_spec, kv_spec],
+        out_specs=q_spec,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        # Explicit Triton params: without them JAX 0.10 lowers GPU pallas_calls with Mosaic GPU.
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="jaxkv_prefill_attention",
+    )(start, q_offset, q, k, v)
+
+
+# --- public --------------------------------------------------------------------------------------------------
+
+DEFAULT_BLOCKS = types.MappingProxyType({"tpu": (128, 256), "gpu": (64, 64)})  # (block_q, block_k), read-only
+
+
+def prefill_attention(q, k, v, start, q_offset, *, scale: float, sliding_window: int | None = None,
+                      platform: str = "tpu", block_q: int | None = None, block_k: int | None = None,
+                      interpret=False):
+    """Causal attention of T queries over S key slots; same contract as `reference.attention`.
+
+    Args:
+      q: [B, T, N, H] queries for slots [q_offset, q_offset + T); k, v: [B, K, S, H]; start: int32[B];
+        q_offset: int32[].
+      platform: "tpu" (Mosaic body) or "gpu" (Triton body).
+      block_q, block_k: tile sizes (TPU: block_q a multiple of 16, block_k of 128; GPU: powers of two >= 16).
+      interpret: run the kernel in the Pallas interpreter (any truthy value pallas_call accepts).
+
+    Returns:
+      [B, T, N, H] in q's dtype.
+    """
+    B, T, N, H = q.shape
+    S = k.shape[2]
+    if platform not in DEFAULT_BLOCKS:
+        raise ValueError(f"platform must be 'tpu' or 'gpu', got {platform!r}")
+    default_q, default_k = DEFAULT_BLOCKS[platform]
+    block_q, block_k = block_q or default_q, block_k or default_k
+    start = jnp.asarray(start, jnp.int32)  # [B]
+    q_offset = jnp.reshape(jnp.asarray(q_offset, jnp.int32), (1,))  # [1]: scalar operands are 1-D refs
+    q = q.transpose(0, 2, 1, 3)  # [B, N, T, H]: each (sequence, head) a contiguous [T, H] tile source
+    common = dict(scale=scale, num_queries=T, window=sliding_window, interpret=interpret)
+    if platform == "tpu":
+        if T > block_q and block_q % 16:
+            raise ValueError(f"TPU block_q must be a multiple of 16 (bf16 sublane packing), got {block_q}")
+        block_q = T if T <= block_q else block_q  # a block equal to the array dim is always legal
+        q = pad_axis(q, 2, cdiv(T, block_q) * block_q)  # [B, N, Tp, H]
+        out = _prefill_tpu(q, k, v, start, q_offset, block_q=block_q, block_k=block_k, **common)
+    else:
+        gpu_block(GPU_MIN_DIM, block_q)  # validates: a power of two >= 16
+        block_q = max(GPU_MIN_DIM, min(block_q, next_pow2(T)))
+        Hp = max(GPU_MIN_DIM, next_pow2(H))  # Triton tensors are powers of two; pads copy q, k, v (rare)
+        Sp = max(S, GPU_MIN_DIM)  # the shifted last key block must fit
+        q = pad_axis(pad_axis(q, 3, Hp), 2, cdiv(T, block_q) * block_q)  # [B, N, Tp, Hp]
+        k = pad_axis(pad_axis(k, 3, Hp), 2, Sp)  # [B, K, Sp, Hp]
+        v = pad_axis(pad_axis(v, 3, Hp), 2, Sp)  # [B, K, Sp, Hp]
+        out = _prefill_gpu(q, k, v, start, q_offset, block_q=block_q, block_k=block_k, num_slots=S, **common)
+    return out[:, :, :T, :H].transpose(0, 2, 1, 3)  # [B, T, N, H]

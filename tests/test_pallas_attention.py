@@ -1,0 +1,268 @@
+"""The Pallas attention kernels against the XLA reference, their block skipping, and their lowering.
+
+On CPU the kernels run in the Pallas interpreter, both bodies (Mosaic "tpu" and Triton "gpu"). With
+JAXKV_PALLAS_COMPILED=1 (set by scripts/device_check.py on a GPU or TPU machine) they run compiled, the device's
+body only. Start slots and q_offset are traced arguments, so each kernel configuration compiles once and is then
+checked at many live lengths.
+"""
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxkv
+from jaxkv.attention import decode_kernel, pallas, prefill_kernel, reference
+
+# float32: kernel and reference accumulate in float32 but in a different order (block-wise online softmax vs one
+#   pass); the differences are a few ulps of O(1) outputs, ~1e-6, so 1e-5 leaves margin yet catches any masking
+#   or rescaling error (those are O(1e-2) and up).
+# bfloat16: the output is rounded to bfloat16 (relative step 2^-8 = 4e-3) and the kernel rounds the softmax
+#   probabilities to bfloat16 for the P.V matmul (as flash kernels do for the MXU / tensor cores) where the
+#   reference keeps them in float32: errors of a few 2^-8 on outputs of magnitude <= ~2.
+TOLERANCES = {"float32": dict(atol=1e-5, rtol=1e-5), "bfloat16": dict(atol=2e-2, rtol=2e-2)}
+
+COMPILED = os.environ.get("JAXKV_PALLAS_COMPILED") == "1"
+PLATFORMS = [pallas.default_platform()] if COMPILED else ["tpu", "gpu"]
+INTERPRET = not COMPILED
+# Small blocks so that S = 300 spans several blocks and ends in a partial one (interpret mode is slow).
+BLOCKS = {"tpu": dict(decode_block_k=128, prefill_block_q=16, prefill_block_k=128),
+          "gpu": dict(decode_block_k=64, prefill_block_q=16, prefill_block_k=32)}
+HEADS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (4, 1)}  # (N, K): GQA is 4:1
+S = 300  # cache slots: not a multiple of any block size
+
+
+# The interpreted kernels are big XLA programs and compiling them is most of this file's run time; XLA:CPU's backend
+# optimisation level 0 compiles them ~40% faster (LLVM effort only: the HLO and its arithmetic are unchanged).
+# Device runs keep the default pipeline.
+_COMPILER_OPTIONS = None if COMPILED else {"xla_backend_optimization_level": 0}
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(fn, *arg_types):
+    return jax.jit(fn).lower(*arg_types).compile(_COMPILER_OPTIONS)
+
+
+def _run(fn, *args):
+    """fn(*args), compiled once per (fn, argument shapes and dtypes); start and q_offset stay traced."""
+    return _compiled(fn, *(jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) for a in args))(*args)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(platform, window, **knobs):
+    knobs = {**BLOCKS[platform], **knobs}
+    return functools.partial(pallas.attention, scale=0.125, sliding_window=window, platform=platform,
+                             interpret=INTERPRET, **knobs)
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(window):
+    return functools.partial(reference.attention, scale=0.125, sliding_window=window)
+
+
+def _inputs(B, T, heads, H, dtype, num_slots=S, seed=0):
+    N, K = HEADS[heads]
+    rng = np.random.default_rng(seed)
+    q, k, v = (jnp.asarray(rng.normal(size=shape), dtype)
+               for shape in [(B, T, N, H), (B, K, num_slots, H), (B, K, num_slots, H)])
+    return q, k, v
+
+
+def _check(platform, window, q, k, v, start, q_offset, *, expected_from=None, **knobs):
+    """Kernel vs reference on rows with at least one live key; every output finite. `expected_from`: (k, v) to
+    compute the reference from instead (the clean cache of a poisoned one)."""
+    start, q_offset = jnp.asarray(start, jnp.int32), jnp.int32(q_offset)
+    out = np.asarray(_run(_kernel(platform, window, **knobs), q, k, v, start, q_offset), np.float32)
+    ref_k, ref_v = expected_from or (k, v)
+    want = np.asarray(_run(_reference(window), q, ref_k, ref_v, start, q_offset), np.float32)
+    T, num_slots = q.shape[1], k.shape[2]
+    has_live = np.asarray(reference.live_mask(start, q_offset, T, num_slots, window).any(-1))  # [B, T]
+    assert np.isfinite(out).all(), "non-finite output (a fully masked row must give 0, not NaN)"
+    # Rows with no live key are unspecified by the reference; the kernels document 0 for them.
+    np.testing.assert_array_equal(out[~has_live], 0.0)
+    assert has_live.any()
+    np.testing.assert_allclose(out[has_live], want[has_live], **TOLERANCES[jnp.dtype(q.dtype).name],
+                               err_msg=f"start={np.asarray(start)} q_offset={int(q_offset)}")
+    return out, has_live
+
+
+# --- decode (T == 1) -----------------------------------------------------------------------------------------
+
+# (heads, head dim, dtype, batch, window, splits): every value of every axis appears, and MHA and GQA each meet
+# both head dims and both dtypes (the full product would cost minutes of interpreter compiles; MQA's H = 128 is in
+# the prefill cases). splits=None is the platform default (GPU: several; TPU: 1).
+DECODE_CASES = [
+    ("mha", 64, "float32", 3, None, None),
+    ("gqa", 128, "bfloat16", 1, None, None),
+    ("mqa", 64, "bfloat16", 3, None, 2),
+    ("gqa", 64, "float32", 3, 50, 2),
+    ("mha", 128, "bfloat16", 3, 129, 3),
+]
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("heads,H,dtype,B,window,splits", DECODE_CASES)
+def test_decode_matches_reference(platform, heads, H, dtype, B, window, splits):
+    q, k, v = _inputs(B, 1, heads, H, dtype)
+    check = functools.partial(_check, platform, window, q, k, v, decode_splits=splits)
+    bk = BLOCKS[platform]["decode_block_k"]
+    # Live lengths 1, block-1, block, block+1 and the whole cache, starting at slot 0 (block-aligned).
+    for length in (1, bk - 1, bk, bk + 1, S):
+        check(np.zeros(B, np.int32), length - 1)
+    # The same lengths ending at a block-unaligned last slot, and ragged rows in one batch.
+    for q_offset in (S - 1, bk + 7):
+        for lengths in ((1, bk, q_offset + 1), (bk + 1, bk - 1, 2)):
+            check(q_offset + 1 - np.array(lengths[:B]), q_offset)
+    if B > 1:  # a row with no live slot at all (start past the query) must come out finite
+        _, has_live = check([0, bk + 1, 5], bk)
+        assert not has_live[1].any()
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_decode_ignores_poisoned_dead_slots(platform):
+    """NaN in every slot outside [start, q_offset] (left padding, the unwritten tail, whole blocks of both) must
+    not change the output: dead blocks are never read and dead slots of read blocks are masked."""
+    B, q_offset = 3, 200
+    start = np.array([37, 0, 150])
+    q, k, v = _inputs(B, 1, "gqa", 64, "float32")
+    slot = np.arange(S)
+    dead = (slot[None, :] < start[:, None]) | (slot[None, :] > q_offset)  # [B, S]
+    poison = jnp.asarray(dead)[:, None, :, None]
+    k_bad, v_bad = jnp.where(poison, jnp.nan, k), jnp.where(poison, jnp.nan, v)
+    _check(platform, 50, q, k_bad, v_bad, start, q_offset, expected_from=(k, v), decode_splits=2)
+    _check(platform, None, q, k_bad, v_bad, start, q_offset, expected_from=(k, v))
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_decode_large_logits_are_stable(platform):
+    q, k, v = _inputs(3, 1, "gqa", 64, "float32")
+    # Scores in the thousands: exp overflows unless the running max is subtracted.
+    _check(platform, None, q * 40.0, k * 40.0, v, [0, 10, 250], S - 1)
+
+
+def _tpu_decode_fetches(lo, hi, *, num_slots, block_k, splits):
+    """Simulates the Mosaic pipeline over the decode grid of one KV head: the K blocks it DMAs (it copies a block
+    only when the index map names a different one than at the previous step) and the blocks the body computes."""
+    num_blocks = -(-num_slots // block_k)
+    lo_ref, hi_ref = jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)
+    fetched, computed, previous = [], [], None
+    for b in range(len(lo)):
+        for split in range(splits):
+            for j in range(-(-num_blocks // splits)):
+                block, live = decode_kernel._tpu_step_block(b, split, j, lo_ref, hi_ref, block_k=block_k,
+                                                            splits=splits, num_blocks=num_blocks)
+                if (b, int(block)) != previous:
+                    fetched.append((b, int(block)))
+                    previous = (b, int(block))
+                if live:
+                    computed.append((b, int(block)))
+    return fetched, computed
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_reads_only_live_blocks(splits):
+    """max_len 4096 with 100 live tokens: the work is two blocks, not 4096 / block_k (TPU index map and GPU loop
+    bounds, the very functions the kernels call)."""
+    block_k, num_slots = 128, 4096
+    start = np.array([1000, 0, 3000])
+    lo, hi = decode_kernel.live_bounds(start, 1099, num_slots, None)  # row 0: 100 live slots, in blocks 7 and 8
+    live_blocks = {b: set(range(int(lo[b]) // block_k, int(hi[b]) // block_k + 1)) for b in range(3) if lo[b] <= hi[b]}
+    assert live_blocks[0] == {7, 8} and len(live_blocks[1]) == 9 and 2 not in live_blocks
+
+    fetched, computed = _tpu_decode_fetches(lo, hi, num_slots=num_slots, block_k=block_k, splits=splits)
+    expected = sorted((b, blk) for b, blocks in live_blocks.items() for blk in blocks)
+    assert sorted(computed) == expected  # each live block computed exactly once
+    # DMAs: the live blocks, plus one clamped block for the row with none (its index map must name some block).
+    assert sorted(f for f in fetched if f[0] != 2) == expected and len([f for f in fetched if f[0] == 2]) == 1
+
+    # GPU: each split loops over [first + begin, first + end): the shares tile the live blocks exactly.
+    for b in range(3):
+        first, count = decode_kernel.block_range(lo[b], hi[b], block_k)
+        loaded = []
+        for split in range(splits):
+            begin, end = decode_kernel.split_share(count, splits, split)
+            loaded += range(int(first + begin), int(first + end))
+        assert sorted(loaded) == sorted(live_blocks.get(b, ()))
+
+
+# --- prefill (T > 1) -----------------------------------------------------------------------------------------
+
+# (heads, head dim, dtype, batch, T, slots, window, q_offsets)
+PREFILL_CASES = [
+    ("gqa", 64, "float32", 3, 40, 40, None, (0,)),  # what generate's prefill does: T = S, q_offset = 0
+    ("mqa", 128, "bfloat16", 3, 40, 40, 7, (0,)),
+    # q_offset > 0 (a chunk of prompt after cached slots), S not a multiple of the key block, T of the query block
+    ("mha", 128, "float32", 1, 33, S, 17, (0, 100, S - 33)),
+]
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("heads,H,dtype,B,T,num_slots,window,q_offsets", PREFILL_CASES)
+def test_prefill_matches_reference(platform, heads, H, dtype, B, T, num_slots, window, q_offsets):
+    q, k, v = _inputs(B, T, heads, H, dtype, num_slots=num_slots)
+    for q_offset in q_offsets:
+        # Ragged left padding: no padding, a little, a lot, and a row whose only real token is the last query.
+        for start in ([0, 3, T - 1], [q_offset + T - 1, 0, q_offset + 5]):
+            _check(platform, window, q, k, v, np.array(start[:B]), q_offset)
+
+
+def test_prefill_skips_masked_key_blocks():
+    """Causal T = S = 512 in 128-blocks: a query block reads only key blocks up to its diagonal and from the
+    row's start on (the TPU index map; the GPU loop uses the same `query_block_bounds`)."""
+    block, T = 128, 512
+    bounds = dict(block_q=block, num_queries=T, num_slots=T, window=None)
+    start, q_offset = jnp.asarray([0, 300], jnp.int32), jnp.asarray([0], jnp.int32)
+    for b, first_live in ((0, 0), (1, 300 // block)):
+        for i in range(T // block):
+            live = [int(blk) for j in range(T // block)
+                    for blk, ok in [prefill_kernel._tpu_step_block(b, i, j, start, q_offset, block_k=block,
+                                                                   num_blocks=T // block, **bounds)] if ok]
+            assert live == list(range(first_live, i + 1))  # [] for query blocks wholly in the padding
+    # With a window of 64 a query block's keys span at most 128 + 63 slots: three blocks when q_offset is not
+    # block-aligned, and the grid has only that many key steps instead of T / block.
+    assert prefill_kernel.max_key_steps(8, block, block, 64) == 3
+
+
+# --- end to end ----------------------------------------------------------------------------------------------
+
+_SMALL = dict(vocab_size=97, d_model=64, n_layers=2, n_heads=4, ffn_dim=96)
+# Each test compiles four programs (~15 s here), so two configs: GQA 2:1 with a sliding window shorter than the
+# longest prompt (the window bites in prefill and decode), and MQA without one (plain GQA is in between; the
+# kernel-level tests cover it).
+GENERATE_CONFIGS = {
+    "gqa-sliding": jaxkv.Config(**_SMALL, n_kv_heads=2, sliding_window=8),
+    "mqa": jaxkv.Config(**_SMALL, n_kv_heads=1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GENERATE_CONFIGS))
+def test_generate_pallas_equals_xla(name):
+    model = jaxkv.Model.random(GENERATE_CONFIGS[name], seed=3)
+    prompts = [[5, 17, 3, 9, 41, 2, 8, 60, 11, 4, 23, 7], [1], [30, 31, 32, 33, 34]]  # ragged: left padding
+    got = jaxkv.generate(model, prompts, max_new_tokens=12, attention="pallas", stop_tokens=[])
+    want = jaxkv.generate(model, prompts, max_new_tokens=12, attention="xla", stop_tokens=[])
+    assert got.tokens == want.tokens
+
+
+# --- lowering for real hardware without the hardware ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("T", [1, 64], ids=["decode", "prefill"])
+@pytest.mark.parametrize("platform,lowering_platform,custom_call",
+                         [("tpu", "tpu", "tpu_custom_call"), ("gpu", "cuda", "__gpu$xla.gpu.triton")])
+def test_lowers_for_device(platform, lowering_platform, custom_call, T):
+    """Compiled (interpret=False) kernels lower to Mosaic / Triton IR from any host: this runs the whole Pallas
+    lowering (block-shape rules, every primitive's Mosaic or Triton rule) but not the device compiler (Mosaic's
+    layout passes live in libtpu, ptxas in the CUDA toolchain)."""
+    B, N, K, H, num_slots = 2, 8, 2, 128, 1000
+    dtype = jnp.bfloat16
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in [((B, T, N, H), dtype), ((B, K, num_slots, H), dtype),
+                                                    ((B, K, num_slots, H), dtype), ((B,), jnp.int32),
+                                                    ((), jnp.int32)]]
+    f = jax.jit(functools.partial(pallas.attention, scale=0.125, sliding_window=256, platform=platform,
+                                  interpret=False))
+    text = f.trace(*args).lower(lowering_platforms=(lowering_platform,)).as_text()
+    assert f"stablehlo.custom_call @{custom_call}" in text
