@@ -38,8 +38,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 import jaxkv
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 EOT = 256  # the end-of-text token: separates documents; generation stops on it
 EOT_TEXT = "<|endoftext|>"
