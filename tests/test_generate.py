@@ -143,17 +143,13 @@ def _zero_heavy_sampler(logits, key):
 def test_token_zero_is_a_real_token_not_padding():
     model = model_for("gqa")
     out = jaxkv.generate(model, PROMPTS, max_new_tokens=16, sampler=_zero_heavy_sampler, stop_tokens=[1])
-    # Reference: the same rule applied step by step on the full recompute.
+    # Reference: the same rule applied to the no-cache recompute of prompt + output (causal, so position t of one
+    # full forward is what step t saw); the output must end exactly at the first 1, or run to 16 tokens.
     for prompt, tokens, reason in zip(PROMPTS, out.tokens, out.finish_reasons):
-        seq, expected = list(prompt), []
-        for _ in range(16):
-            nxt = int(_zero_heavy_sampler(jaxkv.logits(model, [seq])[0, -1:], None)[0])
-            expected.append(nxt)
-            seq.append(nxt)
-            if nxt == 1:
-                break
-        assert tokens == expected
-        assert reason == ("stop" if expected[-1] == 1 else "length")
+        full = jaxkv.logits(model, [prompt + tokens])[0, len(prompt) - 1: -1]
+        assert tokens == np.asarray(_zero_heavy_sampler(full, None)).tolist()
+        assert (1 not in tokens[:-1]) and (tokens[-1] == 1 or len(tokens) == 16)
+        assert reason == ("stop" if tokens[-1] == 1 else "length")
     assert any(0 in t[:-1] for t in out.tokens), "the test needs a 0 in the middle of some output"
 
 
