@@ -195,7 +195,7 @@ def bench_curves(args) -> dict:
     config = PRESETS["small"]
     model = jaxkv.Model.random(config, seed=0)
     prompt_len, new = args.prompt_len, args.curve_tokens
-    positions = [prompt_len + n for n in np.linspace(0, new, 9).astype(int)]
+    positions = [prompt_len + int(n) for n in np.linspace(0, new, 9)]
 
     @jax.jit
     def recompute_last(params, tokens):  # the no-cache step: a full forward over the whole sequence
@@ -353,7 +353,7 @@ def main(argv=None) -> int:
             print(f"live {n:5d}: {a * 1e3:6.2f} ms/step at max_len 4160, {b * 1e3:6.2f} ms/step at max_len = live")
         for b, s in zip(curves["batches"], curves["step_s_by_batch"]):
             print(f"batch {b:3d}: {s * 1e3:6.2f} ms/step, {b / s:8.1f} tokens/s")
-    (out / "bench.json").write_text(json.dumps(report, indent=2))
+    (out / "bench.json").write_text(json.dumps(report, indent=2, default=float))  # numpy scalars
     print(f"\nwrote {out / 'bench.json'}" + "".join(f", {p}" for p in report.get("plots", [])))
     return 0
 
