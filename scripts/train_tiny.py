@@ -30,7 +30,6 @@ import argparse
 import functools
 import math
 import pathlib
-import sys
 import time
 
 import jax

@@ -102,6 +102,13 @@ def _precision(dtype):
     return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
+def reset_softmax_state(m_scr, l_scr, acc_scr):
+    """Starts an online softmax: running max at MASKED, running sum and accumulator at 0 (TPU scratch refs)."""
+    m_scr[...] = jnp.full(m_scr.shape, MASKED, jnp.float32)
+    l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
+    acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
+
+
 def online_softmax_step(m_prev, l_prev, acc_prev, q, k, v, live, v_live, *, scale: float):
     """Folds one key block into the online softmax state.
 
@@ -225,11 +232,7 @@ def _decode_kernel_tpu(lo_ref, hi_ref, q_ref, k_ref, v_ref, acc_out, m_out, l_ou
     block, live_step = _tpu_step_block(b, split, j, lo_ref, hi_ref, block_k=block_k, splits=splits,
                                        num_blocks=num_blocks)
 
-    @pl.when(j == 0)
-    def _init():
-        m_scr[...] = jnp.full(m_scr.shape, MASKED, jnp.float32)
-        l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
-        acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
+    pl.when(j == 0)(functools.partial(reset_softmax_state, m_scr, l_scr, acc_scr))
 
     @pl.when(live_step)
     def _step():

@@ -49,7 +49,8 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from jaxkv.attention.decode_kernel import (GPU_MIN_DIM, MASKED, block_range, cdiv, gpu_block, next_pow2,
-                                           normalize, online_softmax_step, pad_axis, tpu_block)
+                                           normalize, online_softmax_step, pad_axis, reset_softmax_state,
+                                           tpu_block)
 
 # --- shared between the two bodies ---------------------------------------------------------------------------
 
@@ -105,11 +106,7 @@ def _prefill_kernel_tpu(start_ref, qoff_ref, q_ref, k_ref, v_ref, o_ref, m_scr, 
     block, live_step = _tpu_step_block(b, i, j, start_ref, qoff_ref, block_k=block_k, num_blocks=num_blocks,
                                        window=window, **bounds)
 
-    @pl.when(j == 0)
-    def _init():
-        m_scr[...] = jnp.full(m_scr.shape, MASKED, jnp.float32)
-        l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
-        acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
+    pl.when(j == 0)(functools.partial(reset_softmax_state, m_scr, l_scr, acc_scr))
 
     @pl.when(live_step)
     def _step():
