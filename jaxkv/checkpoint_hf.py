@@ -14,37 +14,37 @@ run code. The loader works in two phases so that a bad checkpoint fails with a c
 Per-architecture name mapping (HF name, after the base-model prefix `model.` / `transformer.`; letters as in
 `jaxkv.shapes`; `{i}` is the layer; paths are into `Model.params`):
 
-  Llama / Mistral / Qwen2 (torch nn.Linear weights are [out, in], so every weight is transposed)
+  Llama / Mistral / Qwen2 (torch nn.Linear weights are [out, in], jaxkv's layout too: nothing is transposed)
     embed_tokens.weight                  [V, D]    -> embedding                      as is
     layers.{i}.input_layernorm.weight    [D]       -> layer_{i}/attn_norm/scale      as is
     layers.{i}.post_attention_layernorm.weight [D] -> layer_{i}/mlp_norm/scale       as is
-    layers.{i}.self_attn.q_proj.weight   [N*H, D]  -> layer_{i}/attn/wq [D, N, H]    transpose, reshape
-    layers.{i}.self_attn.k_proj.weight   [K*H, D]  -> layer_{i}/attn/wk [D, K, H]    transpose, reshape
-    layers.{i}.self_attn.v_proj.weight   [K*H, D]  -> layer_{i}/attn/wv [D, K, H]    transpose, reshape
+    layers.{i}.self_attn.q_proj.weight   [N*H, D]  -> layer_{i}/attn/wq [N, H, D]    reshape
+    layers.{i}.self_attn.k_proj.weight   [K*H, D]  -> layer_{i}/attn/wk [K, H, D]    reshape
+    layers.{i}.self_attn.v_proj.weight   [K*H, D]  -> layer_{i}/attn/wv [K, H, D]    reshape
     layers.{i}.self_attn.{q,k,v}_proj.bias [N*H | K*H] -> layer_{i}/attn/w{q,k,v}_bias [N | K, H]  reshape
                                                      (Qwen2 always; Llama with attention_bias)
-    layers.{i}.self_attn.o_proj.weight   [D, N*H]  -> layer_{i}/attn/wo [N, H, D]    transpose, reshape
+    layers.{i}.self_attn.o_proj.weight   [D, N*H]  -> layer_{i}/attn/wo [D, N, H]    reshape
     layers.{i}.self_attn.o_proj.bias     [D]       -> layer_{i}/attn/wo_bias         (Llama with attention_bias)
-    layers.{i}.mlp.gate_proj.weight      [F, D]    -> layer_{i}/mlp/w_gate [D, F]    transpose
-    layers.{i}.mlp.up_proj.weight        [F, D]    -> layer_{i}/mlp/w_up [D, F]      transpose
-    layers.{i}.mlp.down_proj.weight      [D, F]    -> layer_{i}/mlp/w_down [F, D]    transpose
+    layers.{i}.mlp.gate_proj.weight      [F, D]    -> layer_{i}/mlp/w_gate           as is
+    layers.{i}.mlp.up_proj.weight        [F, D]    -> layer_{i}/mlp/w_up             as is
+    layers.{i}.mlp.down_proj.weight      [D, F]    -> layer_{i}/mlp/w_down           as is
     layers.{i}.mlp.{gate,up,down}_proj.bias        -> layer_{i}/mlp/w_{gate,up,down}_bias  (Llama with mlp_bias)
     norm.weight                          [D]       -> final_norm/scale               as is
-    lm_head.weight (no prefix)           [V, D]    -> lm_head [D, V]                 transpose (untied only)
+    lm_head.weight (no prefix)           [V, D]    -> lm_head                        as is (untied only)
 
-  GPT-2 (Conv1D weights are already [in, out]; nothing is transposed)
+  GPT-2 (Conv1D weights are [in, out]: every matrix is transposed to jaxkv's [out, in])
     wte.weight                           [V, D]    -> embedding                      as is
     wpe.weight                   [n_positions, D]  -> pos_embedding                  as is
     h.{i}.ln_1.{weight,bias}             [D]       -> layer_{i}/attn_norm/{scale,bias}
     h.{i}.ln_2.{weight,bias}             [D]       -> layer_{i}/mlp_norm/{scale,bias}
-    h.{i}.attn.c_attn.weight             [D, 3*D]  -> layer_{i}/attn/w{q,k,v} [D, N, H]  split q|k|v, reshape
+    h.{i}.attn.c_attn.weight             [D, 3*D]  -> layer_{i}/attn/w{q,k,v} [N, H, D]  split q|k|v, transpose, reshape
     h.{i}.attn.c_attn.bias               [3*D]     -> layer_{i}/attn/w{q,k,v}_bias [N, H] split q|k|v, reshape
-    h.{i}.attn.c_proj.weight             [D, D]    -> layer_{i}/attn/wo [N, H, D]    reshape
+    h.{i}.attn.c_proj.weight             [D, D]    -> layer_{i}/attn/wo [D, N, H]    transpose, reshape
     h.{i}.attn.c_proj.bias               [D]       -> layer_{i}/attn/wo_bias
-    h.{i}.mlp.c_fc.{weight,bias}         [D, F], [F] -> layer_{i}/mlp/w_fc, w_fc_bias
-    h.{i}.mlp.c_proj.{weight,bias}       [F, D], [D] -> layer_{i}/mlp/w_down, w_down_bias
+    h.{i}.mlp.c_fc.{weight,bias}         [D, F], [F] -> layer_{i}/mlp/w_fc [F, D], w_fc_bias  transpose
+    h.{i}.mlp.c_proj.{weight,bias}       [F, D], [D] -> layer_{i}/mlp/w_down [D, F], w_down_bias  transpose
     ln_f.{weight,bias}                   [D]       -> final_norm/{scale,bias}
-    lm_head.weight (no prefix)           [V, D]    -> lm_head [D, V]                 transpose (untied only)
+    lm_head.weight (no prefix)           [V, D]    -> lm_head                        as is (untied only)
 
 Redundant tensors that are dropped: `lm_head.weight` of a tied model (only after checking that it equals the
 embedding), rotary `inv_freq` buffers of the Llama family (jaxkv computes RoPE on the fly), and GPT-2's
@@ -393,9 +393,9 @@ def _as_is(path):
     return lambda w: {path: w}
 
 
-def _linear(path, *shape):
-    """torch nn.Linear weight [out, in] -> transposed to [in, out], then reshaped to `shape`."""
-    return lambda w: {path: w.T.reshape(shape)}
+def _conv1d(path, *shape):
+    """GPT-2 Conv1D weight [in, out] -> transposed to jaxkv's [out, in], then reshaped to `shape`."""
+    return lambda w: {path: np.ascontiguousarray(w.T).reshape(shape or w.T.shape)}
 
 
 def _reshape(path, *shape):
@@ -403,10 +403,11 @@ def _reshape(path, *shape):
 
 
 def _split_qkv(paths, *shape):
-    """GPT-2 c_attn packs q, k and v along its last (output) axis: [..., 3*D] -> three [..., *shape]."""
+    """GPT-2 c_attn packs q, k and v along its last (output) axis: [..., 3*D] -> three [*shape]; a weight
+    ([in, out]) is transposed to jaxkv's [out, in] first."""
     def convert(w):
-        lead = w.shape[:-1]
-        return {p: part.reshape(*lead, *shape) for p, part in zip(paths, np.split(w, 3, axis=-1))}
+        parts = np.split(w, 3, axis=-1)
+        return {p: np.ascontiguousarray(part.T).reshape(shape) for p, part in zip(paths, parts)}
     return convert
 
 
@@ -416,7 +417,7 @@ def tensor_specs(arch: str, config: Config) -> list[TensorSpec]:
     specs = _gpt2_specs(config) if arch == GPT2 else _llama_family_specs(config)
     if not config.tie_embeddings:
         V, D = config.vocab_size, config.d_model
-        specs.append(TensorSpec("lm_head.weight", (V, D), "[V, D]", _linear(("lm_head",), D, V)))
+        specs.append(TensorSpec("lm_head.weight", (V, D), "[V, D]", _as_is(("lm_head",))))
     return specs
 
 
@@ -429,13 +430,13 @@ def _llama_family_specs(cfg: Config) -> list[TensorSpec]:
         specs += [
             TensorSpec(hf + "input_layernorm.weight", (D,), "[D]", _as_is((jx, "attn_norm", "scale"))),
             TensorSpec(hf + "post_attention_layernorm.weight", (D,), "[D]", _as_is((jx, "mlp_norm", "scale"))),
-            TensorSpec(hf + "self_attn.q_proj.weight", (N * H, D), "[N*H, D]", _linear((jx, "attn", "wq"), D, N, H)),
-            TensorSpec(hf + "self_attn.k_proj.weight", (K * H, D), "[K*H, D]", _linear((jx, "attn", "wk"), D, K, H)),
-            TensorSpec(hf + "self_attn.v_proj.weight", (K * H, D), "[K*H, D]", _linear((jx, "attn", "wv"), D, K, H)),
-            TensorSpec(hf + "self_attn.o_proj.weight", (D, N * H), "[D, N*H]", _linear((jx, "attn", "wo"), N, H, D)),
-            TensorSpec(hf + "mlp.gate_proj.weight", (F, D), "[F, D]", _linear((jx, "mlp", "w_gate"), D, F)),
-            TensorSpec(hf + "mlp.up_proj.weight", (F, D), "[F, D]", _linear((jx, "mlp", "w_up"), D, F)),
-            TensorSpec(hf + "mlp.down_proj.weight", (D, F), "[D, F]", _linear((jx, "mlp", "w_down"), F, D)),
+            TensorSpec(hf + "self_attn.q_proj.weight", (N * H, D), "[N*H, D]", _reshape((jx, "attn", "wq"), N, H, D)),
+            TensorSpec(hf + "self_attn.k_proj.weight", (K * H, D), "[K*H, D]", _reshape((jx, "attn", "wk"), K, H, D)),
+            TensorSpec(hf + "self_attn.v_proj.weight", (K * H, D), "[K*H, D]", _reshape((jx, "attn", "wv"), K, H, D)),
+            TensorSpec(hf + "self_attn.o_proj.weight", (D, N * H), "[D, N*H]", _reshape((jx, "attn", "wo"), D, N, H)),
+            TensorSpec(hf + "mlp.gate_proj.weight", (F, D), "[F, D]", _as_is((jx, "mlp", "w_gate"))),
+            TensorSpec(hf + "mlp.up_proj.weight", (F, D), "[F, D]", _as_is((jx, "mlp", "w_up"))),
+            TensorSpec(hf + "mlp.down_proj.weight", (D, F), "[D, F]", _as_is((jx, "mlp", "w_down"))),
         ]
         if cfg.qkv_bias:
             specs += [
@@ -465,14 +466,14 @@ def _gpt2_specs(cfg: Config) -> list[TensorSpec]:
             TensorSpec(hf + "ln_2.weight", (D,), "[D]", _as_is((jx, "mlp_norm", "scale"))),
             TensorSpec(hf + "ln_2.bias", (D,), "[D]", _as_is((jx, "mlp_norm", "bias"))),
             TensorSpec(hf + "attn.c_attn.weight", (D, 3 * D), "[D, 3*D]",
-                       _split_qkv([(jx, "attn", w) for w in ("wq", "wk", "wv")], N, H)),
+                       _split_qkv([(jx, "attn", w) for w in ("wq", "wk", "wv")], N, H, D)),
             TensorSpec(hf + "attn.c_attn.bias", (3 * D,), "[3*D]",
                        _split_qkv([(jx, "attn", w) for w in ("wq_bias", "wk_bias", "wv_bias")], N, H)),
-            TensorSpec(hf + "attn.c_proj.weight", (D, D), "[N*H, D]", _reshape((jx, "attn", "wo"), N, H, D)),
+            TensorSpec(hf + "attn.c_proj.weight", (D, D), "[N*H, D]", _conv1d((jx, "attn", "wo"), D, N, H)),
             TensorSpec(hf + "attn.c_proj.bias", (D,), "[D]", _as_is((jx, "attn", "wo_bias"))),
-            TensorSpec(hf + "mlp.c_fc.weight", (D, F), "[D, F]", _as_is((jx, "mlp", "w_fc"))),
+            TensorSpec(hf + "mlp.c_fc.weight", (D, F), "[D, F]", _conv1d((jx, "mlp", "w_fc"))),
             TensorSpec(hf + "mlp.c_fc.bias", (F,), "[F]", _as_is((jx, "mlp", "w_fc_bias"))),
-            TensorSpec(hf + "mlp.c_proj.weight", (F, D), "[F, D]", _as_is((jx, "mlp", "w_down"))),
+            TensorSpec(hf + "mlp.c_proj.weight", (F, D), "[F, D]", _conv1d((jx, "mlp", "w_down"))),
             TensorSpec(hf + "mlp.c_proj.bias", (D,), "[D]", _as_is((jx, "mlp", "w_down_bias"))),
         ]
     return specs

@@ -22,7 +22,7 @@ import numpy as np
 from jaxkv import attention as attention_impls
 from jaxkv.cache import KVCache
 from jaxkv.config import Config
-from jaxkv.layers import Mlp, Norm, apply_rope, fan_in_init, rope_angles
+from jaxkv.layers import Mlp, Norm, apply_rope, fan_in_init, linear, rope_angles
 
 
 class Attention(nn.Module):
@@ -41,9 +41,8 @@ class Attention(nn.Module):
         dtype = jnp.dtype(cfg.dtype)
 
         def project(name, heads):
-            w = self.param(name, fan_in_init(D), (D, heads, H), dtype)
-            # A plain [D, heads*H] matmul: with the 3-D einsum XLA:CPU may transpose (copy) the weight every step.
-            y = (x @ w.reshape(D, heads * H)).reshape(*x.shape[:2], heads, H)
+            w = self.param(name, fan_in_init(D), (heads, H, D), dtype)
+            y = linear(x, w.reshape(heads * H, D)).reshape(*x.shape[:2], heads, H)
             if cfg.qkv_bias:
                 y = y + self.param(name + "_bias", nn.initializers.zeros, (heads, H), dtype)
             return y
@@ -61,8 +60,8 @@ class Attention(nn.Module):
                 k, v = k[:, :, :kv_slots], v[:, :, :kv_slots]
         out = attention_impls.get(attention)(q, k, v, start, q_offset, scale=1.0 / math.sqrt(H),
                                              sliding_window=cfg.sliding_window)  # [B, T, N, H]
-        wo = self.param("wo", fan_in_init(N * H), (N, H, D), dtype)
-        y = out.reshape(*out.shape[:2], N * H) @ wo.reshape(N * H, D)  # [B, T, D]
+        wo = self.param("wo", fan_in_init(N * H), (D, N, H), dtype)
+        y = linear(out.reshape(*out.shape[:2], N * H), wo.reshape(D, N * H))  # [B, T, D]
         if cfg.out_bias:
             y = y + self.param("wo_bias", nn.initializers.zeros, (D,), dtype)
         return y, cache
@@ -132,8 +131,8 @@ class Decoder(nn.Module):
         if cfg.tie_embeddings:
             logits = jnp.einsum("btd,vd->btv", x, embedding, preferred_element_type=jnp.float32)
         else:
-            head = self.param("lm_head", fan_in_init(cfg.d_model), (cfg.d_model, cfg.vocab_size), dtype)
-            logits = jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)
+            head = self.param("lm_head", fan_in_init(cfg.d_model), (cfg.vocab_size, cfg.d_model), dtype)
+            logits = jnp.einsum("btd,vd->btv", x, head, preferred_element_type=jnp.float32)
         return logits, cache
 
 
@@ -159,11 +158,12 @@ def init_params(config: Config, seed: int = 0) -> dict:
             return jnp.ones(leaf.shape, leaf.dtype)
         if name.endswith("bias"):
             return jnp.zeros(leaf.shape, leaf.dtype)
-        # Embedding tables are [rows, D]; q/k/v projections [D, heads, H]; every other weight [inputs..., outputs].
+        # Embedding tables are [rows, D]; q/k/v projections [heads, H, D]; wo [D, N, H]; every other weight
+        # [outputs, inputs].
         if name in ("embedding", "pos_embedding", "wq", "wk", "wv"):
             fan_in = config.d_model
         else:
-            fan_in = math.prod(leaf.shape[:-1])
+            fan_in = math.prod(leaf.shape[1:])
         return jnp.asarray(rng.normal(0.0, 1.0 / math.sqrt(fan_in), leaf.shape), leaf.dtype)
 
     return jax.tree_util.tree_map_with_path(draw, shapes)

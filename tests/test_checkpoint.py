@@ -62,7 +62,7 @@ def test_restore_refuses_a_config_that_does_not_match_the_arrays(tmp_path):
     path = tmp_path / "m" / "jaxkv_config.json"
     data = json.loads(path.read_text())
     path.write_text(json.dumps({**data, "n_kv_heads": 4}))
-    with pytest.raises(ValueError, match=r"parameter \['layer_0'\]\['attn'\]\['wk'\] is stored as float32\[64, 2, 16\]"):
+    with pytest.raises(ValueError, match=r"parameter \['layer_0'\]\['attn'\]\['wk'\] is stored as float32\[2, 16, 64\]"):
         jaxkv.load(tmp_path / "m")
     path.write_text(json.dumps({**data, "dtype": "bfloat16"}))  # stored float32: refuse, never cast silently
     with pytest.raises(ValueError, match="stored as float32.*needs bfloat16"):
