@@ -59,8 +59,8 @@ def to_hf_llama(model: jaxkv.Model):
     p = jax.tree_util.tree_map(lambda a: np.array(a, np.float32), model.params)  # writable copies for torch
     D = cfg.d_model
 
-    def t(a):  # jaxkv's [out, ...] weights are torch Linear's [out, in] once flattened
-        return torch.from_numpy(np.ascontiguousarray(a.reshape(a.shape[0], -1)))
+    def t(a, in_dims=1):  # jaxkv weights are [out..., in...]; torch Linear's [out, in] once flattened
+        return torch.from_numpy(np.ascontiguousarray(a.reshape(-1, int(np.prod(a.shape[a.ndim - in_dims:])))))
 
     state = {"model.embed_tokens.weight": torch.from_numpy(p["embedding"]),
              "model.norm.weight": torch.from_numpy(p["final_norm"]["scale"])}
@@ -74,7 +74,7 @@ def to_hf_llama(model: jaxkv.Model):
             pre + "post_attention_layernorm.weight": torch.from_numpy(layer["mlp_norm"]["scale"]),
             pre + "self_attn.q_proj.weight": t(a["wq"]), pre + "self_attn.k_proj.weight": t(a["wk"]),
             pre + "self_attn.v_proj.weight": t(a["wv"]),
-            pre + "self_attn.o_proj.weight": t(a["wo"]),
+            pre + "self_attn.o_proj.weight": t(a["wo"], in_dims=2),
             pre + "mlp.gate_proj.weight": t(m["w_gate"]), pre + "mlp.up_proj.weight": t(m["w_up"]),
             pre + "mlp.down_proj.weight": t(m["w_down"]),
         })
