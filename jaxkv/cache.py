@@ -16,6 +16,17 @@ batch. Two pieces of bookkeeping describe what is live:
   length: int32[]   the number of slots written so far, i.e. the slot the next token goes to.
 
 Sequence b's live slots are [start[b], length); the token in slot s has position id s - start[b].
+
+Cache dtypes (`CACHE_DTYPES`). float32, bfloat16 and float16 store K and V as they are (cast on write). int8 and
+float8_e4m3fn are quantized on write, symmetrically, with one float32 scale per token per KV head (the absolute
+maximum over the head dimension maps to the format's largest value), kept beside the cache in `key_scales` /
+`value_scales` ([B, K, S] per layer); attention dequantizes as it reads. `jaxkv.kv_cache_bytes` counts exactly
+these leaves.
+
+Ring buffers (`ring=True`): a sliding-window model only ever attends to the last `window` slots, so its cache needs
+only S = window slots. Absolute slot s (what `start`, `length` and positions count) is stored at index s mod S and
+overwrites slot s - S; memory is O(window), not O(sequence). Attention maps indices back to absolute slots
+(`attention.reference.live_mask`).
 """
 
 from __future__ import annotations
@@ -27,28 +38,85 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxkv.attention.reference import live_mask
 from jaxkv.config import Config
+from jaxkv.memory import CACHE_DTYPES, QUANTIZED
+
+# The largest magnitude each quantized format holds: a token's absolute maximum maps here. int8 uses the symmetric
+# range [-127, 127] (so the scale is the same for both signs).
+_QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["keys", "values", "start", "length"],
-                   meta_fields=[])
+def check_cache_dtype(cache_dtype) -> str:
+    """The canonical name of a cache dtype, or ValueError."""
+    try:
+        name = jnp.dtype(cache_dtype).name
+    except TypeError:
+        name = None
+    if name not in CACHE_DTYPES:
+        raise ValueError(f"cache_dtype must be one of {list(CACHE_DTYPES)}, got {cache_dtype!r}")
+    return name
+
+
+def quantize(x, cache_dtype: str):
+    """x [B, K, T, H] -> (values in cache_dtype, float32 scales [B, K, T]); symmetric, one scale per token and head.
+
+    A token whose head is all zeros gets scale 0 (and zeros), never a division by zero."""
+    x = x.astype(jnp.float32)
+    qmax = _QMAX[cache_dtype]
+    amax = jnp.max(jnp.abs(x), axis=-1)  # [B, K, T]
+    scale = amax / qmax
+    scaled = x / jnp.where(scale > 0, scale, 1.0)[..., None]
+    if cache_dtype == "int8":
+        stored = jnp.clip(jnp.round(scaled), -qmax, qmax).astype(jnp.int8)
+    else:
+        stored = jnp.clip(scaled, -qmax, qmax).astype(jnp.float8_e4m3fn)  # round-to-nearest in the cast
+    return stored, scale
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["keys", "values", "start", "length", "key_scales", "value_scales"],
+                   meta_fields=["ring"])
 @dataclasses.dataclass(frozen=True)
 class KVCache:
     keys: tuple[jax.Array, ...]  # L x [B, K, S, H]
     values: tuple[jax.Array, ...]  # L x [B, K, S, H]
     start: jax.Array  # int32[B]
     length: jax.Array  # int32[]
+    key_scales: tuple[jax.Array, ...] = ()  # L x float32[B, K, S] for int8/fp8 caches, else empty
+    value_scales: tuple[jax.Array, ...] = ()
+    ring: bool = False  # static: S is a ring of the most recent S slots (module docstring)
 
     @classmethod
-    def allocate(cls, config: Config, batch: int, max_len: int, *, dtype=None, start=None) -> "KVCache":
-        """A zeroed cache for `batch` sequences of up to `max_len` slots each; `start` defaults to all zeros."""
-        dtype = jnp.dtype(dtype or config.dtype)
+    def allocate(cls, config: Config, batch: int, max_len: int, *, dtype=None, start=None,
+                 ring: bool = False) -> "KVCache":
+        """A zeroed cache for `batch` sequences of `max_len` slots each (a ring of `max_len` slots with `ring`);
+        `dtype` is one of CACHE_DTYPES (default config.dtype); `start` defaults to all zeros."""
+        name = check_cache_dtype(dtype or config.dtype)
         shape = (batch, config.n_kv_heads, max_len, config.head_dim)
-        zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layers))
+        L = config.n_layers
+        # Every buffer must be distinct: all are donated, and one buffer cannot be donated twice.
+        keys = tuple(jnp.zeros(shape, name) for _ in range(L))
+        values = tuple(jnp.zeros(shape, name) for _ in range(L))
+        scales = lambda: tuple(jnp.zeros(shape[:3], jnp.float32) for _ in range(L)) if name in QUANTIZED else ()
         start = jnp.zeros((batch,), jnp.int32) if start is None else jnp.asarray(start, jnp.int32)
-        # keys and values must be distinct buffers: both are donated, and one buffer cannot be donated twice.
-        return cls(keys=zeros, values=tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layers)),
-                   start=start, length=jnp.zeros((), jnp.int32))
+        return cls(keys=keys, values=values, start=start, length=jnp.zeros((), jnp.int32),
+                   key_scales=scales(), value_scales=scales(), ring=ring)
+
+    @property
+    def dtype(self) -> str:
+        """The cache dtype's name (one of CACHE_DTYPES)."""
+        return self.keys[0].dtype.name
+
+    @property
+    def quantized(self) -> bool:
+        return bool(self.key_scales)
+
+    def scales(self, layer: int):
+        """(key scales, value scales) of `layer`, or (None, None) for an unquantized cache."""
+        if not self.quantized:
+            return None, None
+        return self.key_scales[layer], self.value_scales[layer]
 
     @property
     def batch(self) -> int:
@@ -60,10 +128,13 @@ class KVCache:
         return self.keys[0].shape[2]
 
     def nbytes(self) -> int:
-        return sum(a.size * a.dtype.itemsize for a in (*self.keys, *self.values))
+        """Bytes of keys, values and (quantized caches) their scales: what `jaxkv.kv_cache_bytes` predicts."""
+        return sum(a.size * a.dtype.itemsize
+                   for a in (*self.keys, *self.values, *self.key_scales, *self.value_scales))
 
     def write(self, layer: int, k: jax.Array, v: jax.Array, *, zero_dead_values: bool = False) -> "KVCache":
-        """Returns the cache with k, v ([B, K, T, H]) written to slots [length, length + T) of `layer`.
+        """Returns the cache with k, v ([B, K, T, H]) written to slots [length, length + T) of `layer`
+        (quantized first, for an int8/fp8 cache; at index length mod S in a ring).
 
         `length` is not advanced here (every layer writes to the same slots); call `advance` once per forward pass.
 
@@ -76,29 +147,56 @@ class KVCache:
         `dynamic_update_slice` clamps an out-of-range start index, which would silently overwrite the last slots.
         Callers check capacity on the host before any compute; as a second line of defence, a write that does not
         fit writes the existing contents back (a no-op) instead, and `advance` still moves `length` past
-        `capacity`, so the overflow stays visible.
+        `capacity`, so the overflow stays visible. In a ring every single-token write fits; a multi-token write
+        must not wrap around the end.
         """
         T = k.shape[2]
-        fits = self.length + T <= self.capacity
+        at = self.length % self.capacity if self.ring else self.length
+        fits = at + T <= self.capacity
 
         def update(buf, new):
-            old = lax.dynamic_slice_in_dim(buf, self.length, T, axis=2)
+            old = lax.dynamic_slice_in_dim(buf, at, T, axis=2)
             new = jnp.where(fits, new.astype(buf.dtype), old)
-            return lax.dynamic_update_slice_in_dim(buf, new, self.length, axis=2)
+            return lax.dynamic_update_slice_in_dim(buf, new, at, axis=2)
 
+        k_scale, v_scale = self.scales(layer)
+        if self.quantized:
+            k, new_k_scale = quantize(k, self.dtype)
+            v, new_v_scale = quantize(v, self.dtype)
         values = self.values[layer]
         if zero_dead_values:
-            slot = jnp.arange(self.capacity, dtype=jnp.int32)
-            kept = (slot[None, :] >= self.start[:, None]) & (slot[None, :] < self.length)  # [B, S]
+            # What the next query (slot `length`) can see, before this write; the written slots are replaced below.
+            kept = live_mask(self.start, self.length, 1, self.capacity, ring=self.ring)[:, 0]  # [B, S]
             values = jnp.where(kept[:, None, :, None], values, jnp.zeros((), values.dtype))
+            if self.quantized:  # a float8 value can itself be NaN: zero both the value and its scale
+                v_scale = jnp.where(kept[:, None, :], v_scale, 0.0)
         with jax.named_scope("cache_update"):
-            return self.with_layer(layer, update(self.keys[layer], k), update(values, v))
+            cache = self.with_layer(layer, update(self.keys[layer], k), update(values, v))
+            if self.quantized:
+                cache = cache.with_layer_scales(layer, update(k_scale, new_k_scale), update(v_scale, new_v_scale))
+            return cache
+
+    def write_prompt(self, layer: int, k: jax.Array, v: jax.Array, *, zero_dead_values: bool = False) -> "KVCache":
+        """Writes a whole prompt ([B, K, T, H], slots [0, T)) into an empty cache. Unlike `write`, a ring cache
+        may be shorter than the prompt: then only the last S slots are kept, each at its index slot mod S."""
+        T, S = k.shape[2], self.capacity
+        if not (self.ring and T > S):
+            return self.write(layer, k, v, zero_dead_values=zero_dead_values)
+        # Slots T-S .. T-1 go to indices (T-S) mod S .. : a rotation of the last S slots by T mod S.
+        k, v = (jnp.roll(x[:, :, T - S:], T % S, axis=2) for x in (k, v))
+        return self.write(layer, k, v, zero_dead_values=zero_dead_values)
 
     def with_layer(self, layer: int, k: jax.Array, v: jax.Array) -> "KVCache":
         """The cache with layer `layer`'s buffers replaced by k, v ([B, K, S, H])."""
         keys = self.keys[:layer] + (k,) + self.keys[layer + 1:]
         values = self.values[:layer] + (v,) + self.values[layer + 1:]
         return dataclasses.replace(self, keys=keys, values=values)
+
+    def with_layer_scales(self, layer: int, k_scale: jax.Array, v_scale: jax.Array) -> "KVCache":
+        """The cache with layer `layer`'s quantization scales replaced."""
+        key_scales = self.key_scales[:layer] + (k_scale,) + self.key_scales[layer + 1:]
+        value_scales = self.value_scales[:layer] + (v_scale,) + self.value_scales[layer + 1:]
+        return dataclasses.replace(self, key_scales=key_scales, value_scales=value_scales)
 
     def advance(self, num_tokens: int) -> "KVCache":
         return dataclasses.replace(self, length=self.length + num_tokens)

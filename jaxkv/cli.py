@@ -2,6 +2,9 @@
 
   jaxkv generate --prompt TEXT [--model PATH|tiny] [--max-new-tokens N] [--temperature T] [--top-k K]
                  [--top-p P] [--min-p M] [--seed S] [--dtype D] [--max-len N] [--json]
+  jaxkv memory (--model PATH|tiny | --config config.json | --layers L --kv-heads K --head-dim H [--dtype D])
+               [--window W] [--tokens N] [--batch B] [--cache-dtype D] [--hbm-gib G [--weights-gib W]]
+               [--plot FILE.png] [--json]
   jaxkv bench [options]     (see jaxkv bench --help; the same as python scripts/bench.py)
 
 Bad arguments and bad checkpoints print one line on stderr and exit with status 2; never a traceback.
@@ -11,7 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import sys
+
+from jaxkv import memory
+from jaxkv.config import DTYPES, Config
 
 EXIT_USAGE = 2
 
@@ -42,7 +49,63 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     gen.add_argument("--max-len", type=int, default=None, help="KV-cache capacity in tokens")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streamed text")
+
+    mem = commands.add_parser("memory", help="KV-cache bytes of a model, and how many sequences fit in memory")
+    source = mem.add_mutually_exclusive_group()
+    source.add_argument("--model", metavar="PATH",
+                        help="checkpoint directory (Hugging Face or jaxkv) or 'tiny'; only its config is read, never "
+                             "the weights")
+    source.add_argument("--config", metavar="FILE", help="a Hugging Face config.json (or a jaxkv_config.json) file")
+    mem.add_argument("--layers", metavar="L", type=_positive_int, help="describe the model by hand: L layers ...")
+    mem.add_argument("--kv-heads", metavar="K", type=_positive_int, help="... K key/value heads ...")
+    mem.add_argument("--head-dim", metavar="H", type=_positive_int, help="... of H dims each")
+    mem.add_argument("--dtype", choices=DTYPES, default=None,
+                     help="model dtype (weights; the cache dtype the model uses by default); default: the config's, "
+                          "float16 with --layers")
+    mem.add_argument("--window", metavar="W", type=_positive_int, default=None,
+                     help="sliding window W: the cache keeps at most W tokens (default: the config's, if any)")
+    mem.add_argument("--tokens", metavar="N", type=_positive_int, default=2048,
+                     help="tokens per sequence (default 2048)")
+    mem.add_argument("--batch", metavar="B", type=_positive_int, default=1,
+                     help="sequences cached together (default 1)")
+    mem.add_argument("--cache-dtype", choices=memory.CACHE_DTYPES, default=None,
+                     help="one cache dtype (default: a row for each)")
+    mem.add_argument("--hbm-gib", metavar="G", type=_positive_float, default=None,
+                     help="device memory in GiB: also print how many --tokens sequences fit beside the weights")
+    mem.add_argument("--weights-gib", metavar="W", type=_non_negative_float, default=None,
+                     help="weights' size in GiB (default: parameter count x dtype bytes; needed with --layers)")
+    mem.add_argument("--plot", metavar="FILE.png", default=None, help="draw cache size versus tokens to FILE.png")
+    mem.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return parser
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _float(text: str, *, allow_zero: bool) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
+    # float("nan") and float("inf") parse; neither is a memory size.
+    if not (value > 0 or (allow_zero and value == 0)) or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number {'>= 0' if allow_zero else '> 0'}, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    return _float(text, allow_zero=False)
+
+
+def _non_negative_float(text: str) -> float:
+    return _float(text, allow_zero=True)
 
 
 class _TextStream:
@@ -100,6 +163,181 @@ def _generate(args) -> dict:
     }
 
 
+# --- jaxkv memory -----------------------------------------------------------------------------------------------
+
+
+def _read_config_file(path: pathlib.Path) -> Config:
+    """A jaxkv_config.json (it has a format_version) or a Hugging Face config.json, without touching weights."""
+    from jaxkv.checkpoint import config_from_dict
+    from jaxkv.checkpoint_hf import config_from_hf
+
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise ValueError(f"{path}: is a directory (pass it with --model)") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if isinstance(data, dict) and "format_version" in data:
+        return config_from_dict(data, source=str(path))
+    config = config_from_hf(data, source=str(path))
+    # config_from_hf says float32 because load_hf takes the dtype from the weights; without reading them, the
+    # dtype the checkpoint declares ("torch_dtype", or "dtype" in newer transformers) is the best estimate.
+    declared = next((data[f] for f in ("torch_dtype", "dtype") if data.get(f) in DTYPES), None)
+    return config if declared is None else config.replace(dtype=declared)
+
+
+def _model_config(model: str) -> Config:
+    from jaxkv.checkpoint import CONFIG_FILE, TINY_DIR
+    from jaxkv.checkpoint_hf import CONFIG_FILE as HF_CONFIG_FILE
+
+    directory = TINY_DIR if model == "tiny" else pathlib.Path(model)
+    if not directory.exists():
+        raise FileNotFoundError(f"{directory}: no such directory (pass a checkpoint directory or 'tiny')")
+    if not directory.is_dir():
+        raise ValueError(f"{directory}: not a directory (pass a config.json file with --config)")
+    for name in (CONFIG_FILE, HF_CONFIG_FILE):
+        if (directory / name).is_file():
+            return _read_config_file(directory / name)
+    raise FileNotFoundError(f"{directory}: has neither {CONFIG_FILE} (jaxkv) nor {HF_CONFIG_FILE} (Hugging Face)")
+
+
+def _memory_model(args) -> Config | memory.CacheGeometry:
+    """The model to plan for, from --model, --config, or the shape flags, with --dtype and --window applied."""
+    shape_flags = {"--layers": args.layers, "--kv-heads": args.kv_heads, "--head-dim": args.head_dim}
+    given = [flag for flag, value in shape_flags.items() if value is not None]
+    if args.model is not None or args.config is not None:
+        if given:
+            raise ValueError(f"{given[0]} describes a model by hand; it cannot be combined with --model or --config")
+        config = _model_config(args.model) if args.model is not None else _read_config_file(pathlib.Path(args.config))
+        changes = {"dtype": args.dtype, "sliding_window": args.window}
+        return config.replace(**{k: v for k, v in changes.items() if v is not None})
+    if not given:
+        raise ValueError("no model: pass --model PATH|tiny, --config config.json, or --layers, --kv-heads and "
+                         "--head-dim")
+    missing = [flag for flag, value in shape_flags.items() if value is None]
+    if missing:
+        raise ValueError(f"a model described by hand needs --layers, --kv-heads and --head-dim; missing "
+                         f"{', '.join(missing)}")
+    return memory.CacheGeometry(args.layers, args.kv_heads, args.head_dim, args.dtype or "float16", args.window)
+
+
+def _memory(args) -> dict:
+    model = _memory_model(args)
+    geometry = memory.CacheGeometry.of(model)
+    if args.weights_gib is not None and args.hbm_gib is None:
+        raise ValueError("--weights-gib is only used with --hbm-gib")
+    hbm = weights = None
+    if args.hbm_gib is not None:
+        if args.weights_gib is not None:
+            weights = int(args.weights_gib * memory.GIB)
+        elif isinstance(model, Config):
+            weights = memory.weight_bytes(model)
+        else:
+            raise ValueError("--hbm-gib with --layers/--kv-heads/--head-dim also needs --weights-gib (there is no "
+                             "config to count parameters from)")
+        hbm = int(args.hbm_gib * memory.GIB)  # exact: a float times a power of two
+    rows = []
+    for cache_dtype in [args.cache_dtype] if args.cache_dtype else memory.CACHE_DTYPES:
+        total = memory.kv_cache_bytes(geometry, tokens=args.tokens, batch=args.batch, cache_dtype=cache_dtype)
+        rows.append({
+            "cache_dtype": cache_dtype,
+            "bytes_per_token": memory.kv_bytes_per_token(geometry, cache_dtype),
+            "bytes_per_sequence": memory.kv_cache_bytes(geometry, tokens=args.tokens, cache_dtype=cache_dtype),
+            "total_bytes": total,
+            "total_gib": total / memory.GIB,
+            "sequences_fit": None if hbm is None else memory.sequences_that_fit(
+                geometry, tokens=args.tokens, memory_bytes=hbm, weights_bytes=weights, cache_dtype=cache_dtype),
+        })
+    result = {
+        "model": args.model or args.config,  # None: described by hand
+        "n_layers": geometry.n_layers, "n_kv_heads": geometry.n_kv_heads, "head_dim": geometry.head_dim,
+        "dtype": geometry.dtype, "sliding_window": geometry.sliding_window,
+        "param_count": model.param_count() if isinstance(model, Config) else None,
+        "tokens": args.tokens, "batch": args.batch, "slots": memory.cache_slots(geometry, args.tokens),
+        "hbm_bytes": hbm, "weights_bytes": weights, "weights_fit": None if hbm is None else weights <= hbm,
+        "rows": rows,
+    }
+    if args.plot is not None:
+        _plot_memory(geometry, [row["cache_dtype"] for row in rows], result, args.plot)
+        result["plot"] = args.plot
+    return result
+
+
+def _plot_memory(geometry: memory.CacheGeometry, cache_dtypes: list[str], result: dict, path: str):
+    try:
+        from matplotlib.figure import Figure  # not pyplot: no global backend or figure state is touched
+    except ImportError:
+        raise ValueError("--plot needs matplotlib, which is not installed (pip install matplotlib)") from None
+    tokens, batch = result["tokens"], result["batch"]
+    xs = sorted({round(tokens ** (i / 199)) for i in range(200)} | {tokens})  # 1..tokens, log-spaced
+    fig = Figure(figsize=(7, 4.5), layout="constrained")
+    ax = fig.subplots()
+    # Dtypes of equal size (bfloat16 and float16; int8 and fp8) draw the same curve: one line, both names.
+    same_size: dict[int, list[str]] = {}
+    for cache_dtype in cache_dtypes:
+        same_size.setdefault(memory.kv_bytes_per_token(geometry, cache_dtype), []).append(cache_dtype)
+    for names in same_size.values():
+        gib = [memory.kv_cache_bytes(geometry, tokens=t, batch=batch, cache_dtype=names[0]) / memory.GIB for t in xs]
+        ax.plot(xs, gib, label=", ".join(names))
+    if result["hbm_bytes"] is not None and result["weights_fit"]:
+        free = (result["hbm_bytes"] - result["weights_bytes"]) / memory.GIB
+        if free > 0:
+            ax.axhline(free, color="black", linestyle="--", linewidth=1, label="memory left after weights")
+    # Log-log: the dtypes' fixed byte ratios become constant vertical gaps, and a sliding window a flat tail.
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    window = f", window {geometry.sliding_window}" if geometry.sliding_window else ""
+    ax.set(xlabel="tokens per sequence", ylabel=f"KV cache, batch {batch} (GiB)",
+           title=f"{geometry.n_layers} layers x {geometry.n_kv_heads} KV heads x {geometry.head_dim} dims{window}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(title="cache dtype", loc="lower right")
+    try:
+        fig.savefig(path)
+    except (OSError, ValueError) as e:  # a missing directory, an extension matplotlib has no writer for
+        raise ValueError(f"--plot {path}: {e}") from None
+
+
+def _gib(n: int) -> str:
+    return f"{n / memory.GIB:,.2f} GiB"
+
+
+def _print_memory(result: dict):
+    window = f", sliding window {result['sliding_window']:,}" if result["sliding_window"] else ""
+    params = f", {result['param_count']:,} parameters" if result["param_count"] is not None else ""
+    name = f"{result['model']}: " if result["model"] is not None else ""
+    print(f"{name}{result['n_layers']} layers x {result['n_kv_heads']} KV heads x "
+          f"{result['head_dim']} head dim{window}, {result['dtype']}{params}")
+    print(f"{result['tokens']:,} tokens x batch {result['batch']:,} ({result['slots']:,} cache slots per sequence)")
+    hbm = result["hbm_bytes"]
+    if hbm is not None:
+        weights = result["weights_bytes"]
+        if result["weights_fit"]:
+            free = hbm - weights
+            print(f"memory {_gib(hbm)} - weights {_gib(weights)} = {_gib(free)} for the cache "
+                  f"({hbm:,} - {weights:,} = {free:,} bytes)")
+        else:
+            print(f"the weights alone ({weights:,} bytes, {_gib(weights)}) do not fit in the memory ({hbm:,} bytes, "
+                  f"{_gib(hbm)}): no sequence fits")
+    headers = ["cache dtype", "bytes/token", "bytes/sequence", "total bytes", "total GiB"]
+    if hbm is not None:
+        headers.append("sequences that fit")
+    table = [headers]
+    for row in result["rows"]:
+        cells = [row["cache_dtype"], f"{row['bytes_per_token']:,}", f"{row['bytes_per_sequence']:,}",
+                 f"{row['total_bytes']:,}", f"{row['total_gib']:,.4f}"]
+        if hbm is not None:
+            cells.append(f"{row['sequences_fit']:,}")
+        table.append(cells)
+    widths = [max(len(line[i]) for line in table) for i in range(len(headers))]
+    print()
+    for line in table:  # the dtype column left-aligned, numbers right-aligned
+        print("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths))))
+    if "plot" in result:
+        print(f"\nplot written to {result['plot']}")
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:  # the benchmark has its own options (scripts/bench.py, same code)
@@ -108,9 +346,10 @@ def main(argv=None) -> int:
         return bench.main(argv[1:])
     try:
         args = _parser().parse_args(argv)
-        result = _generate(args)
+        result = _memory(args) if args.command == "memory" else _generate(args)
     except _UsageError as e:
-        print(f"jaxkv: error: {e} (see jaxkv generate --help)", file=sys.stderr)
+        command = "memory" if argv[:1] == ["memory"] else "generate"
+        print(f"jaxkv: error: {e} (see jaxkv {command} --help)", file=sys.stderr)
         return EXIT_USAGE
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"jaxkv: error: {e}", file=sys.stderr)
@@ -119,6 +358,8 @@ def main(argv=None) -> int:
         return 130
     if args.json:
         print(json.dumps(result))
+    elif args.command == "memory":
+        _print_memory(result)
     else:
         print()
         print(f"[prompt tokens {result['prompt_tokens']}, new tokens {result['new_tokens']}, "

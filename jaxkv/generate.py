@@ -32,7 +32,7 @@ from jax.experimental import io_callback
 
 from jaxkv import attention as attention_impls
 from jaxkv import roofline
-from jaxkv.cache import KVCache
+from jaxkv.cache import KVCache, check_cache_dtype
 from jaxkv.config import Config
 from jaxkv.model import Decoder, Model
 from jaxkv.sampling import Sampler
@@ -60,27 +60,29 @@ class Generation:
 # --- compiled pieces ------------------------------------------------------------------------------------------
 
 
-def _forward(params, tokens, cache, *, config, attention, kv_slots=None, last_only=False):
+def _forward(params, tokens, cache, *, config, attention, prefill=False, last_only=False):
     """tokens int32[B, T] into the cache -> (float32[B, T or 1, V], cache)."""
     return Decoder(config).apply({"params": params}, tokens, cache.positions(tokens.shape[1]), cache,
-                                 kv_slots=kv_slots, last_only=last_only, attention=attention)
+                                 prefill=prefill, last_only=last_only, attention=attention)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "capacity", "attention"))
-def prefill(params, tokens, start, *, config: Config, capacity: int, attention: str):
+@functools.partial(jax.jit, static_argnames=("config", "capacity", "attention", "cache_dtype", "ring"))
+def prefill(params, tokens, start, *, config: Config, capacity: int, attention: str, cache_dtype: str | None = None,
+            ring: bool = False):
     """Allocates a cache of `capacity` slots and fills slots [0, T) with the left-padded prompts.
 
     Args:
       tokens: int32[B, T], prompt b in tokens[b, start[b]:].
       start: int32[B], the number of padding slots before each prompt.
+      cache_dtype: one of `jaxkv.cache.CACHE_DTYPES`; default config.dtype.
+      ring: a ring cache of `capacity` slots (sliding-window models; `KVCache`); T may then exceed capacity.
 
     Returns:
       (float32[B, V] logits of each prompt's last token, the cache with length T).
     """
-    cache = KVCache.allocate(config, tokens.shape[0], capacity, start=start)
-    # The cache is empty, so after this call only slots [0, T) can be live: attend over those alone.
-    logits, cache = _forward(params, tokens, cache, config=config, attention=attention,
-                             kv_slots=tokens.shape[1], last_only=True)
+    cache = KVCache.allocate(config, tokens.shape[0], capacity, dtype=cache_dtype, start=start, ring=ring)
+    logits, cache = _forward(params, tokens, cache, config=config, attention=attention, prefill=True,
+                             last_only=True)
     return logits[:, 0], cache
 
 
@@ -269,31 +271,40 @@ def _stop_ids(stop_tokens, config: Config) -> np.ndarray:
 
 
 def plan_shapes(lengths: Sequence[int], max_new_tokens: int, max_len: int | None, config: Config):
-    """Validates lengths and picks (padded batch, padded prompt length T, cache capacity S). Raises ValueError."""
+    """Validates lengths and picks (padded batch, padded prompt length T, cache capacity S, ring). Raises ValueError.
+
+    A sliding-window model gets a ring cache of at most `window` slots (memory O(window), not O(sequence)), so its
+    sequences are limited by max positions only; `max_len` below the window gives a plain cache of that size.
+    """
     longest = max(lengths)
     for i, n in enumerate(lengths):
         if n + max_new_tokens > config.max_positions:
             raise ValueError(f"prompt {i} has {n} tokens; with max_new_tokens={max_new_tokens} it needs "
                              f"{n + max_new_tokens} positions, beyond the model's max positions "
                              f"({config.max_positions})")
+    window = config.sliding_window
+    bucket = max(MIN_PROMPT_BUCKET, _next_pow2(longest))
     if max_len is not None:
         max_len = _check_int("max_len", max_len, 1)
-        if longest + max_new_tokens > max_len:
-            raise ValueError(f"the longest prompt has {longest} tokens; prompt_len + max_new_tokens = "
-                             f"{longest} + {max_new_tokens} = {longest + max_new_tokens} exceeds max_len={max_len}")
-    bucket = max(MIN_PROMPT_BUCKET, _next_pow2(longest))
+    if window is not None and (max_len is None or max_len >= window):
+        default = -(-(bucket + max_new_tokens) // CAPACITY_ROUNDING) * CAPACITY_ROUNDING
+        # Never more than the window; a ring that never wraps (capacity < window) is just a plain cache.
+        return _next_pow2(len(lengths)), bucket, min(default, window), True
+    if max_len is not None and longest + max_new_tokens > max_len:
+        raise ValueError(f"the longest prompt has {longest} tokens; prompt_len + max_new_tokens = "
+                         f"{longest} + {max_new_tokens} = {longest + max_new_tokens} exceeds max_len={max_len}")
     if max_len is None:
         capacity = -(-(bucket + max_new_tokens) // CAPACITY_ROUNDING) * CAPACITY_ROUNDING
     else:
         capacity = max_len
     # The padded prompt and the new tokens must fit: shrink the bucket rather than overflow the cache.
     padded_len = min(bucket, capacity - max_new_tokens)
-    return _next_pow2(len(lengths)), padded_len, capacity
+    return _next_pow2(len(lengths)), padded_len, capacity, False
 
 
 def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, min_p: float | None = None, sampler: Callable | None = None, seed: int = 0,
-             stop_tokens: Sequence[int] | None = None, max_len: int | None = None,
+             stop_tokens: Sequence[int] | None = None, max_len: int | None = None, cache_dtype: str | None = None,
              attention: str | None = None, stream: Callable | None = None) -> Generation:
     """Generates up to `max_new_tokens` tokens for each prompt.
 
@@ -305,7 +316,10 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
       seed: PRNG seed; the key is split every step.
       stop_tokens: ids that end a sequence (included in its output). None: the model's eos ids; []: never stop.
       max_len: cache capacity in slots; must hold the longest prompt plus max_new_tokens. Default: just enough,
-        rounded up so that similar requests share a compiled shape.
+        rounded up so that similar requests share a compiled shape. A sliding-window model's cache is a ring of
+        at most `window` slots (see `plan_shapes`).
+      cache_dtype: "float32", "bfloat16", "float16", "int8" or "float8_e4m3fn" (int8/fp8: quantized on write
+        with a float32 scale per token per KV head). Default: the model's dtype.
       attention: "auto", "xla" or "pallas"; default config.attention ("auto": Pallas on GPU/TPU, XLA on CPU).
       stream: optional host callback `(prompt_index, token_id)`, called for every new token as the compiled loop
         produces it (tokens after a stop token are not passed).
@@ -319,10 +333,11 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
     sample_fn = _sampler(temperature, top_k, top_p, min_p, sampler)
     stop_ids = _stop_ids(stop_tokens, config)
     seed = _check_int("seed", seed, -(2 ** 63))
+    cache_dtype = check_cache_dtype(config.dtype if cache_dtype is None else cache_dtype)
     # Resolved here, before compute: unknown names fail, and "auto" becomes a concrete static name for jit.
     attention = attention_impls.resolve(attention or config.attention)
     lengths = [len(p) for p in token_lists]
-    batch, T, capacity = plan_shapes(lengths, max_new_tokens, max_len, config)
+    batch, T, capacity, ring = plan_shapes(lengths, max_new_tokens, max_len, config)
 
     # Left padding: prompt b occupies slots [T - len_b, T). Filler rows (batch padding) hold a single token.
     tokens = np.zeros((batch, T), np.int32)
@@ -340,7 +355,7 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
     with _Phase() as prefill_time:
         # device_put, not jnp.asarray: the latter compiles a staging function per shape.
         logits, cache = prefill(model.params, jax.device_put(tokens), jax.device_put(start), config=config,
-                                capacity=capacity, attention=attention)
+                                capacity=capacity, attention=attention, cache_dtype=cache_dtype, ring=ring)
         logits.block_until_ready()
     with _Phase() as decode_time:
         out, num_new, stopped, cache = decode(model.params, cache, logits, jax.random.PRNGKey(seed), sample_fn,
@@ -355,8 +370,11 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
     # The first new token comes from the prefill logits; the decode phase runs max_new_tokens - 1 one-token steps
     # (every row runs all of them, finished rows as padding, so steps are the honest unit).
     steps = max_new_tokens - 1
-    step_bytes = roofline.decode_bytes_per_step(config, batch, np.mean(lengths) + steps / 2,
-                                                jnp.dtype(config.dtype).itemsize)
+    live = np.mean(lengths) + steps / 2
+    if config.sliding_window is not None:
+        live = min(live, config.sliding_window)
+    step_bytes = roofline.decode_bytes_per_step(config, batch, live, jnp.dtype(config.dtype).itemsize,
+                                                jnp.dtype(cache_dtype).itemsize)
     steps_per_s = steps / decode_s if decode_s > 0 and steps > 0 else 0.0
     stats = {
         "prompt_tokens": int(sum(lengths)),
@@ -364,6 +382,8 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
         "padded_batch": batch,
         "padded_prompt_len": T,
         "cache_capacity": capacity,
+        "cache_dtype": cache_dtype,
+        "cache_ring": ring,
         "kv_cache_bytes": cache.nbytes(),
         # Seconds exclude tracing and compiling, which are reported apart (zero once a shape is warm).
         "prefill_s": prefill_time.run_s,

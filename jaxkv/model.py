@@ -30,11 +30,12 @@ class Attention(nn.Module):
     layer: int
 
     @nn.compact
-    def __call__(self, x, rope, cache, start, kv_slots, attention: str):
+    def __call__(self, x, rope, cache, start, prefill, attention: str):
         """x [B, T, D]; rope: (cos, sin) or None; start int32[B] -> ([B, T, D], cache).
 
-        With a cache, the queries sit in slots [cache.length, cache.length + T) and attend over cache slots
-        [0, kv_slots); without, they sit in slots [0, T) and attend over each other.
+        With a cache, the queries sit in slots [cache.length, cache.length + T) and attend over the cache (with
+        `prefill`, the cache is empty and they attend over each other); without, they sit in slots [0, T) and
+        attend over each other.
         """
         cfg = self.config
         D, N, K, H = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -51,15 +52,21 @@ class Attention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, H], the cache layout
-        q_offset = jnp.zeros((), jnp.int32)
+        q_offset, k_scale, v_scale, ring = jnp.zeros((), jnp.int32), None, None, False
         if cache is not None:
             q_offset = cache.length
-            cache = cache.write(self.layer, k, v, zero_dead_values=attention_impls.resolve(attention) == "xla")
-            k, v = cache.keys[self.layer], cache.values[self.layer]
-            if kv_slots is not None and kv_slots < k.shape[2]:
-                k, v = k[:, :, :kv_slots], v[:, :, :kv_slots]
+            zero = attention_impls.resolve(attention) == "xla"
+            if prefill:
+                # An empty cache: the prompt attends over its own fresh (unquantized) K/V, O(T^2), whatever the
+                # cache's size, dtype or ring layout; the cache only stores them.
+                cache = cache.write_prompt(self.layer, k, v, zero_dead_values=zero)
+            else:
+                cache = cache.write(self.layer, k, v, zero_dead_values=zero)
+                k, v = cache.keys[self.layer], cache.values[self.layer]
+                (k_scale, v_scale), ring = cache.scales(self.layer), cache.ring
+        extra = {} if k_scale is None and not ring else {"k_scale": k_scale, "v_scale": v_scale, "ring": ring}
         out = attention_impls.get(attention)(q, k, v, start, q_offset, scale=1.0 / math.sqrt(H),
-                                             sliding_window=cfg.sliding_window)  # [B, T, N, H]
+                                             sliding_window=cfg.sliding_window, **extra)  # [B, T, N, H]
         wo = self.param("wo", fan_in_init(N * H), (D, N, H), dtype)
         y = linear(out.reshape(*out.shape[:2], N * H), wo.reshape(D, N * H))  # [B, T, D]
         if cfg.out_bias:
@@ -72,9 +79,9 @@ class Block(nn.Module):
     layer: int
 
     @nn.compact
-    def __call__(self, x, rope, cache, start, kv_slots, attention: str):
+    def __call__(self, x, rope, cache, start, prefill, attention: str):
         h, cache = Attention(self.config, self.layer, name="attn")(Norm(self.config, name="attn_norm")(x), rope,
-                                                                    cache, start, kv_slots, attention)
+                                                                    cache, start, prefill, attention)
         x = x + h
         x = x + Mlp(self.config, name="mlp")(Norm(self.config, name="mlp_norm")(x))
         return x, cache
@@ -84,7 +91,7 @@ class Decoder(nn.Module):
     config: Config
 
     @nn.compact
-    def __call__(self, tokens, positions, cache: KVCache | None = None, *, kv_slots: int | None = None,
+    def __call__(self, tokens, positions, cache: KVCache | None = None, *, prefill: bool = False,
                  last_only: bool = False, attention: str | None = None):
         """Runs T tokens through the model.
 
@@ -94,8 +101,9 @@ class Decoder(nn.Module):
             zeroed (so whatever its embedding holds cannot matter) and which no real token attends to.
           cache: with a cache, tokens go to slots [cache.length, cache.length + T) and attend over the cache;
             positions must then equal `cache.positions(T)`. Without, tokens attend causally to each other.
-          kv_slots: static bound S' <= S on the slots that can be live after this call; attention reads only
-            cache slots [0, S'). Prefill from an empty cache passes T, so it costs O(T^2) rather than O(T S).
+          prefill: the cache is empty (length 0): the tokens attend over their own fresh K/V, so prefill costs
+            O(T^2) rather than O(T S) and is exact whatever the cache dtype; the cache stores them (a ring cache
+            shorter than T keeps the last S).
           last_only: compute logits for the last token only ([B, 1, V]), all generation needs after prefill.
           attention: implementation name; defaults to config.attention.
 
@@ -121,7 +129,7 @@ class Decoder(nn.Module):
         # Without a cache, padding must be on the left (as generate lays it out): the first real token's index.
         start = jnp.sum(~real, axis=1, dtype=jnp.int32) if cache is None else cache.start  # [B]
         for layer in range(cfg.n_layers):
-            x, cache = Block(cfg, layer, name=f"layer_{layer}")(x, rope, cache, start, kv_slots, attention)
+            x, cache = Block(cfg, layer, name=f"layer_{layer}")(x, rope, cache, start, prefill, attention)
         if cache is not None:
             cache = cache.advance(T)
 

@@ -11,6 +11,18 @@ Computes in float32 whatever the input dtype. Masking uses `jnp.where` with a la
 additive -inf: a row with no live key then gets a uniform (finite) distribution instead of NaN, and a NaN or
 garbage key in a dead slot cannot leak into a live row. Dead *value* slots must hold finite numbers (a zero
 weight times NaN is NaN): `KVCache.write(..., zero_dead_values=True)` keeps them zero for this path.
+
+Two cache variants every implementation accepts:
+
+  Quantized caches (int8, float8_e4m3fn) pass `k_scale`, `v_scale` [B, K, S]: slot s of KV head k holds
+  `k[b, k, s] * k_scale[b, k, s]`. Dequantization is part of the attention's reads (here fused by XLA into the
+  score and output reductions; in the kernels, per block), never a dequantized copy of the cache. Caches in
+  bfloat16/float16 pass no scales and are simply upcast.
+
+  Ring caches (`ring=True`, a sliding-window model's cache of S = window slots): absolute slot s (as counted by
+  `start`, `q_offset` and positions) lives at index s mod S, overwriting slot s - S. For the query in absolute slot
+  q, index i therefore holds absolute slot q - ((q - i) mod S), and the rule above applies to that slot. This holds
+  when the T queries do not overwrite slots they read: T == 1 (decode), or a chunk that does not wrap.
 """
 
 from __future__ import annotations
@@ -21,17 +33,26 @@ import jax.numpy as jnp
 MASKED = -1e30  # large finite negative: exp(MASKED - max) underflows to exactly 0 for any live max
 
 
-def live_mask(start, q_offset, num_queries: int, num_slots: int, sliding_window: int | None = None):
-    """bool[B, T, S]: which key slots each query may attend to (the rule in the module docstring)."""
-    q_slot = q_offset + jnp.arange(num_queries, dtype=jnp.int32)  # [T]
-    k_slot = jnp.arange(num_slots, dtype=jnp.int32)  # [S]
-    live = (k_slot[None, None, :] >= start[:, None, None]) & (k_slot[None, None, :] <= q_slot[None, :, None])
+def live_mask(start, q_offset, num_queries: int, num_slots: int, sliding_window: int | None = None,
+              ring: bool = False):
+    """bool[B, T, S]: which cache indices each query may attend to (the rule in the module docstring)."""
+    q_slot = q_offset + jnp.arange(num_queries, dtype=jnp.int32)[:, None]  # [T, 1]
+    index = jnp.arange(num_slots, dtype=jnp.int32)[None, :]  # [1, S]
+    k_slot = q_slot - (q_slot - index) % num_slots if ring else index  # [T or 1, S]: the absolute slot held
+    live = (k_slot[None] >= start[:, None, None]) & (k_slot[None] <= q_slot[None])
     if sliding_window is not None:
-        live &= k_slot[None, None, :] > q_slot[None, :, None] - sliding_window
+        live &= k_slot[None] > q_slot[None] - sliding_window
     return live
 
 
-def attention(q, k, v, start, q_offset, *, scale: float, sliding_window: int | None = None):
+def dequantize(x, scale):
+    """x [B, K, S, H] in the cache dtype -> float32, times its per-slot scale [B, K, S] if quantized."""
+    x = x.astype(jnp.float32)
+    return x if scale is None else x * scale[..., None].astype(jnp.float32)
+
+
+def attention(q, k, v, start, q_offset, *, scale: float, sliding_window: int | None = None, k_scale=None,
+              v_scale=None, ring: bool = False):
     """Softmax attention of T queries over S cached keys and values.
 
     Args:
@@ -41,20 +62,23 @@ def attention(q, k, v, start, q_offset, *, scale: float, sliding_window: int | N
       q_offset: int32[], the slot of the first query.
       scale: multiplies q.k (1 / sqrt(H) for standard attention).
       sliding_window: if set, a query sees only the `sliding_window` most recent slots, itself included.
+      k_scale, v_scale: float32[B, K, S] dequantization scales of an int8/fp8 cache, else None.
+      ring: the cache is a ring buffer of S slots (module docstring).
 
     Returns:
       [B, T, N, H] in q's dtype.
     """
     B, T, N, H = q.shape
     K, S = k.shape[1], k.shape[2]
-    live = live_mask(start, q_offset, T, S, sliding_window)  # [B, T, S]
+    live = live_mask(start, q_offset, T, S, sliding_window, ring)  # [B, T, S]
     qg = q.reshape(B, T, K, N // K, H)  # [B, T, K, G, H]
     if T == 1:
-        return _decode(qg[:, 0], k, v, live[:, 0], scale).reshape(B, 1, N, H).astype(q.dtype)
+        return _decode(qg[:, 0], k, v, live[:, 0], scale, k_scale, v_scale).reshape(B, 1, N, H).astype(q.dtype)
+    k, v = dequantize(k, k_scale), dequantize(v, v_scale)
     scores = jnp.einsum("btkgh,bksh->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
     scores = jnp.where(live[:, None, None, :, :], scores, MASKED)  # [B, K, G, T, S]
     weights = _softmax(scores)
-    out = jnp.einsum("bkgts,bksh->btkgh", weights, v.astype(jnp.float32))  # [B, T, K, G, H]
+    out = jnp.einsum("bkgts,bksh->btkgh", weights, v)  # [B, T, K, G, H]
     return out.reshape(B, T, N, H).astype(q.dtype)
 
 
@@ -64,15 +88,17 @@ def _softmax(scores):
     return weights / jnp.sum(weights, axis=-1, keepdims=True)
 
 
-def _decode(q, k, v, live, scale):
+def _decode(q, k, v, live, scale, k_scale, v_scale):
     """One query per sequence: q [B, K, G, H], live bool[B, S] -> float32 [B, K, G, H].
 
     Written as broadcast-multiply-and-reduce rather than einsum on purpose. The cache buffers were just updated in
     place; a dot over them with a size-1 batch dimension (batch 1, the common decode case) goes through a bitcast
     that made XLA:CPU duplicate the update and copy whole cache buffers every step (seen in the compiled HLO). The
-    reduce form reads the updated buffers directly, with no copy at any batch size.
+    reduce form reads the updated buffers directly, with no copy at any batch size, and XLA fuses a quantized
+    cache's dequantization into the reductions' reads.
     """
     q = q.astype(jnp.float32)
+    k, v = dequantize(k, k_scale), dequantize(v, v_scale)
     scores = jnp.sum(k[:, :, None, :, :] * q[:, :, :, None, :], axis=-1) * scale  # [B, K, G, S]
     weights = _softmax(jnp.where(live[:, None, None, :], scores, MASKED))  # [B, K, G, S]
     return jnp.sum(weights[..., None] * v[:, :, None, :, :], axis=-2)  # [B, K, G, H]

@@ -1,0 +1,149 @@
+"""The KV-cache memory planner: how many bytes a cache takes, and how many sequences fit beside the weights.
+
+The arithmetic mirrors the cache jaxkv allocates (letters as in `jaxkv.shapes`). Per layer:
+
+  keys, values                 [B, K, S, H]  in the cache dtype
+  key_scales, value_scales     [B, K, S]     float32, only for "int8" and "float8_e4m3fn" (one symmetric scale per
+                                             token per KV head)
+
+where S, the slots per sequence, is the token count, or min(tokens, W) for a model with a sliding window of W
+tokens (its cache is a ring buffer of W slots: older entries are overwritten). Hence
+
+  bytes per token = 2 (K and V) x L x K x (H x bytes per element + 4 if quantized)
+  cache bytes     = B x S x bytes per token
+
+Only the cached keys and values (and their scales) are counted, not the cache's int32 bookkeeping (`start` [B],
+`length` []): 4 x (B + 1) bytes, whatever the model.
+
+The classic figures (a 13B-class model: 40 layers, 40 KV heads of 128 dims, float16):
+  819,200 bytes per token; 1,677,721,600 bytes (1.5625 GiB) for one 2,048-token sequence;
+  with grouped-query attention over 8 KV heads, 163,840 bytes per token;
+  in int8 with scales, 40 x 40 x 2 x (128 + 4) = 422,400 bytes per token.
+
+Every function takes a `jaxkv.Config` or a `CacheGeometry` (just the fields the cache size depends on, for when
+there is no full model config, e.g. `jaxkv memory --layers ...`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_dtypes  # noqa: F401  (registers bfloat16 and float8_e4m3fn with numpy, for dtype objects as cache_dtype)
+import numpy as np
+
+from jaxkv.config import DTYPES, Config
+
+CACHE_DTYPES = ("float32", "bfloat16", "float16", "int8", "float8_e4m3fn")
+BYTES_PER_ELEMENT = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "float8_e4m3fn": 1}
+# Quantized cache dtypes carry one float32 scale per token per KV head, for keys and for values.
+QUANTIZED = ("int8", "float8_e4m3fn")
+SCALE_BYTES = 4
+GIB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheGeometry:
+    """What the KV cache's size depends on: L layers, K KV heads, H head dim, the model dtype (the default cache
+    dtype) and the sliding window (None: the cache holds every token)."""
+
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    dtype: str = "float32"
+    sliding_window: int | None = None
+
+    def __post_init__(self):
+        for name in ("n_layers", "n_kv_heads", "head_dim"):
+            _positive_int(name, getattr(self, name))
+        if self.sliding_window is not None:
+            _positive_int("sliding_window", self.sliding_window)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+
+    @classmethod
+    def of(cls, config: Config | CacheGeometry) -> CacheGeometry:
+        if isinstance(config, CacheGeometry):
+            return config
+        if not isinstance(config, Config):
+            raise TypeError(f"expected a jaxkv.Config or CacheGeometry, got {type(config).__name__}")
+        return cls(config.n_layers, config.n_kv_heads, config.head_dim, config.dtype, config.sliding_window)
+
+
+def _positive_int(name: str, value) -> int:
+    # bool is an int subclass; True layers or tokens is a caller's mistake, not 1.
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def _cache_dtype(geometry: CacheGeometry, cache_dtype) -> str:
+    """The cache dtype's name. Dtype objects (jnp.int8, np.dtype("float16")) are accepted as well as names, so the
+    value passed to `generate` can be passed here unchanged."""
+    if cache_dtype is None:
+        return geometry.dtype
+    try:
+        name = cache_dtype if isinstance(cache_dtype, str) else np.dtype(cache_dtype).name
+    except TypeError:
+        name = None
+    if name not in CACHE_DTYPES:
+        raise ValueError(f"cache_dtype must be one of {CACHE_DTYPES} or None (the model dtype), got {cache_dtype!r}")
+    return name
+
+
+def cache_slots(config: Config | CacheGeometry, tokens: int) -> int:
+    """S, the slots a sequence of `tokens` tokens occupies: all of them, or at most the sliding window."""
+    geometry = CacheGeometry.of(config)
+    _positive_int("tokens", tokens)
+    window = geometry.sliding_window
+    return tokens if window is None else min(tokens, window)
+
+
+def kv_bytes_per_token(config: Config | CacheGeometry, cache_dtype=None) -> int:
+    """Bytes one cached token takes over all layers: 2 x L x K x (H x bytes per element + scale bytes)."""
+    geometry = CacheGeometry.of(config)
+    dtype = _cache_dtype(geometry, cache_dtype)
+    per_head = geometry.head_dim * BYTES_PER_ELEMENT[dtype] + (SCALE_BYTES if dtype in QUANTIZED else 0)
+    return 2 * geometry.n_layers * geometry.n_kv_heads * per_head
+
+
+def kv_cache_bytes(config: Config | CacheGeometry, *, tokens: int, batch: int = 1, cache_dtype=None) -> int:
+    """Exact bytes of the KV cache (keys, values and, for int8/fp8, their scales) for `batch` sequences of
+    `tokens` tokens each.
+
+    Args:
+      config: a `jaxkv.Config` (or a `CacheGeometry`).
+      tokens: tokens per sequence (prompt plus generated), i.e. the cache capacity asked for.
+      batch: B, sequences cached together.
+      cache_dtype: one of CACHE_DTYPES (a name or a dtype such as jnp.int8); None is the model's dtype.
+
+    Returns:
+      batch x slots x bytes per token, slots = min(tokens, sliding window).
+
+    Raises:
+      ValueError: tokens or batch not a positive integer, or an unknown cache_dtype.
+    """
+    _positive_int("batch", batch)
+    return batch * cache_slots(config, tokens) * kv_bytes_per_token(config, cache_dtype)
+
+
+def weight_bytes(config: Config, dtype: str | None = None) -> int:
+    """Bytes of the model's parameters: parameter count x bytes per element of `dtype` (None: config.dtype)."""
+    if not isinstance(config, Config):
+        raise TypeError(f"weight bytes need a full jaxkv.Config (for its parameter count), got "
+                        f"{type(config).__name__}")
+    dtype = config.dtype if dtype is None else dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    return config.param_count() * BYTES_PER_ELEMENT[dtype]
+
+
+def sequences_that_fit(config: Config | CacheGeometry, *, tokens: int, memory_bytes: int, weights_bytes: int,
+                       cache_dtype=None) -> int:
+    """How many whole sequences of `tokens` tokens have room for their cache in `memory_bytes` once the weights
+    (`weights_bytes`) are resident: floor((memory - weights) / cache bytes per sequence), 0 if the weights alone
+    do not fit. Activations and allocator overheads are not counted, so this is an upper bound."""
+    for name, value in (("memory_bytes", memory_bytes), ("weights_bytes", weights_bytes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    per_sequence = kv_cache_bytes(config, tokens=tokens, cache_dtype=cache_dtype)
+    return max(memory_bytes - weights_bytes, 0) // per_sequence

@@ -1,0 +1,298 @@
+"""The KV-cache memory planner: the classic figures exactly, the per-dtype arithmetic, the sliding-window cap, and
+the `jaxkv memory` command (table, JSON, HBM fit, plot, one-line errors)."""
+
+import json
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import pytest
+
+import jaxkv
+from jaxkv import cli, memory
+from jaxkv.checkpoint import TINY_DIR, config_from_dict
+from conftest import CONFIGS
+
+GIB = 1 << 30
+
+# The classic 13B-class shape: 40 layers, 40 heads of 128 dims (d_model 5120), float16.
+MHA_13B = jaxkv.Config(vocab_size=32000, d_model=5120, n_layers=40, n_heads=40, ffn_dim=13824, max_positions=4096,
+                       dtype="float16")
+GQA_13B = MHA_13B.replace(n_kv_heads=8)
+
+# Llama-2-13B's config.json as published (trimmed of fields jaxkv ignores). 13,015,864,320 parameters.
+LLAMA2_13B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 5120, "intermediate_size": 13824,
+    "num_attention_heads": 40, "num_hidden_layers": 40, "num_key_value_heads": 40, "vocab_size": 32000,
+    "max_position_embeddings": 4096, "rms_norm_eps": 1e-05, "hidden_act": "silu", "rope_scaling": None,
+    "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float16",
+}
+LLAMA2_13B_PARAMS = 13_015_864_320
+
+
+# --- the arithmetic -------------------------------------------------------------------------------------------
+
+
+def test_classic_figures():
+    assert memory.kv_bytes_per_token(MHA_13B) == 819_200  # 2 x 40 x 40 x 128 x 2
+    assert jaxkv.kv_cache_bytes(MHA_13B, tokens=2048) == 1_677_721_600  # 819,200 x 2,048 = 1.5625 GiB
+    assert memory.kv_bytes_per_token(GQA_13B) == 163_840  # 2 x 40 x 8 x 128 x 2
+    assert jaxkv.kv_cache_bytes(GQA_13B, tokens=2048, batch=4) == 4 * 2048 * 163_840
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_dtype_ratios_and_scale_overhead(name):
+    cfg = CONFIGS[name]
+    L, K, H = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
+    per_token = {d: memory.kv_bytes_per_token(cfg, d) for d in memory.CACHE_DTYPES}
+    assert per_token["float32"] == 2 * L * K * H * 4
+    assert per_token["bfloat16"] == per_token["float16"] == per_token["float32"] // 2
+    # One byte per element plus exactly one float32 scale per token per KV head, for keys and for values.
+    assert per_token["int8"] == per_token["float8_e4m3fn"] == 2 * L * K * H + 2 * L * K * 4
+    # Without a quantized dtype the planner agrees with Config's own formula.
+    for d in ("float32", "bfloat16", "float16"):
+        assert per_token[d] == cfg.kv_bytes_per_token(memory.BYTES_PER_ELEMENT[d])
+
+
+def test_bytes_per_element_are_the_real_dtype_sizes():
+    for d in memory.CACHE_DTYPES:
+        assert memory.BYTES_PER_ELEMENT[d] == jnp.dtype(d).itemsize, d
+
+
+def test_dtype_objects_are_accepted_like_their_names():
+    for d in memory.CACHE_DTYPES:
+        assert jaxkv.kv_cache_bytes(MHA_13B, tokens=3, cache_dtype=jnp.dtype(d)) == \
+            jaxkv.kv_cache_bytes(MHA_13B, tokens=3, cache_dtype=d)
+    assert memory.kv_bytes_per_token(MHA_13B, jnp.int8) == memory.kv_bytes_per_token(MHA_13B, "int8")
+
+
+def test_default_cache_dtype_is_the_model_dtype():
+    for d in ("float32", "bfloat16", "float16"):
+        cfg = GQA_13B.replace(dtype=d)
+        assert jaxkv.kv_cache_bytes(cfg, tokens=7) == jaxkv.kv_cache_bytes(cfg, tokens=7, cache_dtype=d)
+
+
+def test_bytes_scale_with_tokens_and_batch():
+    cfg = CONFIGS["gqa"]
+    one = jaxkv.kv_cache_bytes(cfg, tokens=1, cache_dtype="int8")
+    assert jaxkv.kv_cache_bytes(cfg, tokens=37, batch=3, cache_dtype="int8") == 3 * 37 * one
+
+
+def test_sliding_window_caps_slots():
+    cfg = CONFIGS["sliding"]  # window 8
+    assert [memory.cache_slots(cfg, t) for t in (1, 7, 8, 9, 1000)] == [1, 7, 8, 8, 8]
+    for d in memory.CACHE_DTYPES:
+        capped = jaxkv.kv_cache_bytes(cfg, tokens=1000, batch=2, cache_dtype=d)
+        assert capped == jaxkv.kv_cache_bytes(cfg, tokens=8, batch=2, cache_dtype=d)
+        assert capped == 2 * 8 * memory.kv_bytes_per_token(cfg, d)
+    assert memory.cache_slots(cfg.replace(sliding_window=None), 1000) == 1000
+
+
+def test_geometry_gives_the_same_numbers_as_the_config():
+    geometry = memory.CacheGeometry(n_layers=40, n_kv_heads=40, head_dim=128, dtype="float16")
+    assert memory.CacheGeometry.of(MHA_13B) == geometry
+    assert jaxkv.kv_cache_bytes(geometry, tokens=2048) == 1_677_721_600
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(tokens=0), "tokens must be a positive integer, got 0"),
+    (dict(tokens=-3), "tokens must be a positive integer"),
+    (dict(tokens=2.0), "tokens must be a positive integer, got 2.0"),
+    (dict(tokens=True), "tokens must be a positive integer, got True"),
+    (dict(tokens="8"), "tokens must be a positive integer"),
+    (dict(tokens=8, batch=0), "batch must be a positive integer, got 0"),
+    (dict(tokens=8, cache_dtype="int4"), "cache_dtype must be one of"),
+    (dict(tokens=8, cache_dtype="float64"), "cache_dtype must be one of"),
+    (dict(tokens=8, cache_dtype=jnp.float64), "cache_dtype must be one of"),
+    (dict(tokens=8, cache_dtype=3), "cache_dtype must be one of"),
+])
+def test_bad_arguments_raise_value_error(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        jaxkv.kv_cache_bytes(MHA_13B, **kwargs)
+
+
+def test_bad_geometry_and_config_type():
+    with pytest.raises(ValueError, match="n_kv_heads must be a positive integer, got 0"):
+        memory.CacheGeometry(n_layers=2, n_kv_heads=0, head_dim=8)
+    with pytest.raises(ValueError, match="sliding_window must be a positive integer"):
+        memory.CacheGeometry(n_layers=2, n_kv_heads=1, head_dim=8, sliding_window=0)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        memory.CacheGeometry(n_layers=2, n_kv_heads=1, head_dim=8, dtype="int8")  # a cache dtype, not a model's
+    with pytest.raises(TypeError, match="expected a jaxkv.Config"):
+        jaxkv.kv_cache_bytes({"n_layers": 2}, tokens=8)
+
+
+def test_weight_bytes_and_sequences_that_fit():
+    llama = MHA_13B.replace(max_positions=4096)
+    assert llama.param_count() == LLAMA2_13B_PARAMS
+    assert memory.weight_bytes(llama) == 2 * LLAMA2_13B_PARAMS == 26_031_728_640
+    assert memory.weight_bytes(llama, "float32") == 4 * LLAMA2_13B_PARAMS
+    per_sequence = 1_677_721_600  # float16, 2,048 tokens
+    fit = lambda memory_bytes, weights: memory.sequences_that_fit(  # noqa: E731
+        llama, tokens=2048, memory_bytes=memory_bytes, weights_bytes=weights)
+    # 80 GiB - 26,031,728,640 = 59,867,617,280 bytes; / 1,677,721,600 = 35.68: 35 sequences.
+    assert fit(80 * GIB, 26_031_728_640) == 35
+    assert fit(10 + 2 * per_sequence, 10) == 2
+    assert fit(9 + 2 * per_sequence, 10) == 1
+    assert fit(10, 10) == 0
+    assert fit(10, 11) == 0  # weights alone do not fit: 0, not negative
+    with pytest.raises(ValueError, match="memory_bytes must be a non-negative integer"):
+        fit(-1, 0)
+
+
+# --- the command ----------------------------------------------------------------------------------------------
+
+
+def run(capsys, *args):
+    code = cli.main(["memory", *args])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return out
+
+
+def run_json(capsys, *args):
+    return json.loads(run(capsys, *args, "--json"))
+
+
+def table_row(out: str, cache_dtype: str) -> list[str]:
+    """The cells of the table line for `cache_dtype`."""
+    (line,) = [line for line in out.splitlines() if line.split()[:1] == [cache_dtype]]
+    return line.split()
+
+
+FLAGS_13B = ["--layers", "40", "--kv-heads", "40", "--head-dim", "128", "--dtype", "float16"]
+
+
+def test_flags_print_the_classic_figures(capsys):
+    out = run(capsys, *FLAGS_13B, "--tokens", "2048")
+    # cache dtype, bytes/token, bytes/sequence, total bytes, total GiB
+    assert table_row(out, "float16") == ["float16", "819,200", "1,677,721,600", "1,677,721,600", "1.5625"]
+    assert table_row(out, "int8") == ["int8", "422,400", "865,075,200", "865,075,200", "0.8057"]
+    assert [line.split()[0] for line in out.splitlines()[-5:]] == list(memory.CACHE_DTYPES)
+    out = run(capsys, "--layers", "40", "--kv-heads", "8", "--head-dim", "128", "--dtype", "float16",
+              "--cache-dtype", "float16", "--batch", "2")
+    assert table_row(out, "float16") == ["float16", "163,840", "335,544,320", "671,088,640", "0.6250"]
+    assert "int8" not in out
+
+
+def test_json_output(capsys):
+    result = run_json(capsys, *FLAGS_13B, "--batch", "3", "--window", "1024", "--tokens", "4096")
+    assert (result["n_layers"], result["n_kv_heads"], result["head_dim"]) == (40, 40, 128)
+    assert result["sliding_window"] == 1024 and result["slots"] == 1024 and result["model"] is None
+    row = {r["cache_dtype"]: r for r in result["rows"]}["float16"]
+    assert row["bytes_per_token"] == 819_200
+    assert row["bytes_per_sequence"] == 1024 * 819_200
+    assert row["total_bytes"] == 3 * 1024 * 819_200 and row["total_gib"] == 3 * 1024 * 819_200 / GIB
+    assert row["sequences_fit"] is None and result["hbm_bytes"] is None
+
+
+def test_model_tiny_reads_only_its_config(capsys):
+    config = config_from_dict(json.loads((TINY_DIR / "jaxkv_config.json").read_text()), source="tiny")
+    for source in ("tiny", str(TINY_DIR)):  # by name and as a jaxkv checkpoint directory
+        result = run_json(capsys, "--model", source, "--tokens", "100", "--batch", "2")
+        assert result["param_count"] == config.param_count() and result["dtype"] == config.dtype
+        rows = {r["cache_dtype"]: r["total_bytes"] for r in result["rows"]}
+        assert rows == {d: jaxkv.kv_cache_bytes(config, tokens=100, batch=2, cache_dtype=d)
+                        for d in memory.CACHE_DTYPES}
+
+
+def test_hugging_face_config(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA2_13B))
+    for args in (["--model", str(tmp_path)], ["--config", str(tmp_path / "config.json")]):
+        result = run_json(capsys, *args, "--cache-dtype", "float16")
+        assert result["dtype"] == "float16"  # from torch_dtype, without any weights present
+        assert result["param_count"] == LLAMA2_13B_PARAMS
+        assert result["rows"][0]["bytes_per_token"] == 819_200
+        assert result["rows"][0]["total_bytes"] == 1_677_721_600
+
+
+def test_hugging_face_sliding_window(tmp_path, capsys):
+    mistral = {**LLAMA2_13B, "architectures": ["MistralForCausalLM"], "num_key_value_heads": 8,
+               "sliding_window": 4096, "torch_dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(mistral))
+    result = run_json(capsys, "--config", str(tmp_path / "config.json"), "--tokens", "32768")
+    assert result["sliding_window"] == 4096 and result["slots"] == 4096
+    assert {r["cache_dtype"]: r["bytes_per_sequence"] for r in result["rows"]}["bfloat16"] == 4096 * 163_840
+
+
+def test_hbm_fit_with_weights_from_the_config(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA2_13B))
+    out = run(capsys, "--model", str(tmp_path), "--hbm-gib", "80")
+    # 80 GiB = 85,899,345,920 bytes; float16 weights 2 x 13,015,864,320 = 26,031,728,640; left 59,867,617,280.
+    assert "85,899,345,920 - 26,031,728,640 = 59,867,617,280 bytes" in out
+    # / 3,355,443,200 (float32) = 17.8; / 1,677,721,600 = 35.7; / 865,075,200 (int8 and fp8) = 69.2
+    assert [table_row(out, d)[-1] for d in memory.CACHE_DTYPES] == ["17", "35", "35", "69", "69"]
+
+
+def test_hbm_fit_with_weights_given(capsys):
+    flags = ["--layers", "40", "--kv-heads", "8", "--head-dim", "128", "--tokens", "4096"]
+    result = run_json(capsys, *flags, "--hbm-gib", "80", "--weights-gib", "24")
+    # 56 GiB left. Per 4,096-token sequence: float32 1.25 GiB -> 44.8; float16 0.625 GiB -> 89.6;
+    # int8 4,096 x 84,480 = 346,030,080 bytes -> 60,129,542,144 / 346,030,080 = 173.8.
+    assert result["hbm_bytes"] == 80 * GIB and result["weights_bytes"] == 24 * GIB and result["weights_fit"]
+    assert [r["sequences_fit"] for r in result["rows"]] == [44, 89, 89, 173, 173]
+    out = run(capsys, *flags, "--hbm-gib", "16", "--weights-gib", "24")
+    assert "do not fit" in out
+    assert [table_row(out, d)[-1] for d in memory.CACHE_DTYPES] == ["0"] * 5
+
+
+def test_plot_writes_a_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "cache.png"
+    out = run(capsys, *FLAGS_13B, "--tokens", "4096", "--window", "1024", "--hbm-gib", "80", "--weights-gib", "24",
+              "--plot", str(path))
+    assert path.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    assert str(path) in out
+
+
+def test_plot_without_matplotlib_is_one_clear_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # makes the import fail as if not installed
+    assert cli.main(["memory", "--model", "tiny", "--plot", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert "--plot needs matplotlib" in err and err.count("\n") == 1
+    assert not (tmp_path / "x.png").exists()
+
+
+@pytest.mark.parametrize("args, match", [
+    ([], "no model: pass --model"),
+    (["--layers", "40"], "missing --kv-heads, --head-dim"),
+    (["--model", "tiny", "--layers", "4"], "cannot be combined with --model"),
+    (["--model", "tiny", "--config", "x.json"], "not allowed with argument"),
+    (["--layers", "0", "--kv-heads", "8", "--head-dim", "128"], "--layers: must be a positive integer"),
+    (["--model", "tiny", "--tokens", "many"], "invalid int value"),
+    (["--model", "tiny", "--batch", "-2"], "--batch: must be a positive integer"),
+    (["--model", "tiny", "--cache-dtype", "int4"], "invalid choice"),
+    (["--model", "tiny", "--hbm-gib", "nan"], "--hbm-gib: must be a finite number > 0"),
+    (["--model", "tiny", "--weights-gib", "3"], "--weights-gib is only used with --hbm-gib"),
+    (["--layers", "40", "--kv-heads", "8", "--head-dim", "128", "--hbm-gib", "80"], "also needs --weights-gib"),
+    (["--model", "/nonexistent/dir"], "no such directory"),
+    (["--model", str(TINY_DIR / "params")], "has neither jaxkv_config.json"),
+    (["--config", "/nonexistent/config.json"], "no such file"),
+    (["--model", "tiny", "--plot", "/nonexistent/dir/x.png"], "--plot /nonexistent/dir/x.png"),
+])
+def test_bad_arguments_give_one_line_and_status_2(capsys, args, match):
+    assert cli.main(["memory", *args]) == 2
+    out, err = capsys.readouterr()
+    assert match in err and err.count("\n") == 1 and "Traceback" not in err and out == ""
+
+
+def test_bad_hugging_face_config_names_the_file(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**LLAMA2_13B, "num_key_value_heads": 0}))
+    assert cli.main(["memory", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert str(path) in err and "num_key_value_heads" in err and err.count("\n") == 1
+    path.write_text("{not json")
+    assert cli.main(["memory", "--config", str(path)]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
+
+
+def test_console_script_in_a_subprocess():
+    """As a user runs it: the table on stdout, and a bad value is one line on stderr with status 2."""
+    ok = subprocess.run([sys.executable, "-m", "jaxkv.cli", "memory", *FLAGS_13B, "--cache-dtype", "float16"],
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and "1,677,721,600" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "jaxkv.cli", "memory", "--layers", "-1"], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.startswith("jaxkv: error: argument --layers: must be a positive integer")
