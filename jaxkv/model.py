@@ -64,9 +64,9 @@ class Attention(nn.Module):
                 cache = cache.write(self.layer, k, v, zero_dead_values=zero)
                 k, v = cache.keys[self.layer], cache.values[self.layer]
                 (k_scale, v_scale), ring = cache.scales(self.layer), cache.ring
-        extra = {} if k_scale is None and not ring else {"k_scale": k_scale, "v_scale": v_scale, "ring": ring}
         out = attention_impls.get(attention)(q, k, v, start, q_offset, scale=1.0 / math.sqrt(H),
-                                             sliding_window=cfg.sliding_window, **extra)  # [B, T, N, H]
+                                             sliding_window=cfg.sliding_window, k_scale=k_scale, v_scale=v_scale,
+                                             ring=ring)  # [B, T, N, H]
         wo = self.param("wo", fan_in_init(N * H), (D, N, H), dtype)
         y = linear(out.reshape(*out.shape[:2], N * H), wo.reshape(D, N * H))  # [B, T, D]
         if cfg.out_bias:

@@ -9,8 +9,9 @@ Run from the repository root on the accelerator machine:
 1. Tests: `pytest tests/test_pallas_attention.py` with JAXKV_PALLAS_COMPILED=1, which that file reads to call the
    kernels with interpret=False and only the device's kernel body (Triton on GPU, Mosaic on TPU).
 2. Benchmark (bfloat16), each kernel timed in a jitted `fori_loop` so that dispatch overhead is not measured:
-   * decode: achieved HBM bandwidth = bytes of *live* K/V read / time, at several live lengths in a long cache,
-     next to the XLA reference's time (which reads every slot);
+   * decode: achieved HBM bandwidth = bytes of *live* K/V (and, for the int8 cache, their scales) read / time, at
+     several live lengths in a long cache, for a bfloat16 and an int8 cache, next to the XLA reference's time
+     (which reads every slot);
    * prefill: causal TFLOP/s, counting only the unmasked half of QK^T and PV (4 * B * N * H * T(T+1)/2 FLOPs).
 
 On a CPU-only machine it says so and exits with status 2; `--interpret` runs everything in the Pallas
@@ -36,6 +37,7 @@ import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 
 from jaxkv.attention import pallas, reference  # noqa: E402
+from jaxkv.cache import quantize  # noqa: E402
 
 
 def run_tests(interpret: bool) -> int:
@@ -66,25 +68,34 @@ def time_per_call(fn, *args, iters: int) -> float:
     return best
 
 
-def bench_decode(small: bool, interpret: bool, platform: str):
+def bench_decode(small: bool, interpret: bool, platform: str, cache_dtype: str):
     B, N, K, H, S = (2, 8, 2, 64, 512) if small else (8, 32, 8, 128, 8192)
     lengths = (64, 512) if small else (128, 1024, 8192)
     iters = 2 if small else 100
     dtype = jnp.bfloat16
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.normal(size=(B, 1, N, H)), dtype)
-    k = jnp.asarray(rng.normal(size=(B, K, S, H)), dtype)
-    v = jnp.asarray(rng.normal(size=(B, K, S, H)), dtype)
+    k = jnp.asarray(rng.normal(size=(B, K, S, H)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(B, K, S, H)), jnp.float32)
+    if cache_dtype == "int8":
+        (k, k_scale), (v, v_scale) = quantize(k, cache_dtype), quantize(v, cache_dtype)
+        slot_bytes = H + 4  # int8 values and a float32 scale per slot and KV head
+    else:
+        k, v, k_scale, v_scale = k.astype(cache_dtype), v.astype(cache_dtype), None, None
+        slot_bytes = H * jnp.dtype(cache_dtype).itemsize
     start = jnp.zeros((B,), jnp.int32)
     kernel = functools.partial(pallas.attention, scale=H ** -0.5, interpret=interpret, platform=platform)
     xla = functools.partial(reference.attention, scale=H ** -0.5)
-    print(f"\ndecode: B={B} N={N} K={K} H={H} S={S} {jnp.dtype(dtype).name}; GB/s = live K+V bytes / time")
+    print(f"\ndecode: B={B} N={N} K={K} H={H} S={S} q {jnp.dtype(dtype).name}, cache {cache_dtype}; "
+          "GB/s = live K+V bytes / time")
     print(f"{'live':>8} {'pallas us':>10} {'pallas GB/s':>12} {'xla us':>10} {'xla GB/s (live)':>16}")
     for live in lengths:
         q_offset = jnp.int32(live - 1)
-        live_bytes = 2 * B * K * live * H * jnp.dtype(dtype).itemsize
-        t_kernel = time_per_call(lambda q, k, v: kernel(q, k, v, start, q_offset), q, k, v, iters=iters)
-        t_xla = time_per_call(lambda q, k, v: xla(q, k, v, start, q_offset), q, k, v, iters=iters)
+        live_bytes = 2 * B * K * live * slot_bytes
+        t_kernel = time_per_call(lambda q, k, v, ks, vs: kernel(q, k, v, start, q_offset, k_scale=ks, v_scale=vs),
+                                 q, k, v, k_scale, v_scale, iters=iters)
+        t_xla = time_per_call(lambda q, k, v, ks, vs: xla(q, k, v, start, q_offset, k_scale=ks, v_scale=vs),
+                              q, k, v, k_scale, v_scale, iters=iters)
         print(f"{live:>8} {t_kernel * 1e6:>10.1f} {live_bytes / t_kernel / 1e9:>12.1f} {t_xla * 1e6:>10.1f} "
               f"{live_bytes / t_xla / 1e9:>16.1f}")
 
@@ -132,7 +143,8 @@ def main(argv=None) -> int:
         status = run_tests(args.interpret)
         print(f"tests: {'passed' if status == 0 else f'FAILED (exit {status})'}", flush=True)
     if not args.tests_only:
-        bench_decode(args.interpret, args.interpret, platform)
+        for cache_dtype in ("bfloat16", "int8"):
+            bench_decode(args.interpret, args.interpret, platform, cache_dtype)
         bench_prefill(args.interpret, args.interpret, platform)
     return status
 

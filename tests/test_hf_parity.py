@@ -70,8 +70,8 @@ def hf_logits(hf, tokens) -> np.ndarray:
         return hf(torch.tensor(np.asarray(tokens))).logits.numpy()
 
 
-def hf_greedy(hf, prompts) -> list[list[int]]:
-    """transformers' greedy generation of NEW_TOKENS tokens per prompt, left-padded by hand (no tokenizer)."""
+def hf_greedy(hf, prompts, new_tokens: int = NEW_TOKENS) -> list[list[int]]:
+    """transformers' greedy generation of `new_tokens` tokens per prompt, left-padded by hand (no tokenizer)."""
     T = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), T), PAD, dtype=torch.long)
     mask = torch.zeros((len(prompts), T), dtype=torch.long)
@@ -79,11 +79,11 @@ def hf_greedy(hf, prompts) -> list[list[int]]:
         ids[b, T - len(p):] = torch.tensor(p)
         mask[b, T - len(p):] = 1
     # No eos (see build_hf): never stop and never suppress a token (min_new_tokens then has nothing to act on).
-    config = transformers.GenerationConfig(do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+    config = transformers.GenerationConfig(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                            eos_token_id=None, bos_token_id=None, pad_token_id=PAD)
     with torch.no_grad():
         out = hf.generate(input_ids=ids, attention_mask=mask, generation_config=config)
-    assert out.shape == (len(prompts), T + NEW_TOKENS)
+    assert out.shape == (len(prompts), T + new_tokens)
     return out[:, T:].tolist()
 
 
@@ -122,6 +122,38 @@ def test_sliding_window_matters():
     ref = hf_logits(hf, tokens)
     hf.config.sliding_window = None  # read at forward time: the same weights, full causal attention
     assert np.abs(hf_logits(hf, tokens) - ref)[:, 8:].max() > 1e-2
+
+
+@pytest.mark.parametrize("prompts", [SINGLE, RAGGED], ids=["single", "ragged"])
+def test_mistral_ring_cache_matches_transformers_past_the_window(prompts, tmp_path):
+    """Mistral's cache is a ring of `window` (8) slots: positions wrap and old entries are overwritten. 64 greedy
+    tokens equal transformers' (the sequence outgrows the window 8 times over), and every cached decode step's
+    logits equal transformers' full forward pass over the sequence so far."""
+    hf = build_hf(*CASES["mistral-window8"])
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    model = load_hf(tmp_path)
+    new = 64
+    gen = jaxkv.generate(model, prompts, max_new_tokens=new, stop_tokens=[])
+    assert gen.stats["cache_ring"] and gen.stats["cache_capacity"] == 8  # memory O(window), not O(sequence)
+    expected = hf_greedy(hf, prompts, new)
+    assert gen.tokens == expected
+
+    # Step logits: prefill into an 8-slot ring, then feed the greedy tokens one by one.
+    T = max(len(p) for p in prompts)
+    ids = np.zeros((len(prompts), T), np.int32)
+    start = np.array([T - len(p) for p in prompts], np.int32)
+    for b, p in enumerate(prompts):
+        ids[b, start[b]:] = p
+    logits, cache = jaxkv.prefill(model.params, jnp.asarray(ids), jnp.asarray(start), config=model.config,
+                                  capacity=8, attention="xla", ring=True)
+    for step in range(0, new, 9):  # every 9th step: positions at every offset of the ring
+        while int(cache.length) < T + step:
+            logits, cache = jaxkv.decode_step(model.params, jnp.asarray([row[int(cache.length) - T]
+                                                                         for row in expected], jnp.int32),
+                                              cache, config=model.config, attention="xla")
+        for b, p in enumerate(prompts):
+            full = hf_logits(hf, [p + expected[b][:step]])[0, -1]
+            np.testing.assert_allclose(np.asarray(logits[b]), full, atol=ATOL, rtol=0, err_msg=f"step {step}, {b}")
 
 
 def test_sharded_checkpoint_loads_identically(tmp_path):

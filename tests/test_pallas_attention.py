@@ -1,5 +1,9 @@
 """The Pallas attention kernels against the XLA reference, their block skipping, and their lowering.
 
+Cache variants: float caches of the query's dtype or another one (bfloat16 / float16 under float32 queries),
+int8 and float8_e4m3fn caches with per-slot scales (quantized with `jaxkv.cache.quantize`, so the kernel and the
+reference see the very same stored numbers), and ring caches (decode only).
+
 On CPU the kernels run in the Pallas interpreter, both bodies (Mosaic "tpu" and Triton "gpu"). With
 JAXKV_PALLAS_COMPILED=1 (set by scripts/device_check.py on a GPU or TPU machine) they run compiled, the device's
 body only. Start slots and q_offset are traced arguments, so each kernel configuration compiles once and is then
@@ -16,6 +20,7 @@ import pytest
 
 import jaxkv
 from jaxkv.attention import decode_kernel, pallas, prefill_kernel, reference
+from jaxkv.cache import quantize
 
 # float32: kernel and reference accumulate in float32 but in a different order (block-wise online softmax vs one
 #   pass); the differences are a few ulps of O(1) outputs, ~1e-6, so 1e-5 leaves margin yet catches any masking
@@ -23,6 +28,9 @@ from jaxkv.attention import decode_kernel, pallas, prefill_kernel, reference
 # bfloat16: the output is rounded to bfloat16 (relative step 2^-8 = 4e-3) and the kernel rounds the softmax
 #   probabilities to bfloat16 for the P.V matmul (as flash kernels do for the MXU / tensor cores) where the
 #   reference keeps them in float32: errors of a few 2^-8 on outputs of magnitude <= ~2.
+# Keyed by the query's dtype: a cache in another dtype (bfloat16, float16, int8 or fp8 with scales) holds the same
+#   numbers for both sides, and both compute in float32 from them (the kernel casts 1-byte caches exactly into q's
+#   dtype and applies the scales per score / probability column: a reordering of float32 products, ~1 ulp).
 TOLERANCES = {"float32": dict(atol=1e-5, rtol=1e-5), "bfloat16": dict(atol=2e-2, rtol=2e-2)}
 
 COMPILED = os.environ.get("JAXKV_PALLAS_COMPILED") == "1"
@@ -52,34 +60,52 @@ def _run(fn, *args):
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(platform, window, **knobs):
+def _kernel(platform, window, ring=False, **knobs):
     knobs = {**BLOCKS[platform], **knobs}
-    return functools.partial(pallas.attention, scale=0.125, sliding_window=window, platform=platform,
-                             interpret=INTERPRET, **knobs)
+
+    def kernel(q, k, v, start, q_offset, k_scale=None, v_scale=None):
+        return pallas.attention(q, k, v, start, q_offset, scale=0.125, sliding_window=window, k_scale=k_scale,
+                                v_scale=v_scale, ring=ring, platform=platform, interpret=INTERPRET, **knobs)
+
+    return kernel
 
 
 @functools.lru_cache(maxsize=None)
-def _reference(window):
-    return functools.partial(reference.attention, scale=0.125, sliding_window=window)
+def _reference(window, ring=False):
+    def ref(q, k, v, start, q_offset, k_scale=None, v_scale=None):
+        return reference.attention(q, k, v, start, q_offset, scale=0.125, sliding_window=window, k_scale=k_scale,
+                                   v_scale=v_scale, ring=ring)
+
+    return ref
 
 
-def _inputs(B, T, heads, H, dtype, num_slots=S, seed=0):
+def _inputs(B, T, heads, H, dtype, num_slots=S, seed=0, cache_dtype=None):
+    """q [B, T, N, H] in dtype; k, v [B, K, S, H] in cache_dtype (default: dtype); and their scales
+    (float32 [B, K, S], or () for an unquantized cache)."""
     N, K = HEADS[heads]
     rng = np.random.default_rng(seed)
-    q, k, v = (jnp.asarray(rng.normal(size=shape), dtype)
+    q, k, v = (rng.normal(size=shape).astype(np.float32)
                for shape in [(B, T, N, H), (B, K, num_slots, H), (B, K, num_slots, H)])
-    return q, k, v
+    cache_dtype = jnp.dtype(cache_dtype or dtype).name
+    if cache_dtype in ("int8", "float8_e4m3fn"):
+        (k, k_scale), (v, v_scale) = quantize(k, cache_dtype), quantize(v, cache_dtype)
+        scales = (k_scale, v_scale)
+    else:
+        k, v, scales = jnp.asarray(k, cache_dtype), jnp.asarray(v, cache_dtype), ()
+    return jnp.asarray(q, dtype), k, v, scales
 
 
-def _check(platform, window, q, k, v, start, q_offset, *, expected_from=None, **knobs):
-    """Kernel vs reference on rows with at least one live key; every output finite. `expected_from`: (k, v) to
-    compute the reference from instead (the clean cache of a poisoned one)."""
+def _check(platform, window, q, k, v, start, q_offset, *, scales=(), ring=False, expected_from=None, **knobs):
+    """Kernel vs reference on rows with at least one live key; every output finite. `scales`: (k_scale, v_scale)
+    of a quantized cache. `expected_from`: (k, v, *scales) to compute the reference from instead (the clean cache
+    of a poisoned one)."""
     start, q_offset = jnp.asarray(start, jnp.int32), jnp.int32(q_offset)
-    out = np.asarray(_run(_kernel(platform, window, **knobs), q, k, v, start, q_offset), np.float32)
-    ref_k, ref_v = expected_from or (k, v)
-    want = np.asarray(_run(_reference(window), q, ref_k, ref_v, start, q_offset), np.float32)
+    out = np.asarray(_run(_kernel(platform, window, ring, **knobs), q, k, v, start, q_offset, *scales), np.float32)
+    ref_cache = expected_from or (k, v, *scales)
+    want = np.asarray(_run(_reference(window, ring), q, *ref_cache[:2], start, q_offset, *ref_cache[2:]),
+                      np.float32)
     T, num_slots = q.shape[1], k.shape[2]
-    has_live = np.asarray(reference.live_mask(start, q_offset, T, num_slots, window).any(-1))  # [B, T]
+    has_live = np.asarray(reference.live_mask(start, q_offset, T, num_slots, window, ring).any(-1))  # [B, T]
     assert np.isfinite(out).all(), "non-finite output (a fully masked row must give 0, not NaN)"
     # Rows with no live key are unspecified by the reference; the kernels document 0 for them.
     np.testing.assert_array_equal(out[~has_live], 0.0)
@@ -106,7 +132,7 @@ DECODE_CASES = [
 @pytest.mark.parametrize("platform", PLATFORMS)
 @pytest.mark.parametrize("heads,H,dtype,B,window,splits", DECODE_CASES)
 def test_decode_matches_reference(platform, heads, H, dtype, B, window, splits):
-    q, k, v = _inputs(B, 1, heads, H, dtype)
+    q, k, v, _ = _inputs(B, 1, heads, H, dtype)
     check = functools.partial(_check, platform, window, q, k, v, decode_splits=splits)
     bk = BLOCKS[platform]["decode_block_k"]
     # Live lengths 1, block-1, block, block+1 and the whole cache, starting at slot 0 (block-aligned).
@@ -127,7 +153,7 @@ def test_decode_ignores_poisoned_dead_slots(platform):
     not change the output: dead blocks are never read and dead slots of read blocks are masked."""
     B, q_offset = 3, 200
     start = np.array([37, 0, 150])
-    q, k, v = _inputs(B, 1, "gqa", 64, "float32")
+    q, k, v, _ = _inputs(B, 1, "gqa", 64, "float32")
     slot = np.arange(S)
     dead = (slot[None, :] < start[:, None]) | (slot[None, :] > q_offset)  # [B, S]
     poison = jnp.asarray(dead)[:, None, :, None]
@@ -138,12 +164,106 @@ def test_decode_ignores_poisoned_dead_slots(platform):
 
 @pytest.mark.parametrize("platform", PLATFORMS)
 def test_decode_large_logits_are_stable(platform):
-    q, k, v = _inputs(3, 1, "gqa", 64, "float32")
+    q, k, v, _ = _inputs(3, 1, "gqa", 64, "float32")
     # Scores in the thousands: exp overflows unless the running max is subtracted.
     _check(platform, None, q * 40.0, k * 40.0, v, [0, 10, 250], S - 1)
 
 
-def _tpu_decode_fetches(lo, hi, *, num_slots, block_k, splits):
+# (cache dtype, query dtype, window, splits): each quantized format under float32 queries (tolerance 1e-5: both
+# sides read the same stored numbers and scales), int8 under bfloat16 queries (the bf16 matmul path: int8 values are
+# exact in bfloat16), and float caches of a narrower dtype than the queries.
+QUANTIZED_CASES = [
+    ("int8", "float32", None, None),
+    ("float8_e4m3fn", "float32", 50, 2),
+    ("int8", "bfloat16", 129, 3),
+    ("bfloat16", "float32", None, None),
+    ("float16", "float32", 50, None),
+]
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("cache_dtype,dtype,window,splits", QUANTIZED_CASES)
+def test_decode_cache_dtypes_match_reference(platform, cache_dtype, dtype, window, splits):
+    q, k, v, scales = _inputs(3, 1, "gqa", 64, dtype, cache_dtype=cache_dtype)
+    check = functools.partial(_check, platform, window, q, k, v, scales=scales, decode_splits=splits)
+    bk = BLOCKS[platform]["decode_block_k"]
+    for q_offset in (bk, bk + 7, S - 1):
+        check(q_offset + 1 - np.array([1, bk, q_offset + 1]), q_offset)  # ragged: 1 slot, a block, everything
+    check([0, 0, 0], 0)
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_decode_quantized_ignores_poisoned_dead_slots(platform):
+    """NaN scales (int8 values cannot be NaN) in every dead slot: a dead slot's scale must not reach the output,
+    through its score (masked after scaling) or its probability (zeroed after scaling)."""
+    B, q_offset = 3, 200
+    start = np.array([37, 0, 150])
+    q, k, v, (k_scale, v_scale) = _inputs(B, 1, "gqa", 64, "float32", cache_dtype="int8")
+    slot = np.arange(S)
+    dead = jnp.asarray((slot[None, :] < start[:, None]) | (slot[None, :] > q_offset))[:, None, :]  # [B, 1, S]
+    bad_scales = jnp.where(dead, jnp.nan, k_scale), jnp.where(dead, jnp.nan, v_scale)
+    _check(platform, 50, q, k, v, start, q_offset, scales=bad_scales, expected_from=(k, v, k_scale, v_scale),
+           decode_splits=2)
+
+
+# --- decode over a ring cache --------------------------------------------------------------------------------
+
+S_RING = 200  # a ring of S = window slots: not a multiple of either platform's decode block
+
+
+def _ring_offsets(num_slots):
+    """(start, q_offset) pairs: a fresh ring (q_offset < S, the slots past it never written), the first wrap,
+    steady state far past S (q_offset = 3 S + 5), with ragged starts: a row that started long ago (the whole
+    ring live), one that started a few slots back (its live slots wrap past index 0 or not), one whose start is
+    the query itself."""
+    wrapped = 3 * num_slots + 5
+    return [([0, 40, 69], 69), ([0, 0, 0], num_slots - 1), ([0, 1, num_slots], num_slots),
+            ([0, wrapped - 10, wrapped], wrapped), ([wrapped - 100, 2 * num_slots, wrapped - 3], wrapped),
+            ([0, wrapped - 7, wrapped - num_slots + 1], wrapped + num_slots - 7)]
+
+
+# (cache dtype, window, splits): window = S is what a sliding-window model allocates; window < S checks the
+# window and the ring bound separately.
+RING_CASES = [("float32", S_RING, None), ("int8", S_RING, 2), ("float32", 150, 3)]
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("cache_dtype,window,splits", RING_CASES)
+def test_decode_ring_matches_reference(platform, cache_dtype, window, splits):
+    q, k, v, scales = _inputs(3, 1, "gqa", 64, "float32", num_slots=S_RING, cache_dtype=cache_dtype)
+    for start, q_offset in _ring_offsets(S_RING):
+        _check(platform, window, q, k, v, start, q_offset, scales=scales, ring=True, decode_splits=splits)
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_decode_ring_ignores_poisoned_dead_slots(platform):
+    """NaN values and NaN scales of a float8 ring (float8_e4m3fn has a NaN) at every index the query may not see:
+    the never-written tail of a fresh ring, slots older than a row's start, slots older than the window."""
+    window = 150
+    q, k, v, (k_scale, v_scale) = _inputs(3, 1, "gqa", 64, "float32", num_slots=S_RING,
+                                          cache_dtype="float8_e4m3fn")
+    for start, q_offset in _ring_offsets(S_RING)[::3]:
+        live = reference.live_mask(jnp.asarray(start), q_offset, 1, S_RING, window, ring=True)[:, 0]  # [B, S]
+        dead = ~live[:, None, :]  # [B, 1, S]
+        assert dead.any()
+        k_bad, v_bad = (jnp.where(dead[..., None], jnp.nan, x).astype(x.dtype) for x in (k, v))
+        bad_scales = jnp.where(dead, jnp.nan, k_scale), jnp.where(dead, jnp.nan, v_scale)
+        _check(platform, window, q, k_bad, v_bad, start, q_offset, scales=bad_scales, ring=True,
+               expected_from=(k, v, k_scale, v_scale), decode_splits=2)
+
+
+def test_decode_ring_visits_every_block():
+    """A ring's live indices wrap, so its TPU grid (and GPU loop) covers every block exactly once, whatever the
+    live bounds; the mask does the rest."""
+    block_k, num_slots, splits = 128, 1000, 3
+    num_blocks = -(-num_slots // block_k)
+    lo, hi = decode_kernel.live_bounds(np.array([0, 2990, 3005]), 3004, num_slots, None, ring=True)
+    assert list(np.asarray(hi)) == [4] * 3 and list(np.asarray(lo)) == [4 - 999, 4 - 14, 5]  # last row: none live
+    _, computed = _tpu_decode_fetches(lo, hi, num_slots=num_slots, block_k=block_k, splits=splits, ring=True)
+    assert sorted(computed) == [(b, blk) for b in range(3) for blk in range(num_blocks)]
+
+
+def _tpu_decode_fetches(lo, hi, *, num_slots, block_k, splits, ring=False):
     """Simulates the Mosaic pipeline over the decode grid of one KV head: the K blocks it DMAs (it copies a block
     only when the index map names a different one than at the previous step) and the blocks the body computes."""
     num_blocks = -(-num_slots // block_k)
@@ -153,7 +273,7 @@ def _tpu_decode_fetches(lo, hi, *, num_slots, block_k, splits):
         for split in range(splits):
             for j in range(-(-num_blocks // splits)):
                 block, live = decode_kernel._tpu_step_block(b, split, j, lo_ref, hi_ref, block_k=block_k,
-                                                            splits=splits, num_blocks=num_blocks)
+                                                            splits=splits, num_blocks=num_blocks, ring=ring)
                 if (b, int(block)) != previous:
                     fetched.append((b, int(block)))
                     previous = (b, int(block))
@@ -202,11 +322,28 @@ PREFILL_CASES = [
 @pytest.mark.parametrize("platform", PLATFORMS)
 @pytest.mark.parametrize("heads,H,dtype,B,T,num_slots,window,q_offsets", PREFILL_CASES)
 def test_prefill_matches_reference(platform, heads, H, dtype, B, T, num_slots, window, q_offsets):
-    q, k, v = _inputs(B, T, heads, H, dtype, num_slots=num_slots)
+    q, k, v, _ = _inputs(B, T, heads, H, dtype, num_slots=num_slots)
     for q_offset in q_offsets:
         # Ragged left padding: no padding, a little, a lot, and a row whose only real token is the last query.
         for start in ([0, 3, T - 1], [q_offset + T - 1, 0, q_offset + 5]):
             _check(platform, window, q, k, v, np.array(start[:B]), q_offset)
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_prefill_quantized_cache_matches_reference(platform):
+    """A chunk of prompt (q_offset > 0) over an int8 cache with a window: the prefill kernel dequantizes per key
+    block as the decode kernel does."""
+    T = 33
+    q, k, v, scales = _inputs(1, T, "gqa", 64, "float32", cache_dtype="int8")
+    for q_offset in (0, 100):
+        _check(platform, 40, q, k, v, [q_offset + 3], q_offset, scales=scales)
+
+
+def test_prefill_ring_is_not_implemented():
+    q, k, v, _ = _inputs(1, 4, "gqa", 64, "float32", num_slots=16)
+    with pytest.raises(NotImplementedError, match="ring"):
+        pallas.attention(q, k, v, jnp.zeros((1,), jnp.int32), jnp.int32(20), scale=0.125, sliding_window=16,
+                         ring=True, interpret=INTERPRET)
 
 
 def test_prefill_skips_masked_key_blocks():
@@ -238,31 +375,43 @@ GENERATE_CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(GENERATE_CONFIGS))
-def test_generate_pallas_equals_xla(name):
+# The sliding-window config decodes over a ring cache (window 8 < prompt + new tokens); with an int8 cache its
+# decode steps also dequantize in the kernel. Prefill attends over the fresh prompt K/V in the model dtype either way.
+@pytest.mark.parametrize("name,cache_dtype", [("gqa-sliding", None), ("gqa-sliding", "int8"), ("mqa", None)])
+def test_generate_pallas_equals_xla(name, cache_dtype):
     model = jaxkv.Model.random(GENERATE_CONFIGS[name], seed=3)
     prompts = [[5, 17, 3, 9, 41, 2, 8, 60, 11, 4, 23, 7], [1], [30, 31, 32, 33, 34]]  # ragged: left padding
-    got = jaxkv.generate(model, prompts, max_new_tokens=12, attention="pallas", stop_tokens=[])
-    want = jaxkv.generate(model, prompts, max_new_tokens=12, attention="xla", stop_tokens=[])
-    assert got.tokens == want.tokens
+    run = functools.partial(jaxkv.generate, model, prompts, max_new_tokens=12, stop_tokens=[],
+                            cache_dtype=cache_dtype)
+    assert run(attention="pallas").tokens == run(attention="xla").tokens
 
 
 # --- lowering for real hardware without the hardware ---------------------------------------------------------
 
 
+@pytest.mark.parametrize("cache", ["bfloat16", "int8", "float8_e4m3fn"])
 @pytest.mark.parametrize("T", [1, 64], ids=["decode", "prefill"])
 @pytest.mark.parametrize("platform,lowering_platform,custom_call",
                          [("tpu", "tpu", "tpu_custom_call"), ("gpu", "cuda", "__gpu$xla.gpu.triton")])
-def test_lowers_for_device(platform, lowering_platform, custom_call, T):
+def test_lowers_for_device(platform, lowering_platform, custom_call, T, cache):
     """Compiled (interpret=False) kernels lower to Mosaic / Triton IR from any host: this runs the whole Pallas
     lowering (block-shape rules, every primitive's Mosaic or Triton rule) but not the device compiler (Mosaic's
-    layout passes live in libtpu, ptxas in the CUDA toolchain)."""
-    B, N, K, H, num_slots = 2, 8, 2, 128, 1000
+    layout passes live in libtpu, ptxas in the CUDA toolchain). The int8 and float8 caches come with their scales,
+    and in decode as a ring (S = window)."""
+    B, N, K, H = 2, 8, 2, 128
     dtype = jnp.bfloat16
-    args = [jax.ShapeDtypeStruct(s, d) for s, d in [((B, T, N, H), dtype), ((B, K, num_slots, H), dtype),
-                                                    ((B, K, num_slots, H), dtype), ((B,), jnp.int32),
-                                                    ((), jnp.int32)]]
-    f = jax.jit(functools.partial(pallas.attention, scale=0.125, sliding_window=256, platform=platform,
-                                  interpret=False))
+    quantized = cache != "bfloat16"
+    num_slots = 256 if quantized and T == 1 else 1000
+    shapes = [((B, T, N, H), dtype), ((B, K, num_slots, H), cache), ((B, K, num_slots, H), cache),
+              ((B,), jnp.int32), ((), jnp.int32)]
+    if quantized:
+        shapes += [((B, K, num_slots), jnp.float32)] * 2
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
+    f = jax.jit(functools.partial(_lowering_target, platform=platform, ring=quantized and T == 1))
     text = f.trace(*args).lower(lowering_platforms=(lowering_platform,)).as_text()
     assert f"stablehlo.custom_call @{custom_call}" in text
+
+
+def _lowering_target(q, k, v, start, q_offset, k_scale=None, v_scale=None, *, platform, ring):
+    return pallas.attention(q, k, v, start, q_offset, scale=0.125, sliding_window=256, k_scale=k_scale,
+                            v_scale=v_scale, ring=ring, platform=platform, interpret=False)

@@ -43,9 +43,31 @@ power-of-two sizes, so a block that would run past S is loaded shifted back to e
 (offset = min(j * block_k, S - block_k)) and the slots it re-reads from the previous block are masked out: no
 out-of-bounds access and no padded copy of the cache.
 
+Quantized and mixed-dtype caches
+--------------------------------
+An int8 or float8_e4m3fn cache comes with float32 scales [B, K, S], one per slot and KV head. Each kernel step
+loads the scale block of its K/V block (TPU: a BlockSpec with the same block index along S as K/V; GPU: a `pl.ds`
+load of the same slots) and dequantizes inside the block's matmuls, never as a copy of the cache. Because a slot's
+scale is constant over the head dim, it is applied to that slot's column of the [R, block_k] tiles instead of to
+the [block_k, H] block: q.(k * ks) = (q.k) * ks and sum_c p_c (v_c * vs_c) = sum_c (p_c * vs_c) v_c, which is
+the same dequantization in R * block_k multiplies instead of block_k * H, on lane-dense tiles (no relayout of a
+[block_k] vector into a column on Mosaic). The raw block is cast to the matmul dtype (`matmul_dtype`): q's dtype
+when the conversion is exact (int8 and float8 values are exact in bfloat16, float16 and float32), else the
+promotion of the two (float32 q over a bfloat16 cache: float32). Accumulation is float32 throughout.
+
+Ring caches
+-----------
+A ring cache (a sliding-window model's S = window slots) keeps absolute slot s at index s mod S, so a row's live
+slots are not one interval of indices: with qi = q_offset mod S and max_age the largest age (q_offset - slot) a
+row may see, the live indices are [qi - max_age, qi] taken mod S, i.e. [lo, hi] with lo possibly below 0 wrapping
+to [lo + S, S - 1] (`live_bounds(..., ring=True)`, `decode_masks(..., wrap=S)`). The ring kernels visit every block
+of the S slots: in steady state max_age = window - 1 = S - 1 and nearly every slot is live, so skipping would save
+at most a block; the per-slot mask does the rest. Non-ring caches keep the live-block skipping above.
+
 Both bodies mask with `jnp.where` (scores to a large finite negative, probabilities of dead slots to exactly 0,
 values of dead slots to 0 so that 0 * NaN cannot occur), so garbage or NaN in a dead slot inside a read block
-cannot leak, and a row with no live slot ends with l = 0 and returns 0 instead of NaN.
+cannot leak (nor can a garbage scale: a dead slot's probability is zeroed after its value scale is applied), and
+a row with no live slot ends with l = 0 and returns 0 instead of NaN.
 """
 
 from __future__ import annotations
@@ -97,6 +119,41 @@ def split_share(count, splits: int, split):
     return begin, jnp.minimum(begin + per, count)
 
 
+def matmul_dtype(q_dtype, kv_dtype):
+    """The dtype both matmuls take their inputs in: q's when the cache's numbers convert to it exactly (1-byte
+    caches: int8 and float8 values are exact in bfloat16, float16 and float32), else the promotion of the two
+    (float32 q over a bfloat16 cache: float32; bfloat16 with float16: float32)."""
+    if jnp.dtype(kv_dtype).itemsize == 1:
+        return jnp.dtype(q_dtype)
+    return jnp.promote_types(q_dtype, kv_dtype)
+
+
+def check_scales(k, k_scale, v_scale):
+    """Both scales or neither; each float32-castable [B, K, S] like the cache's first three axes."""
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("pass both k_scale and v_scale (a quantized cache) or neither")
+    if k_scale is not None:
+        for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if x.shape != k.shape[:3]:
+                raise ValueError(f"{name} must have shape {k.shape[:3]} (B, K, S), got {x.shape}")
+
+
+def scale_rows(x):
+    """[B, K, S] scales -> float32 [B, K, 1, S] (a free reshape): each slot's scale on the lane axis, so a kernel's
+    [1, block_k] scale block broadcasts over the [R, block_k] score tile without a relayout."""
+    return None if x is None else x.astype(jnp.float32)[:, :, None, :]
+
+
+def split_scale_refs(refs, quantized: bool):
+    """(k_scale ref, v_scale ref, the remaining refs): the scale inputs follow K and V only for a quantized cache."""
+    return (*refs[:2], refs[2:]) if quantized else (None, None, refs)
+
+
+def load_scale(ref, *index):
+    """The f32[1, C] scale block at `index` of a scale ref, or None for an unquantized cache."""
+    return None if ref is None else ref[index or (...,)]
+
+
 def _precision(dtype):
     # float32 inputs: full-precision matmuls (no TF32 on GPU, 6-pass bf16 on TPU), to match the XLA reference.
     return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
@@ -109,30 +166,39 @@ def reset_softmax_state(m_scr, l_scr, acc_scr):
     acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
 
 
-def online_softmax_step(m_prev, l_prev, acc_prev, q, k, v, live, v_live, *, scale: float):
+def online_softmax_step(m_prev, l_prev, acc_prev, q, k, v, live, v_live, *, scale: float, k_scale=None,
+                        v_scale=None):
     """Folds one key block into the online softmax state.
 
     Args:
       m_prev, l_prev: f32[R, 1] running max and running sum of exp(score - max).
       acc_prev: f32[R, H] running sum of exp(score - max) * value.
-      q: [R, H] query rows; k, v: [C, H] one key block.
+      q: [R, H] query rows, already in `matmul_dtype(q, cache)`; k, v: [C, H] one key block in the cache dtype.
       live: bool[R, C], which (row, key) pairs may attend.
       v_live: bool[C, H], value slots that any row may see (the others are zeroed: 0 * NaN is NaN).
+      k_scale, v_scale: f32[1, C] the block's dequantization scales (quantized caches), else None.
 
     Returns:
       (m, l, acc) after the block.
     """
-    precision = _precision(q.dtype)
-    s = lax.dot_general(q, k, _NT, precision=precision, preferred_element_type=jnp.float32) * scale  # [R, C]
-    s = jnp.where(live, s, MASKED)
+    dtype = q.dtype
+    precision = _precision(dtype)
+    k, v = k.astype(dtype), v.astype(dtype)  # exact for int8/fp8 into q's dtype (`matmul_dtype`)
+    s = lax.dot_general(q, k, _NT, precision=precision, preferred_element_type=jnp.float32)  # [R, C]
+    if k_scale is not None:
+        s = s * k_scale  # q.(k * ks) = (q.k) * ks: the keys dequantized, per column
+    s = jnp.where(live, s * scale, MASKED)
     m = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # [R, 1]
     alpha = jnp.exp(m_prev - m)  # [R, 1]; 0 when the first live score arrives after a masked-only history
     # Explicitly 0 for dead pairs: a row with nothing live so far keeps l = 0 (exp(MASKED - MASKED) would be 1).
     p = jnp.where(live, jnp.exp(s - m), 0.0)  # [R, C]
     l = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)  # [R, 1]
-    v = jnp.where(v_live, v, jnp.zeros((), v.dtype))
-    # p is rounded to the value dtype (bf16 MXU / tensor-core inputs); the accumulation stays float32.
-    pv = lax.dot_general(p.astype(v.dtype), v, _NN, precision=precision, preferred_element_type=jnp.float32)
+    if v_scale is not None:
+        # sum_c p_c (v_c * vs_c) = sum_c (p_c * vs_c) v_c; the where keeps a dead slot's garbage scale out (0 * NaN).
+        p = jnp.where(live, p * v_scale, 0.0)
+    v = jnp.where(v_live, v, jnp.zeros((), dtype))
+    # p is rounded to the matmul dtype (bf16 MXU / tensor-core inputs); the accumulation stays float32.
+    pv = lax.dot_general(p.astype(dtype), v, _NN, precision=precision, preferred_element_type=jnp.float32)
     return m, l, alpha * acc_prev + pv  # acc: [R, H]
 
 
@@ -141,17 +207,24 @@ def normalize(acc, l):
     return acc / jnp.where(l > 0, l, 1.0)
 
 
-def decode_masks(offset, floor, lo, hi, rows: int, cols: int, head_dim: int):
-    """Masks of a decode block whose column c holds slot offset + c; all rows share the query slot.
+def decode_masks(offset, floor, lo, hi, rows: int, cols: int, head_dim: int, wrap: int | None = None):
+    """Masks of a decode block whose column c holds cache index offset + c; all rows share the query slot.
 
-    A slot counts if lo <= slot <= hi (the row's live range) and slot >= floor (on GPU a shifted block re-reads
-    slots below `floor` that the previous block already folded in). Returns (live bool[rows, cols],
+    An index counts if lo <= index <= hi (the row's live range) and index >= floor (on GPU a shifted block re-reads
+    indices below `floor` that the previous block already folded in). For a ring of `wrap` slots, lo may be below
+    0 and the range wraps: indices in [lo + wrap, wrap - 1] count too. Returns (live bool[rows, cols],
     v_live bool[cols, head_dim]); full-shape 2-D iotas because Mosaic has no 1-D iota and lays 2-D ones out best.
     """
-    lo = jnp.maximum(lo, floor)
+
+    def counts(index):
+        inside = (index >= lo) & (index <= hi)
+        if wrap is not None:
+            inside |= (index >= lo + wrap) & (index < wrap)  # the wrapped part; empty when lo >= 0
+        return inside & (index >= floor)
+
     slot = offset + lax.broadcasted_iota(jnp.int32, (rows, cols), 1)  # [R, C]
     v_slot = offset + lax.broadcasted_iota(jnp.int32, (cols, head_dim), 0)  # [C, H]
-    return (slot >= lo) & (slot <= hi), (v_slot >= lo) & (v_slot <= hi)
+    return counts(slot), counts(v_slot)
 
 
 def combine_splits(acc, m, l):
@@ -165,10 +238,23 @@ def combine_splits(acc, m, l):
     return normalize(jnp.sum(w * acc, axis=-3), jnp.sum(w * l, axis=-3))  # [..., R, H]
 
 
-def live_bounds(start, q_offset, num_slots: int, sliding_window: int | None):
-    """int32[B] lo, hi: the slots the query in slot q_offset of each row may see are [lo, hi] (none if lo > hi)."""
+def live_bounds(start, q_offset, num_slots: int, sliding_window: int | None, ring: bool = False):
+    """int32[B] lo, hi: the cache indices the query in slot q_offset of each row may see are [lo, hi] (none if
+    lo > hi).
+
+    For a ring, hi = q_offset mod S (the query's own index) and lo = hi - max_age, where max_age is the oldest age
+    q_offset - slot the row may see (start, window and S bound it); lo < 0 means the range wraps to
+    [lo + S, S - 1] (`decode_masks(..., wrap=S)`). A row with nothing live has lo > hi >= 0, so neither part
+    holds an index.
+    """
     q_offset = jnp.asarray(q_offset, jnp.int32)
     lo = jnp.asarray(start, jnp.int32)
+    if ring:
+        max_age = jnp.minimum(q_offset - lo, num_slots - 1)  # [B]; negative when start is past the query
+        if sliding_window is not None:
+            max_age = jnp.minimum(max_age, sliding_window - 1)
+        hi = jnp.remainder(q_offset, num_slots)
+        return hi - max_age, jnp.broadcast_to(hi, max_age.shape)
     if sliding_window is not None:
         lo = jnp.maximum(lo, q_offset - (sliding_window - 1))
     hi = jnp.broadcast_to(jnp.minimum(q_offset, num_slots - 1), lo.shape)
@@ -211,26 +297,32 @@ def tpu_block(num_slots: int, block: int) -> int:
 # --- TPU (Mosaic) --------------------------------------------------------------------------------------------
 
 
-def _tpu_step_block(b, split, j, lo_ref, hi_ref, *, block_k: int, splits: int, num_blocks: int):
+def _tpu_step_block(b, split, j, lo_ref, hi_ref, *, block_k: int, splits: int, num_blocks: int,
+                    ring: bool = False):
     """(block index, whether it holds live slots) for grid step (b, split, j); used by index_map and body alike.
 
     Past the end of this split's share the index repeats the share's last block (the previous step's block: no
-    DMA); an empty share repeats the last live block, which the previous split ended on.
+    DMA); an empty share repeats the last live block, which the previous split ended on. A ring visits all blocks.
     """
-    first, count = block_range(lo_ref[b], hi_ref[b], block_k)
+    if ring:
+        first, count = jnp.int32(0), jnp.int32(num_blocks)
+    else:
+        first, count = block_range(lo_ref[b], hi_ref[b], block_k)
     begin, end = split_share(count, splits, split)
     i = jnp.maximum(jnp.minimum(begin + j, end - 1), 0)  # end - 1 = count - 1 for an empty share
     block = jnp.clip(first + i, 0, num_blocks - 1)
     return block, begin + j < end
 
 
-def _decode_kernel_tpu(lo_ref, hi_ref, q_ref, k_ref, v_ref, acc_out, m_out, l_out, m_scr, l_scr, acc_scr, *,
-                       scale: float, block_k: int, splits: int, num_blocks: int):
-    """Grid (B, K, splits, blocks per split). q_ref [R, H]; k_ref, v_ref [block_k, H]; outputs are this split's
-    (acc [R, H], m [R, 1], l [R, 1]), written at its last step."""
+def _decode_kernel_tpu(lo_ref, hi_ref, q_ref, k_ref, v_ref, *refs, scale: float, block_k: int, splits: int,
+                       num_blocks: int, quantized: bool, ring_slots: int | None):
+    """Grid (B, K, splits, blocks per split). q_ref [R, H]; k_ref, v_ref [block_k, H]; then, for a quantized cache,
+    ks_ref, vs_ref [1, block_k]; outputs are this split's (acc [R, H], m [R, 1], l [R, 1]), written at its last
+    step; scratch m, l, acc."""
+    ks_ref, vs_ref, (acc_out, m_out, l_out, m_scr, l_scr, acc_scr) = split_scale_refs(refs, quantized)
     b, split, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     block, live_step = _tpu_step_block(b, split, j, lo_ref, hi_ref, block_k=block_k, splits=splits,
-                                       num_blocks=num_blocks)
+                                       num_blocks=num_blocks, ring=ring_slots is not None)
 
     pl.when(j == 0)(functools.partial(reset_softmax_state, m_scr, l_scr, acc_scr))
 
@@ -238,9 +330,10 @@ def _decode_kernel_tpu(lo_ref, hi_ref, q_ref, k_ref, v_ref, acc_out, m_out, l_ou
     def _step():
         rows, head_dim = q_ref.shape
         live, v_live = decode_masks(block * block_k, block * block_k, lo_ref[b], hi_ref[b], rows, block_k,
-                                    head_dim)
+                                    head_dim, wrap=ring_slots)
         m, l, acc = online_softmax_step(m_scr[...], l_scr[...], acc_scr[...], q_ref[...], k_ref[...], v_ref[...],
-                                        live, v_live, scale=scale)
+                                        live, v_live, scale=scale, k_scale=load_scale(ks_ref),
+                                        v_scale=load_scale(vs_ref))
         m_scr[...], l_scr[...], acc_scr[...] = m, l, acc
 
     @pl.when(j == pl.num_programs(3) - 1)
@@ -248,18 +341,23 @@ def _decode_kernel_tpu(lo_ref, hi_ref, q_ref, k_ref, v_ref, acc_out, m_out, l_ou
         acc_out[...], m_out[...], l_out[...] = acc_scr[...], m_scr[...], l_scr[...]
 
 
-def _decode_tpu(q, k, v, lo, hi, *, scale: float, block_k: int, splits: int, interpret):
-    """q [B, K, R, H] (R = G padded to a multiple of 8); k, v [B, K, S, H]; lo, hi int32[B]
-    -> per-split (acc f32[B, K, P, R, H], m, l f32[B, K, P, R, 1])."""
+def _decode_tpu(q, k, v, k_scale, v_scale, lo, hi, *, scale: float, block_k: int, splits: int, ring: bool,
+                interpret):
+    """q [B, K, R, H] (R = G padded to a multiple of 8); k, v [B, K, S, H]; k_scale, v_scale f32[B, K, 1, S] or
+    None; lo, hi int32[B] -> per-split (acc f32[B, K, P, R, H], m, l f32[B, K, P, R, 1])."""
     B, K, R, H = q.shape
     S = k.shape[2]
     block_k = tpu_block(S, block_k)
     num_blocks = cdiv(S, block_k)
     splits = max(1, min(splits, num_blocks))
-    step_block = functools.partial(_tpu_step_block, block_k=block_k, splits=splits, num_blocks=num_blocks)
+    step_block = functools.partial(_tpu_step_block, block_k=block_k, splits=splits, num_blocks=num_blocks,
+                                   ring=ring)
 
     def kv_map(b, h, split, j, lo_ref, hi_ref):
         return b, h, step_block(b, split, j, lo_ref, hi_ref)[0], 0
+
+    def scale_map(b, h, split, j, lo_ref, hi_ref):  # the K/V block's slots
+        return b, h, 0, step_block(b, split, j, lo_ref, hi_ref)[0]
 
     def row_map(b, h, split, j, lo_ref, hi_ref):
         return b, h, 0, 0
@@ -268,10 +366,12 @@ def _decode_tpu(q, k, v, lo, hi, *, scale: float, block_k: int, splits: int, int
         return b, h, split, 0, 0
 
     kv_spec = pl.BlockSpec((None, None, block_k, H), kv_map)
+    quantized = k_scale is not None
+    scale_specs = [pl.BlockSpec((None, None, 1, block_k), scale_map)] * 2 if quantized else []
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,  # lo, hi: read by the index maps before each step's DMA is issued
         grid=(B, K, splits, cdiv(num_blocks, splits)),
-        in_specs=[pl.BlockSpec((None, None, R, H), row_map), kv_spec, kv_spec],
+        in_specs=[pl.BlockSpec((None, None, R, H), row_map), kv_spec, kv_spec, *scale_specs],
         out_specs=[pl.BlockSpec((None, None, None, R, H), out_map),
                    pl.BlockSpec((None, None, None, R, 1), out_map),
                    pl.BlockSpec((None, None, None, R, 1), out_map)],
@@ -279,7 +379,7 @@ def _decode_tpu(q, k, v, lo, hi, *, scale: float, block_k: int, splits: int, int
                         pltpu.VMEM((R, H), jnp.float32)],
     )
     kernel = functools.partial(_decode_kernel_tpu, scale=scale, block_k=block_k, splits=splits,
-                               num_blocks=num_blocks)
+                               num_blocks=num_blocks, quantized=quantized, ring_slots=S if ring else None)
     return pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
@@ -289,21 +389,26 @@ def _decode_tpu(q, k, v, lo, hi, *, scale: float, block_k: int, splits: int, int
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=interpret,
         name="jaxkv_decode_attention",
-    )(lo, hi, q, k, v)
+    )(lo, hi, q, k, v, *([k_scale, v_scale] if quantized else []))
 
 
 # --- GPU (Triton) --------------------------------------------------------------------------------------------
 
 
-def _decode_kernel_gpu(lo_ref, hi_ref, q_ref, k_ref, v_ref, acc_out, m_out, l_out, *, scale: float, block_k: int,
-                       splits: int):
-    """Grid (B, K, splits). lo_ref, hi_ref [1]; q_ref [R, H]; k_ref, v_ref [S, H] (a pointer: only the loop's
-    slices are read); outputs this split's (acc [R, H], m [R, 1], l [R, 1])."""
+def _decode_kernel_gpu(lo_ref, hi_ref, q_ref, k_ref, v_ref, *refs, scale: float, block_k: int, splits: int,
+                       quantized: bool, ring_slots: int | None):
+    """Grid (B, K, splits). lo_ref, hi_ref [1]; q_ref [R, H]; k_ref, v_ref [Sp, H] (a pointer: only the loop's
+    slices are read); then, for a quantized cache, ks_ref, vs_ref [1, Sp]; outputs this split's (acc [R, H],
+    m [R, 1], l [R, 1])."""
+    ks_ref, vs_ref, (acc_out, m_out, l_out) = split_scale_refs(refs, quantized)
     lo, hi = lo_ref[0], hi_ref[0]
     num_slots = k_ref.shape[0]
     q = q_ref[...]  # [R, H]
     rows, head_dim = q.shape
-    first, count = block_range(lo, hi, block_k)
+    if ring_slots is not None:  # a ring's live indices wrap: every block
+        first, count = jnp.int32(0), jnp.int32(cdiv(num_slots, block_k))
+    else:
+        first, count = block_range(lo, hi, block_k)
     begin, end = split_share(count, splits, pl.program_id(2))
 
     def body(i, carry):
@@ -311,8 +416,10 @@ def _decode_kernel_gpu(lo_ref, hi_ref, q_ref, k_ref, v_ref, acc_out, m_out, l_ou
         offset = jnp.minimum(floor, num_slots - block_k)  # shifted back to end at S, never past it
         k = k_ref[pl.ds(offset, block_k), :]  # [block_k, H]
         v = v_ref[pl.ds(offset, block_k), :]  # [block_k, H]
-        live, v_live = decode_masks(offset, floor, lo, hi, rows, block_k, head_dim)
-        return online_softmax_step(*carry, q, k, v, live, v_live, scale=scale)
+        k_scale = load_scale(ks_ref, slice(None), pl.ds(offset, block_k))  # [1, block_k] or None
+        v_scale = load_scale(vs_ref, slice(None), pl.ds(offset, block_k))
+        live, v_live = decode_masks(offset, floor, lo, hi, rows, block_k, head_dim, wrap=ring_slots)
+        return online_softmax_step(*carry, q, k, v, live, v_live, scale=scale, k_scale=k_scale, v_scale=v_scale)
 
     init = (jnp.full((rows, 1), MASKED, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
             jnp.zeros((rows, head_dim), jnp.float32))
@@ -320,8 +427,10 @@ def _decode_kernel_gpu(lo_ref, hi_ref, q_ref, k_ref, v_ref, acc_out, m_out, l_ou
     acc_out[...], m_out[...], l_out[...] = acc, m, l
 
 
-def _decode_gpu(q, k, v, lo, hi, *, scale: float, block_k: int, splits: int, interpret):
-    """q [B, K, R, H] (R, H powers of two >= 16); k, v [B, K, S, H] with S >= 16; lo, hi int32[B]
+def _decode_gpu(q, k, v, k_scale, v_scale, lo, hi, *, scale: float, block_k: int, splits: int,
+                ring_slots: int | None, interpret):
+    """q [B, K, R, H] (R, H powers of two >= 16); k, v [B, K, S, H] with S >= 16; k_scale, v_scale f32[B, K, 1, S]
+    or None; lo, hi int32[B]; ring_slots: the ring's real S (<= S, the rest padding) or None
     -> per-split (acc f32[B, K, P, R, H], m, l f32[B, K, P, R, 1])."""
     B, K, R, H = q.shape
     S = k.shape[2]
@@ -337,14 +446,17 @@ def _decode_gpu(q, k, v, lo, hi, *, scale: float, block_k: int, splits: int, int
     def out_map(b, h, split):
         return b, h, split, 0, 0
 
-    kernel = functools.partial(_decode_kernel_gpu, scale=scale, block_k=block_k, splits=splits)
+    quantized = k_scale is not None
+    kernel = functools.partial(_decode_kernel_gpu, scale=scale, block_k=block_k, splits=splits,
+                               quantized=quantized, ring_slots=ring_slots)
+    scale_specs = [pl.BlockSpec((None, None, 1, S), row_map)] * 2 if quantized else []  # pointers, like K and V
     return pl.pallas_call(
         kernel,
         grid=(B, K, splits),
         in_specs=[pl.BlockSpec((1,), scalar_map), pl.BlockSpec((1,), scalar_map),
                   pl.BlockSpec((None, None, R, H), row_map),
                   pl.BlockSpec((None, None, S, H), row_map),  # whole row: a base pointer, loaded per block
-                  pl.BlockSpec((None, None, S, H), row_map)],
+                  pl.BlockSpec((None, None, S, H), row_map), *scale_specs],
         out_specs=[pl.BlockSpec((None, None, None, R, H), out_map),
                    pl.BlockSpec((None, None, None, R, 1), out_map),
                    pl.BlockSpec((None, None, None, R, 1), out_map)],
@@ -355,7 +467,7 @@ def _decode_gpu(q, k, v, lo, hi, *, scale: float, block_k: int, splits: int, int
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="jaxkv_decode_attention",
-    )(lo, hi, q, k, v)
+    )(lo, hi, q, k, v, *([k_scale, v_scale] if quantized else []))
 
 
 # --- public --------------------------------------------------------------------------------------------------
@@ -371,13 +483,16 @@ def default_splits(platform: str, batch: int, kv_heads: int, num_blocks: int) ->
     return max(1, min(16, num_blocks, cdiv(512, batch * kv_heads)))
 
 
-def decode_attention(q, k, v, start, q_offset, *, scale: float, sliding_window: int | None = None,
-                     platform: str = "tpu", block_k: int | None = None, splits: int | None = None,
-                     interpret=False):
+def decode_attention(q, k, v, start, q_offset, *, scale: float, sliding_window: int | None = None, k_scale=None,
+                     v_scale=None, ring: bool = False, platform: str = "tpu", block_k: int | None = None,
+                     splits: int | None = None, interpret=False):
     """Attention of one query per sequence over the cache; same contract as `reference.attention` with T == 1.
 
     Args:
-      q: [B, 1, N, H]; k, v: [B, K, S, H]; start: int32[B]; q_offset: int32[] (the query's slot).
+      q: [B, 1, N, H]; k, v: [B, K, S, H] (any float dtype, or int8 / float8_e4m3fn with scales); start: int32[B];
+        q_offset: int32[] (the query's absolute slot; for a ring it may exceed S).
+      k_scale, v_scale: float32[B, K, S] dequantization scales of a quantized cache, else None.
+      ring: the cache is a ring buffer of S slots (module docstring).
       platform: "tpu" (Mosaic body) or "gpu" (Triton body).
       block_k: slots per key block (TPU: a multiple of 128; GPU: a power of two >= 16).
       splits: parallel programs per (sequence, KV head); default `default_splits`.
@@ -390,15 +505,18 @@ def decode_attention(q, k, v, start, q_offset, *, scale: float, sliding_window: 
     K, S = k.shape[1], k.shape[2]
     if T != 1:
         raise ValueError(f"decode_attention takes one query per sequence, got T={T}")
+    check_scales(k, k_scale, v_scale)
     G, dtype = N // K, q.dtype
     block_k = block_k or DEFAULT_BLOCK_K.get(platform, 0)
-    lo, hi = live_bounds(start, q_offset, S, sliding_window)  # int32[B] each
-    q = q.reshape(B, K, G, H)  # [B, K, G, H]: query head n = kv_head * G + g
+    lo, hi = live_bounds(start, q_offset, S, sliding_window, ring)  # int32[B] each
+    k_scale, v_scale = scale_rows(k_scale), scale_rows(v_scale)  # f32[B, K, 1, S] or None
+    # [B, K, G, H]: query head n = kv_head * G + g; cast once here rather than per block in the kernel
+    q = q.reshape(B, K, G, H).astype(matmul_dtype(dtype, k.dtype))
     if platform == "tpu":
         R = -(-G // TPU_ROW_MULTIPLE) * TPU_ROW_MULTIPLE  # whole sublane tiles: G = 1..7 has no legal layout
         splits = splits or default_splits(platform, B, K, cdiv(S, tpu_block(S, block_k)))
-        acc, m, l = _decode_tpu(pad_axis(q, 2, R), k, v, lo, hi, scale=scale, block_k=block_k, splits=splits,
-                                interpret=interpret)
+        acc, m, l = _decode_tpu(pad_axis(q, 2, R), k, v, k_scale, v_scale, lo, hi, scale=scale, block_k=block_k,
+                                splits=splits, ring=ring, interpret=interpret)
     elif platform == "gpu":
         R = max(GPU_MIN_DIM, next_pow2(G))  # tl.dot needs M >= 16; the padded rows are zeros, sliced off below
         Hp = max(GPU_MIN_DIM, next_pow2(H))
@@ -408,8 +526,11 @@ def decode_attention(q, k, v, start, q_offset, *, scale: float, sliding_window: 
         Sp = max(S, GPU_MIN_DIM)
         k = pad_axis(pad_axis(k, 3, Hp), 2, Sp)  # [B, K, Sp, Hp]
         v = pad_axis(pad_axis(v, 3, Hp), 2, Sp)  # [B, K, Sp, Hp]
+        if k_scale is not None:
+            k_scale, v_scale = pad_axis(k_scale, 3, Sp), pad_axis(v_scale, 3, Sp)  # [B, K, 1, Sp]
         splits = splits or default_splits(platform, B, K, cdiv(Sp, gpu_block(Sp, block_k)))
-        acc, m, l = _decode_gpu(q, k, v, lo, hi, scale=scale, block_k=block_k, splits=splits, interpret=interpret)
+        acc, m, l = _decode_gpu(q, k, v, k_scale, v_scale, lo, hi, scale=scale, block_k=block_k, splits=splits,
+                                ring_slots=S if ring else None, interpret=interpret)
     else:
         raise ValueError(f"platform must be 'tpu' or 'gpu', got {platform!r}")
     out = combine_splits(acc, m, l)[:, :, :G, :H]  # [B, K, G, H] float32

@@ -1,10 +1,14 @@
 """Pallas attention: the public entry point, with the reference's signature plus tuning knobs.
 
-`attention(q, k, v, start, q_offset, *, scale, sliding_window)` computes what `reference.attention` computes
-(for every query row with at least one live key; a row with none returns 0) and dispatches on the shape:
+`attention(q, k, v, start, q_offset, *, scale, sliding_window, k_scale, v_scale, ring)` computes what
+`reference.attention` computes (for every query row with at least one live key; a row with none returns 0) and
+dispatches on the shape:
 
-  T == 1  ->  `decode_kernel.decode_attention`: flash-decoding over the cache, reading only live K/V blocks.
-  T > 1   ->  `prefill_kernel.prefill_attention`: causal flash attention, skipping masked key blocks.
+  T == 1  ->  `decode_kernel.decode_attention`: flash-decoding over the cache, reading only live K/V blocks
+              (every block of a ring cache), dequantizing int8/fp8 blocks as they are read.
+  T > 1   ->  `prefill_kernel.prefill_attention`: causal flash attention, skipping masked key blocks. Quantized
+              caches are supported; ring caches are not (NotImplementedError: the library's prefill attends over
+              the fresh prompt K/V, and there is no Pallas path that quietly calls the XLA one).
 
 Each kernel has two bodies sharing their math: Mosaic for TPU and Triton for GPU (`platform`). On CPU there is no
 Pallas compiler, so the kernels run in the Pallas interpreter (`interpret` defaults to True there); the
@@ -26,18 +30,22 @@ def default_platform() -> str:
     return "gpu" if jax.default_backend() == "gpu" else "tpu"
 
 
-def attention(q, k, v, start, q_offset, *, scale: float, sliding_window: int | None = None, interpret=None,
-              platform: str | None = None, decode_block_k: int | None = None, decode_splits: int | None = None,
-              prefill_block_q: int | None = None, prefill_block_k: int | None = None):
+def attention(q, k, v, start, q_offset, *, scale: float, sliding_window: int | None = None, k_scale=None,
+              v_scale=None, ring: bool = False, interpret=None, platform: str | None = None,
+              decode_block_k: int | None = None, decode_splits: int | None = None, prefill_block_q: int | None = None,
+              prefill_block_k: int | None = None):
     """Softmax attention of T queries over S cached keys and values, as Pallas kernels.
 
     Args:
       q: [B, T, N, H] queries for slots [q_offset, q_offset + T).
-      k, v: [B, K, S, H] keys and values, K dividing N; query head n reads KV head n // (N // K).
+      k, v: [B, K, S, H] keys and values, K dividing N; query head n reads KV head n // (N // K). Any float dtype
+        (need not be q's), or int8 / float8_e4m3fn with scales.
       start: int32[B], each sequence's first live slot.
       q_offset: int32[], the slot of the first query.
       scale: multiplies q.k.
       sliding_window: if set, a query sees only the `sliding_window` most recent slots, itself included.
+      k_scale, v_scale: float32[B, K, S] dequantization scales of an int8/fp8 cache, else None.
+      ring: the cache is a ring buffer of S slots (`reference` module docstring); decode (T == 1) only.
       interpret: run in the Pallas interpreter; None means "only on CPU". Any value `pl.pallas_call` accepts
         (e.g. `pltpu.InterpretParams()`) is passed through.
       platform: "tpu" (Mosaic) or "gpu" (Triton) kernel body; None picks the default backend's.
@@ -52,10 +60,14 @@ def attention(q, k, v, start, q_offset, *, scale: float, sliding_window: int | N
     platform = platform or default_platform()
     if platform not in PLATFORMS:
         raise ValueError(f"platform must be one of {PLATFORMS}, got {platform!r}")
+    cache = dict(k_scale=k_scale, v_scale=v_scale)
     if q.shape[1] == 1:
         return decode_kernel.decode_attention(q, k, v, start, q_offset, scale=scale, sliding_window=sliding_window,
-                                              platform=platform, block_k=decode_block_k, splits=decode_splits,
-                                              interpret=interpret)
+                                              ring=ring, platform=platform, block_k=decode_block_k,
+                                              splits=decode_splits, interpret=interpret, **cache)
+    if ring:
+        raise NotImplementedError("Pallas attention over a ring cache supports decode (T == 1) only, got "
+                                  f"T={q.shape[1]}; prefill attends over the fresh prompt K/V (ring=False)")
     return prefill_kernel.prefill_attention(q, k, v, start, q_offset, scale=scale, sliding_window=sliding_window,
                                             platform=platform, block_q=prefill_block_q,
-                                            block_k=prefill_block_k, interpret=interpret)
+                                            block_k=prefill_block_k, interpret=interpret, **cache)

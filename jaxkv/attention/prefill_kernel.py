@@ -31,6 +31,11 @@ Memory traffic: each query block reads its Q tile once and each live K/V tile on
 a group re-read the same tiles, which on GPU mostly hit L2); writes the output tile once. Prefill is compute
 bound for T in the hundreds, so the skipped tiles are what matter.
 
+Quantized caches (int8 / float8 with float32 scales [B, K, S]) are dequantized per key block exactly as in the
+decode kernel (the scale block rides along with its K/V block and multiplies the tile's score and probability
+columns; see `decode_kernel`). Ring caches are not supported here (`pallas.attention` raises NotImplementedError
+for them with T > 1): the library's prefill attends over the fresh prompt K/V, never over a ring.
+
 Query rows past T (padding of the query axis to a whole block) compute finite garbage that is sliced off; a query
 row with no live key (a left-padding slot) returns 0, where the reference returns a uniform average over the
 slots any query sees: only rows with at least one live key are specified.
@@ -48,9 +53,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
-from jaxkv.attention.decode_kernel import (GPU_MIN_DIM, MASKED, block_range, cdiv, gpu_block, next_pow2,
-                                           normalize, online_softmax_step, pad_axis, reset_softmax_state,
-                                           tpu_block)
+from jaxkv.attention.decode_kernel import (GPU_MIN_DIM, MASKED, block_range, cdiv, check_scales, gpu_block,
+                                           load_scale, matmul_dtype, next_pow2, normalize, online_softmax_step,
+                                           pad_axis, reset_softmax_state, scale_rows, split_scale_refs, tpu_block)
 
 # --- shared between the two bodies ---------------------------------------------------------------------------
 
@@ -99,9 +104,11 @@ def _tpu_step_block(b, i, j, start_ref, qoff_ref, *, block_k: int, num_blocks: i
     return jnp.clip(first + jnp.maximum(jnp.minimum(j, count - 1), 0), 0, num_blocks - 1), j < count
 
 
-def _prefill_kernel_tpu(start_ref, qoff_ref, q_ref, k_ref, v_ref, o_ref, m_scr, l_scr, acc_scr, *, scale: float,
-                        block_k: int, num_blocks: int, window: int | None, **bounds):
-    """Grid (B, N, query blocks, key steps). q_ref, o_ref [block_q, H]; k_ref, v_ref [block_k, H]."""
+def _prefill_kernel_tpu(start_ref, qoff_ref, q_ref, k_ref, v_ref, *refs, scale: float, block_k: int,
+                        num_blocks: int, window: int | None, quantized: bool, **bounds):
+    """Grid (B, N, query blocks, key steps). q_ref, o_ref [block_q, H]; k_ref, v_ref [block_k, H]; for a quantized
+    cache ks_ref, vs_ref [1, block_k] before o_ref; scratch m, l, acc."""
+    ks_ref, vs_ref, (o_ref, m_scr, l_scr, acc_scr) = split_scale_refs(refs, quantized)
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     block, live_step = _tpu_step_block(b, i, j, start_ref, qoff_ref, block_k=block_k, num_blocks=num_blocks,
                                        window=window, **bounds)
@@ -116,7 +123,8 @@ def _prefill_kernel_tpu(start_ref, qoff_ref, q_ref, k_ref, v_ref, o_ref, m_scr, 
         live, v_live = prefill_masks(q_first, block * block_k, block * block_k, start, lo, hi, window, rows,
                                      block_k, head_dim)
         m, l, acc = online_softmax_step(m_scr[...], l_scr[...], acc_scr[...], q_ref[...], k_ref[...], v_ref[...],
-                                        live, v_live, scale=scale)
+                                        live, v_live, scale=scale, k_scale=load_scale(ks_ref),
+                                        v_scale=load_scale(vs_ref))
         m_scr[...], l_scr[...], acc_scr[...] = m, l, acc
 
     @pl.when(j == pl.num_programs(3) - 1)
@@ -124,10 +132,10 @@ def _prefill_kernel_tpu(start_ref, qoff_ref, q_ref, k_ref, v_ref, o_ref, m_scr, 
         o_ref[...] = normalize(acc_scr[...], l_scr[...]).astype(o_ref.dtype)
 
 
-def _prefill_tpu(q, k, v, start, q_offset, *, scale: float, block_q: int, block_k: int, num_queries: int,
-                 window: int | None, interpret):
-    """q [B, N, Tp, H] (Tp a multiple of block_q); k, v [B, K, S, H]; start int32[B]; q_offset int32[1]
-    -> [B, N, Tp, H] in q's dtype."""
+def _prefill_tpu(q, k, v, k_scale, v_scale, start, q_offset, *, scale: float, block_q: int, block_k: int,
+                 num_queries: int, window: int | None, out_dtype, interpret):
+    """q [B, N, Tp, H] (Tp a multiple of block_q); k, v [B, K, S, H]; k_scale, v_scale f32[B, K, 1, S] or None;
+    start int32[B]; q_offset int32[1] -> [B, N, Tp, H] in out_dtype."""
     B, N, Tp, H = q.shape
     K, S = k.shape[1], k.shape[2]
     G = N // K
@@ -143,35 +151,41 @@ def _prefill_tpu(q, k, v, start, q_offset, *, scale: float, block_q: int, block_
     def kv_map(b, n, i, j, start_ref, qoff_ref):
         return b, lax.div(n, G), step_block(b, i, j, start_ref, qoff_ref)[0], 0
 
+    def scale_map(b, n, i, j, start_ref, qoff_ref):  # the K/V block's slots
+        return b, lax.div(n, G), 0, step_block(b, i, j, start_ref, qoff_ref)[0]
+
     kv_spec = pl.BlockSpec((None, None, block_k, H), kv_map)
     q_spec = pl.BlockSpec((None, None, block_q, H), q_map)
+    quantized = k_scale is not None
+    scale_specs = [pl.BlockSpec((None, None, 1, block_k), scale_map)] * 2 if quantized else []
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,  # start, q_offset: the index maps need them before each step's DMA
         grid=(B, N, Tp // block_q, max_key_steps(num_blocks, block_q, block_k, window)),
-        in_specs=[q_spec, kv_spec, kv_spec],
+        in_specs=[q_spec, kv_spec, kv_spec, *scale_specs],
         out_specs=q_spec,
         scratch_shapes=[pltpu.VMEM((block_q, 1), jnp.float32), pltpu.VMEM((block_q, 1), jnp.float32),
                         pltpu.VMEM((block_q, H), jnp.float32)],
     )
     kernel = functools.partial(_prefill_kernel_tpu, scale=scale, block_k=block_k, num_blocks=num_blocks,
-                               window=window, **bounds)
+                               window=window, quantized=quantized, **bounds)
     return pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_shape=jax.ShapeDtypeStruct(q.shape, out_dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=interpret,
         name="jaxkv_prefill_attention",
-    )(start, q_offset, q, k, v)
+    )(start, q_offset, q, k, v, *([k_scale, v_scale] if quantized else []))
 
 
 # --- GPU (Triton) --------------------------------------------------------------------------------------------
 
 
-def _prefill_kernel_gpu(start_ref, qoff_ref, q_ref, k_ref, v_ref, o_ref, *, scale: float, block_k: int,
-                        window: int | None, **bounds):
-    """Grid (B, N, query blocks). start_ref, qoff_ref [1]; q_ref, o_ref [block_q, H]; k_ref, v_ref [S, H] (a
-    pointer: only the loop's slices are read)."""
+def _prefill_kernel_gpu(start_ref, qoff_ref, q_ref, k_ref, v_ref, *refs, scale: float, block_k: int,
+                        window: int | None, quantized: bool, **bounds):
+    """Grid (B, N, query blocks). start_ref, qoff_ref [1]; q_ref, o_ref [block_q, H]; k_ref, v_ref [Sp, H] (a
+    pointer: only the loop's slices are read); for a quantized cache ks_ref, vs_ref [1, Sp] before o_ref."""
+    ks_ref, vs_ref, (o_ref,) = split_scale_refs(refs, quantized)
     start = start_ref[0]
     ref_slots = k_ref.shape[0]  # Sp >= num_slots: the shifted block may re-read zero padding, never past it
     lo, hi, q_first = query_block_bounds(start, qoff_ref[0], pl.program_id(2), window=window, **bounds)
@@ -184,8 +198,10 @@ def _prefill_kernel_gpu(start_ref, qoff_ref, q_ref, k_ref, v_ref, o_ref, *, scal
         offset = jnp.minimum(floor, ref_slots - block_k)  # the last block shifted back to end at Sp
         k = k_ref[pl.ds(offset, block_k), :]  # [block_k, H]
         v = v_ref[pl.ds(offset, block_k), :]  # [block_k, H]
+        k_scale = load_scale(ks_ref, slice(None), pl.ds(offset, block_k))  # [1, block_k] or None
+        v_scale = load_scale(vs_ref, slice(None), pl.ds(offset, block_k))
         live, v_live = prefill_masks(q_first, offset, floor, start, lo, hi, window, rows, block_k, head_dim)
-        return online_softmax_step(*carry, q, k, v, live, v_live, scale=scale)
+        return online_softmax_step(*carry, q, k, v, live, v_live, scale=scale, k_scale=k_scale, v_scale=v_scale)
 
     init = (jnp.full((rows, 1), MASKED, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
             jnp.zeros((rows, head_dim), jnp.float32))
@@ -193,10 +209,11 @@ def _prefill_kernel_gpu(start_ref, qoff_ref, q_ref, k_ref, v_ref, o_ref, *, scal
     o_ref[...] = normalize(acc, l).astype(o_ref.dtype)
 
 
-def _prefill_gpu(q, k, v, start, q_offset, *, scale: float, block_q: int, block_k: int, num_queries: int,
-                 num_slots: int, window: int | None, interpret):
+def _prefill_gpu(q, k, v, k_scale, v_scale, start, q_offset, *, scale: float, block_q: int, block_k: int,
+                 num_queries: int, num_slots: int, window: int | None, out_dtype, interpret):
     """q [B, N, Tp, H]; k, v [B, K, Sp, H] (Sp >= 16; H, block_q powers of two >= 16), of which the first
-    `num_slots` slots are real; start int32[B]; q_offset int32[1] -> [B, N, Tp, H] in q's dtype."""
+    `num_slots` slots are real; k_scale, v_scale f32[B, K, 1, Sp] or None; start int32[B]; q_offset int32[1]
+    -> [B, N, Tp, H] in out_dtype."""
     B, N, Tp, H = q.shape
     K, Sp = k.shape[1], k.shape[2]
     G = N // K
@@ -214,21 +231,24 @@ def _prefill_gpu(q, k, v, start, q_offset, *, scale: float, block_q: int, block_
     def kv_map(b, n, i):
         return b, lax.div(n, G), 0, 0
 
+    quantized = k_scale is not None
     kernel = functools.partial(_prefill_kernel_gpu, scale=scale, block_k=block_k, window=window, block_q=block_q,
-                               num_queries=num_queries, num_slots=num_slots)
+                               num_queries=num_queries, num_slots=num_slots, quantized=quantized)
     q_spec = pl.BlockSpec((None, None, block_q, H), q_map)
     kv_spec = pl.BlockSpec((None, None, Sp, H), kv_map)  # whole row: a base pointer, loaded per block
+    scale_specs = [pl.BlockSpec((None, None, 1, Sp), kv_map)] * 2 if quantized else []
     return pl.pallas_call(
         kernel,
         grid=(B, N, Tp // block_q),
-        in_specs=[pl.BlockSpec((1,), scalar_map), pl.BlockSpec((1,), qoff_map), q_spec, kv_spec, kv_spec],
+        in_specs=[pl.BlockSpec((1,), scalar_map), pl.BlockSpec((1,), qoff_map), q_spec, kv_spec, kv_spec,
+                  *scale_specs],
         out_specs=q_spec,
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_shape=jax.ShapeDtypeStruct(q.shape, out_dtype),
         # Explicit Triton params: without them JAX 0.10 lowers GPU pallas_calls with Mosaic GPU.
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="jaxkv_prefill_attention",
-    )(start, q_offset, q, k, v)
+    )(start, q_offset, q, k, v, *([k_scale, v_scale] if quantized else []))
 
 
 # --- public --------------------------------------------------------------------------------------------------
@@ -236,14 +256,15 @@ def _prefill_gpu(q, k, v, start, q_offset, *, scale: float, block_q: int, block_
 DEFAULT_BLOCKS = types.MappingProxyType({"tpu": (128, 256), "gpu": (64, 64)})  # (block_q, block_k), read-only
 
 
-def prefill_attention(q, k, v, start, q_offset, *, scale: float, sliding_window: int | None = None,
-                      platform: str = "tpu", block_q: int | None = None, block_k: int | None = None,
+def prefill_attention(q, k, v, start, q_offset, *, scale: float, sliding_window: int | None = None, k_scale=None,
+                      v_scale=None, platform: str = "tpu", block_q: int | None = None, block_k: int | None = None,
                       interpret=False):
-    """Causal attention of T queries over S key slots; same contract as `reference.attention`.
+    """Causal attention of T queries over S key slots; same contract as `reference.attention` (no ring caches).
 
     Args:
-      q: [B, T, N, H] queries for slots [q_offset, q_offset + T); k, v: [B, K, S, H]; start: int32[B];
-        q_offset: int32[].
+      q: [B, T, N, H] queries for slots [q_offset, q_offset + T); k, v: [B, K, S, H] (any float dtype, or int8 /
+        float8_e4m3fn with scales); start: int32[B]; q_offset: int32[].
+      k_scale, v_scale: float32[B, K, S] dequantization scales of a quantized cache, else None.
       platform: "tpu" (Mosaic body) or "gpu" (Triton body).
       block_q, block_k: tile sizes (TPU: block_q a multiple of 16, block_k of 128; GPU: powers of two >= 16).
       interpret: run the kernel in the Pallas interpreter (any truthy value pallas_call accepts).
@@ -255,18 +276,21 @@ def prefill_attention(q, k, v, start, q_offset, *, scale: float, sliding_window:
     S = k.shape[2]
     if platform not in DEFAULT_BLOCKS:
         raise ValueError(f"platform must be 'tpu' or 'gpu', got {platform!r}")
+    check_scales(k, k_scale, v_scale)
+    k_scale, v_scale = scale_rows(k_scale), scale_rows(v_scale)  # f32[B, K, 1, S] or None
     default_q, default_k = DEFAULT_BLOCKS[platform]
     block_q, block_k = block_q or default_q, block_k or default_k
     start = jnp.asarray(start, jnp.int32)  # [B]
     q_offset = jnp.reshape(jnp.asarray(q_offset, jnp.int32), (1,))  # [1]: scalar operands are 1-D refs
-    q = q.transpose(0, 2, 1, 3)  # [B, N, T, H]: each (sequence, head) a contiguous [T, H] tile source
-    common = dict(scale=scale, num_queries=T, window=sliding_window, interpret=interpret)
+    common = dict(scale=scale, num_queries=T, window=sliding_window, out_dtype=q.dtype, interpret=interpret)
+    # [B, N, T, H]: each (sequence, head) a contiguous [T, H] tile source, in the matmul dtype
+    q = q.transpose(0, 2, 1, 3).astype(matmul_dtype(q.dtype, k.dtype))
     if platform == "tpu":
         if T > block_q and block_q % 16:
             raise ValueError(f"TPU block_q must be a multiple of 16 (bf16 sublane packing), got {block_q}")
         block_q = T if T <= block_q else block_q  # a block equal to the array dim is always legal
         q = pad_axis(q, 2, cdiv(T, block_q) * block_q)  # [B, N, Tp, H]
-        out = _prefill_tpu(q, k, v, start, q_offset, block_q=block_q, block_k=block_k, **common)
+        out = _prefill_tpu(q, k, v, k_scale, v_scale, start, q_offset, block_q=block_q, block_k=block_k, **common)
     else:
         gpu_block(GPU_MIN_DIM, block_q)  # validates: a power of two >= 16
         block_q = max(GPU_MIN_DIM, min(block_q, next_pow2(T)))
@@ -275,5 +299,8 @@ def prefill_attention(q, k, v, start, q_offset, *, scale: float, sliding_window:
         q = pad_axis(pad_axis(q, 3, Hp), 2, cdiv(T, block_q) * block_q)  # [B, N, Tp, Hp]
         k = pad_axis(pad_axis(k, 3, Hp), 2, Sp)  # [B, K, Sp, Hp]
         v = pad_axis(pad_axis(v, 3, Hp), 2, Sp)  # [B, K, Sp, Hp]
-        out = _prefill_gpu(q, k, v, start, q_offset, block_q=block_q, block_k=block_k, num_slots=S, **common)
+        if k_scale is not None:
+            k_scale, v_scale = pad_axis(k_scale, 3, Sp), pad_axis(v_scale, 3, Sp)  # [B, K, 1, Sp]
+        out = _prefill_gpu(q, k, v, k_scale, v_scale, start, q_offset, block_q=block_q, block_k=block_k,
+                           num_slots=S, **common)
     return out[:, :, :T, :H].transpose(0, 2, 1, 3)  # [B, T, N, H]
