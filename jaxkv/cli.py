@@ -1,7 +1,8 @@
 """The `jaxkv` command: argument parsing and printing only.
 
   jaxkv generate --prompt TEXT [--model PATH|tiny] [--max-new-tokens N] [--temperature T] [--top-k K]
-                 [--top-p P] [--min-p M] [--seed S] [--dtype D] [--max-len N] [--json]
+                 [--top-p P] [--min-p M] [--seed S] [--dtype D] [--max-len N]
+                 [--cache-dtype D] [--json]
   jaxkv memory (--model PATH|tiny | --config config.json | --layers L --kv-heads K --head-dim H [--dtype D])
                [--window W] [--tokens N] [--batch B] [--cache-dtype D] [--hbm-gib G [--weights-gib W]]
                [--plot FILE.png] [--json]
@@ -48,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     gen.add_argument("--max-len", type=int, default=None, help="KV-cache capacity in tokens")
+    gen.add_argument("--cache-dtype", choices=memory.CACHE_DTYPES, default=None,
+                     help="KV-cache dtype (int8/fp8: quantized with a scale per token per KV head); default: the "
+                          "model's dtype")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streamed text")
 
     mem = commands.add_parser("memory", help="KV-cache bytes of a model, and how many sequences fit in memory")
@@ -147,7 +151,7 @@ def _generate(args) -> dict:
         stream = lambda row, token: print(token, end=" ", flush=True)  # noqa: E731
     out = jaxkv.generate(model, [prompt], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                          top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
-                         max_len=args.max_len, stream=stream)
+                         max_len=args.max_len, cache_dtype=args.cache_dtype, stream=stream)
     if isinstance(stream, _TextStream):  # bytes held back as an incomplete character at the very end
         sys.stdout.write(out.text[0][len(stream.printed):])
     s = out.stats
@@ -160,6 +164,7 @@ def _generate(args) -> dict:
         "prefill_ms": round(1e3 * s["prefill_s"], 2),
         "decode_tokens_per_s": round(s["decode_tokens_per_s"], 2),
         "kv_cache_bytes": s["kv_cache_bytes"],
+        "cache_dtype": s["cache_dtype"],
     }
 
 

@@ -4,6 +4,7 @@ import math
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxkv.attention import reference
 
@@ -64,3 +65,18 @@ def test_gqa_heads_read_their_own_kv_group():
     v = jnp.stack([jnp.ones((3, 2)), 2 * jnp.ones((3, 2))])[None]
     out = np.asarray(reference.attention(q, k, v, START0, jnp.int32(2), scale=1.0))
     np.testing.assert_allclose(out[0, 0, :, 0], [1, 1, 2, 2], atol=ATOL)
+
+
+@pytest.mark.parametrize("cache_dtype", ["bfloat16", "float16"])
+def test_decode_over_a_16_bit_cache_rounds_only_to_the_cache_precision(cache_dtype):
+    """One-query attention over a 16-bit cache multiplies in the cache dtype (accumulating in float32): the result
+    stays within that dtype's rounding of the exact float32 math on the same stored numbers."""
+    rng = np.random.default_rng(4)
+    q = jnp.asarray(rng.normal(size=(2, 1, 4, 32)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(2, 2, 40, 32)), cache_dtype) for _ in range(2))
+    start = jnp.array([0, 9], jnp.int32)
+    got = reference.attention(q, k, v, start, jnp.int32(39), scale=0.2)
+    exact = reference.attention(q, k.astype(jnp.float32), v.astype(jnp.float32), start, jnp.int32(39), scale=0.2)
+    eps = float(jnp.finfo(cache_dtype).eps)
+    np.testing.assert_allclose(got, exact, atol=8 * eps, rtol=0)
+    assert np.abs(np.asarray(got) - np.asarray(exact)).max() > 0  # the product really is in the 16-bit dtype

@@ -37,7 +37,17 @@ def test_json(model_dir, capsys):
     assert set(result) >= {"text", "prompt_tokens", "prefill_ms", "decode_tokens_per_s", "kv_cache_bytes"}
 
 
+def test_cache_dtype(model_dir, capsys):
+    assert cli.main(["generate", "--model", model_dir, "--prompt", "Hi", "--max-new-tokens", "4", "--json",
+                     "--cache-dtype", "int8"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    expected = jaxkv.generate(jaxkv.load(model_dir), ["Hi"], max_new_tokens=4, cache_dtype="int8")
+    assert result["cache_dtype"] == "int8" and result["tokens"] == expected.tokens[0]
+    assert result["kv_cache_bytes"] == expected.stats["kv_cache_bytes"]
+
+
 @pytest.mark.parametrize("args, match", [
+    (["--cache-dtype", "int4"], "invalid choice"),
     (["--top-p", "2"], "top_p must be in"),
     (["--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
     (["--max-new-tokens", "many"], "invalid int value"),

@@ -97,6 +97,14 @@ def _decode(q, k, v, live, scale, k_scale, v_scale):
     reduce form reads the updated buffers directly, with no copy at any batch size, and XLA fuses a quantized
     cache's dequantization into the reductions' reads.
     """
+    if k_scale is None and k.dtype != jnp.float32:
+        # A 16-bit cache is read in its own dtype, products rounded to it and sums accumulated in float32 (as a
+        # bf16 attention kernel does). Upcasting the whole just-updated buffer instead made XLA:CPU move the
+        # convert into the in-place update, materializing a float32 copy of the cache and copying the buffer
+        # every step (tests/test_cache.py).
+        scores = jnp.sum(k[:, :, None, :, :] * q.astype(k.dtype)[:, :, :, None, :], axis=-1, dtype=jnp.float32)
+        weights = _softmax(jnp.where(live[:, None, None, :], scores * scale, MASKED))  # [B, K, G, S]
+        return jnp.sum(weights.astype(v.dtype)[..., None] * v[:, :, None, :, :], axis=-2, dtype=jnp.float32)
     q = q.astype(jnp.float32)
     k, v = dequantize(k, k_scale), dequantize(v, v_scale)
     scores = jnp.sum(k[:, :, None, :, :] * q[:, :, :, None, :], axis=-1) * scale  # [B, K, G, S]
