@@ -71,9 +71,9 @@ class CacheGeometry:
 
 def _positive_int(name: str, value) -> int:
     # bool is an int subclass; True layers or tokens is a caller's mistake, not 1.
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
+    return int(value)
 
 
 def _cache_dtype(geometry: CacheGeometry, cache_dtype) -> str:
