@@ -18,8 +18,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxkv import attention as attention_impls
+from jaxkv import sharding
 from jaxkv.cache import KVCache
 from jaxkv.config import Config
 from jaxkv.layers import Mlp, Norm, apply_rope, fan_in_init, linear, rope_angles
@@ -28,6 +30,7 @@ from jaxkv.layers import Mlp, Norm, apply_rope, fan_in_init, linear, rope_angles
 class Attention(nn.Module):
     config: Config
     layer: int
+    mesh: Mesh | None = None  # with a mesh, a Pallas kernel runs per shard (`jaxkv.sharding.shard_attention`)
 
     @nn.compact
     def __call__(self, x, rope, cache, start, prefill, attention: str):
@@ -64,9 +67,11 @@ class Attention(nn.Module):
                 cache = cache.write(self.layer, k, v, zero_dead_values=zero)
                 k, v = cache.keys[self.layer], cache.values[self.layer]
                 (k_scale, v_scale), ring = cache.scales(self.layer), cache.ring
-        out = attention_impls.get(attention)(q, k, v, start, q_offset, scale=1.0 / math.sqrt(H),
-                                             sliding_window=cfg.sliding_window, k_scale=k_scale, v_scale=v_scale,
-                                             ring=ring)  # [B, T, N, H]
+        attend = attention_impls.get(attention)
+        if self.mesh is not None and attention_impls.resolve(attention) == "pallas":
+            attend = sharding.shard_attention(attend, self.mesh)
+        out = attend(q, k, v, start, q_offset, scale=1.0 / math.sqrt(H), sliding_window=cfg.sliding_window,
+                     k_scale=k_scale, v_scale=v_scale, ring=ring)  # [B, T, N, H]
         wo = self.param("wo", fan_in_init(N * H), (D, N, H), dtype)
         y = linear(out.reshape(*out.shape[:2], N * H), wo.reshape(D, N * H))  # [B, T, D]
         if cfg.out_bias:
@@ -77,11 +82,12 @@ class Attention(nn.Module):
 class Block(nn.Module):
     config: Config
     layer: int
+    mesh: Mesh | None = None
 
     @nn.compact
     def __call__(self, x, rope, cache, start, prefill, attention: str):
-        h, cache = Attention(self.config, self.layer, name="attn")(Norm(self.config, name="attn_norm")(x), rope,
-                                                                    cache, start, prefill, attention)
+        attn = Attention(self.config, self.layer, self.mesh, name="attn")
+        h, cache = attn(Norm(self.config, name="attn_norm")(x), rope, cache, start, prefill, attention)
         x = x + h
         x = x + Mlp(self.config, name="mlp")(Norm(self.config, name="mlp_norm")(x))
         return x, cache
@@ -89,6 +95,7 @@ class Block(nn.Module):
 
 class Decoder(nn.Module):
     config: Config
+    mesh: Mesh | None = None  # set when running sharded over a ("data", "model") mesh (`jaxkv.sharding`)
 
     @nn.compact
     def __call__(self, tokens, positions, cache: KVCache | None = None, *, prefill: bool = False,
@@ -129,7 +136,7 @@ class Decoder(nn.Module):
         # Without a cache, padding must be on the left (as generate lays it out): the first real token's index.
         start = jnp.sum(~real, axis=1, dtype=jnp.int32) if cache is None else cache.start  # [B]
         for layer in range(cfg.n_layers):
-            x, cache = Block(cfg, layer, name=f"layer_{layer}")(x, rope, cache, start, prefill, attention)
+            x, cache = Block(cfg, layer, self.mesh, name=f"layer_{layer}")(x, rope, cache, start, prefill, attention)
         if cache is not None:
             cache = cache.advance(T)
 

@@ -1,0 +1,276 @@
+"""Sharded generation: `generate(..., mesh=)` over ("data", "model") meshes of the 8 CPU devices conftest sets up,
+and `generate_pmap`. Every sharded result is compared with single-device generation of the same model."""
+
+import importlib.util
+import math
+import pathlib
+import re
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import jaxkv
+from jaxkv import sharding
+
+SCRIPTS = pathlib.Path(__file__).resolve().parent.parent / "scripts"
+
+# float32 throughout: the sharded matmuls sum the same products in a different order (partial sums over heads and
+# FFN columns, then an all-reduce), so logits differ from one device's in the last bits only.
+LOGITS_ATOL = 1e-5
+
+# N=8 query heads over K=2 KV heads: on a model axis of 4 or 8 the KV heads are replicated (to 4 or 8).
+GQA = jaxkv.Config(vocab_size=128, d_model=64, n_layers=2, n_heads=8, n_kv_heads=2, ffn_dim=128)
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]  # 3 prompts: the padded batch of 4 does not divide a data axis of 8
+NEW = 8
+
+_models, _references = {}, {}
+
+
+def model_for(config: jaxkv.Config) -> jaxkv.Model:
+    if config not in _models:
+        _models[config] = jaxkv.Model.random(config, seed=1)
+    return _models[config]
+
+
+def reference(config: jaxkv.Config, prompts=PROMPTS, **kwargs) -> jaxkv.Generation:
+    """Single-device generation (no mesh), remembered per config and arguments."""
+    key = (config, str(prompts), tuple(sorted(kwargs.items())))
+    if key not in _references:
+        _references[key] = jaxkv.generate(model_for(config), prompts, max_new_tokens=NEW, stop_tokens=[],
+                                          **kwargs)
+    return _references[key]
+
+
+def mesh_of(data: int, model: int) -> Mesh:
+    devices = np.array(jax.devices()[: data * model]).reshape(data, model)
+    return Mesh(devices, ("data", "model"))
+
+
+def test_conftest_provides_eight_devices():
+    assert jax.device_count() == 8, "tests/conftest.py sets --xla_force_host_platform_device_count=8"
+
+
+@pytest.mark.parametrize("shape", [(8, 1), (4, 2), (2, 4), (1, 8)])
+def test_mesh_generation_equals_single_device(shape):
+    mesh = mesh_of(*shape)
+    model = model_for(GQA)
+    ref = reference(GQA)
+    got = jaxkv.generate(model, PROMPTS, max_new_tokens=NEW, stop_tokens=[], mesh=mesh)
+    assert got.tokens == ref.tokens
+
+    # Batch padded to a multiple of the data axis; KV heads replicated to lcm(K, M) when M does not divide K.
+    data, M = shape
+    assert got.stats["padded_batch"] == max(4, data)
+    kv_heads = math.lcm(GQA.n_kv_heads, M)
+    total = jaxkv.kv_cache_bytes(GQA.replace(n_kv_heads=kv_heads), tokens=got.stats["cache_capacity"],
+                                 batch=got.stats["padded_batch"])
+    assert got.stats["kv_cache_bytes"] == total
+    assert got.stats["kv_cache_bytes_per_device"] == total // (data * M)
+
+    # Prefill logits of the real rows within LOGITS_ATOL of one device's.
+    params, config = sharding.shard_params(model.params, GQA, mesh)
+    tokens = np.zeros((got.stats["padded_batch"], 16), np.int32)
+    start = np.full((got.stats["padded_batch"],), 15, np.int32)
+    for b, p in enumerate(PROMPTS):
+        tokens[b, 16 - len(p):], start[b] = p, 16 - len(p)
+    batch_sharding = NamedSharding(sharding.check_mesh(mesh), sharding.BATCH_SPEC)
+    logits, cache = jaxkv.prefill(params, sharding.global_array(tokens, batch_sharding),
+                                  sharding.global_array(start, batch_sharding), config=config, capacity=32,
+                                  attention="xla", mesh=sharding.check_mesh(mesh))
+    want, _ = jaxkv.prefill(model.params, tokens[:4], start[:4], config=GQA, capacity=32, attention="xla")
+    np.testing.assert_allclose(np.asarray(logits)[:3], np.asarray(want)[:3], atol=LOGITS_ATOL, rtol=0)
+    assert cache.keys[0].sharding.is_equivalent_to(NamedSharding(sharding.check_mesh(mesh), sharding.KV_SPEC), 4)
+
+
+def test_batch_that_does_not_divide_the_data_axis():
+    """5 prompts -> a power-of-two batch of 8 -> 9 rows on a data axis of 3 (6 of the 8 devices)."""
+    prompts = [[1, 2], [3], [4, 5, 6], [7, 8, 9, 10], [11]]
+    got = jaxkv.generate(model_for(GQA), prompts, max_new_tokens=NEW, stop_tokens=[], mesh=mesh_of(3, 2))
+    assert got.stats["padded_batch"] == 9
+    assert got.tokens == reference(GQA, prompts).tokens
+
+
+def test_replicated_kv_heads_compute_the_same_attention():
+    """The replication math on one device: wk/wv repeated 4x (K=2 -> 8, so G = 4 -> 1) give the same logits."""
+    model = model_for(GQA)
+    wide = GQA.replace(n_kv_heads=8)
+    params = sharding.replicate_kv_heads(model.params, GQA, 8)
+    assert params["layer_0"]["attn"]["wk"].shape == (8, 8, 64)
+    tokens = np.array([[5, 6, 7, 8, 9]])
+    np.testing.assert_allclose(jaxkv.logits(jaxkv.Model(wide, params), tokens), jaxkv.logits(model, tokens),
+                               atol=LOGITS_ATOL, rtol=0)
+
+
+def test_kv_heads_that_do_not_divide_the_model_axis():
+    """N=12 heads, K=3 KV heads on a model axis of 2: K' = lcm(3, 2) = 6, each KV head repeated twice."""
+    config = jaxkv.Config(vocab_size=128, d_model=96, n_layers=1, n_heads=12, n_kv_heads=3, ffn_dim=64)
+    assert sharding.sharded_kv_heads(config, mesh_of(4, 2)) == 6
+    got = jaxkv.generate(model_for(config), PROMPTS, max_new_tokens=NEW, stop_tokens=[], mesh=mesh_of(4, 2))
+    assert got.tokens == reference(config).tokens
+
+
+def test_int8_cache_on_a_mesh_equals_single_device_int8():
+    got = jaxkv.generate(model_for(GQA), PROMPTS, max_new_tokens=NEW, stop_tokens=[], cache_dtype="int8",
+                         mesh=mesh_of(2, 4))
+    ref = reference(GQA, cache_dtype="int8")
+    assert got.tokens == ref.tokens
+    assert got.stats["kv_cache_bytes_per_device"] == got.stats["kv_cache_bytes"] // 8
+
+
+def test_sliding_window_ring_cache_on_a_mesh():
+    """A window of 8 with a 20-token prompt: the ring wraps in prefill and in every decode step."""
+    config = GQA.replace(sliding_window=8)
+    prompts = PROMPTS + [list(range(20))]
+    got = jaxkv.generate(model_for(config), prompts, max_new_tokens=NEW, stop_tokens=[], mesh=mesh_of(2, 4))
+    assert got.stats["cache_ring"] and got.stats["cache_capacity"] == 8
+    assert got.tokens == reference(config, prompts).tokens
+
+
+def test_pallas_attention_runs_per_shard(monkeypatch):
+    """Pallas (interpreted on CPU) through shard_map on a (2, 4) mesh: same tokens as one device. Slow (the
+    interpreter), so one small case."""
+    wrapped = []
+    real = sharding.shard_attention
+    monkeypatch.setattr(sharding, "shard_attention", lambda fn, mesh: wrapped.append(mesh) or real(fn, mesh))
+    got = jaxkv.generate(model_for(GQA), PROMPTS, max_new_tokens=4, stop_tokens=[], attention="pallas",
+                         mesh=mesh_of(2, 4))
+    assert wrapped, "the Pallas attention was not wrapped in shard_map"
+    assert got.tokens == [t[:4] for t in reference(GQA).tokens]
+
+
+def test_pmap_generation_equals_single_device():
+    got = jaxkv.generate_pmap(model_for(GQA), PROMPTS, max_new_tokens=NEW, stop_tokens=[])
+    assert got.tokens == reference(GQA).tokens
+    assert got.stats["padded_batch"] == 8  # 3 prompts -> 4 -> a multiple of the 8 local devices
+    assert got.stats["kv_cache_bytes_per_device"] == got.stats["kv_cache_bytes"] // 8
+
+
+def test_pmap_stop_tokens_and_finish_reasons_match():
+    ref = reference(GQA)
+    stop = ref.tokens[0][2]
+    want = jaxkv.generate(model_for(GQA), PROMPTS, max_new_tokens=NEW, stop_tokens=[stop])
+    got = jaxkv.generate_pmap(model_for(GQA), PROMPTS, max_new_tokens=NEW, stop_tokens=[stop])
+    assert (got.tokens, got.finish_reasons) == (want.tokens, want.finish_reasons)
+    assert "stop" in got.finish_reasons
+
+
+def _collectives(text: str):
+    """(op, element count of its result) of every collective in compiled HLO text."""
+    found = []
+    for line in text.splitlines():
+        m = re.search(r"= \(?(\w+)\[([\d,]*)\][^ ]* (all-reduce|all-gather|all-to-all|collective-permute|"
+                      r"reduce-scatter)(-start)?\(", line)
+        if m:
+            found.append((m.group(3), math.prod(int(d) for d in m.group(2).split(",") if d)))
+    return found
+
+
+def test_decode_loop_never_moves_the_cache():
+    """The compiled decode loop on a (2, 4) mesh: the expected all-reduces (attention output and FFN down
+    projection, one each per layer, of [B/2, 1, D]) and no collective whose result is as large as one device's
+    cache shard of a single layer's keys (the smallest thing that would mean cache traffic)."""
+    mesh = sharding.check_mesh(mesh_of(2, 4))
+    params, config = sharding.shard_params(model_for(GQA).params, GQA, mesh)
+    B, S = 4, 256
+    batch = NamedSharding(mesh, sharding.BATCH_SPEC)
+    logits, cache = jaxkv.prefill(params, sharding.global_array(np.ones((B, 16), np.int32), batch),
+                                  sharding.global_array(np.zeros((B,), np.int32), batch), config=config, capacity=S,
+                                  attention="xla", mesh=mesh)
+    rep = NamedSharding(mesh, P())
+    put = lambda x: jax.tree.map(lambda leaf: sharding.global_array(leaf, rep), x)  # noqa: E731
+    args = (params, cache, logits, put(jax.random.PRNGKey(0)), put(jaxkv.Sampler.make()),
+            put(np.full((8,), -1, np.int32)))
+    text = jaxkv.decode.lower(*args, config=config, steps=5, attention="xla", mesh=mesh).compile().as_text()
+    collectives = _collectives(text)
+    shard = (B // 2) * (config.n_kv_heads // 4) * S * config.head_dim  # one layer's keys on one device
+    assert f"f32[{B // 2},{config.n_kv_heads // 4},{S},{config.head_dim}]" in text  # the cache is really split
+    big = [c for c in collectives if c[1] >= shard]
+    assert not big, big
+    all_reduces = [c for c in collectives if c[0] == "all-reduce" and c[1] == (B // 2) * GQA.d_model]
+    assert len(all_reduces) == 2 * GQA.n_layers, collectives
+    # And each device's cache shard is still updated in place: every K/V buffer aliased input -> output.
+    alias = next((ln for ln in text.splitlines() if "input_output_alias" in ln), "")
+    assert alias.count("may-alias") + alias.count("must-alias") >= 2 * GQA.n_layers, alias
+
+
+@pytest.mark.parametrize("mesh, message", [
+    ("not a mesh", "must be a jax.sharding.Mesh"),
+    (Mesh(np.array(jax.devices()).reshape(2, 4), ("batch", "heads")), "mesh axes must be"),
+    (Mesh(np.array(jax.devices()[:8]).reshape(1, 8), ("data", "model")), None),  # ffn 128 ok, n_heads 4: below
+])
+def test_bad_meshes_are_refused(mesh, message):
+    config = GQA.replace(n_heads=4, n_kv_heads=2, d_model=64)
+    with pytest.raises(ValueError, match=message or r"n_heads \(4\) must be divisible by the mesh's 'model' axis"):
+        jaxkv.generate(model_for(config), PROMPTS, max_new_tokens=2, mesh=mesh)
+
+
+def test_ffn_must_divide_the_model_axis():
+    config = GQA.replace(ffn_dim=102)
+    with pytest.raises(ValueError, match=r"ffn_dim \(102\) must be divisible"):
+        jaxkv.generate(model_for(config), PROMPTS, max_new_tokens=2, mesh=mesh_of(2, 4))
+
+
+def test_stream_on_a_mesh_reports_every_token():
+    streamed = {b: [] for b in range(len(PROMPTS))}
+    got = jaxkv.generate(model_for(GQA), PROMPTS, max_new_tokens=NEW, stop_tokens=[], mesh=mesh_of(2, 4),
+                         stream=lambda b, token: streamed[b].append(token))
+    assert got.tokens == reference(GQA).tokens
+    assert [streamed[b] for b in range(len(PROMPTS))] == got.tokens
+
+
+def test_stream_is_refused_by_pmap():
+    with pytest.raises(ValueError, match="stream is not supported by generate_pmap"):
+        jaxkv.generate_pmap(model_for(GQA), PROMPTS, max_new_tokens=2, stream=print)
+
+
+def _script():
+    """scripts/generate_sharded.py, loaded by path (scripts/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("generate_sharded", SCRIPTS / "generate_sharded.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_script_generates_on_a_mesh_and_prints_per_device_bytes(capsys):
+    """The bundled model on a (2, 2) mesh: the same tokens as one device, and the per-device cache bytes line."""
+    want = jaxkv.generate(jaxkv.load("tiny"), ["The KV cache"], max_new_tokens=4).tokens[0]
+    assert _script().main(["--data", "2", "--model", "2", "--prompt", "The KV cache", "--max-new-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert str(want) in out
+    assert "mesh data=2 x model=2" in out and "per device" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--data", "2", "--model", "8"], "a 2 x 8 mesh needs 16 devices, 8 available"),
+    (["--model", "3"], "--model 3 does not divide the 8 devices"),
+    (["--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
+])
+def test_script_bad_input_is_one_line_and_exit_2(argv, message, capsys):
+    assert _script().main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
+
+
+def test_sampled_tokens_equal_single_device():
+    """Sampling (temperature, top-k, top-p) on a (2, 4) mesh draws the same tokens as one device: the PRNG key is
+    replicated and JAX's partitionable threefry gives the same bits however the [B, V] draw is split."""
+    kwargs = dict(max_new_tokens=NEW, stop_tokens=[], temperature=1.0, top_k=20, top_p=0.9, seed=3)
+    want = jaxkv.generate(model_for(GQA), PROMPTS, **kwargs)
+    got = jaxkv.generate(model_for(GQA), PROMPTS, mesh=mesh_of(2, 4), **kwargs)
+    assert got.tokens == want.tokens
+
+
+def test_layout_rules():
+    """The specs the module docstring promises, derived from logical axes; a mesh axis is never used twice."""
+    assert sharding.KV_SPEC == P("data", "model", None, None)
+    assert sharding.KV_SCALE_SPEC == P("data", "model", None)
+    shardings = sharding.param_shardings(model_for(GQA).params, sharding.check_mesh(mesh_of(2, 4)))
+    attn, mlp = shardings["layer_0"]["attn"], shardings["layer_0"]["mlp"]
+    assert attn["wq"].spec == P("model", None, None) and attn["wk"].spec == P("model", None, None)
+    assert attn["wo"].spec == P(None, "model", None)
+    assert mlp["w_gate"].spec == P("model", None) and mlp["w_down"].spec == P(None, "model")
+    assert shardings["embedding"].is_fully_replicated and shardings["lm_head"].is_fully_replicated
+    with pytest.raises(ValueError, match="a mesh axis used twice"):
+        sharding.spec((sharding.HEADS, sharding.FFN))
