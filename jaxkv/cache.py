@@ -176,15 +176,14 @@ class KVCache:
                 cache = cache.with_layer_scales(layer, update(k_scale, new_k_scale), update(v_scale, new_v_scale))
             return cache
 
-    def write_prompt(self, layer: int, k: jax.Array, v: jax.Array, *, zero_dead_values: bool = False) -> "KVCache":
+    def write_prompt(self, layer: int, k: jax.Array, v: jax.Array) -> "KVCache":
         """Writes a whole prompt ([B, K, T, H], slots [0, T)) into an empty cache. Unlike `write`, a ring cache
         may be shorter than the prompt: then only the last S slots are kept, each at its index slot mod S."""
         T, S = k.shape[2], self.capacity
-        if not (self.ring and T > S):
-            return self.write(layer, k, v, zero_dead_values=zero_dead_values)
-        # Slots T-S .. T-1 go to indices (T-S) mod S .. : a rotation of the last S slots by T mod S.
-        k, v = (jnp.roll(x[:, :, T - S:], T % S, axis=2) for x in (k, v))
-        return self.write(layer, k, v, zero_dead_values=zero_dead_values)
+        if self.ring and T > S:
+            # Slots T-S .. T-1 go to indices (T-S) mod S .. : a rotation of the last S slots by T mod S.
+            k, v = (jnp.roll(x[:, :, T - S:], T % S, axis=2) for x in (k, v))
+        return self.write(layer, k, v)
 
     def with_layer(self, layer: int, k: jax.Array, v: jax.Array) -> "KVCache":
         """The cache with layer `layer`'s buffers replaced by k, v ([B, K, S, H])."""

@@ -58,13 +58,13 @@ class Attention(nn.Module):
         q_offset, k_scale, v_scale, ring = jnp.zeros((), jnp.int32), None, None, False
         if cache is not None:
             q_offset = cache.length
-            zero = attention_impls.resolve(attention) == "xla"
             if prefill:
                 # An empty cache: the prompt attends over its own fresh (unquantized) K/V, O(T^2), whatever the
-                # cache's size, dtype or ring layout; the cache only stores them.
-                cache = cache.write_prompt(self.layer, k, v, zero_dead_values=zero)
+                # cache's size, dtype or ring layout; the cache only stores them. (Its dead slots hold zeros from
+                # the allocation or finite padding K/V: nothing to zero.)
+                cache = cache.write_prompt(self.layer, k, v)
             else:
-                cache = cache.write(self.layer, k, v, zero_dead_values=zero)
+                cache = cache.write(self.layer, k, v, zero_dead_values=attention_impls.resolve(attention) == "xla")
                 k, v = cache.keys[self.layer], cache.values[self.layer]
                 (k_scale, v_scale), ring = cache.scales(self.layer), cache.ring
         attend = attention_impls.get(attention)
