@@ -237,7 +237,6 @@ def test_hbm_fit_with_weights_given(capsys):
 
 
 def test_plot_writes_a_png(tmp_path, capsys):
-    pytest.importorskip("matplotlib")
     path = tmp_path / "cache.png"
     out = run(capsys, *FLAGS_13B, "--tokens", "4096", "--window", "1024", "--hbm-gib", "80", "--weights-gib", "24",
               "--plot", str(path))
