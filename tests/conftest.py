@@ -8,6 +8,8 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import jaxkv  # noqa: E402
@@ -30,6 +32,17 @@ CONFIGS = {
 }
 
 _models = {}
+
+
+def left_pad(prompts, length=None):
+    """(int32[B, T] tokens, int32[B] start): prompts right-aligned to T (default: the longest), as generate lays
+    them out; padding is token 0 before each prompt's first slot `start[b]`."""
+    T = length or max(len(p) for p in prompts)
+    tokens = np.zeros((len(prompts), T), np.int32)
+    start = np.array([T - len(p) for p in prompts], np.int32)
+    for b, p in enumerate(prompts):
+        tokens[b, start[b]:] = p
+    return jnp.asarray(tokens), jnp.asarray(start)
 
 
 def model_for(name: str) -> jaxkv.Model:

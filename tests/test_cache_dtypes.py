@@ -14,7 +14,7 @@ import jaxkv
 from jaxkv.attention import reference
 from jaxkv.cache import CACHE_DTYPES, quantize
 from jaxkv.generate import plan_shapes
-from conftest import CONFIGS, model_for
+from conftest import CONFIGS, model_for, left_pad
 
 SCRIPTS = pathlib.Path(__file__).resolve().parent.parent / "scripts"
 
@@ -102,12 +102,8 @@ def test_decode_through_a_low_precision_cache_tracks_the_float_one(cache_dtype):
 
 
 def _step_logits(model, prompts, cache_dtype, steps=12):
-    T = max(len(p) for p in prompts)
-    tokens = np.zeros((len(prompts), T), np.int32)
-    start = np.array([T - len(p) for p in prompts], np.int32)
-    for b, p in enumerate(prompts):
-        tokens[b, start[b]:] = p
-    logits, cache = jaxkv.prefill(model.params, jnp.asarray(tokens), jnp.asarray(start), config=model.config,
+    tokens, start = left_pad(prompts)
+    logits, cache = jaxkv.prefill(model.params, tokens, start, config=model.config,
                                   capacity=32, attention="xla", cache_dtype=cache_dtype)
     out = []
     for i in range(steps):
@@ -174,12 +170,8 @@ def test_ring_cache_decode_equals_recompute_far_past_the_window(prompt_len):
         full_logits = jaxkv.logits(model, [p + gen.tokens[b]])[0]
         np.testing.assert_array_equal(gen.tokens[b], np.argmax(full_logits[len(p) - 1:-1], -1))
     # And the step logits themselves.
-    T = 32
-    tokens = np.zeros((2, T), np.int32)
-    start = np.array([T - len(p) for p in prompts], np.int32)
-    for b, p in enumerate(prompts):
-        tokens[b, start[b]:] = p
-    logits, cache = jaxkv.prefill(model.params, jnp.asarray(tokens), jnp.asarray(start), config=model.config,
+    tokens, start = left_pad(prompts, 32)
+    logits, cache = jaxkv.prefill(model.params, tokens, start, config=model.config,
                                   capacity=window, attention="xla", ring=True)
     # Causal: position t of the full recompute sees exactly the tokens a cached step at t has seen.
     full = [jaxkv.logits(model, [p + gen.tokens[b]])[0, len(p) - 1:] for b, p in enumerate(prompts)]

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import jaxkv
-from conftest import CONFIGS, model_for
+from conftest import CONFIGS, model_for, left_pad
 
 # float32 on CPU: cached and recomputed logits differ only by summation order in the attention and matmuls.
 ATOL = {"float32": 1e-5}
@@ -16,12 +16,8 @@ def cached_step_logits(model, prompts, steps, capacity):
     """Greedy decode with prefill + decode_step; returns (tokens [B, steps], logits [B, steps, V]) where
     logits[:, i] is what token i was chosen from."""
     cfg = model.config
-    T = max(len(p) for p in prompts)
-    tokens = np.zeros((len(prompts), T), np.int32)
-    start = np.array([T - len(p) for p in prompts], np.int32)
-    for b, p in enumerate(prompts):
-        tokens[b, start[b]:] = p
-    logits, cache = jaxkv.prefill(model.params, jnp.asarray(tokens), jnp.asarray(start), config=cfg,
+    tokens, start = left_pad(prompts)
+    logits, cache = jaxkv.prefill(model.params, tokens, start, config=cfg,
                                   capacity=capacity, attention="xla")
     all_logits, all_tokens = [], []
     for _ in range(steps):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jaxkv
-from conftest import CONFIGS, model_for
+from conftest import CONFIGS, model_for, left_pad
 
 PROMPTS = [[5, 17, 3], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3], [2, 7, 1, 8, 2, 8, 1, 8]]
 
@@ -41,12 +41,8 @@ def test_cache_capacity_does_not_change_results():
 
 
 def _prefill_ragged(model, prompts, capacity):
-    T = max(len(p) for p in prompts)
-    tokens = np.zeros((len(prompts), T), np.int32)
-    start = np.array([T - len(p) for p in prompts], np.int32)
-    for b, p in enumerate(prompts):
-        tokens[b, start[b]:] = p
-    return jaxkv.prefill(model.params, jnp.asarray(tokens), jnp.asarray(start), config=model.config,
+    tokens, start = left_pad(prompts)
+    return jaxkv.prefill(model.params, tokens, start, config=model.config,
                          capacity=capacity, attention="xla")
 
 

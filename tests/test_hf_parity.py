@@ -16,6 +16,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import jaxkv  # noqa: E402
+from conftest import left_pad  # noqa: E402
 from jaxkv.checkpoint_hf import config_from_hf, load_hf  # noqa: E402
 
 VOCAB = 160
@@ -139,12 +140,9 @@ def test_mistral_ring_cache_matches_transformers_past_the_window(prompts, tmp_pa
     assert gen.tokens == expected
 
     # Step logits: prefill into an 8-slot ring, then feed the greedy tokens one by one.
-    T = max(len(p) for p in prompts)
-    ids = np.zeros((len(prompts), T), np.int32)
-    start = np.array([T - len(p) for p in prompts], np.int32)
-    for b, p in enumerate(prompts):
-        ids[b, start[b]:] = p
-    logits, cache = jaxkv.prefill(model.params, jnp.asarray(ids), jnp.asarray(start), config=model.config,
+    ids, start = left_pad(prompts)
+    T = ids.shape[1]
+    logits, cache = jaxkv.prefill(model.params, ids, start, config=model.config,
                                   capacity=8, attention="xla", ring=True)
     for step in range(0, new, 9):  # every 9th step: positions at every offset of the ring
         while int(cache.length) < T + step:
