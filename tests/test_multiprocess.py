@@ -42,7 +42,8 @@ def _run_processes(data: int, model: int, num_processes: int = 2) -> list[dict]:
                 proc.communicate()
     failed = [(rc, err[-3000:]) for rc, _, err in outputs if rc != 0]
     assert not failed, f"a worker process failed: {failed}"
-    return [json.loads(out.strip().splitlines()[-1]) for _, out, _ in outputs]
+    # Gloo prints its own connection lines to stdout, possibly after the worker's JSON line: take the JSON one.
+    return [json.loads(next(ln for ln in reversed(out.splitlines()) if ln.startswith("{"))) for _, out, _ in outputs]
 
 
 @pytest.mark.parametrize("shape", [(2, 4), (1, 8)])
