@@ -96,17 +96,35 @@ def _decode(q, k, v, live, scale, k_scale, v_scale):
     that made XLA:CPU duplicate the update and copy whole cache buffers every step (seen in the compiled HLO). The
     reduce form reads the updated buffers directly, with no copy at any batch size, and XLA fuses a quantized
     cache's dequantization into the reductions' reads.
+
+    The scores' sum over the head dimension is a pairwise tree of adds (`_sum_minor`), not a reduce: XLA:CPU ran
+    a reduce over the minor axis at about 1 GB/s (8 ms of a 23 ms "small" step, `jax.profiler`), the tree as one
+    elementwise fusion at about 10 GB/s (BUILD_NOTES.md, "Decode attention on XLA:CPU").
     """
+    # q is tiny; materialize it. Otherwise XLA fuses its producers (RoPE's cos, sin and concatenates) into the
+    # scores' loop and recomputes them for every cache slot (measured: 10x slower scores). XLA:CPU never fuses a
+    # dot into its consumers, and a dot with the identity is exact; an optimization barrier is expanded before
+    # fusion and does not help.
+    q = jnp.einsum("bkgh,hj->bkgj", q, jnp.eye(q.shape[-1], dtype=q.dtype))
     if k_scale is None and k.dtype != jnp.float32:
         # A 16-bit cache is read in its own dtype, products rounded to it and sums accumulated in float32 (as a
         # bf16 attention kernel does). Upcasting the whole just-updated buffer instead made XLA:CPU move the
         # convert into the in-place update, materializing a float32 copy of the cache and copying the buffer
         # every step (tests/test_cache.py).
-        scores = jnp.sum(k[:, :, None, :, :] * q.astype(k.dtype)[:, :, :, None, :], axis=-1, dtype=jnp.float32)
+        scores = _sum_minor((k[:, :, None, :, :] * q.astype(k.dtype)[:, :, :, None, :]).astype(jnp.float32))
         weights = _softmax(jnp.where(live[:, None, None, :], scores * scale, MASKED))  # [B, K, G, S]
         return jnp.sum(weights.astype(v.dtype)[..., None] * v[:, :, None, :, :], axis=-2, dtype=jnp.float32)
     q = q.astype(jnp.float32)
     k, v = dequantize(k, k_scale), dequantize(v, v_scale)
-    scores = jnp.sum(k[:, :, None, :, :] * q[:, :, :, None, :], axis=-1) * scale  # [B, K, G, S]
+    scores = _sum_minor(k[:, :, None, :, :] * q[:, :, :, None, :]) * scale  # [B, K, G, S]
     weights = _softmax(jnp.where(live[:, None, None, :], scores, MASKED))  # [B, K, G, S]
     return jnp.sum(weights[..., None] * v[:, :, None, :, :], axis=-2)  # [B, K, G, H]
+
+
+def _sum_minor(x):
+    """x.sum(-1) as a pairwise tree of slice-and-add (halving while the length is even; a plain sum of what is
+    left). Elementwise adds fuse into one loop that XLA:CPU vectorizes; its reduce over the minor axis does not."""
+    while x.shape[-1] > 1 and x.shape[-1] % 2 == 0:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return jnp.sum(x, axis=-1)
