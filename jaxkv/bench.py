@@ -164,11 +164,16 @@ def bench_decode(name: str, config: Config, dtype: str, batch: int, args, bandwi
     if hf is not None:
         ratios = [a / b for a, b in zip(ours, theirs)]
         n = min(32, args.new_tokens)
+        mine = np.array(first.tokens)
+        differ = np.nonzero((mine != hf_tokens[:, :mine.shape[1]]).any(axis=0))[0]
         result.update({
             "hf_decode_tokens_per_s": _median(theirs), "ratio_vs_hf": _median(ratios),
             "hf_fraction_of_roofline": statistics.median(theirs) / batch * step_bytes / bandwidth,
             "greedy_first_32_equal": bool(np.array_equal(np.array([t[:n] for t in first.tokens]),
                                                          hf_tokens[:, :n])),
+            # The first step at which any row's greedy token differs (None: all equal). Two correct bfloat16
+            # implementations round differently and drift apart at near-ties; float32 ones should not.
+            "greedy_first_difference": int(differ[0]) if differ.size else None,
         })
     return result
 

@@ -80,3 +80,24 @@ def test_decode_over_a_16_bit_cache_rounds_only_to_the_cache_precision(cache_dty
     eps = float(jnp.finfo(cache_dtype).eps)
     np.testing.assert_allclose(got, exact, atol=8 * eps, rtol=0)
     assert np.abs(np.asarray(got) - np.asarray(exact)).max() > 0  # the product really is in the 16-bit dtype
+
+
+@pytest.mark.parametrize("length", [1, 7, 24, 64, 80, 128])
+def test_pairwise_sum_equals_the_sum(length):
+    """The decode scores' add tree (halving while even, then a plain sum) sums every element exactly once."""
+    x = np.random.default_rng(length).standard_normal((3, 5, length)).astype(np.float32)
+    np.testing.assert_allclose(reference._sum_minor(jnp.asarray(x)), x.astype(np.float64).sum(-1), rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_decode_equals_the_multi_query_path():
+    """One query through the decode form (add tree, materialized query) equals the same query through the
+    general einsum path (a second query slot that is masked out of nothing it reads)."""
+    rng = np.random.default_rng(0)
+    B, K, N, S, H = 2, 2, 4, 40, 24
+    q = jnp.asarray(rng.standard_normal((B, 2, N, H)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((B, K, S, H)), jnp.float32) for _ in range(2))
+    start, q_offset = jnp.array([0, 5]), jnp.int32(30)
+    one = reference.attention(q[:, :1], k, v, start, q_offset, scale=0.2)
+    two = reference.attention(q, k, v, start, q_offset, scale=0.2)  # T = 2: einsum path; query 0 is the same
+    np.testing.assert_allclose(one[:, 0], two[:, 0], atol=ATOL, rtol=1e-5)
