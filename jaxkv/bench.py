@@ -4,7 +4,8 @@
 
 Everything is measured in one process and one run: the machine's read bandwidth and matmul rate first, then for
 each config, dtype and batch the compile time, prefill time and decode rate of jaxkv, alternating with transformers
-(A B A B ...) on the same weights, since these machines are noisy. Figures are medians with min-max over `--reps`.
+and with a fresh read-bandwidth sample (A B C A B C ...) on the same weights, since these machines are noisy: each
+fraction of the roofline is against the bandwidth measured beside it. Figures are medians with min-max over `--reps`.
 Then the cost curves: cached versus no-cache recompute per token against position, and a decode step's cost
 against live cache length and against batch. Writes a JSON file and PNG plots (matplotlib, optional).
 
@@ -116,16 +117,18 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def measure_roofline(weight_bytes: int, reps: int) -> dict:
-    gemv = roofline.gemv_bandwidth(nbytes=weight_bytes, reps=reps)
+def measure_roofline(meter: roofline.GemvMeter, reps: int) -> dict:
+    gemv = roofline.Measurement.of([meter.sample() for _ in range(reps)])
+    weight_bytes = meter.nbytes
     triad = roofline.triad_bandwidth(reps=reps)
     flops = roofline.matmul_flops(reps=reps)
     return {"gemv_bytes": weight_bytes, "gemv_GBps": dataclasses.asdict(gemv),
             "triad_GBps": dataclasses.asdict(triad), "matmul_flops": dataclasses.asdict(flops)}
 
 
-def bench_decode(name: str, config: Config, dtype: str, batch: int, args, bandwidth: float) -> dict:
-    """jaxkv (and transformers, alternating) on one config, dtype and batch."""
+def bench_decode(name: str, config: Config, dtype: str, batch: int, args, meter: roofline.GemvMeter) -> dict:
+    """jaxkv (and transformers, alternating) on one config, dtype and batch, with the read bandwidth sampled after
+    each repetition: every fraction of the roofline is taken against the bandwidth measured beside it."""
     model = cast(jaxkv.Model.random(config, seed=0), dtype)
     rng = np.random.default_rng(0)
     prompts = rng.integers(1, config.vocab_size, (batch, args.prompt_len))
@@ -137,7 +140,7 @@ def bench_decode(name: str, config: Config, dtype: str, batch: int, args, bandwi
     if hf is not None:
         hf.generate(prompts, 2)  # warm-up
     c0 = _compile_seconds[0]
-    ours, theirs, prefill = [], [], []
+    ours, theirs, prefill, bandwidths = [], [], [], []
     for _ in range(args.reps):
         stats = run().stats
         ours.append(stats["decode_tokens_per_s"])
@@ -149,6 +152,7 @@ def bench_decode(name: str, config: Config, dtype: str, batch: int, args, bandwi
             hf_tokens = hf.generate(prompts, args.new_tokens)
             t2 = time.perf_counter()
             theirs.append(batch * (args.new_tokens - 1) / max((t2 - t1) - (t1 - t0), 1e-9))
+        bandwidths.append(meter.sample())
     recompile_s = _compile_seconds[0] - c0
     live = args.prompt_len + (args.new_tokens - 1) / 2
     step_bytes = roofline.decode_bytes_per_step(config, batch, live, BYTES[dtype])
@@ -158,8 +162,10 @@ def bench_decode(name: str, config: Config, dtype: str, batch: int, args, bandwi
         "compile_s": compile_s, "recompile_s_after_warmup": recompile_s,
         "prefill_ms": _median(prefill), "decode_tokens_per_s": _median(ours),
         "bytes_per_step": step_bytes, "achieved_GBps": tps / batch * step_bytes / 1e9,
-        "roofline_tokens_per_s": bandwidth / step_bytes * batch,
-        "fraction_of_roofline": tps / batch * step_bytes / bandwidth, "peak_rss_mb": peak_rss_mb(),
+        "roofline_GBps": _median([b / 1e9 for b in bandwidths]),
+        "roofline_tokens_per_s": statistics.median(bandwidths) / step_bytes * batch,
+        "fraction_of_roofline": statistics.median(t / batch * step_bytes / b for t, b in zip(ours, bandwidths)),
+        "peak_rss_mb": peak_rss_mb(),
     }
     if hf is not None:
         ratios = [a / b for a, b in zip(ours, theirs)]
@@ -168,7 +174,8 @@ def bench_decode(name: str, config: Config, dtype: str, batch: int, args, bandwi
         differ = np.nonzero((mine != hf_tokens[:, :mine.shape[1]]).any(axis=0))[0]
         result.update({
             "hf_decode_tokens_per_s": _median(theirs), "ratio_vs_hf": _median(ratios),
-            "hf_fraction_of_roofline": statistics.median(theirs) / batch * step_bytes / bandwidth,
+            "hf_fraction_of_roofline": statistics.median(t / batch * step_bytes / b
+                                                         for t, b in zip(theirs, bandwidths)),
             "greedy_first_32_equal": bool(np.array_equal(np.array([t[:n] for t in first.tokens]),
                                                          hf_tokens[:, :n])),
             # The first step at which any row's greedy token differs (None: all equal). Two correct bfloat16
@@ -249,7 +256,7 @@ def print_roofline(roof):
 
 
 TABLE_HEAD = (f"{'config':8} {'dtype':9} {'B':>2} {'compile s':>9} {'prefill ms':>10} {'tok/s':>8} {'min-max':>15} "
-              f"{'GB/s':>6} {'roofline':>8} {'HF tok/s':>8} {'x HF':>5} {'HF roof':>7} {'same32':>6} {'RSS MB':>7}")
+              f"{'GB/s':>6} {'of roof':>7} {'roof GB/s':>9} {'HF tok/s':>8} {'x HF':>5} {'HF roof':>7} {'same32':>6} {'RSS MB':>7}")
 
 
 def table_row(r) -> str:
@@ -258,7 +265,8 @@ def table_row(r) -> str:
     ratio = r.get("ratio_vs_hf", {}).get("median", float("nan"))
     return (f"{r['config']:8} {r['dtype']:9} {r['batch']:>2} {r['compile_s']:9.1f} "
             f"{r['prefill_ms']['median']:10.1f} {d['median']:8.1f} {d['min']:7.1f}-{d['max']:<7.1f} "
-            f"{r['achieved_GBps']:6.1f} {r['fraction_of_roofline']:8.0%} {hf:8.1f} {ratio:5.2f} "
+            f"{r['achieved_GBps']:6.1f} {r['fraction_of_roofline']:7.0%} {r['roofline_GBps']['median']:9.1f} "
+            f"{hf:8.1f} {ratio:5.2f} "
             f"{r.get('hf_fraction_of_roofline', float('nan')):7.0%} {str(r.get('greedy_first_32_equal', '-')):>6} "
             f"{r['peak_rss_mb']:7.0f}")
 
@@ -336,15 +344,15 @@ def main(argv=None) -> int:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     biggest = max(roofline.weight_bytes_per_step(PRESETS[n], 1, 4) for n in names)
-    roof = measure_roofline(biggest, args.reps + 2)
-    bandwidth = roof["gemv_GBps"]["median"]
+    meter = roofline.GemvMeter(biggest)
+    roof = measure_roofline(meter, args.reps + 2)
     print_roofline(roof)
     print(TABLE_HEAD, flush=True)
     rows = []
     for n in names:
         for dtype in args.dtypes.split(","):
             for batch in (int(b) for b in args.batches.split(",")):
-                rows.append(bench_decode(n, PRESETS[n], dtype, batch, args, bandwidth))
+                rows.append(bench_decode(n, PRESETS[n], dtype, batch, args, meter))
                 print(table_row(rows[-1]), flush=True)
     report = {"roofline": roof, "decode": rows, "args": vars(args), "jax": jax.__version__}
     if args.curves:

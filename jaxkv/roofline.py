@@ -60,20 +60,38 @@ def _time(fn, *args, reps: int):
     return times
 
 
-def gemv_bandwidth(nbytes: int = 1 << 30, reps: int = 7) -> Measurement:
-    """Read bandwidth (bytes/s) of float32 matrix-vector products over a `nbytes` matrix, the access pattern of a
-    batch-1 decode step: the better of the two orientations (x @ W over [in, out] and W @ x over [out, in]), since
-    which one XLA:CPU reads faster depends on the machine and the shape. The roofline is what the best of them
+class GemvMeter:
+    """Read bandwidth (bytes/s) of float32 matrix-vector products over one `nbytes` matrix, the access pattern of a
+    batch-1 decode step, ready to sample again at any time: the bandwidth of these shared machines drifts by tens of
+    percent within minutes, so the benchmark samples it beside every decode measurement (A B A B).
+
+    Each sample takes the better of the two orientations (x @ W over [in, out] and W @ x over [out, in]), since
+    which one XLA:CPU reads faster depends on the machine and the shape: the roofline is what the best of them
     achieves, not what jaxkv's own layout achieves."""
-    cols = 4096
-    rows = max(nbytes // (4 * cols), 1)
-    w = jnp.asarray(np.random.default_rng(0).standard_normal((rows, cols), np.float32))
-    best = None
-    for fn, x in ((lambda x, w: x @ w, jnp.ones((1, rows), jnp.float32)),
-                  (lambda x, w: w @ x, jnp.ones((cols, 1), jnp.float32))):
-        m = Measurement.of([w.nbytes / t for t in _time(jax.jit(fn), x, w, reps=reps)])
-        best = m if best is None or m.median > best.median else best
-    return best
+
+    def __init__(self, nbytes: int = 1 << 30):
+        cols = 4096
+        rows = max(nbytes // (4 * cols), 1)
+        self.w = jnp.asarray(np.random.default_rng(0).standard_normal((rows, cols), np.float32))
+        self.nbytes = self.w.nbytes
+        self._forms = [(jax.jit(lambda x, w: x @ w), jnp.ones((1, rows), jnp.float32)),
+                       (jax.jit(lambda x, w: w @ x), jnp.ones((cols, 1), jnp.float32))]
+        for fn, x in self._forms:  # compile and warm up
+            fn(x, self.w).block_until_ready()
+
+    def sample(self) -> float:
+        best = 0.0
+        for fn, x in self._forms:
+            t0 = time.perf_counter()
+            fn(x, self.w).block_until_ready()
+            best = max(best, self.nbytes / (time.perf_counter() - t0))
+        return best
+
+
+def gemv_bandwidth(nbytes: int = 1 << 30, reps: int = 7) -> Measurement:
+    """`reps` samples of a `GemvMeter` over a `nbytes` matrix."""
+    meter = GemvMeter(nbytes)
+    return Measurement.of([meter.sample() for _ in range(reps)])
 
 
 def triad_bandwidth(nbytes: int = 1 << 29, reps: int = 7) -> Measurement:

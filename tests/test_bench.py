@@ -42,3 +42,34 @@ def test_profile_decode_accounts_for_the_step(tmp_path):
     assert 0 < r["ops_ms"] <= r["step_ms"]
     with pytest.raises(SystemExit):
         module.parse_args(["--live", "400", "--capacity", "384"])
+
+
+def test_bench_runs_side_by_side_and_samples_the_roofline_beside_each_row(tmp_path):
+    import json
+
+    from jaxkv import bench
+
+    assert bench.main(["--configs", "test-tiny", "--dtypes", "float32", "--batches", "1,2", "--reps", "2",
+                       "--new-tokens", "40", "--no-curves", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert [(r["batch"], r["dtype"]) for r in report["decode"]] == [(1, "float32"), (2, "float32")]
+    for r in report["decode"]:
+        # The fraction is against the bandwidth sampled beside the run, so it lies between the figures implied by
+        # the slowest and fastest bandwidth samples.
+        achieved = r["achieved_GBps"]
+        low, high = r["roofline_GBps"]["min"], r["roofline_GBps"]["max"]
+        assert 0 < low <= high
+        tps = r["decode_tokens_per_s"]
+        assert achieved / high * tps["min"] / tps["median"] * 0.999 <= r["fraction_of_roofline"]
+        assert r["fraction_of_roofline"] <= achieved / low * tps["max"] / tps["median"] * 1.001
+        # float32 on both sides: the same greedy tokens, and a measured ratio.
+        assert r["greedy_first_32_equal"] and r["greedy_first_difference"] is None
+        assert r["ratio_vs_hf"]["median"] > 0 and r["recompile_s_after_warmup"] == 0
+
+
+def test_gemv_meter_reads_its_whole_matrix():
+    from jaxkv import roofline
+
+    meter = roofline.GemvMeter(nbytes=1 << 22)
+    assert meter.nbytes == 1 << 22 and meter.w.shape == (256, 4096)
+    assert 1e8 < meter.sample() < 1e13  # bytes/s: between 0.1 GB/s and 10 TB/s on anything this runs on
