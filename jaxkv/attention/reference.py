@@ -98,8 +98,9 @@ def _decode(q, k, v, live, scale, k_scale, v_scale):
     cache's dequantization into the reductions' reads.
 
     The scores' sum over the head dimension is a pairwise tree of adds (`_sum_minor`), not a reduce: XLA:CPU ran
-    a reduce over the minor axis at about 1 GB/s (8 ms of a 23 ms "small" step, `jax.profiler`), the tree as one
-    elementwise fusion at about 10 GB/s (BUILD_NOTES.md, "Decode attention on XLA:CPU").
+    the reduce over the minor axis at about 0.5 GB/s; the tree is one elementwise fusion. The whole attention went
+    from 6.9 to 1.8 ms of a "small" batch-1 step (`scripts/profile_decode.py`; BUILD_NOTES.md, "Where the decode
+    time goes").
     """
     # q is tiny; materialize it. Otherwise XLA fuses its producers (RoPE's cos, sin and concatenates) into the
     # scores' loop and recomputes them for every cache slot (measured: 10x slower scores). XLA:CPU never fuses a
