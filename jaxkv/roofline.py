@@ -63,7 +63,7 @@ def _time(fn, *args, reps: int):
 class GemvMeter:
     """Read bandwidth (bytes/s) of float32 matrix-vector products over one `nbytes` matrix, the access pattern of a
     batch-1 decode step, ready to sample again at any time: the bandwidth of these shared machines drifts by tens of
-    percent within minutes, so the benchmark samples it beside every decode measurement (A B A B).
+    percent within minutes, so the benchmark samples it beside every decode measurement.
 
     Each sample takes the better of the two orientations (x @ W over [in, out] and W @ x over [out, in]), since
     which one XLA:CPU reads faster depends on the machine and the shape: the roofline is what the best of them
@@ -86,12 +86,6 @@ class GemvMeter:
             fn(x, self.w).block_until_ready()
             best = max(best, self.nbytes / (time.perf_counter() - t0))
         return best
-
-
-def gemv_bandwidth(nbytes: int = 1 << 30, reps: int = 7) -> Measurement:
-    """`reps` samples of a `GemvMeter` over a `nbytes` matrix."""
-    meter = GemvMeter(nbytes)
-    return Measurement.of([meter.sample() for _ in range(reps)])
 
 
 def triad_bandwidth(nbytes: int = 1 << 29, reps: int = 7) -> Measurement:
