@@ -195,16 +195,23 @@ def bench_decode(name: str, config: Config, dtype: str, batch: int, args, meter:
     return result
 
 
+def decode_inputs(config: Config, batch: int, live: int, capacity: int, cache_dtype: str | None = None):
+    """Arguments for `jaxkv.generate.decode` after `params`: a fresh cache of `capacity` slots holding `live`
+    tokens (its contents are irrelevant to the cost), zero logits, a key, the greedy sampler and no stop tokens.
+    The cache is donated by `decode`: take new inputs for every call."""
+    cache = dataclasses.replace(KVCache.allocate(config, batch, capacity, dtype=cache_dtype), length=jnp.int32(live))
+    return (cache, jnp.zeros((batch, config.vocab_size), jnp.float32), jax.random.PRNGKey(0), Sampler.make(),
+            jnp.full((8,), -1, jnp.int32))
+
+
 def _decode_steps_seconds(model, batch: int, live: int, capacity: int, steps: int, reps: int) -> float:
-    """Median seconds per decode step at `live` cached tokens (cache contents are irrelevant to the cost)."""
+    """Median seconds per decode step at `live` cached tokens."""
     cfg = model.config
-    logits = jnp.zeros((batch, cfg.vocab_size), jnp.float32)
-    args = (jax.random.PRNGKey(0), Sampler.make(), jnp.full((8,), -1, jnp.int32))
 
     def once():
-        cache = dataclasses.replace(KVCache.allocate(cfg, batch, capacity), length=jnp.int32(live))
+        inputs = decode_inputs(cfg, batch, live, capacity)
         t0 = time.perf_counter()
-        out = decode(model.params, cache, logits, *args, config=cfg, steps=steps + 1, attention="xla")
+        out = decode(model.params, *inputs, config=cfg, steps=steps + 1, attention="xla")
         jax.block_until_ready(out)
         return (time.perf_counter() - t0) / steps
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import gzip
 import json
 import pathlib
@@ -29,11 +28,11 @@ import jax.numpy as jnp
 
 import jaxkv
 from jaxkv import roofline
-from jaxkv.cache import KVCache, check_cache_dtype
+from jaxkv.bench import decode_inputs
+from jaxkv.cache import check_cache_dtype
 from jaxkv.checkpoint import cast
 from jaxkv.config import PRESETS
 from jaxkv.generate import decode
-from jaxkv.sampling import Sampler
 
 _HLO_DEF = re.compile(r"\s*(?:ROOT )?%(\S+) = (\S+) (\S+?)\((.*)")
 
@@ -70,23 +69,21 @@ def profile(args) -> dict:
     config = model.config
     cache_dtype = args.cache_dtype or args.dtype
     B = args.batch
-    call = dict(config=config, steps=args.steps + 1, attention="xla")
-    extra = (jax.random.PRNGKey(0), Sampler.make(), jnp.full((8,), -1, jnp.int32))
-    logits = jnp.zeros((B, config.vocab_size), jnp.float32)
 
-    def fresh_cache():
-        cache = KVCache.allocate(config, B, args.capacity, dtype=cache_dtype)
-        return dataclasses.replace(cache, length=jnp.int32(args.live))
+    def inputs():  # decode donates the cache: fresh inputs for every call
+        return decode_inputs(config, B, args.live, args.capacity, cache_dtype)
 
-    hlo = decode.lower(model.params, fresh_cache(), logits, *extra, **call).compile().as_text()
-    jax.block_until_ready(decode(model.params, fresh_cache(), logits, *extra, **call))  # warm up
+    # One compile: the HLO it prints is the executable that runs.
+    compiled = decode.lower(model.params, *inputs(), config=config, steps=args.steps + 1, attention="xla").compile()
+    hlo = compiled.as_text()
+    jax.block_until_ready(compiled(model.params, *inputs()))  # warm up
 
     with tempfile.TemporaryDirectory() as trace_dir:
-        cache = fresh_cache()
-        jax.block_until_ready(cache)
+        call_inputs = inputs()
+        jax.block_until_ready(call_inputs)
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             t0 = time.perf_counter()
-            jax.block_until_ready(decode(model.params, cache, logits, *extra, **call))
+            jax.block_until_ready(compiled(model.params, *call_inputs))
             wall = time.perf_counter() - t0
         traces = list(pathlib.Path(trace_dir).rglob("*.trace.json.gz"))
         if not traces:
