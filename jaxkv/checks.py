@@ -1,0 +1,111 @@
+"""Argument checks shared by the API and the command line, without importing JAX.
+
+Every public entry point validates its arguments here before any compute (and the CLI before it imports JAX, so
+a bad flag fails in well under a second). Each check raises `ValueError` with a message naming the argument.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+INT32_MAX = 2**31 - 1
+SEED_RANGE = (-(2**63), 2**64)  # a seed is taken modulo 2**64: every 64-bit seed, signed or unsigned, is distinct
+
+
+def check_int(name: str, value, minimum: int, maximum: int | None = None) -> int:
+    """`value` as an int in [minimum, maximum]. bool, float and str are refused (True tokens is a mistake)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value}")
+    return int(value)
+
+
+def check_float(name: str, value) -> float:
+    """`value` as a finite float. Numbers only: the string "0.5" is refused rather than parsed."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def seed_words(seed) -> tuple[int, int]:
+    """A seed in [-2**63, 2**64) -> (high, low) 32-bit words of seed mod 2**64: a threefry key's data.
+
+    Seeds in [0, 2**32) give exactly `jax.random.PRNGKey(seed)`; larger ones are not truncated to 32 bits (seed 5
+    and seed 2**32 + 5 are different keys)."""
+    seed = check_int("seed", seed, SEED_RANGE[0], SEED_RANGE[1] - 1) % 2**64
+    return seed >> 32, seed & 0xFFFFFFFF
+
+
+def _per_row(name: str, value, rows: int | None, check):
+    """A scalar setting, or one value per row (a sequence or 1-D array of length `rows`), each checked."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray)):
+        return check(value)
+    arr = list(np.asarray(value, dtype=object).ravel()) if isinstance(value, np.ndarray) else list(value)
+    if isinstance(value, np.ndarray) and value.ndim != 1:
+        raise ValueError(f"{name} per row must be 1-D, got shape {value.shape}")
+    if rows is None:
+        raise ValueError(f"{name} must be a single value here, got a sequence")
+    if len(arr) != rows:
+        raise ValueError(f"{name} has {len(arr)} values, one per prompt is {rows}")
+    return [check(v) for v in arr]
+
+
+def _temperature(value):
+    value = check_float("temperature", value)
+    if value < 0:
+        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {value}")
+    return value
+
+
+def _top_k(value):
+    # top_k >= the vocabulary keeps every token, as in transformers; the bound is int32, what the sampler holds.
+    return None if value is None else check_int("top_k", value, 1, INT32_MAX)
+
+
+def _top_p(value):
+    if value is None:
+        return None
+    value = check_float("top_p", value)
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {value}")
+    return value
+
+
+def _min_p(value):
+    if value is None:
+        return None
+    value = check_float("min_p", value)
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"min_p must be in [0, 1], got {value}")
+    return value
+
+
+def sampling(temperature=0.0, top_k=None, top_p=None, min_p=None, *, rows: int | None = None) -> dict:
+    """Checked sampling settings: {"temperature", "top_k", "top_p", "min_p"}, each a scalar or (with `rows`) a
+    list of one value per row; None (or a None entry) disables a filter.
+
+    A filter set while every row is greedy (temperature 0) would be silently ignored: refused instead, since it
+    almost always means a temperature was forgotten.
+    """
+    out = {"temperature": _per_row("temperature", temperature, rows, _temperature),
+           "top_k": _per_row("top_k", top_k, rows, _top_k),
+           "top_p": _per_row("top_p", top_p, rows, _top_p),
+           "min_p": _per_row("min_p", min_p, rows, _min_p)}
+    temps = out["temperature"] if isinstance(out["temperature"], list) else [out["temperature"]]
+    if all(t == 0.0 for t in temps):
+        inactive = {"top_k": (None,), "top_p": (None, 1.0), "min_p": (None, 0.0)}  # values that filter nothing
+        for name in ("top_k", "top_p", "min_p"):
+            values = out[name] if isinstance(out[name], list) else [out[name]]
+            if any(v not in inactive[name] for v in values):
+                raise ValueError(f"{name} has no effect with temperature 0 (greedy decoding): set a temperature > 0 "
+                                 f"to sample, or drop {name}")
+    return out
