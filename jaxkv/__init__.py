@@ -1,12 +1,65 @@
-"""jaxkv: KV-cached decoding for decoder-only transformers in JAX."""
+"""jaxkv: KV-cached decoding for decoder-only transformers in JAX.
 
-from jaxkv.cache import KVCache
-from jaxkv.checkpoint import load, save
-from jaxkv.config import PRESETS, Config, RopeScaling
-from jaxkv.generate import Generation, decode, decode_step, generate, generate_pmap, prefill
-from jaxkv.memory import kv_cache_bytes
-from jaxkv.model import Decoder, Model, logits
-from jaxkv.sampling import Sampler
+The public names are imported on first use (PEP 562), not here: `import jaxkv` stays cheap, so the `jaxkv`
+command can read and check its arguments before JAX is imported. `jaxkv.generate`, `from jaxkv import generate`
+and `dir(jaxkv)` work as with eager imports. A new public name is one more entry in `_EXPORTS`.
+"""
 
-__all__ = ["Config", "Decoder", "Generation", "KVCache", "Model", "PRESETS", "RopeScaling", "Sampler", "decode",
-           "decode_step", "generate", "generate_pmap", "kv_cache_bytes", "load", "logits", "prefill", "save"]
+import importlib as _importlib
+import importlib.util as _importlib_util
+import sys as _sys
+import types as _types
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "Config": "jaxkv.config",
+    "Decoder": "jaxkv.model",
+    "Generation": "jaxkv.generate",
+    "KVCache": "jaxkv.cache",
+    "Model": "jaxkv.model",
+    "PRESETS": "jaxkv.config",
+    "RopeScaling": "jaxkv.config",
+    "Sampler": "jaxkv.sampling",
+    "decode": "jaxkv.generate",
+    "decode_step": "jaxkv.generate",
+    "generate": "jaxkv.generate",
+    "generate_pmap": "jaxkv.generate",
+    "kv_cache_bytes": "jaxkv.memory",
+    "load": "jaxkv.checkpoint",
+    "logits": "jaxkv.model",
+    "prefill": "jaxkv.generate",
+    "save": "jaxkv.checkpoint",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        # A submodule (jaxkv.sampling, jaxkv.memory, ...), as reachable after `import jaxkv` as when the eager
+        # imports loaded them all.
+        if name.isidentifier() and _importlib_util.find_spec(f"{__name__}.{name}") is not None:
+            return _importlib.import_module(f"{__name__}.{name}")
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(_importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__():
+    return sorted({n for n in globals() if not n.startswith("_")} | set(_EXPORTS))
+
+
+class _Package(_types.ModuleType):
+    """Keeps a public function from being shadowed by the submodule of the same name. Importing `jaxkv.generate`
+    (the module, from anywhere) makes Python set the package attribute `generate` to that module; the eager
+    `from jaxkv.generate import generate` used to rebind it to the function, and this does the same."""
+
+    def __setattr__(self, name, value):
+        if isinstance(value, _types.ModuleType) and _EXPORTS.get(name) == value.__name__:
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+_sys.modules[__name__].__class__ = _Package
