@@ -7,8 +7,11 @@
                [--window W] [--tokens N] [--batch B] [--cache-dtype D] [--hbm-gib G [--weights-gib W]]
                [--plot FILE.png] [--json]
   jaxkv bench [options]     (see jaxkv bench --help; the same as python scripts/bench.py)
+  jaxkv --version
 
-Bad arguments and bad checkpoints print one line on stderr and exit with status 2; never a traceback.
+Every flag is parsed and checked (`jaxkv.checks`, which is JAX-free) before JAX is imported and before anything is
+printed: `--help` and a bad flag answer in a fraction of a second, where importing JAX, Flax and Pallas takes
+seconds. Bad arguments and bad checkpoints print one line on stderr and exit with status 2; never a traceback.
 """
 
 from __future__ import annotations
@@ -17,11 +20,22 @@ import argparse
 import json
 import pathlib
 import sys
+import time
 
-from jaxkv import memory
+from jaxkv import checks, memory
 from jaxkv.config import DTYPES, Config
 
 EXIT_USAGE = 2
+VERSION = "0.1.0"  # what --version says when the package metadata is missing (running from a source tree)
+
+
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("jaxkv")
+    except metadata.PackageNotFoundError:
+        return VERSION
 
 
 class _Parser(argparse.ArgumentParser):
@@ -34,8 +48,10 @@ class _UsageError(Exception):
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="jaxkv", description="KV-cached decoding for decoder-only transformers in JAX.")
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser = _Parser(prog="jaxkv", description="KV-cached decoding for decoder-only transformers in JAX.",
+                     epilog="jaxkv COMMAND --help shows a command's options.")
+    parser.add_argument("--version", action="version", version=f"jaxkv {_version()}")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
     gen = commands.add_parser("generate", help="generate text from a prompt")
     prompt = gen.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text (needs a model with a tokenizer)")
@@ -80,6 +96,10 @@ def _parser() -> argparse.ArgumentParser:
                      help="weights' size in GiB (default: parameter count x dtype bytes; needed with --layers)")
     mem.add_argument("--plot", metavar="FILE.png", default=None, help="draw cache size versus tokens to FILE.png")
     mem.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+    # Listed for --help only: main() hands `jaxkv bench ...` to jaxkv.bench before this parser sees it.
+    commands.add_parser("bench", add_help=False,
+                        help="decode benchmarks against the memory roofline and transformers (see jaxkv bench --help)")
     return parser
 
 
@@ -112,48 +132,84 @@ def _non_negative_float(text: str) -> float:
     return _float(text, allow_zero=True)
 
 
-class _TextStream:
-    """Prints decoded text as tokens arrive. Decodes the whole list each time and prints the new suffix, so
-    multi-byte characters split across tokens are printed once complete."""
+class _Stream:
+    """Prints the new tokens as they arrive: decoded text with a tokenizer, else the ids. The prompt (`prefix`) is
+    printed with the first token, once generation has really started, so nothing reaches stdout before an error;
+    the first token's time is kept for the figures line.
 
-    def __init__(self, tokenizer):
-        self.tokenizer, self.ids, self.printed = tokenizer, [], ""
+    Text is decoded from the whole list each time and the new suffix printed, so multi-byte characters split
+    across tokens are printed once complete."""
+
+    def __init__(self, tokenizer, prefix: str = ""):
+        self.tokenizer, self.prefix = tokenizer, prefix
+        self.ids, self.printed, self.first_token_at = [], "", None
 
     def __call__(self, row, token):
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+            sys.stdout.write(self.prefix)
         self.ids.append(token)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its remaining bytes
-            return
-        sys.stdout.write(text[len(self.printed):])
+        if self.tokenizer is None:
+            sys.stdout.write(f"{token} ")
+        else:
+            text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+            if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its remaining bytes
+                return
+            sys.stdout.write(text[len(self.printed):])
+            self.printed = text
         sys.stdout.flush()
-        self.printed = text
+
+    def finish(self, text: str | None):
+        """After generation: the prompt if no token was streamed, and any bytes held back as an incomplete
+        character at the very end."""
+        if self.first_token_at is None:
+            sys.stdout.write(self.prefix)
+        if self.tokenizer is not None and text is not None:
+            sys.stdout.write(text[len(self.printed):])
 
 
-def _generate(args) -> dict:
-    import jaxkv
-
-    model = jaxkv.load(args.model, dtype=args.dtype)
+def _check_generate(args):
+    """Every `generate` flag checked without JAX (jaxkv.checks: the same checks as the API), before anything is
+    printed or imported. Returns the prompt: the text, or the list of ids. Raises ValueError."""
     if args.prompt is not None:
-        if model.tokenizer is None:
-            raise ValueError(f"model {args.model} has no tokenizer.json: pass --prompt-ids instead of --prompt")
+        if not args.prompt:
+            raise ValueError("--prompt is empty: give some text to continue")
         prompt = args.prompt
     else:
         try:
             prompt = [int(t) for t in args.prompt_ids.split(",")]
         except ValueError:
             raise ValueError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
-    stream = None
-    if not args.json and model.tokenizer is not None:
-        stream = _TextStream(model.tokenizer)
-        if args.prompt is not None:
-            sys.stdout.write(args.prompt)
-    elif not args.json:
-        stream = lambda row, token: print(token, end=" ", flush=True)  # noqa: E731
-    out = jaxkv.generate(model, [prompt], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                         top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
-                         max_len=args.max_len, cache_dtype=args.cache_dtype, stream=stream)
-    if isinstance(stream, _TextStream):  # bytes held back as an incomplete character at the very end
-        sys.stdout.write(out.text[0][len(stream.printed):])
+        for token in prompt:
+            checks.check_int("a prompt id", token, 0, checks.INT32_MAX)
+    checks.check_int("max_new_tokens", args.max_new_tokens, 1)
+    if args.max_len is not None:
+        checks.check_int("max_len", args.max_len, 1)
+    checks.sampling(args.temperature, args.top_k, args.top_p, args.min_p)
+    checks.seed_words(args.seed)
+    if args.model != "tiny" and not pathlib.Path(args.model).exists():  # what jaxkv.load says, without JAX
+        raise FileNotFoundError(f"{args.model}: no such directory (pass a checkpoint directory or 'tiny')")
+    return prompt
+
+
+def _generate(args, started: float) -> dict:
+    prompt = _check_generate(args)
+    t0 = time.perf_counter()
+    from jaxkv.checkpoint import load  # JAX, Flax and the Pallas kernels: seconds
+    from jaxkv.generate import generate
+
+    t1 = time.perf_counter()
+    model = load(args.model, dtype=args.dtype)
+    t2 = time.perf_counter()
+    if args.prompt is not None and model.tokenizer is None:
+        raise ValueError(f"model {args.model} has no tokenizer.json: pass --prompt-ids instead of --prompt")
+    stream = None if args.json else _Stream(model.tokenizer, args.prompt or "")
+    out = generate(model, [prompt], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                   top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
+                   max_len=args.max_len, cache_dtype=args.cache_dtype, stream=stream)
+    if stream is not None:
+        stream.finish(out.text[0] if out.text is not None else None)
+    first_token = None if stream is None or stream.first_token_at is None else stream.first_token_at - started
     s = out.stats
     return {
         "text": out.text[0] if out.text is not None else None,
@@ -165,7 +221,21 @@ def _generate(args) -> dict:
         "decode_tokens_per_s": round(s["decode_tokens_per_s"], 2),
         "kv_cache_bytes": s["kv_cache_bytes"],
         "cache_dtype": s["cache_dtype"],
+        # Where the wait for the first token goes: importing JAX, reading the checkpoint, compiling (prefill_ms
+        # and decode_tokens_per_s exclude compile time).
+        "import_s": round(t1 - t0, 3),
+        "load_s": round(t2 - t1, 3),
+        "compile_s": round(s["compile_s"], 3),
+        "first_token_s": None if first_token is None else round(first_token, 3),
     }
+
+
+def _figures(r: dict) -> str:
+    wait = (f"first token {r['first_token_s']:.1f} s after start: " if r["first_token_s"] is not None else "") + \
+        f"import {r['import_s']:.1f} s, load {r['load_s']:.1f} s, compile {r['compile_s']:.1f} s, " \
+        f"prefill {r['prefill_ms']:.1f} ms"
+    return (f"[prompt tokens {r['prompt_tokens']}, new tokens {r['new_tokens']}; {wait}; "
+            f"decode {r['decode_tokens_per_s']:.1f} tokens/s; KV cache {r['kv_cache_bytes']:,} bytes]")
 
 
 # --- jaxkv memory -----------------------------------------------------------------------------------------------
@@ -344,6 +414,7 @@ def _print_memory(result: dict):
 
 
 def main(argv=None) -> int:
+    started = time.perf_counter()
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:  # the benchmark has its own options (scripts/bench.py, same code)
         from jaxkv import bench
@@ -351,7 +422,7 @@ def main(argv=None) -> int:
         return bench.main(argv[1:])
     try:
         args = _parser().parse_args(argv)
-        result = _memory(args) if args.command == "memory" else _generate(args)
+        result = _memory(args) if args.command == "memory" else _generate(args, started)
     except _UsageError as e:
         command = "memory" if argv[:1] == ["memory"] else "generate"
         print(f"jaxkv: error: {e} (see jaxkv {command} --help)", file=sys.stderr)
@@ -367,9 +438,7 @@ def main(argv=None) -> int:
         _print_memory(result)
     else:
         print()
-        print(f"[prompt tokens {result['prompt_tokens']}, new tokens {result['new_tokens']}, "
-              f"prefill {result['prefill_ms']:.1f} ms, decode {result['decode_tokens_per_s']:.1f} tokens/s, "
-              f"KV cache {result['kv_cache_bytes']:,} bytes]")
+        print(_figures(result))
     return 0
 
 

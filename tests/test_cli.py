@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -27,6 +28,9 @@ def test_streams_text_then_prints_figures(model_dir, capsys):
     text, figures = out.rstrip("\n").rsplit("\n", 1)
     assert text == "Hi" + expected
     assert "prompt tokens 2, new tokens 6" in figures and "decode" in figures and "KV cache" in figures
+    # The wait before the first token is accounted for: JAX's import, the checkpoint's load, compilation.
+    for part in ("first token", "import", "load", "compile", "prefill"):
+        assert part in figures
 
 
 def test_json(model_dir, capsys):
@@ -34,7 +38,9 @@ def test_json(model_dir, capsys):
                      "--temperature", "0.9", "--top-k", "5", "--seed", "3"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["new_tokens"] == len(result["tokens"]) == 4
-    assert set(result) >= {"text", "prompt_tokens", "prefill_ms", "decode_tokens_per_s", "kv_cache_bytes"}
+    assert set(result) >= {"text", "prompt_tokens", "prefill_ms", "decode_tokens_per_s", "kv_cache_bytes",
+                           "import_s", "load_s", "compile_s"}
+    assert result["compile_s"] >= 0 and result["load_s"] > 0
 
 
 def test_cache_dtype(model_dir, capsys):
@@ -58,8 +64,90 @@ def test_cache_dtype(model_dir, capsys):
 def test_bad_arguments_give_one_line_and_status_2(model_dir, capsys, args, match):
     argv = ["generate", "--model", model_dir, "--prompt", "Hi", *args]
     assert cli.main(argv) == 2
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert match in err and err.count("\n") == 1 and "Traceback" not in err
+    assert out == ""  # not even the prompt: it is echoed once generation has started
+
+
+LONG_PROMPT = "The KV cache " * 1600  # 20,800 characters
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--prompt", ""], "--prompt is empty"),
+    (["--prompt-ids", "1,x"], "--prompt-ids must be comma-separated integers"),
+    (["--prompt-ids", "1,-2"], "a prompt id must be >= 0"),
+    (["--prompt", LONG_PROMPT, "--top-p", "2"], "top_p must be in (0, 1], got 2.0"),
+    (["--prompt", "Hi", "--top-k", "5"], "top_k has no effect with temperature 0"),
+    (["--prompt", "Hi", "--temperature", "nan"], "temperature must be finite"),
+    (["--prompt", "Hi", "--seed", str(2**64)], "seed must be <="),
+    (["--prompt", "Hi", "--max-len", "0"], "max_len must be >= 1"),
+    (["--prompt", "Hi", "--model", "/nonexistent/dir"], "/nonexistent/dir: no such directory"),
+])
+def test_flags_are_checked_before_the_model_is_loaded(monkeypatch, capsys, args, match):
+    """Every flag is checked before JAX is imported or a checkpoint read: the load is never reached."""
+    import jaxkv.checkpoint
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the flags were checked")
+
+    monkeypatch.setattr(jaxkv.checkpoint, "load", no_load)
+    assert cli.main(["generate", *args]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("jaxkv: error: ") and match in err
+    assert len(err) < 200  # the 20,000-character prompt is not echoed
+
+
+# `jaxkv ARGV` in a fresh interpreter, then one more stdout line saying whether JAX got imported.
+CLI_THEN_REPORT = """
+import sys
+from jaxkv import cli
+try:
+    code = cli.main(sys.argv[1:])
+except SystemExit as e:  # --help and --version exit from argparse
+    code = e.code
+sys.stdout.flush()
+print("jax imported:", "jax" in sys.modules)
+sys.exit(code)
+"""
+
+
+def run_cli_fresh(*argv):
+    t0 = time.perf_counter()
+    run = subprocess.run([sys.executable, "-c", CLI_THEN_REPORT, *argv], capture_output=True, text=True,
+                         timeout=120)
+    return run, time.perf_counter() - t0
+
+
+# The budget for `--help` or a bad flag in a fresh interpreter. Measured about 0.25 s on the 2-core dev machine
+# (Python, NumPy, ml_dtypes; importing JAX, Flax and Pallas would add 1-8 s); generous, so a loaded machine does
+# not fail it, while JAX's import alone would still go near it.
+FAST_S = 3.0
+
+
+def test_help_is_fast_lists_every_command_and_imports_no_jax():
+    run, seconds = run_cli_fresh("--help")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.endswith("jax imported: False\n")
+    for command in ("generate", "memory", "bench"):
+        assert f"    {command} " in run.stdout
+    assert seconds < FAST_S
+
+
+def test_bad_flag_fails_fast_with_one_line_before_jax_and_before_any_output():
+    run, seconds = run_cli_fresh("generate", "--prompt", LONG_PROMPT, "--top-p", "2.0", "--temperature", "0.7")
+    assert run.returncode == 2
+    assert run.stdout == "jax imported: False\n"  # nothing printed before the error
+    assert run.stderr == "jaxkv: error: top_p must be in (0, 1], got 2.0\n"
+    assert seconds < FAST_S
+
+
+def test_version(capsys):
+    from importlib import metadata
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out == f"jaxkv {metadata.version('jaxkv')}\n"
 
 
 def test_console_script_in_a_subprocess(model_dir):
