@@ -11,6 +11,10 @@ against live cache length and against batch. Writes a JSON file and PNG plots (m
 
 Note: running torch and JAX in one process cost JAX about 5% in earlier measurements on these machines, so the
 jaxkv / transformers ratios understate jaxkv slightly.
+
+The default run takes roughly 35-40 minutes on a 2-core CPU: it says its estimate up front and prints one line per
+stage on stderr. JAX (and torch) are imported inside the functions that measure, so `--help` and a bad option
+answer at once; `--replot bench.json` redraws the plots of an earlier run without measuring anything.
 """
 
 from __future__ import annotations
@@ -24,19 +28,89 @@ import statistics
 import sys
 import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-import jaxkv
-from jaxkv import roofline
-from jaxkv.cache import KVCache
-from jaxkv.checkpoint import cast
+import jaxkv  # lazy: jaxkv.Model and jaxkv.generate import JAX on first use
 from jaxkv.config import PRESETS, Config
-from jaxkv.generate import _compile_seconds, decode
-from jaxkv.sampling import Sampler
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+# --- progress ---------------------------------------------------------------------------------------------------
+
+
+class Progress:
+    """One line per stage on stderr: time elapsed, the stage, and roughly how long is left.
+
+    `stages` are (name, estimated seconds), known up front; the time left is the estimate for the stages still to
+    run, scaled by how long the finished ones took against their estimates (a faster machine, a slower one)."""
+
+    def __init__(self, title: str, stages: list[tuple[str, float]], stream=None):
+        self.title, self.stages, self.stream = title, stages, stream
+        self.done, self.t0, self.stage_t0 = 0, None, None
+        self.spent = self.estimated = 0.0  # over the finished stages
+
+    def _print(self, line: str):
+        print(line, file=self.stream or sys.stderr, flush=True)
+
+    def _clock(self) -> str:
+        return f"[{_duration(time.perf_counter() - self.t0, clock=True)}]"
+
+    def next(self):
+        """Starts the next stage (ends the current one)."""
+        now = time.perf_counter()
+        if self.t0 is None:
+            self.t0 = now
+            total = sum(e for _, e in self.stages)
+            self._print(f"{self.title}: {len(self.stages)} stages, roughly {_duration(total)} (an estimate from a "
+                        f"2-core CPU; a faster machine takes less)")
+        else:
+            self.spent += now - self.stage_t0
+            self.estimated += self.stages[self.done][1]
+            self.done += 1
+        self.stage_t0 = now
+        name, estimate = self.stages[self.done]
+        left = sum(e for _, e in self.stages[self.done:]) * (self.spent / self.estimated if self.estimated else 1)
+        self._print(f"{self._clock()} {self.done + 1}/{len(self.stages)} {name} (about {_duration(left)} left)")
+
+    def finish(self):
+        self._print(f"{self._clock()} {self.title}: done")
+
+
+def _duration(seconds: float, clock: bool = False) -> str:
+    seconds = max(int(round(seconds)), 0)
+    if clock:
+        return f"{seconds // 60}:{seconds % 60:02d}"
+    if seconds < 60:
+        return f"{max(seconds, 1)} s"
+    minutes = round(seconds / 60)
+    return f"{minutes} min" if minutes < 60 else f"{minutes // 60} h {minutes % 60:02d} min"
+
+
+# Rough costs for the up-front estimate, fitted to the reference run on the 2-core dev machine
+# (docs/bench/bench.json: 36 minutes for the defaults).
+DECODE_S_PER_PARAM = 2.5e-10  # one batch-1 decode step (float32 and bfloat16 alike on CPU)
+BATCH_STEP_GROWTH = 0.4  # a batch-B step costs 1 + 0.4 (B - 1) batch-1 steps
+PREFILL_TOKENS_PER_STEP = 20  # prefill processes about 20 tokens in a decode step's time
+HF_STEP_FACTOR = 2.0  # transformers' step against ours
+COMPILE_S = 8.0  # one generate compile (prefill + decode loop)
+
+
+def estimate_decode_row_s(config: Config, batch: int, args) -> float:
+    step1 = DECODE_S_PER_PARAM * config.param_count()
+    step = step1 * (1 + BATCH_STEP_GROWTH * (batch - 1))
+    prefill = batch * args.prompt_len * step1 / PREFILL_TOKENS_PER_STEP
+    ours = (args.reps + 1) * (prefill + args.new_tokens * step)
+    theirs = (args.reps * (prefill + HF_STEP_FACTOR * (args.new_tokens + 2) * step) + 2.0) if args.hf else 0.0
+    return COMPILE_S + ours + theirs + args.reps * 2.0  # 2 s: settling pauses and bandwidth samples
+
+
+def estimate_curves_s(args) -> float:
+    step1 = DECODE_S_PER_PARAM * PRESETS["small"].param_count()
+    positions = args.prompt_len + args.curve_tokens / 2  # the mean of the nine positions measured
+    recompute = 9 * (args.reps + 1) * positions * step1 / PREFILL_TOKENS_PER_STEP
+    generate = 2 * args.curve_tokens * step1
+    return 25 * COMPILE_S / 2 + recompute + generate + 30.0  # ~25 smaller compiles; the step-cost sweeps
 
 
 # --- weights into transformers ----------------------------------------------------------------------------------
@@ -44,6 +118,7 @@ BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 def to_hf_llama(model: jaxkv.Model):
     """The same weights as a transformers LlamaForCausalLM (float32, CPU, eager attention)."""
+    import jax
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -124,7 +199,10 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def measure_roofline(meter: roofline.GemvMeter, reps: int) -> dict:
+def measure_roofline(meter, reps: int) -> dict:
+    """The read bandwidth (a roofline.GemvMeter), triad bandwidth and matmul rate, `reps` samples each."""
+    from jaxkv import roofline
+
     gemv = roofline.Measurement.of([meter.sample() for _ in range(reps)])
     weight_bytes = meter.nbytes
     triad = roofline.triad_bandwidth(reps=reps)
@@ -133,9 +211,14 @@ def measure_roofline(meter: roofline.GemvMeter, reps: int) -> dict:
             "triad_GBps": dataclasses.asdict(triad), "matmul_flops": dataclasses.asdict(flops)}
 
 
-def bench_decode(name: str, config: Config, dtype: str, batch: int, args, meter: roofline.GemvMeter) -> dict:
+def bench_decode(name: str, config: Config, dtype: str, batch: int, args, meter) -> dict:
     """jaxkv (and transformers, alternating) on one config, dtype and batch, with the read bandwidth sampled after
-    each repetition: every fraction of the roofline is taken against the bandwidth measured beside it."""
+    each repetition (`meter`, a roofline.GemvMeter): every fraction of the roofline is taken against the bandwidth
+    measured beside it."""
+    from jaxkv import roofline
+    from jaxkv.checkpoint import cast
+    from jaxkv.generate import _compile_seconds
+
     model = cast(jaxkv.Model.random(config, seed=0), dtype)
     rng = np.random.default_rng(0)
     prompts = rng.integers(1, config.vocab_size, (batch, args.prompt_len))
@@ -199,6 +282,12 @@ def decode_inputs(config: Config, batch: int, live: int, capacity: int, cache_dt
     """Arguments for `jaxkv.generate.decode` after `params`: a fresh cache of `capacity` slots holding `live`
     tokens (its contents are irrelevant to the cost), zero logits, a key, the greedy sampler and no stop tokens.
     The cache is donated by `decode`: take new inputs for every call."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxkv.cache import KVCache
+    from jaxkv.sampling import Sampler
+
     cache = dataclasses.replace(KVCache.allocate(config, batch, capacity, dtype=cache_dtype), length=jnp.int32(live))
     return (cache, jnp.zeros((batch, config.vocab_size), jnp.float32), jax.random.PRNGKey(0), Sampler.make(),
             jnp.full((8,), -1, jnp.int32))
@@ -206,6 +295,10 @@ def decode_inputs(config: Config, batch: int, live: int, capacity: int, cache_dt
 
 def _decode_steps_seconds(model, batch: int, live: int, capacity: int, steps: int, reps: int) -> float:
     """Median seconds per decode step at `live` cached tokens."""
+    import jax
+
+    from jaxkv.generate import decode
+
     cfg = model.config
 
     def once():
@@ -221,6 +314,9 @@ def _decode_steps_seconds(model, batch: int, live: int, capacity: int, steps: in
 
 def bench_curves(args) -> dict:
     """Cached vs no-cache per-token cost against position; step cost against live length and batch ("small")."""
+    import jax
+    import jax.numpy as jnp
+
     config = PRESETS["small"]
     model = jaxkv.Model.random(config, seed=0)
     prompt_len, new = args.prompt_len, args.curve_tokens
@@ -309,18 +405,29 @@ def plot(curves: dict, out: pathlib.Path) -> list[str]:
     ax.plot(curves["live_lengths"], np.array(curves["step_s_fixed_max_len"]) * 1e3, "o-", label="max_len 4160")
     ax.plot(curves["live_lengths"], np.array(curves["step_s_max_len_eq_live"]) * 1e3, "o-",
             label="max_len = live + 16")
-    ax.set(xscale="log", xlabel="live cache length", ylabel="ms per decode step", title="small, batch 1")
+    ax.set(xlabel="live cache length", ylabel="ms per decode step", title="small, batch 1")
+    _powers_of_two_axis(ax, curves["live_lengths"])
     ax.legend()
     files.append(_save(fig, out / "step_vs_cache_length.png"))
     fig, ax = plt.subplots(figsize=(6, 4))
     steps = np.array(curves["step_s_by_batch"])
     ax.plot(curves["batches"], steps * 1e3, "o-", label="ms per step")
-    ax.set(xscale="log", xlabel="batch", ylabel="ms per decode step", title="small, live length 256")
+    ax.set(xlabel="batch", ylabel="ms per decode step", title="small, live length 256")
+    _powers_of_two_axis(ax, curves["batches"])
     ax2 = ax.twinx()
     ax2.plot(curves["batches"], np.array(curves["batches"]) / steps, "s--", color="C1", label="tokens/s")
     ax2.set_ylabel("tokens/s")
+    ax.legend(handles=ax.get_lines() + ax2.get_lines(), loc="upper left")
     files.append(_save(fig, out / "step_vs_batch.png"))
     return files
+
+
+def _powers_of_two_axis(ax, values):
+    """A log2 x axis labelled at the measured values only, as plain numbers: matplotlib's default log axis labels
+    minor ticks as "2 x 10^2, 3 x 10^2, ...", which overlap."""
+    ax.set_xscale("log", base=2)
+    ax.minorticks_off()
+    ax.set_xticks(values, [str(v) for v in values])
 
 
 def _save(fig, path):
@@ -341,11 +448,36 @@ def parse_args(argv=None):
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip transformers")
     p.add_argument("--no-curves", dest="curves", action="store_false")
     p.add_argument("--out", default="bench_out", help="directory for bench.json and the plots")
+    p.add_argument("--replot", metavar="BENCH_JSON", default=None,
+                   help="only redraw the plots from an earlier run's bench.json into --out; measures nothing")
     return p.parse_args(argv)
+
+
+def stages(names: list[str], args) -> list[tuple[str, float]]:
+    """The run's stages with their rough durations, for the progress lines."""
+    plan = [("roofline: read bandwidth, triad bandwidth, matmul rate", 5.0 * (args.reps + 2))]
+    for n in names:
+        for dtype in args.dtypes.split(","):
+            for batch in (int(b) for b in args.batches.split(",")):
+                plan.append((f"{n} {dtype} batch {batch}: jaxkv{' and transformers' if args.hf else ''}",
+                             estimate_decode_row_s(PRESETS[n], batch, args)))
+    if args.curves:
+        plan.append(("cost curves: cached vs no-cache, step vs cache length and batch", estimate_curves_s(args)))
+    return plan
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    out = pathlib.Path(args.out)
+    if args.replot:
+        try:
+            curves = json.loads(pathlib.Path(args.replot).read_text())["curves"]
+        except (OSError, ValueError, KeyError) as e:
+            print(f"jaxkv bench: error: --replot {args.replot}: no curves to plot ({e!r})", file=sys.stderr)
+            return 2
+        out.mkdir(parents=True, exist_ok=True)
+        print("wrote " + ", ".join(plot(curves, out)))
+        return 0
     names = [c for c in args.configs.split(",") if c]
     for n in names:
         if n not in PRESETS:
@@ -358,8 +490,13 @@ def main(argv=None) -> int:
         except ImportError:
             print("transformers/torch not installed: skipping the side-by-side (pip install 'jaxkv[test]')")
             args.hf = False
-    out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    progress = Progress("jaxkv bench", stages(names, args))
+    progress.next()
+    import jax
+
+    from jaxkv import roofline
+
     biggest = max(roofline.weight_bytes_per_step(PRESETS[n], 1, 4) for n in names)
     meter = roofline.GemvMeter(biggest)
     roof = measure_roofline(meter, args.reps + 2)
@@ -369,10 +506,12 @@ def main(argv=None) -> int:
     for n in names:
         for dtype in args.dtypes.split(","):
             for batch in (int(b) for b in args.batches.split(",")):
+                progress.next()
                 rows.append(bench_decode(n, PRESETS[n], dtype, batch, args, meter))
                 print(table_row(rows[-1]), flush=True)
     report = {"roofline": roof, "decode": rows, "args": vars(args), "jax": jax.__version__}
     if args.curves:
+        progress.next()
         curves = bench_curves(args)
         report["curves"] = curves
         report["plots"] = plot(curves, out)
@@ -384,7 +523,8 @@ def main(argv=None) -> int:
         for b, s in zip(curves["batches"], curves["step_s_by_batch"]):
             print(f"batch {b:3d}: {s * 1e3:6.2f} ms/step, {b / s:8.1f} tokens/s")
     (out / "bench.json").write_text(json.dumps(report, indent=2, default=float))  # numpy scalars
-    print(f"\nwrote {out / 'bench.json'}" + "".join(f", {p}" for p in report.get("plots", [])))
+    print(f"\nwrote {out / 'bench.json'}" + "".join(f", {p}" for p in report.get("plots", [])), flush=True)
+    progress.finish()
     return 0
 
 

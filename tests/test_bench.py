@@ -44,13 +44,18 @@ def test_profile_decode_accounts_for_the_step(tmp_path):
         module.parse_args(["--live", "400", "--capacity", "384"])
 
 
-def test_bench_runs_side_by_side_and_samples_the_roofline_beside_each_row(tmp_path):
+def test_bench_runs_side_by_side_and_samples_the_roofline_beside_each_row(tmp_path, capsys):
     import json
 
     from jaxkv import bench
 
     assert bench.main(["--configs", "test-tiny", "--dtypes", "float32", "--batches", "1,2", "--reps", "2",
                        "--new-tokens", "40", "--no-curves", "--out", str(tmp_path)]) == 0
+    # Progress on stderr: the estimate up front, then one line per stage (roofline, two rows), then done.
+    progress = capsys.readouterr().err.splitlines()
+    assert progress[0].startswith("jaxkv bench: 3 stages, roughly ")
+    assert [line.split()[1] for line in progress[1:4]] == ["1/3", "2/3", "3/3"]
+    assert "test-tiny float32 batch 2" in progress[3] and progress[4].endswith("jaxkv bench: done")
     report = json.loads((tmp_path / "bench.json").read_text())
     assert [(r["batch"], r["dtype"]) for r in report["decode"]] == [(1, "float32"), (2, "float32")]
     for r in report["decode"]:
@@ -73,3 +78,82 @@ def test_gemv_meter_reads_its_whole_matrix():
     meter = roofline.GemvMeter(nbytes=1 << 22)
     assert meter.nbytes == 1 << 22 and meter.w.shape == (256, 4096)
     assert 1e8 < meter.sample() < 1e13  # bytes/s: between 0.1 GB/s and 10 TB/s on anything this runs on
+
+
+def test_progress_scales_the_time_left_by_how_the_finished_stages_went(monkeypatch):
+    import io
+
+    from jaxkv import bench
+
+    clock = iter([0.0, 0.0, 20.0, 20.0, 50.0, 50.0])  # stage 1 takes 20 s where 10 were estimated: 2x slower
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: next(clock))
+    out = io.StringIO()
+    progress = bench.Progress("job", [("one", 10.0), ("two", 30.0)], stream=out)
+    progress.next()
+    progress.next()
+    progress.finish()
+    assert out.getvalue().splitlines() == [
+        "job: 2 stages, roughly 40 s (an estimate from a 2-core CPU; a faster machine takes less)",
+        "[0:00] 1/2 one (about 40 s left)",
+        "[0:20] 2/2 two (about 1 min left)",  # 30 s estimated, x2
+        "[0:50] job: done",
+    ]
+
+
+def test_default_run_estimate_is_about_the_measured_36_minutes():
+    """The up-front estimate against the reference run (docs/bench/bench.json: 36 minutes on the dev machine)."""
+    from jaxkv import bench
+
+    args = bench.parse_args([])
+    total = sum(seconds for _, seconds in bench.stages(args.configs.split(","), args))
+    assert 25 * 60 < total < 50 * 60
+
+
+def test_bench_help_answers_without_importing_jax():
+    import subprocess
+    import sys
+    import time
+
+    code = ("import sys\nfrom jaxkv import bench\ntry:\n    bench.main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print('jax imported:', 'jax' in sys.modules)")
+    t0 = time.perf_counter()
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "--replot" in run.stdout and run.stdout.endswith("jax imported: False\n")
+    assert time.perf_counter() - t0 < 3.0  # about 0.3 s; importing JAX would add seconds
+
+
+def test_replot_redraws_an_earlier_run_with_readable_powers_of_two_axes(tmp_path):
+    import json
+    import pathlib
+
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from jaxkv import bench
+
+    earlier = pathlib.Path(__file__).resolve().parents[1] / "docs" / "bench" / "bench.json"
+    assert bench.main(["--replot", str(earlier), "--out", str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "cached_vs_nocache.png", "step_vs_batch.png", "step_vs_cache_length.png"]
+    # The cache-length axis: a label at each measured length, plain numbers, no minor-tick labels to collide.
+    lives = json.loads(earlier.read_text())["curves"]["live_lengths"]
+    ax = Figure().subplots()
+    ax.plot(lives, lives)
+    bench._powers_of_two_axis(ax, lives)
+    assert [t.get_text() for t in ax.get_xticklabels()] == [str(n) for n in lives]
+    assert len(ax.xaxis.get_minorticklocs()) == 0
+    assert bench.main(["--replot", str(tmp_path / "missing.json")]) == 2
+
+
+def test_cache_accuracy_says_how_long_before_its_minutes_of_work():
+    """scripts/cache_accuracy.py: a stage per cache dtype and step, and an estimate near the ~7 minutes measured."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "cache_accuracy.py"
+    spec = importlib.util.spec_from_file_location("cache_accuracy", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    plan = module.stages(module.HELDOUT_WINDOWS, 8, 256)
+    assert len(plan) == 1 + 5 + 6  # load; perplexity per cache dtype; the greedy reference, then each dtype
+    assert 5 * 60 < sum(seconds for _, seconds in plan) < 12 * 60
