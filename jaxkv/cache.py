@@ -147,10 +147,13 @@ class KVCache:
         `dynamic_update_slice` clamps an out-of-range start index, which would silently overwrite the last slots.
         Callers check capacity on the host before any compute; as a second line of defence, a write that does not
         fit writes the existing contents back (a no-op) instead, and `advance` still moves `length` past
-        `capacity`, so the overflow stays visible. In a ring every single-token write fits; a multi-token write
+        `capacity`, so the overflow stays visible: `overflowed` is then true, the decoder returns NaN logits (see
+        `jaxkv.model.Decoder`) and `check()` fails under `checkify`. In a ring every single-token write fits; a multi-token write
         must not wrap around the end.
         """
         T = k.shape[2]
+        if T > self.capacity:  # known at trace time: refuse before compute
+            raise ValueError(f"cannot write {T} tokens into a cache of {self.capacity} slots")
         at = self.length % self.capacity if self.ring else self.length
         fits = at + T <= self.capacity
 
@@ -196,6 +199,26 @@ class KVCache:
         key_scales = self.key_scales[:layer] + (k_scale,) + self.key_scales[layer + 1:]
         value_scales = self.value_scales[:layer] + (v_scale,) + self.value_scales[layer + 1:]
         return dataclasses.replace(self, key_scales=key_scales, value_scales=value_scales)
+
+    @property
+    def overflowed(self) -> jax.Array:
+        """bool[]: some write did not fit (a plain cache's `length` has passed its capacity). A ring never
+        overflows by writing; its limit is the model's max positions, which the decoder checks per row."""
+        if self.ring:
+            return jnp.zeros((), bool)
+        return self.length > self.capacity
+
+    def check(self) -> None:
+        """A `jax.experimental.checkify` check that no write overflowed: inside a function transformed by
+        `checkify.checkify`, an overflowing cache turns into an error the caller must `throw()` or inspect.
+
+            checked = checkify.checkify(lambda c: c.check())
+            err, _ = checked(cache); err.throw()
+        """
+        from jax.experimental import checkify
+
+        checkify.check(~self.overflowed, "KV cache overflow: length {length} exceeds capacity " + str(self.capacity),
+                       length=self.length)
 
     def advance(self, num_tokens: int) -> "KVCache":
         return dataclasses.replace(self, length=self.length + num_tokens)

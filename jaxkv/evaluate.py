@@ -17,8 +17,10 @@ from jax import lax
 from jaxkv import attention as attention_impls
 from jaxkv.cache import check_cache_dtype
 from jaxkv.config import Config
-from jaxkv.generate import CAPACITY_ROUNDING, _forward, prefill
+from jaxkv.generate import _forward, prefill
 from jaxkv.model import Model
+
+CAPACITY_ROUNDING = 64  # capacities are rounded up to a multiple of this (never past max positions): fewer shapes
 
 
 @functools.partial(jax.jit, static_argnames=("config", "attention"))
@@ -58,7 +60,7 @@ def cached_nll(model: Model, tokens, *, prefix: int = 1, cache_dtype: str | None
         raise ValueError(f"{arr.shape[1]} tokens exceed the model's max positions ({cfg.max_positions})")
     cache_dtype = check_cache_dtype(cfg.dtype if cache_dtype is None else cache_dtype)
     attention = attention_impls.resolve(attention or cfg.attention)
-    capacity = -(-arr.shape[1] // CAPACITY_ROUNDING) * CAPACITY_ROUNDING
+    capacity = min(-(-arr.shape[1] // CAPACITY_ROUNDING) * CAPACITY_ROUNDING, cfg.max_positions)
     ring = cfg.sliding_window is not None and capacity > cfg.sliding_window
     if ring:
         capacity = cfg.sliding_window

@@ -1,18 +1,20 @@
-"""Generation: prefill, the decode step, and the `lax.scan` decode loop. Knows nothing of tokenizers.
+"""Generation: prefill, the decode step, and the decode loop. Knows nothing of tokenizers.
 
 The pipeline for one `generate` call:
 
-  1. Host: validate everything (nothing is computed for bad input), pad the batch to a power of two and the
-     prompts to a length bucket, left-aligned padding so that all sequences share one write slot.
+  1. Host: validate everything (nothing is computed for bad input) and lay the batch out as
+     `jaxkv.memory.plan_cache` says: the batch padded to a power of two, the prompts left-padded to a length
+     bucket so that all sequences share one write slot, the cache capacity a power of two.
   2. `prefill` (one jit): allocates the cache at its fixed shape, runs the whole padded prompt batch through the
      model in one pass, fills slots [0, T) and returns the last token's logits.
-  3. `decode` (one jit, cache donated): a `lax.scan` over the new tokens. Each step samples a token from the
-     previous logits, then runs only that token through the model: Q, K and V for one token, K and V appended at
-     slot `length`, attention over the cache. Sequences that emitted a stop token are marked done and keep running
-     as padding; the host drops everything after the stop token.
+  3. `decode` (one jit, cache donated): a `lax.while_loop` over the new tokens. Each step samples a token from
+     the previous logits, then runs only that token through the model: Q, K and V for one token, K and V
+     appended at slot `length`, attention over the cache. A row that emitted a stop token is done (its later
+     tokens are -1, fed back as padding); the loop ends when every row is done or max_new_tokens are out.
 
-Shapes, sampling settings and seeds are arranged so nothing recompiles per prompt length or sampling setting:
-prompt lengths and batch sizes are bucketed, sampling parameters, the PRNG key and the stop ids are traced values.
+Shapes, sampling settings and seeds are arranged so nothing recompiles per prompt length, step count or sampling
+setting: prompt lengths, batch sizes and capacities are bucketed; the step count, sampling parameters (one per
+row), the PRNG key and the stop ids are traced values.
 
 Several devices: `generate(..., mesh=mesh)` runs the same two jits SPMD over a ("data", "model") mesh (batch over
 "data", heads and FFN over "model", the cache over both; the layout is `jaxkv.sharding`'s), from global arrays, so
@@ -23,9 +25,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import time
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import flax.struct
 import jax
@@ -36,14 +38,12 @@ from jax.experimental import io_callback
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxkv import attention as attention_impls
-from jaxkv import roofline, sharding
+from jaxkv import checks, memory, roofline, sharding
 from jaxkv.cache import KVCache, check_cache_dtype
 from jaxkv.config import Config
 from jaxkv.model import Decoder, Model
 from jaxkv.sampling import Sampler
 
-MIN_PROMPT_BUCKET = 16  # prompts pad to a power of two >= this: lengths 1..500 compile 6 prefill shapes
-CAPACITY_ROUNDING = 64  # default cache capacity: padded prompt + new tokens, rounded up to a multiple of this
 STOP_ID_SLOTS = 8  # stop ids are padded to a multiple of this (with -1, never a token) so their number is traced
 
 
@@ -75,23 +75,26 @@ def _forward(params, tokens, cache, *, config, attention, prefill=False, last_on
     return logits, cache
 
 
+def _check_config(config):
+    if not isinstance(config, Config):
+        raise ValueError(f"config must be a jaxkv.Config, got {type(config).__name__}")
+
+
+def _check_batch_ids(name: str, ids, batch: int | None = None, length: bool = False):
+    """ids as an integer array [B] (or [B, T] with `length`; a list becomes a numpy array), or ValueError."""
+    if not hasattr(ids, "dtype"):
+        ids = np.asarray(ids)
+    if ids.ndim != (2 if length else 1) or not jnp.issubdtype(ids.dtype, jnp.integer) or 0 in ids.shape:
+        want = "int32[B, T]" if length else "int32[B]"
+        raise ValueError(f"{name} must be a non-empty integer array {want}, got shape {ids.shape} and dtype "
+                         f"{ids.dtype}")
+    if batch is not None and ids.shape[0] != batch:
+        raise ValueError(f"{name} has {ids.shape[0]} rows, the cache has {batch}")
+    return ids
+
+
 @functools.partial(jax.jit, static_argnames=("config", "capacity", "attention", "cache_dtype", "ring", "mesh"))
-def prefill(params, tokens, start, *, config: Config, capacity: int, attention: str, cache_dtype: str | None = None,
-            ring: bool = False, mesh: Mesh | None = None):
-    """Allocates a cache of `capacity` slots and fills slots [0, T) with the left-padded prompts.
-
-    Args:
-      tokens: int32[B, T], prompt b in tokens[b, start[b]:].
-      start: int32[B], the number of padding slots before each prompt.
-      cache_dtype: one of `jaxkv.cache.CACHE_DTYPES`; default config.dtype.
-      ring: a ring cache of `capacity` slots (sliding-window models; `KVCache`); T may then exceed capacity.
-      mesh: a ("data", "model") mesh (`jaxkv.sharding`): params, tokens and start are global arrays sharded as
-        that module says, the config's n_kv_heads is the sharded (replicated) count, and the cache is allocated
-        split over batch and KV heads.
-
-    Returns:
-      (float32[B, V] logits of each prompt's last token, the cache with length T).
-    """
+def _prefill(params, tokens, start, *, config, capacity, attention, cache_dtype, ring, mesh):
     cache = KVCache.allocate(config, tokens.shape[0], capacity, dtype=cache_dtype, start=start, ring=ring)
     if mesh is not None:
         cache = sharding.constrain_cache(cache, mesh)
@@ -100,15 +103,76 @@ def prefill(params, tokens, start, *, config: Config, capacity: int, attention: 
     return logits[:, 0], cache
 
 
+def prefill(params, tokens, start, *, config: Config, capacity: int, attention: str = "auto",
+            cache_dtype: str | None = None, ring: bool = False, mesh: Mesh | None = None):
+    """Allocates a cache of `capacity` slots and fills slots [0, T) with the left-padded prompts (one jit).
+
+    Args:
+      tokens: int32[B, T], prompt b in tokens[b, start[b]:] (`left_pad` builds both from ragged prompts).
+      start: int32[B], the number of padding slots before each prompt.
+      capacity: S, cache slots per row: at least T (unless `ring`), at most config.max_positions.
+      attention: "auto" (Pallas on GPU/TPU, XLA on CPU), "xla" or "pallas".
+      cache_dtype: one of `jaxkv.cache.CACHE_DTYPES`; default config.dtype.
+      ring: a ring cache of `capacity` slots (sliding-window models; `KVCache`); T may then exceed capacity.
+      mesh: a ("data", "model") mesh (`jaxkv.sharding`): params, tokens and start are global arrays sharded as
+        that module says, the config's n_kv_heads is the sharded (replicated) count, and the cache is allocated
+        split over batch and KV heads.
+
+    Returns:
+      (float32[B, V] logits of each prompt's last token, the cache with length T).
+
+    Raises:
+      ValueError: before any compute, for shapes that cannot fit (T > capacity without a ring, capacity beyond
+        the model's max positions) or bad arguments.
+    """
+    args, kwargs = _prefill_args(params, tokens, start, config=config, capacity=capacity, attention=attention,
+                                 cache_dtype=cache_dtype, ring=ring, mesh=mesh)
+    return _prefill(*args, **kwargs)
+
+
+def _prefill_args(params, tokens, start, *, config, capacity, attention="auto", cache_dtype=None, ring=False,
+                  mesh=None):
+    """Validates `prefill`'s arguments (ValueError before any compute) -> (args, kwargs) of `_prefill`."""
+    _check_config(config)
+    tokens = _check_batch_ids("tokens", tokens, length=True)
+    B, T = tokens.shape
+    start = _check_batch_ids("start", start, B)
+    capacity = checks.check_int("capacity", capacity, 1, config.max_positions)
+    if T > capacity and not ring:
+        raise ValueError(f"the prompts take {T} slots, more than the cache's capacity of {capacity}")
+    kwargs = dict(config=config, capacity=capacity, attention=attention_impls.resolve(attention),
+                  cache_dtype=check_cache_dtype(config.dtype if cache_dtype is None else cache_dtype),
+                  ring=bool(ring), mesh=mesh)
+    return (params, tokens, start), kwargs
+
+
 @functools.partial(jax.jit, static_argnames=("config", "attention", "mesh"), donate_argnames=("cache",))
+def _decode_step(params, tokens, cache: KVCache, *, config, attention, mesh):
+    logits, cache = _forward(params, tokens[:, None], cache, config=config, attention=attention, mesh=mesh)
+    return logits[:, 0], cache
+
+
 def decode_step(params, tokens, cache: KVCache, *, config: Config, attention: str = "auto", mesh: Mesh | None = None):
     """One decode step for a research loop: tokens int32[B] -> (float32[B, V] logits, cache).
 
-    The cache is donated: XLA writes the new K/V into the input buffers in place, and the caller's cache is
-    invalid afterwards. The caller must ensure `cache.length < cache.capacity`. `mesh`: as in `prefill`.
+    The token goes to slot `cache.length` of every row; the cache is donated (XLA writes the new K/V into its
+    buffers in place, and the caller's cache is invalid afterwards). A plain cache holds `capacity` tokens: a
+    step on a full cache is not an error the host can see without waiting for the device, so instead its logits
+    are NaN, `cache.overflowed` becomes true and `cache.check()` fails under `jax.experimental.checkify`
+    (nothing plausible comes out). A row whose position reaches config.max_positions likewise gets NaN logits.
+    `mesh`: as in `prefill`.
     """
-    logits, cache = _forward(params, tokens[:, None], cache, config=config, attention=attention, mesh=mesh)
-    return logits[:, 0], cache
+    args, kwargs = _decode_step_args(params, tokens, cache, config=config, attention=attention, mesh=mesh)
+    return _decode_step(*args, **kwargs)
+
+
+def _decode_step_args(params, tokens, cache, *, config, attention="auto", mesh=None):
+    """Validates `decode_step`'s arguments -> (args, kwargs) of `_decode_step`."""
+    _check_config(config)
+    if not isinstance(cache, KVCache):
+        raise ValueError(f"cache must be a jaxkv.KVCache (from prefill), got {type(cache).__name__}")
+    tokens = _check_batch_ids("tokens", tokens, cache.batch)
+    return (params, tokens, cache), dict(config=config, attention=attention_impls.resolve(attention), mesh=mesh)
 
 
 @flax.struct.dataclass
@@ -118,8 +182,10 @@ class LoopState:
     cache:   the KV cache (its `length` is the slot the next token goes to).
     logits:  float32[B, V], the logits the next token is sampled from.
     key:     the PRNG key; split every step, the half used for sampling is never reused.
-    done:    bool[B], the sequence has emitted a stop token; later tokens are padding.
+    done:    bool[B], the sequence has stopped (a stop token, or an id outside the vocabulary); later tokens are -1.
     num_new: int32[B], tokens emitted before and including the stop token.
+    step:    int32[], tokens emitted so far per row (the column the next one goes to).
+    tokens:  int32[B, max_steps], the emitted tokens, -1 where a row had stopped or the loop ended.
     """
 
     cache: KVCache
@@ -127,61 +193,206 @@ class LoopState:
     key: jax.Array
     done: jax.Array
     num_new: jax.Array
+    step: jax.Array
+    tokens: jax.Array
 
 
-def _emit(state: LoopState, sampler, stop_ids, stream):
-    """Samples one token per sequence and updates the stop bookkeeping -> (state, int32[B] tokens).
+def _emit(state: LoopState, sampler, stop_ids, stream, rows, vocab_size):
+    """Samples one token per row and updates the stop bookkeeping -> (state, int32[B] tokens to feed back).
 
-    With `stream`, the tokens and which rows are still running go to the host as they are produced (an ordered
+    The sampler sees the first `rows` rows (the caller's own, without batch padding). A row stops after a stop
+    token or an id outside the vocabulary (recorded as emitted, so the host can report it; never fed back).
+    With `stream`, the tokens and which rows emitted one go to the host as they are produced (an ordered
     io_callback: the compiled loop stays one loop, the host sees every step in order).
     """
+    B = state.logits.shape[0]
     key, sample_key = jax.random.split(state.key)
-    tokens = sampler(state.logits, sample_key).astype(jnp.int32)
+    logits = state.logits if rows is None else state.logits[:rows]
+    tokens = sampler(logits, sample_key)
+    want = (B if rows is None else rows,)
+    if getattr(tokens, "shape", None) != want or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"the sampler must return integer token ids of shape {want}, got "
+                         f"{getattr(tokens, 'shape', None)} {getattr(tokens, 'dtype', type(tokens).__name__)}")
+    tokens = tokens.astype(jnp.int32)
+    if rows is not None and rows < B:
+        tokens = jnp.concatenate([tokens, jnp.zeros((B - rows,), jnp.int32)])
+    running = ~state.done
+    valid = (tokens >= 0) & (tokens < vocab_size)
     if stream is not None:
-        io_callback(stream, None, tokens, ~state.done, ordered=True)
-    num_new = state.num_new + (~state.done).astype(jnp.int32)
-    done = state.done | jnp.any(tokens[:, None] == stop_ids[None, :], axis=-1)
-    return state.replace(key=key, done=done, num_new=num_new), tokens
+        io_callback(stream, None, tokens, running & valid, ordered=True)
+    out = lax.dynamic_update_slice(state.tokens, jnp.where(running, tokens, -1)[:, None], (0, state.step))
+    stopped = jnp.any(tokens[:, None] == stop_ids[None, :], axis=-1) | ~valid
+    state = state.replace(key=key, done=state.done | stopped, num_new=state.num_new + running.astype(jnp.int32),
+                          step=state.step + 1, tokens=out)
+    return state, jnp.where(running & valid, tokens, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "steps", "attention", "stream", "mesh"),
+@functools.partial(jax.jit, static_argnames=("config", "max_steps", "rows", "attention", "stream", "mesh"),
                    donate_argnames=("cache",))
-def decode(params, cache: KVCache, logits, key, sampler, stop_ids, *, config: Config, steps: int, attention: str,
-           stream: Callable | None = None, mesh: Mesh | None = None):
-    """Samples `steps` tokens per sequence in one compiled `lax.scan`.
+def _decode_loop(params, cache: KVCache, logits, key, sampler, stop_ids, done, steps, *, config: Config,
+                 max_steps: int, rows: int | None, attention: str, stream: Callable | None, mesh: Mesh | None):
+    """The loop behind `decode`: emits up to `steps` (traced, <= max_steps) tokens per row, feeding back all but
+    the last, and stops early once every row is done (`done` may start true: batch filler rows).
+    Returns (int32[B, max_steps] tokens, int32[B] num_new, bool[B] done, int32[] forward passes run, cache)."""
+    B = logits.shape[0]
+    state = LoopState(cache=cache, logits=logits, key=key, done=done, num_new=jnp.zeros((B,), jnp.int32),
+                      step=jnp.zeros((), jnp.int32), tokens=jnp.full((B, max_steps), -1, jnp.int32))
+
+    def body(state):
+        state, feed = _emit(state, sampler, stop_ids, stream, rows, config.vocab_size)
+        logits, cache = _forward(params, feed[:, None], state.cache, config=config, attention=attention, mesh=mesh)
+        return state.replace(cache=cache, logits=logits[:, 0])
+
+    # steps - 1 forward passes at most: the last token is sampled but never fed back.
+    state = lax.while_loop(lambda s: (s.step < steps - 1) & ~jnp.all(s.done), body, state)
+    forward_passes = state.step
+    state, _ = _emit(state, sampler, stop_ids, stream, rows, config.vocab_size)
+    tokens, num_new, done = state.tokens, state.num_new, state.done
+    if mesh is not None:
+        tokens, num_new, done, forward_passes = (sharding.replicated(x, mesh)
+                                                 for x in (tokens, num_new, done, forward_passes))
+    return tokens, num_new, done, forward_passes, state.cache
+
+
+class Decoded(NamedTuple):
+    """What `decode` returns.
+
+    tokens:  int32[B, steps], the sampled ids; -1 after a row stopped (and after the loop ended early because
+             every row had stopped). A row's output is tokens[b, :num_new[b]].
+    num_new: int32[B], tokens emitted per row, up to and including its stop token.
+    done:    bool[B], the row emitted a stop token (or an id outside the vocabulary, which also stops it).
+    cache:   the cache after the loop: it holds every emitted token but the last one of each row.
+    """
+
+    tokens: jax.Array
+    num_new: jax.Array
+    done: jax.Array
+    cache: KVCache
+
+
+def _steps_bound(capacity: int, ring: bool, steps: int) -> int:
+    """The static size of the loop's token buffer: a plain cache can feed back at most `capacity` tokens, so one
+    bound per cache shape serves every `steps` (no recompile per max_new_tokens); a ring has no such bound, so
+    its steps are bucketed to powers of two."""
+    return capacity + 1 if not ring else max(64, memory._next_pow2(steps))
+
+
+def _decode_args(params, cache, logits, key, sampler, stop_ids, *, config, steps, attention="auto", stream=None,
+                 mesh=None):
+    """Validates `decode`'s arguments (ValueError before any compute) -> (args, kwargs) of `_decode_loop`."""
+    _check_config(config)
+    if not isinstance(cache, KVCache):
+        raise ValueError(f"cache must be a jaxkv.KVCache (from prefill), got {type(cache).__name__}")
+    steps = checks.check_int("steps", steps, 1)
+    if np.shape(logits) != (cache.batch, config.vocab_size):
+        raise ValueError(f"logits must be float32[{cache.batch}, {config.vocab_size}] (the cache's batch and the "
+                         f"vocabulary), got shape {np.shape(logits)}")
+    if not cache.ring and steps - 1 > cache.capacity:
+        raise ValueError(f"steps={steps} feeds back {steps - 1} tokens; the cache holds only {cache.capacity}")
+    if not isinstance(cache.length, jax.core.Tracer) and cache.start.is_fully_addressable:
+        # Known on the host (one scalar read, after the prefill has run): refuse what cannot fit, before compute.
+        length, first = int(cache.length), int(np.min(np.asarray(cache.start)))
+        if not cache.ring and length + steps - 1 > cache.capacity:
+            raise ValueError(f"the cache holds {length} of {cache.capacity} slots; steps={steps} would write "
+                             f"{steps - 1} more (the last sampled token is not fed back): at most "
+                             f"{cache.capacity - length + 1} steps fit")
+        if length - first + steps - 1 > config.max_positions:
+            raise ValueError(f"steps={steps} would take a sequence to position {length - first + steps - 2}, past "
+                             f"the model's max positions ({config.max_positions})")
+    if stream is not None and not callable(stream):
+        raise ValueError(f"stream must be a callable (tokens, running), got {stream!r}")
+    args = (params, cache, logits, key, _as_sampler(sampler), _as_stop_ids(stop_ids),
+            jnp.zeros((cache.batch,), bool), jnp.int32(steps))
+    kwargs = dict(config=config, max_steps=_steps_bound(cache.capacity, cache.ring, steps), rows=None,
+                  attention=attention_impls.resolve(attention), stream=stream, mesh=mesh)
+    return args, kwargs
+
+
+def decode(params, cache: KVCache, logits, key, sampler, stop_ids, *, config: Config, steps: int,
+           attention: str = "auto", stream: Callable | None = None, mesh: Mesh | None = None) -> Decoded:
+    """Samples up to `steps` tokens per row in one compiled loop (a `lax.while_loop`: `steps` is a traced bound,
+    so different step counts reuse one compiled loop per cache shape, and the loop ends as soon as every row has
+    stopped).
 
     Args:
-      cache: the prefilled cache (donated: updated in place).
-      logits: float32[B, V], the prompts' last logits.
-      sampler: a pytree callable `(logits, key) -> int32[B]` (a `Sampler`, or a user function wrapped in
-        `jax.tree_util.Partial`).
-      stop_ids: int32[n], padded with -1.
-      stream: optional host function (tokens int32[B], running bool[B]) called once per step, in order.
+      cache: the prefilled cache (donated: updated in place). A plain cache must have room for the steps - 1
+        tokens fed back (ValueError otherwise, before compute).
+      logits: float32[B, V], the logits of each row's last token (from `prefill` or `decode_step`).
+      key: a PRNG key (`jax.random.PRNGKey(seed)`); split every step.
+      sampler: `(logits float32[B, V], key) -> int32[B]`: a `jaxkv.Sampler`, any pytree callable (a
+        `flax.struct` dataclass, a `jax.tree_util.Partial`: its array leaves are traced, so new values never
+        recompile), or a plain function (static: the same function reuses the compiled loop).
+      stop_ids: the ids that stop a row (a list, or an int32 array padded with -1).
+      stream: optional host function (tokens int32[B], emitted bool[B]) called once per step, in order.
       mesh: as in `prefill`; the cache stays split over (data, model) every step, and the returned tokens,
         counts and flags are replicated so that every process can read them.
 
     Returns:
-      (int32[B, steps] tokens, int32[B] tokens emitted up to and including the stop token, bool[B] stopped,
-       the cache).
+      `Decoded(tokens, num_new, done, cache)`. To continue a row from where it ended, feed its last token:
+      `logits, cache = decode_step(params, tokens[:, -1], cache, config=config)` (after an early exit, take each
+      row's tokens[b, num_new[b] - 1]), then call `decode` again with those logits and a fresh key.
     """
-    B = logits.shape[0]
-    state = LoopState(cache=cache, logits=logits, key=key, done=jnp.zeros((B,), bool),
-                      num_new=jnp.zeros((B,), jnp.int32))
+    args, kwargs = _decode_args(params, cache, logits, key, sampler, stop_ids, config=config, steps=steps,
+                                attention=attention, stream=stream, mesh=mesh)
+    tokens, num_new, done, _, cache = _decode_loop(*args, **kwargs)
+    return Decoded(tokens[:, :steps], num_new, done, cache)
 
-    def body(state, _):
-        state, tokens = _emit(state, sampler, stop_ids, stream)
-        logits, cache = _forward(params, tokens[:, None], state.cache, config=config, attention=attention,
-                                 mesh=mesh)
-        return state.replace(cache=cache, logits=logits[:, 0]), tokens
 
-    # steps - 1 forward passes: the last token is sampled but never fed back.
-    state, tokens = lax.scan(body, state, length=steps - 1)
-    state, last = _emit(state, sampler, stop_ids, stream)
-    tokens = jnp.concatenate([tokens.T, last[:, None]], axis=1)  # [B, steps]
-    num_new, done = state.num_new, state.done
-    if mesh is not None:
-        tokens, num_new, done = (sharding.replicated(x, mesh) for x in (tokens, num_new, done))
-    return tokens, num_new, done, state.cache
+def _lowering(prepare, jitted):
+    """A public wrapper's `.lower(...)`: the same checks, then the compiled function's `jax.stages.Lowered` (for
+    HLO inspection)."""
+
+    def lower(*args, **kwargs):
+        args, kwargs = prepare(*args, **kwargs)
+        return jitted.lower(*args, **kwargs)
+
+    return lower
+
+
+prefill.lower = _lowering(_prefill_args, _prefill)
+decode_step.lower = _lowering(_decode_step_args, _decode_step)
+decode.lower = _lowering(_decode_args, _decode_loop)
+
+
+def _as_sampler(sampler):
+    """A sampler as a pytree callable for the compiled loop. A `Sampler` or any other pytree (flax.struct
+    dataclass, Partial) passes through, its leaves traced; a plain function becomes a leafless Partial (static,
+    hashed by identity)."""
+    if not callable(sampler):
+        raise ValueError(f"sampler must be a callable (logits, key) -> token ids, got {sampler!r}")
+    leaves, treedef = jax.tree.flatten(sampler)
+    if treedef.num_leaves == 1 and leaves[0] is sampler:  # not a pytree: an opaque function
+        return jax.tree_util.Partial(sampler)
+    return sampler
+
+
+def _as_stop_ids(stop_ids):
+    """Stop ids as int32[n], n a multiple of STOP_ID_SLOTS (padded with -1), so their number is traced."""
+    if isinstance(stop_ids, jax.Array) and stop_ids.ndim == 1 and stop_ids.dtype == jnp.int32:
+        return stop_ids
+    ids = np.asarray([] if stop_ids is None else stop_ids).ravel()
+    if ids.size and not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"stop_ids must be integer token ids, got {stop_ids!r}")
+    slots = max(STOP_ID_SLOTS, -(-ids.size // STOP_ID_SLOTS) * STOP_ID_SLOTS)
+    return jax.device_put(np.concatenate([ids.astype(np.int32), np.full(slots - ids.size, -1, np.int32)]))
+
+
+def left_pad(prompts, *, length: int | None = None):
+    """Ragged prompts (lists of token ids) -> (int32[B, T] tokens, int32[B] start), numpy arrays for `prefill`:
+    prompt b right-aligned in row b, after start[b] = T - len(prompt b) padding slots (token 0, never attended to).
+
+    length: T, default the longest prompt; a fixed T (a bucket) lets different batches share a compiled shape.
+    """
+    token_lists = [list(map(int, p)) for p in prompts]
+    if not token_lists or any(len(p) == 0 for p in token_lists):
+        raise ValueError("left_pad needs at least one prompt, each of at least one token")
+    longest = max(len(p) for p in token_lists)
+    T = longest if length is None else checks.check_int("length", length, longest)
+    tokens = np.zeros((len(token_lists), T), np.int32)
+    start = np.array([T - len(p) for p in token_lists], np.int32)
+    for b, p in enumerate(token_lists):
+        tokens[b, start[b]:] = p
+    return tokens, start
 
 
 # --- host side ------------------------------------------------------------------------------------------------
@@ -213,28 +424,6 @@ class _Phase:
         return phase
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
-def _check_int(name, value, minimum):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
-
-
-def _check_float(name, value):
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a number, got {value!r}") from None
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    return value
-
-
 def _token_lists(prompts, vocab_size: int, tokenizer) -> list[list[int]]:
     if isinstance(prompts, str):
         prompts = [prompts]
@@ -260,37 +449,29 @@ def _token_lists(prompts, vocab_size: int, tokenizer) -> list[list[int]]:
     return out
 
 
-def _sampler(temperature, top_k, top_p, min_p, sampler):
+def _sampler(temperature, top_k, top_p, min_p, sampler, rows: int, batch: int):
+    """(the sampler for the compiled loop, the rows it sees): a custom sampler sees exactly the caller's `rows`
+    rows; the built-in `Sampler` gets one setting per row of the padded batch (filler rows greedy), so scalar and
+    per-row settings share one compiled loop."""
     if sampler is not None:
         if temperature != 0.0 or top_k is not None or top_p is not None or min_p is not None:
             raise ValueError("pass either sampler or temperature/top_k/top_p/min_p, not both")
-        if isinstance(sampler, Sampler):
-            return sampler
-        if not callable(sampler):
-            raise ValueError(f"sampler must be a callable (logits, key) -> token ids, got {sampler!r}")
-        # Partial keeps the function in the pytree's static structure: the same function never recompiles.
-        return jax.tree_util.Partial(sampler)
-    temperature = _check_float("temperature", temperature)
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
-    if top_k is not None:
-        top_k = _check_int("top_k", top_k, 1)
-    if top_p is not None:
-        top_p = _check_float("top_p", top_p)
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if min_p is not None:
-        min_p = _check_float("min_p", min_p)
-        if not 0.0 <= min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {min_p}")
-    return Sampler.make(temperature, top_k, top_p, min_p)
+        return _as_sampler(sampler), rows
+    s = checks.sampling(temperature, top_k, top_p, min_p, rows=rows)
+    disabled = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+    per_row = {}
+    for name, value in s.items():
+        values = value if isinstance(value, list) else [value] * rows
+        values = [disabled[name] if v is None else v for v in values] + [disabled[name]] * (batch - rows)
+        per_row[name] = np.asarray(values, np.int32 if name == "top_k" else np.float32)
+    return Sampler(**per_row), None
 
 
 def _stop_ids(stop_tokens, config: Config) -> np.ndarray:
     ids = list(config.eos_ids) if stop_tokens is None else stop_tokens
     if isinstance(ids, (int, np.integer)):
         ids = [ids]
-    ids = [_check_int("stop token", t, 0) for t in ids]
+    ids = [checks.check_int("stop token", t, 0) for t in ids]
     for t in ids:
         if t >= config.vocab_size:
             raise ValueError(f"stop token {t} is outside the vocabulary [0, {config.vocab_size})")
@@ -298,36 +479,13 @@ def _stop_ids(stop_tokens, config: Config) -> np.ndarray:
     return np.array(ids + [-1] * (slots - len(ids)), np.int32)
 
 
-def plan_shapes(lengths: Sequence[int], max_new_tokens: int, max_len: int | None, config: Config):
-    """Validates lengths and picks (padded batch, padded prompt length T, cache capacity S, ring). Raises ValueError.
-
-    A sliding-window model gets a ring cache of at most `window` slots (memory O(window), not O(sequence)), so its
-    sequences are limited by max positions only; `max_len` below the window gives a plain cache of that size.
-    """
-    longest = max(lengths)
-    for i, n in enumerate(lengths):
-        if n + max_new_tokens > config.max_positions:
-            raise ValueError(f"prompt {i} has {n} tokens; with max_new_tokens={max_new_tokens} it needs "
-                             f"{n + max_new_tokens} positions, beyond the model's max positions "
-                             f"({config.max_positions})")
-    window = config.sliding_window
-    bucket = max(MIN_PROMPT_BUCKET, _next_pow2(longest))
-    if max_len is not None:
-        max_len = _check_int("max_len", max_len, 1)
-    if window is not None and (max_len is None or max_len >= window):
-        default = -(-(bucket + max_new_tokens) // CAPACITY_ROUNDING) * CAPACITY_ROUNDING
-        # Never more than the window; a ring that never wraps (capacity < window) is just a plain cache.
-        return _next_pow2(len(lengths)), bucket, min(default, window), True
-    if max_len is not None and longest + max_new_tokens > max_len:
-        raise ValueError(f"the longest prompt has {longest} tokens; prompt_len + max_new_tokens = "
-                         f"{longest} + {max_new_tokens} = {longest + max_new_tokens} exceeds max_len={max_len}")
-    if max_len is None:
-        capacity = -(-(bucket + max_new_tokens) // CAPACITY_ROUNDING) * CAPACITY_ROUNDING
-    else:
-        capacity = max_len
-    # The padded prompt and the new tokens must fit: shrink the bucket rather than overflow the cache.
-    padded_len = min(bucket, capacity - max_new_tokens)
-    return _next_pow2(len(lengths)), padded_len, capacity, False
+def _key(seed: int) -> np.ndarray:
+    """The PRNG key of a seed, over the seed's full range (`checks.seed_words`), built on the host: for seeds below
+    2**32 it equals `jax.random.PRNGKey(seed)`."""
+    high, low = checks.seed_words(seed)
+    if jax.config.jax_default_prng_impl != "threefry2x32":  # another key layout: fold the high word in
+        return jax.random.fold_in(jax.random.PRNGKey(low), high) if high else jax.random.PRNGKey(low)
+    return np.array([high, low], np.uint32)
 
 
 @dataclasses.dataclass
@@ -337,14 +495,14 @@ class _Request:
     token_lists: list[list[int]]
     max_new_tokens: int
     sampler: Callable
+    rows: int | None  # rows the sampler sees (a custom sampler: the caller's batch), None: all
     stop_ids: np.ndarray  # int32[n], padded with -1
-    seed: int
-    cache_dtype: str
+    key: np.ndarray
     attention: str  # resolved: "xla" or "pallas"
-    capacity: int
-    ring: bool
+    plan: memory.CachePlan
     tokens: np.ndarray  # int32[padded batch, T], left-padded
     start: np.ndarray  # int32[padded batch]
+    done: np.ndarray  # bool[padded batch]: filler rows start done, so they never hold the loop open
 
     @property
     def lengths(self) -> list[int]:
@@ -353,59 +511,64 @@ class _Request:
 
 def _request(model: Model, prompts, *, max_new_tokens, temperature, top_k, top_p, min_p, sampler, seed, stop_tokens,
              max_len, cache_dtype, attention, batch_multiple: int = 1) -> _Request:
-    """Validates a `generate` call (ValueError, before any compute) and pads it: the batch to a power of two, then
-    up to a multiple of `batch_multiple` (the devices it is split over), the prompts to a length bucket."""
+    """Validates a `generate` call (ValueError, before any compute) and lays it out as `memory.plan_cache` says:
+    the batch padded to a power of two (then a multiple of `batch_multiple`, the devices it is split over), the
+    prompts left-padded to a length bucket."""
     config = model.config
     token_lists = _token_lists(prompts, config.vocab_size, model.tokenizer)
-    max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 1)
-    sample_fn = _sampler(temperature, top_k, top_p, min_p, sampler)
+    max_new_tokens = checks.check_int("max_new_tokens", max_new_tokens, 1)
     stop_ids = _stop_ids(stop_tokens, config)
-    seed = _check_int("seed", seed, -(2 ** 63))
+    key = _key(seed)
     cache_dtype = check_cache_dtype(config.dtype if cache_dtype is None else cache_dtype)
     # Resolved here, before compute: unknown names fail, and "auto" becomes a concrete static name for jit.
     attention = attention_impls.resolve(attention or config.attention)
-    lengths = [len(p) for p in token_lists]
-    batch, T, capacity, ring = plan_shapes(lengths, max_new_tokens, max_len, config)
-    batch = -(-batch // batch_multiple) * batch_multiple
-
-    # Left padding: prompt b occupies slots [T - len_b, T). Filler rows (batch padding) hold a single token.
-    tokens = np.zeros((batch, T), np.int32)
-    start = np.full((batch,), T - 1, np.int32)
-    for b, prompt in enumerate(token_lists):
-        tokens[b, T - len(prompt):] = prompt
-        start[b] = T - len(prompt)
-    return _Request(token_lists=token_lists, max_new_tokens=max_new_tokens, sampler=sample_fn, stop_ids=stop_ids,
-                    seed=seed, cache_dtype=cache_dtype, attention=attention, capacity=capacity, ring=ring,
-                    tokens=tokens, start=start)
+    if max_len is not None:
+        max_len = checks.check_int("max_len", max_len, 1)
+    plan = memory.plan_cache(config, [len(p) for p in token_lists], max_new_tokens, max_len=max_len,
+                             cache_dtype=cache_dtype, batch_multiple=batch_multiple)
+    sample_fn, rows = _sampler(temperature, top_k, top_p, min_p, sampler, len(token_lists), plan.padded_batch)
+    tokens, start = left_pad(token_lists + [[0]] * (plan.padded_batch - plan.batch), length=plan.prompt_len)
+    done = np.arange(plan.padded_batch) >= plan.batch
+    return _Request(token_lists=token_lists, max_new_tokens=max_new_tokens, sampler=sample_fn, rows=rows,
+                    stop_ids=stop_ids, key=key, attention=attention, plan=plan, tokens=tokens, start=start, done=done)
 
 
-def _generation(model: Model, req: _Request, out, num_new, stopped, cache: KVCache, prefill_time: _Phase,
-                decode_time: _Phase) -> Generation:
-    """The `Generation` of a finished call: host arrays out [B, steps], num_new [B], stopped [B], and the final
-    cache (global arrays; a pmapped cache's leaves have a leading device axis, which changes no byte count)."""
+def _generation(model: Model, req: _Request, out, num_new, stopped, forward_passes: int, cache: KVCache,
+                prefill_time: _Phase, decode_time: _Phase) -> Generation:
+    """The `Generation` of a finished call: host arrays out [B, max_steps], num_new [B], stopped [B], the number
+    of decode forward passes run, and the final cache (global arrays; a pmapped cache's leaves have a leading
+    device axis, which changes no byte count)."""
     config = model.config
     n, lengths = len(req.token_lists), req.lengths
-    batch, max_new_tokens = req.tokens.shape[0], req.max_new_tokens
     result = [out[b, : num_new[b]].tolist() for b in range(n)]
+    for b, row in enumerate(result):
+        bad = [t for t in row if not 0 <= t < config.vocab_size]
+        if bad:  # only a custom sampler can do this; the row was stopped there
+            raise ValueError(f"the sampler returned token id {bad[0]} for prompt {b}, outside the vocabulary "
+                             f"[0, {config.vocab_size})")
     reasons = ["stop" if stopped[b] else "length" for b in range(n)]
     decode_s = decode_time.run_s
-    # The first new token comes from the prefill logits; the decode phase runs max_new_tokens - 1 one-token steps
-    # (every row runs all of them, finished rows as padding, so steps are the honest unit).
-    steps = max_new_tokens - 1
+    # The first new token comes from the prefill logits; each later one costs a one-token forward pass. The loop
+    # stops once every row has stopped, so `forward_passes` is what ran (at most max_new_tokens - 1).
+    steps = int(forward_passes)
     live = np.mean(lengths) + steps / 2
     if config.sliding_window is not None:
         live = min(live, config.sliding_window)
-    step_bytes = roofline.decode_bytes_per_step(config, batch, live, jnp.dtype(config.dtype).itemsize,
-                                                jnp.dtype(req.cache_dtype).itemsize)
+    step_bytes = roofline.decode_bytes_per_step(config, req.plan.padded_batch, live, jnp.dtype(config.dtype).itemsize,
+                                                jnp.dtype(req.plan.cache_dtype).itemsize)
     steps_per_s = steps / decode_s if decode_s > 0 and steps > 0 else 0.0
+    fed_back = sum(max(len(r) - 1, 0) for r in result)  # tokens that came out of decode forward passes
     stats = {
         "prompt_tokens": int(sum(lengths)),
         "new_tokens": int(sum(len(r) for r in result)),
-        "padded_batch": batch,
-        "padded_prompt_len": req.tokens.shape[1],
-        "cache_capacity": req.capacity,
-        "cache_dtype": req.cache_dtype,
-        "cache_ring": req.ring,
+        "padded_batch": req.plan.padded_batch,
+        "padded_prompt_len": req.plan.prompt_len,
+        "cache_capacity": req.plan.capacity,
+        "cache_dtype": req.plan.cache_dtype,
+        "cache_ring": req.plan.ring,
+        # What the call needs (prompts x (longest prompt + max_new_tokens), `jaxkv.kv_cache_bytes`) and what the
+        # cache arrays hold (padded batch x capacity, `jaxkv.memory.plan_cache`).
+        "kv_cache_bytes_requested": req.plan.requested_bytes,
         "kv_cache_bytes": cache.nbytes(),
         # Read from the cache arrays' shards on one device: total / (data x KV-head shards) on a mesh.
         "kv_cache_bytes_per_device": sharding.cache_bytes_per_device(cache),
@@ -415,7 +578,7 @@ def _generation(model: Model, req: _Request, out, num_new, stopped, cache: KVCac
         "compile_s": prefill_time.compile_s + decode_time.compile_s,
         "decode_steps": steps,
         "decode_steps_per_s": steps_per_s,
-        "decode_tokens_per_s": n * steps_per_s,
+        "decode_tokens_per_s": fed_back / decode_s if decode_s > 0 else 0.0,
         # Bytes a step must move (weights + live K/V read + new K/V written; jaxkv.roofline) and the rate achieved.
         "bytes_per_step": float(step_bytes),
         "achieved_GBps": float(step_bytes * steps_per_s / 1e9),
@@ -426,22 +589,31 @@ def _generation(model: Model, req: _Request, out, num_new, stopped, cache: KVCac
     return Generation(tokens=result, finish_reasons=reasons, stats=stats, text=text)
 
 
-def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
-             top_p: float | None = None, min_p: float | None = None, sampler: Callable | None = None, seed: int = 0,
-             stop_tokens: Sequence[int] | None = None, max_len: int | None = None, cache_dtype: str | None = None,
-             attention: str | None = None, stream: Callable | None = None, mesh: Mesh | None = None) -> Generation:
+def generate(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top_k=None, top_p=None, min_p=None,
+             sampler: Callable | None = None, seed: int = 0, stop_tokens: Sequence[int] | None = None,
+             max_len: int | None = None, cache_dtype: str | None = None, attention: str | None = None,
+             stream: Callable | None = None, mesh: Mesh | None = None) -> Generation:
     """Generates up to `max_new_tokens` tokens for each prompt.
 
     Args:
       prompts: a list of token-id lists, of any lengths; or, for a model with a tokenizer, a string or a list of
         strings.
-      temperature, top_k, top_p, min_p: sampling; temperature 0 is greedy. None disables a filter.
-      sampler: instead of the above, a jittable `(logits float32[B, V], key) -> int32[B]`.
-      seed: PRNG seed; the key is split every step.
+      temperature, top_k, top_p, min_p: sampling; temperature 0 is greedy. None disables a filter; a filter with
+        temperature 0 is refused (it would do nothing). Each is a number, or a list with one value per prompt (a
+        None entry disables that prompt's filter): greedy and sampled prompts mix in one call. top_k >= the
+        vocabulary keeps every token.
+      sampler: instead of the above, a jittable `(logits float32[B, V], key) -> int32[B]`, called with the B
+        prompts given (never batch padding). A pytree (a `jaxkv.Sampler`-like flax.struct dataclass, a
+        `jax.tree_util.Partial` holding arrays) has its leaves traced: new values never recompile. An id outside
+        the vocabulary stops that prompt and raises ValueError.
+      seed: PRNG seed, any integer in [-2**63, 2**64) (taken modulo 2**64, never truncated to 32 bits); the key
+        is split every step.
       stop_tokens: ids that end a sequence (included in its output). None: the model's eos ids; []: never stop.
-      max_len: cache capacity in slots; must hold the longest prompt plus max_new_tokens. Default: just enough,
-        rounded up so that similar requests share a compiled shape. A sliding-window model's cache is a ring of
-        at most `window` slots (see `plan_shapes`).
+        The loop ends as soon as every prompt has stopped (`stats["decode_steps"]` counts the steps run).
+      max_len: cache capacity in slots, at most the model's max positions; must hold the longest prompt plus
+        max_new_tokens. Default: a power of two, so that similar requests share compiled shapes
+        (`jaxkv.memory.plan_cache` gives the exact layout; stats report requested and allocated bytes). A
+        sliding-window model's cache is a ring of at most `window` slots.
       cache_dtype: "float32", "bfloat16", "float16", "int8" or "float8_e4m3fn" (int8/fp8: quantized on write
         with a float32 scale per token per KV head). Default: the model's dtype.
       attention: "auto", "xla" or "pallas"; default config.attention ("auto": Pallas on GPU/TPU, XLA on CPU).
@@ -455,7 +627,7 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
         `jax.distributed.initialize`): every process calls generate with the same arguments and gets all tokens.
 
     Raises:
-      ValueError: for any bad argument, before any compute.
+      ValueError: for any bad argument, before any compute (and for a custom sampler's out-of-vocabulary id).
     """
     if mesh is not None:
         mesh = sharding.check_mesh(mesh)
@@ -478,21 +650,23 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature: float =
     else:
         params, config = _sharded_params(model, mesh)
         put = lambda x, spec: jax.tree.map(  # noqa: E731
-            lambda leaf: sharding.global_array(leaf, NamedSharding(mesh, spec)), x)
+            lambda leaf: sharding.global_array(np.asarray(leaf), NamedSharding(mesh, spec)), x)
 
+    plan, replicated = req.plan, PartitionSpec()
     with _Phase() as prefill_time:
-        logits, cache = prefill(params, put(req.tokens, sharding.BATCH_SPEC), put(req.start, sharding.BATCH_SPEC),
-                                config=config, capacity=req.capacity, attention=req.attention,
-                                cache_dtype=req.cache_dtype, ring=req.ring, mesh=mesh)
+        logits, cache = _prefill(params, put(req.tokens, sharding.BATCH_SPEC), put(req.start, sharding.BATCH_SPEC),
+                                 config=config, capacity=plan.capacity, attention=req.attention,
+                                 cache_dtype=plan.cache_dtype, ring=plan.ring, mesh=mesh)
         logits.block_until_ready()
     with _Phase() as decode_time:
-        replicated = PartitionSpec()
-        out, num_new, stopped, cache = decode(params, cache, logits, put(jax.random.PRNGKey(req.seed), replicated),
-                                              put(req.sampler, replicated), put(req.stop_ids, replicated),
-                                              config=config, steps=req.max_new_tokens, attention=req.attention,
-                                              stream=on_step, mesh=mesh)
-        out, num_new, stopped = (sharding.to_host(x) for x in (out, num_new, stopped))
-    return _generation(model, req, out, num_new, stopped, cache, prefill_time, decode_time)
+        out, num_new, stopped, passes, cache = _decode_loop(
+            params, cache, logits, put(req.key, replicated), put(req.sampler, replicated),
+            put(req.stop_ids, replicated), put(req.done, sharding.BATCH_SPEC),
+            put(np.int32(req.max_new_tokens), replicated), config=config,
+            max_steps=_steps_bound(plan.capacity, plan.ring, req.max_new_tokens), rows=req.rows, attention=req.attention,
+            stream=on_step, mesh=mesh)
+        out, num_new, stopped, passes = (sharding.to_host(x) for x in (out, num_new, stopped, passes))
+    return _generation(model, req, out, num_new, stopped, passes, cache, prefill_time, decode_time)
 
 
 _sharded_cache: list = []  # [(params, mesh, sharded params, config)]: the last model sharded, reused by identity
@@ -508,9 +682,9 @@ def _sharded_params(model: Model, mesh: Mesh):
     return params, config
 
 
-def generate_pmap(model: Model, prompts, *, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
-                  top_p: float | None = None, min_p: float | None = None, sampler: Callable | None = None,
-                  seed: int = 0, stop_tokens: Sequence[int] | None = None, max_len: int | None = None,
+def generate_pmap(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top_k=None, top_p=None,
+                  min_p=None, sampler: Callable | None = None, seed: int = 0,
+                  stop_tokens: Sequence[int] | None = None, max_len: int | None = None,
                   cache_dtype: str | None = None, attention: str | None = None,
                   stream: Callable | None = None) -> Generation:
     """`generate`, data-parallel over this process's local devices with `jax.pmap` (for scripts built on pmap).
@@ -518,37 +692,49 @@ def generate_pmap(model: Model, prompts, *, max_new_tokens: int, temperature: fl
     The padded batch is split evenly over the devices (padded further when it does not divide); each device runs
     the same prefill and decode loop on its rows with a replicated copy of the weights. Greedy tokens equal
     `generate`'s. Sampling draws from a per-device key (the seed's key split per device), so sampled tokens
-    differ from `generate`'s while following the same distribution. `stream` is not supported. `jax.pmap` is in
-    maintenance mode; `generate(..., mesh=...)` is the scalable path (weights sharded too, multi-host).
+    differ from `generate`'s while following the same distribution. `stream` is not supported, nor a custom
+    `sampler` (it would see each device's rows, not the caller's batch). `jax.pmap` is in maintenance mode;
+    `generate(..., mesh=...)` is the scalable path (weights sharded too, multi-host).
     """
     if stream is not None:
         raise ValueError("stream is not supported by generate_pmap")
+    if sampler is not None:
+        raise ValueError("a custom sampler is not supported by generate_pmap (it would see each device's share of "
+                         "the batch): use generate, or generate(..., mesh=...)")
     devices = jax.local_devices()
     n = len(devices)
     req = _request(model, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                    min_p=min_p, sampler=sampler, seed=seed, stop_tokens=stop_tokens, max_len=max_len,
                    cache_dtype=cache_dtype, attention=attention, batch_multiple=n)
+    plan = req.plan
     batch, T = req.tokens.shape
-    run = _pmapped(model.config, req.capacity, req.attention, req.cache_dtype, req.ring, req.max_new_tokens, n)
-    keys = jax.random.split(jax.random.PRNGKey(req.seed), n)
+    max_steps = _steps_bound(plan.capacity, plan.ring, req.max_new_tokens)
+    run = _pmapped(model.config, plan.capacity, req.attention, plan.cache_dtype, plan.ring, max_steps, n)
+    keys = jax.random.split(jnp.asarray(req.key), n)
+    per_device = lambda x: x.reshape(n, batch // n, *x.shape[1:])  # noqa: E731
+    # Each device's per-row settings travel with its rows.
+    sampler_rows = jax.tree.map(per_device, req.sampler)
     with _Phase() as time_all:
-        out, num_new, stopped, cache = run(model.params, req.tokens.reshape(n, batch // n, T),
-                                           req.start.reshape(n, batch // n), keys, req.sampler, req.stop_ids)
+        out, num_new, stopped, passes, cache = run(model.params, per_device(req.tokens), per_device(req.start), keys,
+                                                   sampler_rows, req.stop_ids, per_device(req.done),
+                                                   np.int32(req.max_new_tokens))
         out, num_new, stopped = (np.asarray(x).reshape(batch, *x.shape[2:]) for x in (out, num_new, stopped))
+        passes = int(np.max(np.asarray(passes)))
     # One compiled program: its time is reported as decode time, prefill_s is 0.
-    return _generation(model, req, out, num_new, stopped, cache, _Phase.empty(), time_all)
+    return _generation(model, req, out, num_new, stopped, passes, cache, _Phase.empty(), time_all)
 
 
 @functools.lru_cache(maxsize=16)
-def _pmapped(config, capacity, attention, cache_dtype, ring, steps, num_devices):
+def _pmapped(config, capacity, attention, cache_dtype, ring, max_steps, num_devices):
     """The pmapped prefill + decode loop for one shape (cached, so the same shapes never re-trace)."""
 
-    def run(params, tokens, start, key, sampler, stop_ids):
-        logits, cache = prefill(params, tokens, start, config=config, capacity=capacity, attention=attention,
-                                cache_dtype=cache_dtype, ring=ring)
-        return decode(params, cache, logits, key, sampler, stop_ids, config=config, steps=steps, attention=attention)
+    def run(params, tokens, start, key, sampler, stop_ids, done, steps):
+        logits, cache = _prefill(params, tokens, start, config=config, capacity=capacity, attention=attention,
+                                 cache_dtype=cache_dtype, ring=ring, mesh=None)
+        return _decode_loop(params, cache, logits, key, sampler, stop_ids, done, steps, config=config,
+                            max_steps=max_steps, rows=None, attention=attention, stream=None, mesh=None)
 
-    return jax.pmap(run, in_axes=(None, 0, 0, 0, None, None), devices=jax.local_devices()[:num_devices])
+    return jax.pmap(run, in_axes=(None, 0, 0, 0, 0, None, 0, None), devices=jax.local_devices()[:num_devices])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -559,7 +745,7 @@ class _StepStream:
     callback: Callable
     num_prompts: int
 
-    def __call__(self, tokens, running):
+    def __call__(self, tokens, emitted):
         for b in range(self.num_prompts):  # filler rows (batch padding) are never reported
-            if running[b]:
+            if emitted[b]:
                 self.callback(b, int(tokens[b]))

@@ -147,3 +147,94 @@ def sequences_that_fit(config: Config | CacheGeometry, *, tokens: int, memory_by
             raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
     per_sequence = kv_cache_bytes(config, tokens=tokens, cache_dtype=cache_dtype)
     return max(memory_bytes - weights_bytes, 0) // per_sequence
+
+
+# --- what generate allocates -----------------------------------------------------------------------------------
+
+MIN_PROMPT_BUCKET = 16  # prompts pad to a power of two >= this: lengths 1..500 compile 6 prefill shapes
+# Default cache capacities are powers of two >= this, so that max_new_tokens 1..512 after one prompt bucket share
+# 3 cache shapes (256, 512, 1024), i.e. 3 prefills and 3 decode loops. Decode time follows the live length, not
+# the capacity, so the rounding costs memory only; pass max_len to allocate exactly.
+MIN_CAPACITY = 256
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class CachePlan:
+    """How `generate` lays out a batch, and the cache bytes it asks for and allocates.
+
+    batch:           prompts given.
+    padded_batch:    rows computed: the batch padded to a power of two (then to a multiple of the devices it is
+                     split over), so batch sizes 5..8 share one compiled shape; filler rows hold one token.
+    prompt_len:      T, the padded prompt length: prompts are left-padded to it, all writing at the same slot.
+    capacity:        S, cache slots per row: max_len if given, else a power of two >= T + max_new_tokens (at
+                     least MIN_CAPACITY, at most the model's max positions); a sliding-window model's ring holds
+                     at most `window` slots.
+    ring:            the cache is a ring buffer of `capacity` slots.
+    requested_bytes: `kv_cache_bytes` for `batch` sequences of the longest prompt plus max_new_tokens: what the
+                     call needs.
+    allocated_bytes: padded_batch x capacity slots: what the cache arrays hold (`Generation.stats`
+                     "kv_cache_bytes").
+    """
+
+    batch: int
+    padded_batch: int
+    prompt_len: int
+    capacity: int
+    ring: bool
+    cache_dtype: str
+    requested_bytes: int
+    allocated_bytes: int
+
+
+def plan_cache(config: Config, prompt_lengths, max_new_tokens: int, *, max_len: int | None = None,
+               cache_dtype=None, batch_multiple: int = 1) -> CachePlan:
+    """The cache `jaxkv.generate` allocates for prompts of `prompt_lengths` tokens and `max_new_tokens` new ones
+    (see `CachePlan`): the same function generate calls, so its figures are the allocation exactly.
+
+    Raises:
+      ValueError: a prompt plus max_new_tokens beyond the model's max positions, max_len beyond them (slots that
+        could never be used) or too small for the longest prompt plus max_new_tokens.
+    """
+    if not isinstance(config, Config):
+        raise TypeError(f"plan_cache needs a jaxkv.Config, got {type(config).__name__}")
+    lengths = [_positive_int("prompt length", n) for n in prompt_lengths]
+    if not lengths:
+        raise ValueError("prompt_lengths is empty: pass at least one prompt")
+    max_new_tokens = _positive_int("max_new_tokens", max_new_tokens)
+    batch_multiple = _positive_int("batch_multiple", batch_multiple)
+    cache_dtype = _cache_dtype(CacheGeometry.of(config), cache_dtype)
+    longest, limit = max(lengths), config.max_positions
+    for i, n in enumerate(lengths):
+        if n + max_new_tokens > limit:
+            raise ValueError(f"prompt {i} has {n} tokens; with max_new_tokens={max_new_tokens} it needs "
+                             f"{n + max_new_tokens} positions, beyond the model's max positions ({limit})")
+    if max_len is not None:
+        max_len = _positive_int("max_len", max_len)
+        if max_len > limit:
+            raise ValueError(f"max_len={max_len} exceeds the model's max positions ({limit}): slots past them "
+                             f"could never be used")
+    bucket = max(MIN_PROMPT_BUCKET, _next_pow2(longest))
+    default = min(max(MIN_CAPACITY, _next_pow2(bucket + max_new_tokens)), limit)
+    window = config.sliding_window
+    if window is not None and (max_len is None or max_len >= window):
+        # A ring of at most `window` slots: memory O(window), not O(sequence). A ring that never wraps
+        # (capacity < window) is just a plain cache. The padded prompt may be longer than the ring.
+        ring, capacity, prompt_len = True, min(default, window), bucket
+    else:
+        if max_len is not None and longest + max_new_tokens > max_len:
+            raise ValueError(f"the longest prompt has {longest} tokens; prompt_len + max_new_tokens = "
+                             f"{longest} + {max_new_tokens} = {longest + max_new_tokens} exceeds max_len={max_len}")
+        ring, capacity = False, default if max_len is None else max_len
+        # The padded prompt and the new tokens must fit: shrink the bucket (never below the longest prompt).
+        prompt_len = min(bucket, capacity - max_new_tokens)
+    padded_batch = -(-_next_pow2(len(lengths)) // batch_multiple) * batch_multiple
+    per_token = kv_bytes_per_token(config, cache_dtype)
+    return CachePlan(batch=len(lengths), padded_batch=padded_batch, prompt_len=prompt_len, capacity=capacity,
+                     ring=ring, cache_dtype=cache_dtype,
+                     requested_bytes=kv_cache_bytes(config, tokens=longest + max_new_tokens, batch=len(lengths),
+                                                    cache_dtype=cache_dtype),
+                     allocated_bytes=padded_batch * capacity * per_token)

@@ -115,7 +115,9 @@ class Decoder(nn.Module):
           attention: implementation name; defaults to config.attention.
 
         Returns:
-          (float32[B, T or 1, V] logits, the updated cache or None).
+          (float32[B, T or 1, V] logits, the updated cache or None). A row's logits are NaN when its tokens do
+          not fit: a position >= config.max_positions, or (plain cache) slots past the capacity; the cache's
+          `overflowed` / `check()` report the latter. A chunk longer than the capacity is a ValueError.
         """
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
@@ -135,6 +137,12 @@ class Decoder(nn.Module):
 
         # Without a cache, padding must be on the left (as generate lays it out): the first real token's index.
         start = jnp.sum(~real, axis=1, dtype=jnp.int32) if cache is None else cache.start  # [B]
+        # Rows whose result would be plausible garbage get NaN logits instead (below): a position past the
+        # model's range (learned tables would clamp it), or a write past a plain cache's end (dropped by
+        # `KVCache.write`). Sizes known at trace time were refused before this point.
+        poisoned = jnp.any(positions >= cfg.max_positions, axis=1)  # [B]
+        if cache is not None and not cache.ring:
+            poisoned |= cache.length + T > cache.capacity
         for layer in range(cfg.n_layers):
             x, cache = Block(cfg, layer, self.mesh, name=f"layer_{layer}")(x, rope, cache, start, prefill, attention)
         if cache is not None:
@@ -148,6 +156,7 @@ class Decoder(nn.Module):
         else:
             head = self.param("lm_head", fan_in_init(cfg.d_model), (cfg.vocab_size, cfg.d_model), dtype)
             logits = jnp.einsum("btd,vd->btv", x, head, preferred_element_type=jnp.float32)
+        logits = jnp.where(poisoned[:, None, None], jnp.nan, logits)
         return logits, cache
 
 

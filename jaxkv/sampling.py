@@ -38,13 +38,20 @@ def _unsort(keep_sorted, order):
     return jnp.zeros_like(keep_sorted).at[rows, order].set(keep_sorted)
 
 
+def _rows(value, logits):
+    """A setting (scalar, or one value per row [B]) as a [B, 1] column that broadcasts against [B, V] logits."""
+    return jnp.broadcast_to(jnp.asarray(value), logits.shape[:1])[:, None]
+
+
 def _top_k_keep(sorted_logits, k):
     V = sorted_logits.shape[-1]
+    k = _rows(k, sorted_logits)
     k = jnp.where(k <= 0, V, k)  # 0 (or less) disables the filter
-    return jnp.arange(V) < k  # [V], broadcast over rows
+    return jnp.arange(V)[None, :] < k  # [B, V]
 
 
 def _top_p_keep(sorted_logits, p):
+    p = _rows(p, sorted_logits)
     probs = jax.nn.softmax(sorted_logits, axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     # Keep a token while the mass of the better-ranked tokens is still short of p: the smallest prefix whose mass
@@ -53,9 +60,10 @@ def _top_p_keep(sorted_logits, p):
 
 
 def top_k_filter(logits, k):
-    """Keeps exactly the k best tokens (ties broken by id, so never more than k); k <= 0 keeps all."""
+    """Keeps exactly the k best tokens (ties broken by id, so never more than k); k <= 0 keeps all.
+    k: a scalar or one value per row ([B]), as for every filter here."""
     order, sorted_logits = _descending(logits)
-    keep = _unsort(jnp.broadcast_to(_top_k_keep(sorted_logits, k), sorted_logits.shape), order)
+    keep = _unsort(_top_k_keep(sorted_logits, k), order)
     return jnp.where(keep, logits, -jnp.inf)
 
 
@@ -69,7 +77,7 @@ def top_p_filter(logits, p):
 def min_p_filter(logits, min_p):
     """Keeps tokens whose probability is at least min_p times the top token's; min_p = 0 keeps all."""
     # p_i >= m * p_max  <=>  logit_i >= logit_max + log(m); log(0) = -inf keeps everything.
-    threshold = jnp.max(logits, axis=-1, keepdims=True) + jnp.log(jnp.asarray(min_p, jnp.float32))
+    threshold = jnp.max(logits, axis=-1, keepdims=True) + jnp.log(_rows(min_p, logits).astype(jnp.float32))
     return jnp.where(logits >= threshold, logits, -jnp.inf)
 
 
@@ -77,7 +85,9 @@ def min_p_filter(logits, min_p):
 class Sampler:
     """temperature -> top-k -> top-p -> min-p -> categorical; temperature 0 is greedy.
 
-    Fields are pytree leaves (traced inside jit). Disabled values: top_k 0, top_p 1.0, min_p 0.0.
+    Each field is a scalar (every row) or one value per row ([B]): a batch can mix greedy rows and rows sampled
+    with different settings in one compiled step. Fields are pytree leaves (traced inside jit: changing them
+    never recompiles). Disabled values: top_k 0, top_p 1.0, min_p 0.0.
     """
 
     temperature: jax.Array | float = 0.0
@@ -87,29 +97,40 @@ class Sampler:
 
     @classmethod
     def make(cls, temperature=0.0, top_k=None, top_p=None, min_p=None) -> "Sampler":
-        """From generate-style arguments (None = disabled), as arrays so values never become static."""
-        return cls(temperature=jnp.asarray(temperature, jnp.float32),
-                   top_k=jnp.asarray(0 if top_k is None else top_k, jnp.int32),
-                   top_p=jnp.asarray(1.0 if top_p is None else top_p, jnp.float32),
-                   min_p=jnp.asarray(0.0 if min_p is None else min_p, jnp.float32))
+        """From generate-style arguments (None = disabled), as arrays so values never become static. Each may be a
+        scalar or a sequence with one value per row (a None entry disables that row's filter)."""
+
+        def arr(value, disabled, dtype):
+            if value is None:
+                return jnp.asarray(disabled, dtype)
+            if isinstance(value, (list, tuple)):
+                value = [disabled if v is None else v for v in value]
+            return jnp.asarray(value, dtype)
+
+        return cls(temperature=arr(temperature, 0.0, jnp.float32), top_k=arr(top_k, 0, jnp.int32),
+                   top_p=arr(top_p, 1.0, jnp.float32), min_p=arr(min_p, 0.0, jnp.float32))
 
     def __call__(self, logits, key):
         logits = logits.astype(jnp.float32)
+        temperature = _rows(self.temperature, logits)  # [B, 1]
+        greedy_tokens = greedy(logits)
 
         def sample(_):
-            x = logits / jnp.maximum(self.temperature, 1e-6)
-            # Sorting the vocabulary is the expensive part: skip it unless top-k or top-p is on.
-            needs_sort = (self.top_k > 0) | (self.top_p < 1.0)
+            x = logits / jnp.maximum(temperature, 1e-6)
+            # Sorting the vocabulary is the expensive part: skip it unless some row has top-k or top-p on.
+            needs_sort = jnp.any(jnp.asarray(self.top_k) > 0) | jnp.any(jnp.asarray(self.top_p) < 1.0)
             x = lax.cond(needs_sort, self._sorted_filters, lambda x: x, x)
             x = min_p_filter(x, self.min_p)
-            return jax.random.categorical(key, x, axis=-1).astype(jnp.int32)
+            sampled = jax.random.categorical(key, x, axis=-1).astype(jnp.int32)
+            return jnp.where(temperature[:, 0] <= 0.0, greedy_tokens, sampled)
 
-        return lax.cond(self.temperature <= 0.0, lambda _: greedy(logits), sample, None)
+        # An all-greedy batch skips the sampling work entirely.
+        return lax.cond(jnp.all(temperature <= 0.0), lambda _: greedy_tokens, sample, None)
 
     def _sorted_filters(self, x):
         """top-k then top-p (over the renormalized top-k survivors) with a single sort."""
         order, sorted_x = _descending(x)
-        keep = jnp.broadcast_to(_top_k_keep(sorted_x, self.top_k), sorted_x.shape)
+        keep = _top_k_keep(sorted_x, self.top_k)
         sorted_x = jnp.where(keep, sorted_x, -jnp.inf)
         keep &= _top_p_keep(sorted_x, self.top_p)
         return jnp.where(_unsort(keep, order), x, -jnp.inf)

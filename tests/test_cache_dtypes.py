@@ -13,7 +13,7 @@ import pytest
 import jaxkv
 from jaxkv.attention import reference
 from jaxkv.cache import CACHE_DTYPES, quantize
-from jaxkv.generate import plan_shapes
+from jaxkv.memory import plan_cache
 from conftest import CONFIGS, model_for, left_pad
 
 SCRIPTS = pathlib.Path(__file__).resolve().parent.parent / "scripts"
@@ -55,7 +55,8 @@ def test_reference_reads_a_quantized_cache_as_its_dequantized_values(dtype, T):
 
 def _allocated_cache(model, prompts, max_new_tokens, cache_dtype):
     """The cache generate allocates for these arguments (same planning, same prefill)."""
-    batch, T, capacity, ring = plan_shapes([len(p) for p in prompts], max_new_tokens, None, model.config)
+    plan = plan_cache(model.config, [len(p) for p in prompts], max_new_tokens)
+    batch, T, capacity, ring = plan.padded_batch, plan.prompt_len, plan.capacity, plan.ring
     tokens = np.zeros((batch, T), np.int32)
     for b, p in enumerate(prompts):
         tokens[b, T - len(p):] = p[-T:]
