@@ -31,13 +31,19 @@ import jax
 import jax.numpy as jnp
 
 MASKED = -1e30  # large finite negative: exp(MASKED - max) underflows to exactly 0 for any live max
+# Decode reads a prefix of the cache of at least this many slots (`prefix_lengths`): below it, the switch between
+# prefixes saves less than it costs (BUILD_NOTES.md, "Decode attention bounded by the live length").
+MIN_PREFIX = 256
 
 
 def live_mask(start, q_offset, num_queries: int, num_slots: int, sliding_window: int | None = None,
-              ring: bool = False):
-    """bool[B, T, S]: which cache indices each query may attend to (the rule in the module docstring)."""
+              ring: bool = False, num_indices: int | None = None):
+    """bool[B, T, S]: which cache indices each query may attend to (the rule in the module docstring).
+
+    `num_indices` (default all S) limits the mask to the first that many indices of the S-slot cache: a ring's
+    index-to-slot map still wraps modulo S."""
     q_slot = q_offset + jnp.arange(num_queries, dtype=jnp.int32)[:, None]  # [T, 1]
-    index = jnp.arange(num_slots, dtype=jnp.int32)[None, :]  # [1, S]
+    index = jnp.arange(num_slots if num_indices is None else num_indices, dtype=jnp.int32)[None, :]  # [1, S]
     k_slot = q_slot - (q_slot - index) % num_slots if ring else index  # [T or 1, S]: the absolute slot held
     live = (k_slot[None] >= start[:, None, None]) & (k_slot[None] <= q_slot[None])
     if sliding_window is not None:
@@ -52,7 +58,7 @@ def dequantize(x, scale):
 
 
 def attention(q, k, v, start, q_offset, *, scale: float, sliding_window: int | None = None, k_scale=None,
-              v_scale=None, ring: bool = False):
+              v_scale=None, ring: bool = False, min_prefix: int | None = MIN_PREFIX):
     """Softmax attention of T queries over S cached keys and values.
 
     Args:
@@ -60,14 +66,32 @@ def attention(q, k, v, start, q_offset, *, scale: float, sliding_window: int | N
       k, v: [B, K, S, H] keys and values, K dividing N; query head n reads KV head n // (N // K).
       start: int32[B], each sequence's first live slot.
       q_offset: int32[], the slot of the first query.
-      scale: multiplies q.k (1 / sqrt(H) for standard attention).
+      scale: multiplies q.k.
       sliding_window: if set, a query sees only the `sliding_window` most recent slots, itself included.
       k_scale, v_scale: float32[B, K, S] dequantization scales of an int8/fp8 cache, else None.
       ring: the cache is a ring buffer of S slots (module docstring).
+      min_prefix: decode (T == 1) reads only the shortest of `prefix_lengths(S, min_prefix)` that holds every
+        live index, chosen by `q_offset` at run time: the work follows the live length, not the capacity. None
+        reads all S slots (`full_attention`, the spec). The result equals the spec's (up to float32 summation
+        order), except in a row with no live key at all (uniform weights over the slots read: finite either way).
+        Over a prefix shorter than S, dead value slots are masked here and need not hold finite numbers.
 
     Returns:
       [B, T, N, H] in q's dtype.
     """
+    B, T, N, H = q.shape
+    lengths = prefix_lengths(k.shape[2], min_prefix)
+    if T > 1 or len(lengths) == 1:
+        return full_attention(q, k, v, start, q_offset, scale=scale, sliding_window=sliding_window,
+                              k_scale=k_scale, v_scale=v_scale, ring=ring)
+    qg = q.reshape(B, k.shape[1], N // k.shape[1], H)  # [B, K, G, H]
+    out = _decode_prefix(qg, k, v, start, q_offset, scale, sliding_window, k_scale, v_scale, ring, lengths)
+    return out.reshape(B, 1, N, H).astype(q.dtype)
+
+
+def full_attention(q, k, v, start, q_offset, *, scale: float, sliding_window: int | None = None, k_scale=None,
+                   v_scale=None, ring: bool = False):
+    """`attention` over every one of the S slots, dead ones masked: the plain formula, whatever T."""
     B, T, N, H = q.shape
     K, S = k.shape[1], k.shape[2]
     live = live_mask(start, q_offset, T, S, sliding_window, ring)  # [B, T, S]
@@ -82,14 +106,53 @@ def attention(q, k, v, start, q_offset, *, scale: float, sliding_window: int | N
     return out.reshape(B, T, N, H).astype(q.dtype)
 
 
+def prefix_lengths(num_slots: int, min_prefix: int | None = MIN_PREFIX) -> tuple[int, ...]:
+    """The cache prefixes a decode step may read: min_prefix x 1, 1.5, 2, 3, 4, 6, ... while below 0.8 S, then S.
+
+    Each length is at most 1.5x the one before, so a step reads at most 1.5x the slots it needs (past the first);
+    a prefix within 1.25x of S would save too little to be worth a branch (each is compiled per layer)."""
+    lengths = []
+    while min_prefix is not None and 5 * min_prefix < 4 * num_slots:
+        lengths += [n for n in (min_prefix, 3 * min_prefix // 2) if 5 * n < 4 * num_slots]
+        min_prefix *= 2
+    return (*lengths, num_slots)
+
+
+def _decode_prefix(q, k, v, start, q_offset, scale, sliding_window, k_scale, v_scale, ring, lengths):
+    """`_decode` over the shortest prefix in `lengths` holding every live index: q [B, K, G, H] -> [B, K, G, H].
+
+    Slots past the query (index q_offset + 1 on) are dead, so only the first q_offset + 1 indices can be live; in a
+    ring that has wrapped (q_offset >= S) every index can. One `lax.switch` branch per prefix length, each the
+    ordinary decode on a static slice, so XLA:CPU compiles the same fused loops (the add tree, the value
+    reduction) as for a short cache. Branch operands are the whole buffers: the in-place cache update outside is
+    not copied (tests/test_attention_live.py)."""
+    S = k.shape[2]
+    needed = jnp.minimum(q_offset + 1, S)  # indices [0, needed) hold every live slot
+    branch = jnp.sum(jnp.asarray(lengths[:-1], jnp.int32) < needed)  # the first length >= needed
+
+    def prefix(n):
+        def run(q, k, v, k_scale, v_scale, start, q_offset):
+            live = live_mask(start, q_offset, 1, S, sliding_window, ring, num_indices=n)[:, 0]  # [B, n]
+            ks, vs = (None if x is None else x[:, :, :n] for x in (k_scale, v_scale))
+            return _decode(q, k[:, :, :n], v[:, :, :n], live, scale, ks, vs, mask_values=True)
+        return run
+
+    return jax.lax.switch(branch, [prefix(n) for n in lengths], q, k, v, k_scale, v_scale, start, q_offset)
+
+
 def _softmax(scores):
     scores = scores - jnp.max(scores, axis=-1, keepdims=True)
     weights = jnp.exp(scores)
     return weights / jnp.sum(weights, axis=-1, keepdims=True)
 
 
-def _decode(q, k, v, live, scale, k_scale, v_scale):
+def _decode(q, k, v, live, scale, k_scale, v_scale, mask_values=False):
     """One query per sequence: q [B, K, G, H], live bool[B, S] -> float32 [B, K, G, H].
+
+    `mask_values` zeroes dead value slots (NaN included) before they are weighted. Only for a slice of the cache
+    inside `_decode_prefix`'s switch, where the select fuses into the copy XLA:CPU makes of the slice anyway: over
+    the whole just-updated buffer it made XLA:CPU copy the buffer (batch 3, tests/test_cache.py), which is why the
+    cache write zeroes them for the full-cache path instead.
 
     Written as broadcast-multiply-and-reduce rather than einsum on purpose. The cache buffers were just updated in
     place; a dot over them with a size-1 batch dimension (batch 1, the common decode case) goes through a bitcast
@@ -115,9 +178,13 @@ def _decode(q, k, v, live, scale, k_scale, v_scale):
         # every step (tests/test_cache.py).
         scores = _sum_minor((k[:, :, None, :, :] * q.astype(k.dtype)[:, :, :, None, :]).astype(jnp.float32))
         weights = _softmax(jnp.where(live[:, None, None, :], scores * scale, MASKED))  # [B, K, G, S]
+        if mask_values:
+            v = jnp.where(live[:, None, :, None], v, jnp.zeros((), v.dtype))
         return jnp.sum(weights.astype(v.dtype)[..., None] * v[:, :, None, :, :], axis=-2, dtype=jnp.float32)
     q = q.astype(jnp.float32)
     k, v = dequantize(k, k_scale), dequantize(v, v_scale)
+    if mask_values:
+        v = jnp.where(live[:, None, :, None], v, 0.0)
     scores = _sum_minor(k[:, :, None, :, :] * q[:, :, :, None, :]) * scale  # [B, K, G, S]
     weights = _softmax(jnp.where(live[:, None, None, :], scores, MASKED))  # [B, K, G, S]
     return jnp.sum(weights[..., None] * v[:, :, None, :, :], axis=-2)  # [B, K, G, H]
