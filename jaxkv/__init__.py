@@ -12,7 +12,9 @@ import types as _types
 
 # public name -> the module that defines it
 _EXPORTS = {
+    "CachePlan": "jaxkv.memory",
     "Config": "jaxkv.config",
+    "Decoded": "jaxkv.generate",
     "Decoder": "jaxkv.model",
     "Generation": "jaxkv.generate",
     "KVCache": "jaxkv.cache",
@@ -25,8 +27,10 @@ _EXPORTS = {
     "generate": "jaxkv.generate",
     "generate_pmap": "jaxkv.generate",
     "kv_cache_bytes": "jaxkv.memory",
+    "left_pad": "jaxkv.generate",
     "load": "jaxkv.checkpoint",
     "logits": "jaxkv.model",
+    "plan_cache": "jaxkv.memory",
     "prefill": "jaxkv.generate",
     "save": "jaxkv.checkpoint",
 }

@@ -197,7 +197,7 @@ class LoopState:
     tokens: jax.Array
 
 
-def _emit(state: LoopState, sampler, stop_ids, stream, rows, vocab_size):
+def _emit(state: LoopState, *, sampler, stop_ids, stream, rows, vocab_size):
     """Samples one token per row and updates the stop bookkeeping -> (state, int32[B] tokens to feed back).
 
     The sampler sees the first `rows` rows (the caller's own, without batch padding). A row stops after a stop
@@ -217,6 +217,9 @@ def _emit(state: LoopState, sampler, stop_ids, stream, rows, vocab_size):
     if rows is not None and rows < B:
         tokens = jnp.concatenate([tokens, jnp.zeros((B - rows,), jnp.int32)])
     running = ~state.done
+    # NaN logits mean the row's last token did not fit (a full cache, a position past the model's range; see
+    # `Decoder`): emit -1 and stop the row rather than whatever id a sampler makes of NaN.
+    tokens = jnp.where(jnp.any(jnp.isnan(state.logits), axis=-1), -1, tokens)
     valid = (tokens >= 0) & (tokens < vocab_size)
     if stream is not None:
         io_callback(stream, None, tokens, running & valid, ordered=True)
@@ -238,15 +241,18 @@ def _decode_loop(params, cache: KVCache, logits, key, sampler, stop_ids, done, s
     state = LoopState(cache=cache, logits=logits, key=key, done=done, num_new=jnp.zeros((B,), jnp.int32),
                       step=jnp.zeros((), jnp.int32), tokens=jnp.full((B, max_steps), -1, jnp.int32))
 
-    def body(state):
-        state, feed = _emit(state, sampler, stop_ids, stream, rows, config.vocab_size)
-        logits, cache = _forward(params, feed[:, None], state.cache, config=config, attention=attention, mesh=mesh)
-        return state.replace(cache=cache, logits=logits[:, 0])
+    emit = functools.partial(_emit, sampler=sampler, stop_ids=stop_ids, stream=stream, rows=rows,
+                             vocab_size=config.vocab_size)
 
-    # steps - 1 forward passes at most: the last token is sampled but never fed back.
-    state = lax.while_loop(lambda s: (s.step < steps - 1) & ~jnp.all(s.done), body, state)
-    forward_passes = state.step
-    state, _ = _emit(state, sampler, stop_ids, stream, rows, config.vocab_size)
+    def body(carry):
+        state, feed = carry
+        logits, cache = _forward(params, feed[:, None], state.cache, config=config, attention=attention, mesh=mesh)
+        return emit(state.replace(cache=cache, logits=logits[:, 0]))
+
+    # Sample, then (while a row runs and tokens are left) feed back and sample again: steps - 1 forward passes at
+    # most, the last token is never fed back, and a batch that stops at once runs none.
+    state, _ = lax.while_loop(lambda c: (c[0].step < steps) & ~jnp.all(c[0].done), body, emit(state))
+    forward_passes = state.step - 1
     tokens, num_new, done = state.tokens, state.num_new, state.done
     if mesh is not None:
         tokens, num_new, done, forward_passes = (sharding.replicated(x, mesh)
@@ -258,7 +264,8 @@ class Decoded(NamedTuple):
     """What `decode` returns.
 
     tokens:  int32[B, steps], the sampled ids; -1 after a row stopped (and after the loop ended early because
-             every row had stopped). A row's output is tokens[b, :num_new[b]].
+             every row had stopped). A row's output is tokens[b, :num_new[b]]. A -1 inside it means the row's
+             logits were NaN (its tokens no longer fit the cache or the model's positions) and stopped it there.
     num_new: int32[B], tokens emitted per row, up to and including its stop token.
     done:    bool[B], the row emitted a stop token (or an id outside the vocabulary, which also stops it).
     cache:   the cache after the loop: it holds every emitted token but the last one of each row.
@@ -543,7 +550,9 @@ def _generation(model: Model, req: _Request, out, num_new, stopped, forward_pass
     result = [out[b, : num_new[b]].tolist() for b in range(n)]
     for b, row in enumerate(result):
         bad = [t for t in row if not 0 <= t < config.vocab_size]
-        if bad:  # only a custom sampler can do this; the row was stopped there
+        if bad and bad[0] == -1:  # the row was stopped there (`_emit`)
+            raise ValueError(f"prompt {b}: the model's logits became NaN after {len(row) - 1} new tokens")
+        if bad:  # only a custom sampler can do this
             raise ValueError(f"the sampler returned token id {bad[0]} for prompt {b}, outside the vocabulary "
                              f"[0, {config.vocab_size})")
     reasons = ["stop" if stopped[b] else "length" for b in range(n)]
