@@ -168,6 +168,18 @@ def test_token_zero_is_a_real_token_not_padding():
     (dict(prompts=[[1]], max_new_tokens=2, min_p=2.0), r"min_p must be in \[0, 1\]"),
     (dict(prompts=[[1]], max_new_tokens=2, stop_tokens=[500]), r"stop token 500 is outside"),
     (dict(prompts=[[1]], max_new_tokens=2, attention="nope"), r"unknown attention implementation"),
+    (dict(prompts=[[1]], max_new_tokens=2, temperature=1.0, top_k=2**40), r"top_k must be <= 2147483647"),
+    (dict(prompts=[[1]], max_new_tokens=2, seed=2**64), r"seed must be <= 18446744073709551615"),
+    (dict(prompts=[[1]], max_new_tokens=2, seed=1.5), r"seed must be an integer"),
+    (dict(prompts=[[1]], max_new_tokens=2, temperature="0.5"), r"temperature must be a number, got '0.5'"),
+    (dict(prompts=[[1]], max_new_tokens=2, top_p=0.9), r"top_p has no effect with temperature 0"),
+    (dict(prompts=[[1]], max_new_tokens=2, top_k=5), r"top_k has no effect with temperature 0"),
+    (dict(prompts=[[1]], max_new_tokens=2, temperature=[0.0, 0.0], min_p=[0.1, None]),
+     r"temperature has 2 values, one per prompt is 1"),
+    (dict(prompts=[[1], [2]], max_new_tokens=2, temperature=[0.0, 0.0], min_p=[0.1, None]),
+     r"min_p has no effect with temperature 0"),
+    (dict(prompts=[[1]], max_new_tokens=2, max_len=10**7), r"max_len=10000000 exceeds the model's max positions"),
+    (dict(prompts=[[1]], max_new_tokens=2, max_len=257), r"exceeds the model's max positions \(256\)"),
 ])
 def test_bad_input_is_refused_before_compute(kwargs, match, monkeypatch):
     model = model_for("learned")  # max_positions 256
@@ -175,7 +187,8 @@ def test_bad_input_is_refused_before_compute(kwargs, match, monkeypatch):
     def no_compute(*a, **k):
         raise AssertionError("compute started for bad input")
 
-    monkeypatch.setattr(sys.modules["jaxkv.generate"], "prefill", no_compute)
+    for name in ("_prefill", "_decode_loop"):
+        monkeypatch.setattr(sys.modules["jaxkv.generate"], name, no_compute)
     with pytest.raises(ValueError, match=match):
         jaxkv.generate(model, **kwargs)
 
@@ -197,3 +210,67 @@ def test_write_past_the_end_cannot_overwrite_the_last_slot():
     overflow = write(dataclasses.replace(cache, length=jnp.int32(7)), marker * 2)  # slots 7, 8: does not fit
     np.testing.assert_array_equal(np.asarray(overflow.keys[0]), 0.0)  # nothing written, nothing clamped
     assert int(overflow.length) > overflow.capacity
+
+
+def test_refusal_check_sees_compute(monkeypatch):
+    """The monkeypatch above must catch compute, or the refusals prove nothing: a good call hits it."""
+
+    def no_compute(*a, **k):
+        raise AssertionError("compute started")
+
+    monkeypatch.setattr(sys.modules["jaxkv.generate"], "_prefill", no_compute)
+    with pytest.raises(AssertionError, match="compute started"):
+        jaxkv.generate(model_for("learned"), [[1]], max_new_tokens=2)
+
+
+# --- seeds ------------------------------------------------------------------------------------------------------
+
+
+def test_seeds_use_their_full_range():
+    model = model_for("gqa")
+
+    def sample(seed):
+        return jaxkv.generate(model, [[1, 2, 3]], max_new_tokens=12, temperature=3.0, seed=seed,
+                              stop_tokens=[]).tokens[0]
+
+    assert sample(5) == sample(5)
+    assert sample(5) != sample(2**32 + 5)  # once truncated to 32 bits: identical
+    assert len({tuple(sample(s)) for s in (2**63, 2**64 - 1, 7, 2**33)}) == 4
+    assert sample(-1) == sample(2**64 - 1)  # seeds are taken modulo 2**64 (two's complement for negatives)
+    # Small seeds keep jax.random.PRNGKey's key, so earlier results reproduce.
+    from jaxkv.generate import _key
+
+    np.testing.assert_array_equal(_key(12345), np.asarray(jax.random.PRNGKey(12345)))
+
+
+# --- capacity, positions and the planner ------------------------------------------------------------------------
+
+
+def test_default_capacity_never_exceeds_max_positions():
+    model = jaxkv.Model.random(CONFIGS["gqa"].replace(max_positions=100), seed=0)
+    out = jaxkv.generate(model, [[1] * 60], max_new_tokens=40, stop_tokens=[])
+    assert out.stats["cache_capacity"] <= 100 and len(out.tokens[0]) == 40
+
+
+@pytest.mark.parametrize("lengths, max_new_tokens", [([12, 37], 8), ([5, 9, 3], 20), ([1, 2, 3, 4, 5], 3)])
+@pytest.mark.parametrize("cache_dtype", [None, "int8"])
+def test_planner_equals_the_allocation(lengths, max_new_tokens, cache_dtype):
+    """The README's claim, with ragged prompts and odd batch sizes: kv_cache_bytes is what the call asks for,
+    plan_cache what generate allocates, and Generation.stats reports both."""
+    model = model_for("gqa")
+    prompts = [list(range(1, n + 1)) for n in lengths]
+    out = jaxkv.generate(model, prompts, max_new_tokens=max_new_tokens, cache_dtype=cache_dtype, stop_tokens=[])
+    plan = jaxkv.plan_cache(model.config, lengths, max_new_tokens, cache_dtype=cache_dtype)
+    s = out.stats
+    assert s["kv_cache_bytes"] == plan.allocated_bytes
+    assert s["kv_cache_bytes"] == jaxkv.kv_cache_bytes(model.config, tokens=plan.capacity, batch=plan.padded_batch,
+                                                       cache_dtype=cache_dtype)
+    requested = jaxkv.kv_cache_bytes(model.config, tokens=max(lengths) + max_new_tokens, batch=len(lengths),
+                                     cache_dtype=cache_dtype)
+    assert s["kv_cache_bytes_requested"] == plan.requested_bytes == requested
+    # With max_len, the capacity is exactly what was asked for; only the batch is padded.
+    exact = jaxkv.generate(model, prompts, max_new_tokens=max_new_tokens, cache_dtype=cache_dtype, stop_tokens=[],
+                           max_len=max(lengths) + max_new_tokens)
+    assert exact.stats["kv_cache_bytes"] == jaxkv.kv_cache_bytes(
+        model.config, tokens=max(lengths) + max_new_tokens, batch=plan.padded_batch, cache_dtype=cache_dtype)
+    assert exact.tokens == out.tokens

@@ -289,3 +289,18 @@ def test_readme_research_loop_runs():
     model, prompts, outputs = scope["model"], scope["prompts"], scope["outputs"]
     want = jaxkv.generate(model, prompts, max_new_tokens=scope["max_new_tokens"]).tokens
     assert outputs == want
+
+
+def test_decode_argument_errors_are_clear():
+    model = model_for("gqa")
+    logits, cache = _prefill(model, 32)
+    with pytest.raises(ValueError, match="steps must be >= 1"):
+        _greedy_decode(model, logits, cache, 0)
+    with pytest.raises(ValueError, match="stop_ids must be integer token ids"):
+        _greedy_decode(model, logits, cache, 2, stop_ids=[0.5])
+    with pytest.raises(ValueError, match="logits must be float32"):
+        _greedy_decode(model, logits[:, :5], cache, 2)
+    with pytest.raises(ValueError, match="tokens has 3 rows, the cache has 1"):
+        jaxkv.decode_step(model.params, jnp.zeros((3,), jnp.int32), cache, config=model.config)
+    out = _greedy_decode(model, logits, cache, 3, stop_ids=(5, 6))  # a tuple of ids is fine too
+    assert out.tokens.shape == (1, 3)
