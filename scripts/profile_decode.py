@@ -32,6 +32,7 @@ from jaxkv.bench import decode_inputs
 from jaxkv.cache import check_cache_dtype
 from jaxkv.checkpoint import cast
 from jaxkv.config import PRESETS
+from jaxkv.generate import _decode_args as decode_loop_args
 from jaxkv.generate import decode
 
 _HLO_DEF = re.compile(r"\s*(?:ROOT )?%(\S+) = (\S+) (\S+?)\((.*)")
@@ -70,20 +71,23 @@ def profile(args) -> dict:
     cache_dtype = args.cache_dtype or args.dtype
     B = args.batch
 
-    def inputs():  # decode donates the cache: fresh inputs for every call
-        return decode_inputs(config, B, args.live, args.capacity, cache_dtype)
+    def inputs():  # decode donates the cache: fresh inputs for every call, as the compiled loop takes them
+        call, _ = decode_loop_args(model.params, *decode_inputs(config, B, args.live, args.capacity, cache_dtype),
+                                   config=config, steps=args.steps + 1, attention="xla")
+        return call
 
     # One compile: the HLO it prints is the executable that runs.
-    compiled = decode.lower(model.params, *inputs(), config=config, steps=args.steps + 1, attention="xla").compile()
+    compiled = decode.lower(model.params, *decode_inputs(config, B, args.live, args.capacity, cache_dtype),
+                            config=config, steps=args.steps + 1, attention="xla").compile()
     hlo = compiled.as_text()
-    jax.block_until_ready(compiled(model.params, *inputs()))  # warm up
+    jax.block_until_ready(compiled(*inputs()))  # warm up
 
     with tempfile.TemporaryDirectory() as trace_dir:
         call_inputs = inputs()
         jax.block_until_ready(call_inputs)
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             t0 = time.perf_counter()
-            jax.block_until_ready(compiled(model.params, *call_inputs))
+            jax.block_until_ready(compiled(*call_inputs))
             wall = time.perf_counter() - t0
         traces = list(pathlib.Path(trace_dir).rglob("*.trace.json.gz"))
         if not traces:
