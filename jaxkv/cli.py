@@ -322,6 +322,8 @@ def _memory(args) -> dict:
             "bytes_per_sequence": memory.kv_cache_bytes(geometry, tokens=args.tokens, cache_dtype=cache_dtype),
             "total_bytes": total,
             "total_gib": total / memory.GIB,
+            "allocated_bytes": memory.allocated_bytes(geometry, tokens=args.tokens, batch=args.batch,
+                                                      cache_dtype=cache_dtype),
             "sequences_fit": None if hbm is None else memory.sequences_that_fit(
                 geometry, tokens=args.tokens, memory_bytes=hbm, weights_bytes=weights, cache_dtype=cache_dtype),
         })
@@ -331,6 +333,7 @@ def _memory(args) -> dict:
         "dtype": geometry.dtype, "sliding_window": geometry.sliding_window,
         "param_count": model.param_count() if isinstance(model, Config) else None,
         "tokens": args.tokens, "batch": args.batch, "slots": memory.cache_slots(geometry, args.tokens),
+        "padded_batch": memory._next_pow2(args.batch),
         "hbm_bytes": hbm, "weights_bytes": weights, "weights_fit": None if hbm is None else weights <= hbm,
         "rows": rows,
     }
@@ -395,13 +398,16 @@ def _print_memory(result: dict):
         else:
             print(f"the weights alone ({weights:,} bytes, {_gib(weights)}) do not fit in the memory ({hbm:,} bytes, "
                   f"{_gib(hbm)}): no sequence fits")
-    headers = ["cache dtype", "bytes/token", "bytes/sequence", "total bytes", "total GiB"]
+    print(f"total: the cache for exactly these sequences; allocated: what jaxkv.generate allocates for them with "
+          f"max_len={result['tokens']:,} (batch padded to {result['padded_batch']:,} rows; without max_len the "
+          f"capacity is padded to a power of two too: jaxkv.plan_cache)")
+    headers = ["cache dtype", "bytes/token", "bytes/sequence", "total bytes", "total GiB", "allocated bytes"]
     if hbm is not None:
         headers.append("sequences that fit")
     table = [headers]
     for row in result["rows"]:
         cells = [row["cache_dtype"], f"{row['bytes_per_token']:,}", f"{row['bytes_per_sequence']:,}",
-                 f"{row['total_bytes']:,}", f"{row['total_gib']:,.4f}"]
+                 f"{row['total_bytes']:,}", f"{row['total_gib']:,.4f}", f"{row['allocated_bytes']:,}"]
         if hbm is not None:
             cells.append(f"{row['sequences_fit']:,}")
         table.append(cells)

@@ -126,6 +126,14 @@ def kv_cache_bytes(config: Config | CacheGeometry, *, tokens: int, batch: int = 
     return batch * cache_slots(config, tokens) * kv_bytes_per_token(config, cache_dtype)
 
 
+def allocated_bytes(config: Config | CacheGeometry, *, tokens: int, batch: int = 1, cache_dtype=None) -> int:
+    """Bytes `jaxkv.generate(..., max_len=tokens)` allocates for `batch` prompts: `kv_cache_bytes` with the batch
+    padded to a power of two (generate's filler rows, so batch sizes share compiled shapes). Without max_len the
+    capacity is padded too: `plan_cache` gives that layout."""
+    _positive_int("batch", batch)
+    return kv_cache_bytes(config, tokens=tokens, batch=_next_pow2(batch), cache_dtype=cache_dtype)
+
+
 def weight_bytes(config: Config, dtype: str | None = None) -> int:
     """Bytes of the model's parameters: parameter count x bytes per element of `dtype` (None: config.dtype)."""
     if not isinstance(config, Config):

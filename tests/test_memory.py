@@ -165,13 +165,15 @@ FLAGS_13B = ["--layers", "40", "--kv-heads", "40", "--head-dim", "128", "--dtype
 
 def test_flags_print_the_classic_figures(capsys):
     out = run(capsys, *FLAGS_13B, "--tokens", "2048")
-    # cache dtype, bytes/token, bytes/sequence, total bytes, total GiB
-    assert table_row(out, "float16") == ["float16", "819,200", "1,677,721,600", "1,677,721,600", "1.5625"]
-    assert table_row(out, "int8") == ["int8", "422,400", "865,075,200", "865,075,200", "0.8057"]
+    # cache dtype, bytes/token, bytes/sequence, total bytes, total GiB, allocated bytes (batch 1: no padding)
+    assert table_row(out, "float16") == ["float16", "819,200", "1,677,721,600", "1,677,721,600", "1.5625",
+                                         "1,677,721,600"]
+    assert table_row(out, "int8") == ["int8", "422,400", "865,075,200", "865,075,200", "0.8057", "865,075,200"]
     assert [line.split()[0] for line in out.splitlines()[-5:]] == list(memory.CACHE_DTYPES)
     out = run(capsys, "--layers", "40", "--kv-heads", "8", "--head-dim", "128", "--dtype", "float16",
               "--cache-dtype", "float16", "--batch", "2")
-    assert table_row(out, "float16") == ["float16", "163,840", "335,544,320", "671,088,640", "0.6250"]
+    assert table_row(out, "float16") == ["float16", "163,840", "335,544,320", "671,088,640", "0.6250",
+                                         "671,088,640"]
     assert "int8" not in out
 
 
@@ -194,6 +196,21 @@ def test_model_tiny_reads_only_its_config(capsys):
         rows = {r["cache_dtype"]: r["total_bytes"] for r in result["rows"]}
         assert rows == {d: jaxkv.kv_cache_bytes(config, tokens=100, batch=2, cache_dtype=d)
                         for d in memory.CACHE_DTYPES}
+
+
+@pytest.mark.parametrize("batch, cache_dtype", [(3, "float32"), (5, "int8")])
+def test_allocated_column_is_what_generate_allocates(capsys, batch, cache_dtype):
+    """jaxkv memory reports both figures: the cache these sequences need and what generate allocates for them
+    (max_len = --tokens, the batch padded): checked against a real generate call with odd batch sizes."""
+    model = jaxkv.load("tiny")
+    result = run_json(capsys, "--model", "tiny", "--tokens", "40", "--batch", str(batch), "--cache-dtype",
+                      cache_dtype)
+    (row,) = result["rows"]
+    prompts = [[65 + b] * (3 + 7 * b) for b in range(batch)]  # ragged; the longest plus new tokens is <= 40
+    out = jaxkv.generate(model, prompts, max_new_tokens=40 - max(map(len, prompts)), max_len=40,
+                         cache_dtype=cache_dtype, stop_tokens=[])
+    assert row["allocated_bytes"] == out.stats["kv_cache_bytes"] > row["total_bytes"]
+    assert row["total_bytes"] == out.stats["kv_cache_bytes_requested"]
 
 
 def test_hugging_face_config(tmp_path, capsys):
