@@ -207,7 +207,14 @@ class Model:
         return cls(config=config, params=init_params(config, seed))
 
     def apply(self, tokens, positions, cache=None, **kwargs):
-        """`Decoder(config).apply` with this model's parameters; see `Decoder.__call__`."""
+        """`Decoder(config).apply` with this model's parameters; see `Decoder.__call__`.
+
+        Called eagerly with a cache whose length is a concrete value, a chunk that does not fit is a ValueError
+        before compute; under jit (a traced length) the overflow shows as NaN logits and `cache.overflowed`."""
+        if cache is not None and not cache.ring and not isinstance(cache.length, jax.core.Tracer):
+            T, length = np.shape(tokens)[1], int(cache.length)
+            if length + T > cache.capacity:
+                raise ValueError(f"cannot write {T} tokens at slot {length} of a cache of {cache.capacity} slots")
         return Decoder(self.config).apply({"params": self.params}, tokens, positions, cache, **kwargs)
 
 

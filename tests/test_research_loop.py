@@ -98,11 +98,14 @@ def test_apply_with_a_chunk_that_does_not_fit():
     model = model_for("gqa")
     cache = jaxkv.KVCache.allocate(model.config, 1, 8)
     tokens = jnp.ones((1, 9), jnp.int32)
-    with pytest.raises(ValueError, match="cannot write 9 tokens into a cache of 8 slots"):
+    with pytest.raises(ValueError, match="cannot write 9 tokens"):
         model.apply(tokens, cache.positions(9), cache)
     logits, cache = model.apply(tokens[:, :6], cache.positions(6), cache)
     assert np.isfinite(np.asarray(logits)).all()
-    logits, cache = model.apply(tokens[:, :3], cache.positions(3), cache)  # 6 + 3 > 8
+    with pytest.raises(ValueError, match="cannot write 3 tokens at slot 6 of a cache of 8 slots"):
+        model.apply(tokens[:, :3], cache.positions(3), cache)  # eager: the length is known
+    # Under jit the length is traced: NaN logits and a visible overflow instead.
+    logits, cache = jax.jit(lambda c, t: model.apply(t, c.positions(3), c))(cache, tokens[:, :3])
     assert np.isnan(np.asarray(logits)).all() and bool(cache.overflowed)
 
 
