@@ -22,6 +22,7 @@ from jax.sharding import Mesh
 
 from jaxkv import attention as attention_impls
 from jaxkv import sharding
+from jaxkv.attention.reference import masks_dead_values
 from jaxkv.cache import KVCache
 from jaxkv.config import Config
 from jaxkv.layers import Mlp, Norm, apply_rope, fan_in_init, linear, rope_angles
@@ -64,7 +65,11 @@ class Attention(nn.Module):
                 # the allocation or finite padding K/V: nothing to zero.)
                 cache = cache.write_prompt(self.layer, k, v)
             else:
-                cache = cache.write(self.layer, k, v, zero_dead_values=attention_impls.resolve(attention) == "xla")
+                # The XLA path needs dead value slots finite (0 x NaN is NaN): zeroed by the write, unless the
+                # attention masks them itself (its live-prefix switch does).
+                zero = (attention_impls.resolve(attention) == "xla"
+                        and not masks_dead_values(cache.capacity, k.shape[2]))
+                cache = cache.write(self.layer, k, v, zero_dead_values=zero)
                 k, v = cache.keys[self.layer], cache.values[self.layer]
                 (k_scale, v_scale), ring = cache.scales(self.layer), cache.ring
         attend = attention_impls.get(attention)

@@ -83,14 +83,16 @@ def test_prefix_path_equals_the_full_masked_formula(name):
         np.testing.assert_allclose(got[rows], want[rows], atol=ATOL, rtol=RTOL, err_msg=f"live length {live_len}")
 
 
+@pytest.mark.parametrize("live_len", [15, 38])  # prefix 16 (slot 15 dead), and the whole cache (slot 38, 39 dead)
 @pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16", "int8"])
-def test_prefix_path_masks_dead_values_itself(cache_dtype):
-    """Dead value slots (and value scales) inside the prefix read may hold NaN: the prefix path masks them, so it
-    equals the spec on a cache whose dead values are zero."""
+def test_prefix_path_masks_dead_values_itself(cache_dtype, live_len):
+    """Dead value slots (and value scales) may hold NaN: every branch of the prefix path masks them (so the cache
+    write skips its zeroing pass), so it equals the spec on a cache whose dead values are zero."""
+    assert reference.masks_dead_values(S, 1, MIN_PREFIX) and not reference.masks_dead_values(S, 2, MIN_PREFIX)
     rng = np.random.default_rng(7)
     q = jnp.asarray(rng.normal(size=(B, 1, N, H)), jnp.float32)
     k, v, ks, vs = _cache(cache_dtype, rng)
-    start, q_offset = jnp.asarray([0, 4], jnp.int32), jnp.int32(14)  # prefix 16: slots 15 and rows' padding dead
+    start, q_offset = jnp.asarray([0, 4], jnp.int32), jnp.int32(live_len - 1)  # row 1's padding dead too
     live = np.asarray(reference.live_mask(start, q_offset, 1, S)[:, 0])[:, None, :, None]
     nan_v = v if v.dtype == jnp.int8 else jnp.where(live, v, jnp.asarray(np.nan, v.dtype))
     nan_vs = None if vs is None else jnp.where(live[..., 0], vs, jnp.nan)
