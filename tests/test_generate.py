@@ -253,8 +253,8 @@ def test_default_capacity_never_exceeds_max_positions():
     assert out.stats["cache_capacity"] <= 100 and len(out.tokens[0]) == 40
 
 
-@pytest.mark.parametrize("lengths, max_new_tokens", [([12, 37], 8), ([5, 9, 3], 20), ([1, 2, 3, 4, 5], 3)])
-@pytest.mark.parametrize("cache_dtype", [None, "int8"])
+@pytest.mark.parametrize("lengths, max_new_tokens, cache_dtype", [([12, 37], 8, None), ([5, 9, 3], 20, "int8"),
+                                                                  ([1, 2, 3, 4, 5], 3, None)])
 def test_planner_equals_the_allocation(lengths, max_new_tokens, cache_dtype):
     """The README's claim, with ragged prompts and odd batch sizes: kv_cache_bytes is what the call asks for,
     plan_cache what generate allocates, and Generation.stats reports both."""
