@@ -1,0 +1,74 @@
+"""Paged attention in plain jax.numpy: the specification the paged Pallas kernel is tested against.
+
+A paged cache (`jaxkv.paged_cache.PagedKVCache`) keeps each layer's keys and values in a pool of pages,
+`[P, K, page_size, H]` (letters as in `jaxkv.shapes`; P pages). Sequence b's token slot s lives in page
+`page_table[b, s // page_size]` at offset `s % page_size`; sequences that share a prefix share its pages. Sequence
+b holds `lengths[b]` slots, [0, lengths[b]); there is no left padding, every sequence starts at slot (and position)
+0. A query in slot q of sequence b may attend to key slot s when
+
+    s <= q and s < lengths[b]                (written, and not in the future)
+    and q - s < sliding_window               (if there is a window)
+
+Page-table entries a sequence does not use are -1 and never read for a live slot. Pages past a sequence's length
+(free pages, another sequence's pages, a partly written last page) may hold anything, NaN included: dead keys are
+masked with a finite negative and dead values are selected away (never multiplied by a zero weight, 0 x NaN = NaN).
+Quantized pools (int8, float8_e4m3fn) pass `k_scale`, `v_scale` [P, K, page_size] and are dequantized as read.
+Computes in float32 whatever the pool dtype.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jaxkv.attention.reference import MASKED, _softmax, dequantize
+
+
+def gather_pages(pages, page_table):
+    """A pool [P, K, page_size, ...] read through a page table int32[B, M] -> [B, K, M * page_size, ...]: each
+    sequence's slots in order. Entries of -1 read page 0 (whatever it holds is masked by the caller)."""
+    B, M = page_table.shape
+    g = pages[jnp.maximum(page_table, 0)]  # [B, M, K, page_size, ...]
+    g = jnp.moveaxis(g, 2, 1)  # [B, K, M, page_size, ...]
+    return g.reshape(B, g.shape[1], M * g.shape[3], *g.shape[4:])
+
+
+def live_mask(lengths, q_slots, num_slots: int, sliding_window: int | None = None):
+    """bool[B, T, S]: which of a sequence's S slots the query in slot q_slots[b, t] may attend to."""
+    s = jnp.arange(num_slots, dtype=jnp.int32)[None, None, :]  # [1, 1, S]
+    q = q_slots[:, :, None]  # [B, T, 1]
+    live = (s <= q) & (s < lengths[:, None, None])
+    if sliding_window is not None:
+        live &= s > q - sliding_window
+    return live
+
+
+def paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale: float,
+                    sliding_window: int | None = None, k_scale=None, v_scale=None):
+    """Softmax attention of T queries per sequence over the sequence's pages.
+
+    Args:
+      q: [B, T, N, H] queries; query t of sequence b sits in slot q_slots[b, t].
+      k_pages, v_pages: [P, K, page_size, H] pools, K dividing N; query head n reads KV head n // (N // K).
+      page_table: int32[B, M], the pages of each sequence in slot order (-1: none).
+      lengths: int32[B], slots written per sequence (the queries' own K/V included).
+      q_slots: int32[B, T].
+      scale: multiplies q.k.
+      sliding_window: if set, a query sees only the `sliding_window` most recent slots, itself included.
+      k_scale, v_scale: float32[P, K, page_size] scales of an int8/fp8 pool, else None.
+
+    Returns:
+      [B, T, N, H] in q's dtype. A query with no live slot gets a uniform average of zeros: finite.
+    """
+    B, T, N, H = q.shape
+    K = k_pages.shape[1]
+    k = dequantize(gather_pages(k_pages, page_table), None if k_scale is None else gather_pages(k_scale, page_table))
+    v = dequantize(gather_pages(v_pages, page_table), None if v_scale is None else gather_pages(v_scale, page_table))
+    live = live_mask(lengths, q_slots, k.shape[2], sliding_window)  # [B, T, S]
+    written = jnp.any(live, axis=1)  # [B, S]: some query reads the slot
+    v = jnp.where(written[:, None, :, None], v, 0.0)  # dead values selected away, NaN included
+    k = jnp.where(written[:, None, :, None], k, 0.0)
+    qg = q.astype(jnp.float32).reshape(B, T, K, N // K, H)  # [B, T, K, G, H]
+    scores = jnp.einsum("btkgh,bksh->bkgts", qg, k) * scale  # [B, K, G, T, S]
+    weights = _softmax(jnp.where(live[:, None, None], scores, MASKED))
+    out = jnp.einsum("bkgts,bksh->btkgh", weights, v)  # [B, T, K, G, H]
+    return out.reshape(B, T, N, H).astype(q.dtype)
