@@ -22,9 +22,11 @@ from jax.sharding import Mesh
 
 from jaxkv import attention as attention_impls
 from jaxkv import sharding
+from jaxkv.attention import paged_reference
 from jaxkv.attention.reference import masks_dead_values
 from jaxkv.cache import KVCache
 from jaxkv.config import Config
+from jaxkv.paged_cache import PagedKVCache
 from jaxkv.layers import Mlp, Norm, apply_rope, fan_in_init, linear, rope_angles
 
 
@@ -39,7 +41,8 @@ class Attention(nn.Module):
 
         With a cache, the queries sit in slots [cache.length, cache.length + T) and attend over the cache (with
         `prefill`, the cache is empty and they attend over each other); without, they sit in slots [0, T) and
-        attend over each other.
+        attend over each other. With a `PagedKVCache`, `start` is instead bool[B, T], the tokens to store (right
+        padding is not), and the queries sit in each row's own slots [lengths[b], lengths[b] + T).
         """
         cfg = self.config
         D, N, K, H = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -57,7 +60,9 @@ class Attention(nn.Module):
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, H], the cache layout
         q_offset, k_scale, v_scale, ring = jnp.zeros((), jnp.int32), None, None, False
-        if cache is not None:
+        if isinstance(cache, PagedKVCache):
+            out, cache = self._paged(q, k, v, cache, start, prefill, attention)
+        elif cache is not None:
             q_offset = cache.length
             if prefill:
                 # An empty cache: the prompt attends over its own fresh (unquantized) K/V, O(T^2), whatever the
@@ -72,16 +77,51 @@ class Attention(nn.Module):
                 cache = cache.write(self.layer, k, v, zero_dead_values=zero)
                 k, v = cache.keys[self.layer], cache.values[self.layer]
                 (k_scale, v_scale), ring = cache.scales(self.layer), cache.ring
-        attend = attention_impls.get(attention)
-        if self.mesh is not None and attention_impls.resolve(attention) == "pallas":
-            attend = sharding.shard_attention(attend, self.mesh)
-        out = attend(q, k, v, start, q_offset, scale=1.0 / math.sqrt(H), sliding_window=cfg.sliding_window,
-                     k_scale=k_scale, v_scale=v_scale, ring=ring)  # [B, T, N, H]
+        if not isinstance(cache, PagedKVCache):
+            attend = attention_impls.get(attention)
+            if self.mesh is not None and attention_impls.resolve(attention) == "pallas":
+                attend = sharding.shard_attention(attend, self.mesh)
+            out = attend(q, k, v, start, q_offset, scale=1.0 / math.sqrt(H), sliding_window=cfg.sliding_window,
+                         k_scale=k_scale, v_scale=v_scale, ring=ring)  # [B, T, N, H]
         wo = self.param("wo", fan_in_init(N * H), (D, N, H), dtype)
         y = linear(out.reshape(*out.shape[:2], N * H), wo.reshape(D, N * H))  # [B, T, D]
         if cfg.out_bias:
             y = y + self.param("wo_bias", nn.initializers.zeros, (D,), dtype)
         return y, cache
+
+    def _paged(self, q, k, v, cache, valid, prefill, attention: str):
+        """Writes k, v [B, K, T, H] (the `valid` tokens) through the page table and attends -> ([B, T, N, H], cache).
+
+        Prefill (an empty cache, right-padded prompts): the prompt attends over its own fresh K/V, causally, as
+        for the contiguous cache; padding comes after every real token, so no real token sees it. Otherwise the
+        queries attend over their rows' pages, their own K/V included."""
+        cfg = self.config
+        scale = 1.0 / math.sqrt(cfg.head_dim)
+        cache = cache.write(self.layer, k, v, valid)
+        name = attention_impls.resolve(attention)
+        if self.mesh is not None:
+            raise NotImplementedError("a paged cache is not supported on a mesh yet")
+        if prefill:
+            zero = jnp.zeros((q.shape[0],), jnp.int32)
+            out = attention_impls.get(name)(q, k, v, zero, jnp.zeros((), jnp.int32), scale=scale,
+                                            sliding_window=cfg.sliding_window)
+            return out, cache
+        lengths = cache.lengths + jnp.sum(valid, axis=1, dtype=jnp.int32)  # this chunk's own slots included
+        k_scale, v_scale = cache.scales(self.layer)
+        pools = (cache.keys[self.layer], cache.values[self.layer], cache.page_table, lengths)
+        if name == "pallas":
+            if q.shape[1] != 1:
+                raise NotImplementedError("the Pallas paged kernel decodes one token per sequence; a longer chunk "
+                                          "over a paged cache needs attention='xla'")
+            from jaxkv.attention import pallas
+
+            out = pallas.paged_attention(q, *pools, cache.positions(1), scale=scale, sliding_window=cfg.sliding_window,
+                                         k_scale=k_scale, v_scale=v_scale)
+        else:
+            out = paged_reference.paged_attention(q, *pools, cache.positions(q.shape[1]), scale=scale,
+                                                  sliding_window=cfg.sliding_window, k_scale=k_scale,
+                                                  v_scale=v_scale)
+        return out, cache
 
 
 class Block(nn.Module):
@@ -140,20 +180,32 @@ class Decoder(nn.Module):
             rope = rope_angles(positions, cfg)
         x = jnp.where(real[..., None], x, jnp.zeros((), x.dtype))
 
-        # Without a cache, padding must be on the left (as generate lays it out): the first real token's index.
-        start = jnp.sum(~real, axis=1, dtype=jnp.int32) if cache is None else cache.start  # [B]
+        paged = isinstance(cache, PagedKVCache)
+        if paged:
+            # Each row writes its real tokens at its own slots; pages for them first (a row that finds none is
+            # marked overflowed and poisoned below).
+            cache = cache.reserve(jnp.sum(real, axis=1, dtype=jnp.int32))
+            start = real  # [B, T]: what Attention stores
+        else:
+            # Without a cache, padding must be on the left (as generate lays it out): the first real token's index.
+            start = jnp.sum(~real, axis=1, dtype=jnp.int32) if cache is None else cache.start  # [B]
         # Rows whose result would be plausible garbage get NaN logits instead (below): a position past the
         # model's range (learned tables would clamp it), or a write past a plain cache's end (dropped by
         # `KVCache.write`). Sizes known at trace time were refused before this point.
         poisoned = jnp.any(positions >= cfg.max_positions, axis=1)  # [B]
-        if cache is not None and not cache.ring:
+        if paged:
+            poisoned |= cache.overflowed
+        elif cache is not None and not cache.ring:
             poisoned |= cache.length + T > cache.capacity
         for layer in range(cfg.n_layers):
             x, cache = Block(cfg, layer, self.mesh, name=f"layer_{layer}")(x, rope, cache, start, prefill, attention)
         if cache is not None:
-            cache = cache.advance(T)
+            cache = cache.advance(jnp.sum(real, axis=1, dtype=jnp.int32) if paged else T)
 
-        if last_only:
+        if last_only and paged:  # right padding: each row's last real token
+            last = T - 1 - jnp.argmax(real[:, ::-1], axis=1)  # [B]
+            x = jnp.take_along_axis(x, last[:, None, None], axis=1)  # [B, 1, D]
+        elif last_only:  # left padding (or none): the last column
             x = x[:, -1:]
         x = Norm(cfg, name="final_norm")(x)
         if cfg.tie_embeddings:
@@ -216,7 +268,7 @@ class Model:
 
         Called eagerly with a cache whose length is a concrete value, a chunk that does not fit is a ValueError
         before compute; under jit (a traced length) the overflow shows as NaN logits and `cache.overflowed`."""
-        if cache is not None and not cache.ring and not isinstance(cache.length, jax.core.Tracer):
+        if isinstance(cache, KVCache) and not cache.ring and not isinstance(cache.length, jax.core.Tracer):
             T, length = np.shape(tokens)[1], int(cache.length)
             if length + T > cache.capacity:
                 raise ValueError(f"cannot write {T} tokens at slot {length} of a cache of {cache.capacity} slots")

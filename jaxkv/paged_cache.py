@@ -1,0 +1,251 @@
+"""The paged KV cache: a pool of fixed-size pages shared by reference, a page table per sequence, refcounts.
+
+Why pages. A contiguous cache gives every sequence a private stretch of S slots and one shared write position, so
+nothing can be shared: 16 samples of one prompt store the prompt's K/V 16 times. Here each layer's keys and
+values live in a pool of P pages of `page_size` token slots ([P, K, page_size, H], letters as in `jaxkv.shapes`),
+and a sequence is a row of a page table naming its pages in slot order. Sequences that share a prefix name the
+same pages; a page's reference count is the number of table entries naming it, and a page with count 0 is free.
+
+  keys, values    L x [P, K, page_size, H]     the pools (int8/fp8 pools: L x float32[P, K, page_size] scales)
+  page_table      int32[B, M]                   page of slot s of sequence b: page_table[b, s // page_size]; -1: none
+  lengths         int32[B]                      slots written per sequence: its next token goes to slot lengths[b]
+  refcounts       int32[P]                      table entries naming each page
+  overflowed      bool[B]                       a write found no free page (sticky): that row's output is poisoned
+
+No left padding: every sequence starts at slot and position 0 and writes at its own position. Everything is a
+device array of fixed shape in one registered pytree, so the cache goes through `jit`, `lax.scan` /
+`lax.while_loop` and donation like `KVCache`, and every operation here is a pure, jittable function:
+
+  reserve(num_new)   pages for each row's next num_new[b] slots, taken from the free pages (lowest index first)
+  write(layer, ...)  K/V of new tokens into their slots, through the page table (a scatter; dropped if no page)
+  advance(num_new)   lengths += num_new
+  fork(parents)      a new batch whose row i continues sequence parents[i]: the table rows are gathered and the
+                     counts adjusted; the partly filled last page of a sequence is copied (copy-on-write) for every
+                     row but the first that continues it, so no write ever lands in a page another row reads
+  release(rows)      drops the rows' pages (count - 1) and empties them
+
+Running out of pages. The host refuses a call whose need it knows before any compute (`jaxkv.memory`). Inside a
+compiled loop, a row that needs a page when none is free gets none: its writes are dropped (a scatter to an
+out-of-range page), `overflowed[b]` turns true and the decoder gives that row NaN logits. Other rows' pages are never
+touched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv.cache import check_cache_dtype, quantize
+from jaxkv.config import Config
+from jaxkv.memory import QUANTIZED
+
+NO_PAGE = -1
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["keys", "values", "page_table", "lengths", "refcounts", "overflowed", "key_scales",
+                                "value_scales"],
+                   meta_fields=["page_size"])
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache:
+    keys: tuple[jax.Array, ...]  # L x [P, K, page_size, H]
+    values: tuple[jax.Array, ...]  # L x [P, K, page_size, H]
+    page_table: jax.Array  # int32[B, M]
+    lengths: jax.Array  # int32[B]
+    refcounts: jax.Array  # int32[P]
+    overflowed: jax.Array  # bool[B]
+    key_scales: tuple[jax.Array, ...] = ()  # L x float32[P, K, page_size] for int8/fp8 pools, else empty
+    value_scales: tuple[jax.Array, ...] = ()
+    page_size: int = 16  # static
+
+    @classmethod
+    def allocate(cls, config: Config, batch: int, *, num_pages: int, page_size: int, max_len: int,
+                 dtype=None) -> "PagedKVCache":
+        """An empty cache: `num_pages` free pages of `page_size` slots per layer, `batch` empty sequences of at most
+        `max_len` slots each (M = ceil(max_len / page_size) table entries); `dtype` one of CACHE_DTYPES (default
+        config.dtype)."""
+        name = check_cache_dtype(dtype or config.dtype)
+        shape = (num_pages, config.n_kv_heads, page_size, config.head_dim)
+        L = config.n_layers
+        # Every buffer distinct: all may be donated, and one buffer cannot be donated twice.
+        keys = tuple(jnp.zeros(shape, name) for _ in range(L))
+        values = tuple(jnp.zeros(shape, name) for _ in range(L))
+        scales = lambda: tuple(jnp.zeros(shape[:3], jnp.float32) for _ in range(L)) if name in QUANTIZED else ()
+        M = -(-max_len // page_size)
+        return cls(keys=keys, values=values, page_table=jnp.full((batch, M), NO_PAGE, jnp.int32),
+                   lengths=jnp.zeros((batch,), jnp.int32), refcounts=jnp.zeros((num_pages,), jnp.int32),
+                   overflowed=jnp.zeros((batch,), bool), key_scales=scales(), value_scales=scales(),
+                   page_size=page_size)
+
+    # --- shapes -------------------------------------------------------------------------------------------------
+
+    @property
+    def dtype(self) -> str:
+        return self.keys[0].dtype.name
+
+    @property
+    def quantized(self) -> bool:
+        return bool(self.key_scales)
+
+    @property
+    def batch(self) -> int:
+        return self.page_table.shape[0]
+
+    @property
+    def num_pages(self) -> int:
+        return self.keys[0].shape[0]
+
+    @property
+    def capacity(self) -> int:
+        """Slots one sequence can hold: table entries x page size."""
+        return self.page_table.shape[1] * self.page_size
+
+    def scales(self, layer: int):
+        if not self.quantized:
+            return None, None
+        return self.key_scales[layer], self.value_scales[layer]
+
+    def nbytes(self) -> int:
+        """Bytes of the pools (keys, values and scales): what `jaxkv.memory` predicts for a paged pool."""
+        return sum(a.size * a.dtype.itemsize
+                   for a in (*self.keys, *self.values, *self.key_scales, *self.value_scales))
+
+    def pages_in_use(self) -> jax.Array:
+        """int32[]: pages some sequence holds."""
+        return jnp.sum(self.refcounts > 0, dtype=jnp.int32)
+
+    def positions(self, num_tokens: int) -> jax.Array:
+        """int32[B, T]: position ids of the next `num_tokens` tokens of each sequence (its slots)."""
+        return self.lengths[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
+
+    # --- page bookkeeping ---------------------------------------------------------------------------------------
+
+    def _count(self, table, sign: int, refcounts):
+        """refcounts + sign for every page named in `table` (any shape; -1 entries ignored)."""
+        flat = table.reshape(-1)
+        return refcounts.at[jnp.where(flat >= 0, flat, self.num_pages)].add(sign, mode="drop")
+
+    def reserve(self, num_new) -> "PagedKVCache":
+        """Gives each row pages for slots [lengths[b], lengths[b] + num_new[b]) where its table has none, taking
+        free pages lowest index first, in row-major order of the entries that need one. A row that finds too few
+        free pages gets none for the missing entries (its writes there are dropped) and is marked overflowed."""
+        num_new = jnp.broadcast_to(jnp.asarray(num_new, jnp.int32), self.lengths.shape)
+        B, M = self.page_table.shape
+        P, ps = self.num_pages, self.page_size
+        entry = jnp.arange(M, dtype=jnp.int32)[None, :]  # [1, M]
+        end = self.lengths + num_new  # [B]
+        needed = (entry * ps < end[:, None]) & (self.page_table == NO_PAGE)  # [B, M]
+        too_long = end > M * ps  # slots past the table: no entry can hold them
+        flat = needed.reshape(-1)
+        rank = jnp.cumsum(flat, dtype=jnp.int32) - 1  # the k-th entry needing a page gets the k-th free page
+        free = jnp.nonzero(self.refcounts == 0, size=B * M, fill_value=P)[0].astype(jnp.int32)
+        got = jnp.where(flat, free[jnp.clip(rank, 0, B * M - 1)], P)  # P: none available
+        table = jnp.where(flat & (got < P), got, self.page_table.reshape(-1)).reshape(B, M)
+        short = jnp.any((flat & (got >= P)).reshape(B, M), axis=1)
+        refcounts = self.refcounts.at[got].add(1, mode="drop")
+        return dataclasses.replace(self, page_table=table, refcounts=refcounts,
+                                   overflowed=self.overflowed | short | too_long)
+
+    def advance(self, num_new) -> "PagedKVCache":
+        num_new = jnp.broadcast_to(jnp.asarray(num_new, jnp.int32), self.lengths.shape)
+        return dataclasses.replace(self, lengths=self.lengths + num_new)
+
+    def _slots(self, num_tokens: int, valid):
+        """(page int32[B, T], offset int32[B, T]) of each row's next `num_tokens` slots; page P (out of range, so a
+        scatter drops it) where the token is not valid or the row has no page there."""
+        slot = self.positions(num_tokens)  # [B, T]
+        entry = slot // self.page_size
+        M = self.page_table.shape[1]
+        page = jnp.take_along_axis(self.page_table, jnp.clip(entry, 0, M - 1), axis=1)
+        ok = valid & (entry < M) & (page >= 0)
+        return jnp.where(ok, page, self.num_pages), slot % self.page_size
+
+    def write(self, layer: int, k: jax.Array, v: jax.Array, valid=None) -> "PagedKVCache":
+        """k, v [B, K, T, H] into slots [lengths[b], lengths[b] + T) of each row (quantized first for an int8/fp8
+        pool); `valid` bool[B, T] marks the tokens to store (prefill's right padding is not stored). `reserve`
+        first; `advance` once per forward pass."""
+        T = k.shape[2]
+        valid = jnp.ones(k.shape[:1] + (T,), bool) if valid is None else valid
+        page, offset = self._slots(T, valid)  # [B, T]
+
+        def put(pool, new):  # pool [P, K, ps, ...], new [B, K, T, ...]
+            new = jnp.moveaxis(new, 2, 1)  # [B, T, K, ...]
+            return pool.at[page, :, offset].set(new.astype(pool.dtype), mode="drop")
+
+        k_scale, v_scale = self.scales(layer)
+        if self.quantized:
+            k, new_k_scale = quantize(k, self.dtype)
+            v, new_v_scale = quantize(v, self.dtype)
+        with jax.named_scope("paged_cache_update"):
+            cache = self._with_layer(layer, put(self.keys[layer], k), put(self.values[layer], v))
+            if self.quantized:
+                cache = cache._with_layer_scales(layer, put(k_scale, new_k_scale), put(v_scale, new_v_scale))
+        return cache
+
+    def fork(self, parents) -> "PagedKVCache":
+        """A cache of len(parents) rows whose row i continues sequence parents[i] (int32[B'], any B'; a row may
+        appear many times, or not at all: then its pages are released).
+
+        Full pages are shared by reference (count + 1 per new holder). A partly filled last page is shared by
+        every child at the same fill, so the first child continuing it (lowest row) keeps it and each other child
+        gets a copy: from then on every row writes only to pages no other row reads."""
+        parents = jnp.asarray(parents, jnp.int32)
+        table = self.page_table[parents]  # [B', M]
+        lengths, overflowed = self.lengths[parents], self.overflowed[parents]
+        refcounts = self._count(self.page_table, -1, self._count(table, +1, self.refcounts))
+        cache = dataclasses.replace(self, page_table=table, lengths=lengths, overflowed=overflowed,
+                                    refcounts=refcounts)
+        return cache._copy_shared_last_pages()
+
+    def _copy_shared_last_pages(self) -> "PagedKVCache":
+        B, M = self.page_table.shape
+        P, ps = self.num_pages, self.page_size
+        rows = jnp.arange(B, dtype=jnp.int32)
+        partial = (self.lengths % ps) != 0
+        entry = jnp.clip(self.lengths // ps, 0, M - 1)
+        last = jnp.where(partial, self.page_table[rows, entry], NO_PAGE)  # [B]
+        # The first row holding each partly filled page keeps it.
+        first = jnp.full((P,), B, jnp.int32).at[jnp.where(last >= 0, last, P)].min(rows, mode="drop")
+        copies = (last >= 0) & (first[jnp.maximum(last, 0)] != rows)  # [B]
+        rank = jnp.cumsum(copies, dtype=jnp.int32) - 1
+        free = jnp.nonzero(self.refcounts == 0, size=B, fill_value=P)[0].astype(jnp.int32)
+        fresh = jnp.where(copies, free[jnp.clip(rank, 0, B - 1)], P)  # [B]; P: none (or no copy)
+        got = fresh < P
+        src = jnp.where(got, last, P)
+
+        def copy(pool):  # pool[fresh[b]] = pool[last[b]] for the copying rows
+            return pool.at[fresh].set(pool[jnp.clip(src, 0, P - 1)], mode="drop")
+
+        keys, values = tuple(map(copy, self.keys)), tuple(map(copy, self.values))
+        key_scales, value_scales = tuple(map(copy, self.key_scales)), tuple(map(copy, self.value_scales))
+        table = self.page_table.at[rows, entry].set(jnp.where(got, fresh, self.page_table[rows, entry]))
+        refcounts = self.refcounts.at[fresh].add(1, mode="drop").at[src].add(-1, mode="drop")
+        # A copy that found no free page leaves the row on the shared page: it must not write there.
+        overflowed = self.overflowed | (copies & ~got)
+        return dataclasses.replace(self, keys=keys, values=values, key_scales=key_scales, value_scales=value_scales,
+                                   page_table=table, refcounts=refcounts, overflowed=overflowed)
+
+    def release(self, rows) -> "PagedKVCache":
+        """Drops the pages of the rows where `rows` (bool[B]) is true (count - 1 each; a page at 0 is free) and
+        empties those rows (no pages, length 0)."""
+        rows = jnp.asarray(rows, bool)
+        dropped = jnp.where(rows[:, None], self.page_table, NO_PAGE)
+        return dataclasses.replace(self, refcounts=self._count(dropped, -1, self.refcounts),
+                                   page_table=jnp.where(rows[:, None], NO_PAGE, self.page_table),
+                                   lengths=jnp.where(rows, 0, self.lengths),
+                                   overflowed=jnp.where(rows, False, self.overflowed))
+
+    # --- layer buffers ------------------------------------------------------------------------------------------
+
+    def _with_layer(self, layer: int, k, v) -> "PagedKVCache":
+        keys = self.keys[:layer] + (k,) + self.keys[layer + 1:]
+        values = self.values[:layer] + (v,) + self.values[layer + 1:]
+        return dataclasses.replace(self, keys=keys, values=values)
+
+    def _with_layer_scales(self, layer: int, k_scale, v_scale) -> "PagedKVCache":
+        key_scales = self.key_scales[:layer] + (k_scale,) + self.key_scales[layer + 1:]
+        value_scales = self.value_scales[:layer] + (v_scale,) + self.value_scales[layer + 1:]
+        return dataclasses.replace(self, key_scales=key_scales, value_scales=value_scales)
