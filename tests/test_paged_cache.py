@@ -1,0 +1,228 @@
+"""The paged cache: paged == contiguous, forks share pages without ever writing into another row's, refcounts never
+leak, running out of pages never corrupts another sequence (issue 13)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jaxkv
+from conftest import CONFIGS, model_for
+from jaxkv.paged_cache import PagedKVCache
+
+PROMPTS = [[5, 17, 3], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3], [2, 7, 1, 8, 2, 8, 1, 8]]
+ATOL = 1e-5  # float32: the paged and contiguous paths add the same terms, gathered in another layout
+
+
+def right_pad(prompts):
+    """(tokens int32[B, T], positions int32[B, T]): prompts from slot 0, padding after them at position -1."""
+    T = max(map(len, prompts))
+    tokens, positions = np.zeros((len(prompts), T), np.int32), np.full((len(prompts), T), -1, np.int32)
+    for b, p in enumerate(prompts):
+        tokens[b, :len(p)], positions[b, :len(p)] = p, np.arange(len(p))
+    return jnp.asarray(tokens), jnp.asarray(positions)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "prefill"))
+def _apply(params, tokens, positions, cache, *, config, prefill=False):
+    logits, cache = jaxkv.Decoder(config).apply({"params": params}, tokens, positions, cache, prefill=prefill,
+                                                last_only=prefill, attention="xla")
+    return logits[:, -1], cache
+
+
+def paged_prefill(model, prompts, *, page_size, num_pages=None, max_len=64, cache_dtype=None):
+    cache = PagedKVCache.allocate(model.config, len(prompts), num_pages=num_pages or 4 * max_len, page_size=page_size,
+                                  max_len=max_len, dtype=cache_dtype)
+    return _apply(model.params, *right_pad(prompts), cache, config=model.config, prefill=True)
+
+
+def paged_step(model, tokens, cache):
+    return _apply(model.params, tokens[:, None], cache.positions(1), cache, config=model.config)
+
+
+def greedy_run(step, logits, cache, steps):
+    """(tokens [B, steps], logits [B, steps, V]) of a greedy loop."""
+    tokens, seen = [], []
+    for _ in range(steps):
+        seen.append(np.asarray(logits))
+        t = jnp.argmax(logits, -1).astype(jnp.int32)
+        tokens.append(np.asarray(t))
+        logits, cache = step(t, cache)
+    return np.stack(tokens, 1), np.stack(seen, 1), cache
+
+
+def contiguous_run(model, prompts, steps, cache_dtype=None):
+    tokens, start = jaxkv.left_pad(prompts)
+    logits, cache = jaxkv.prefill(model.params, tokens, start, config=model.config, capacity=64,
+                                  cache_dtype=cache_dtype, attention="xla")
+    step = lambda t, c: jaxkv.decode_step(model.params, t, c, config=model.config, attention="xla")  # noqa: E731
+    return greedy_run(step, logits, cache, steps)
+
+
+# --- paged == contiguous -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("page_size", [1, 5, 16])  # 5 divides none of the prompt lengths
+def test_paged_equals_contiguous(name, page_size):
+    model = model_for(name)
+    want_tokens, want_logits, _ = contiguous_run(model, PROMPTS, 12)
+    logits, cache = paged_prefill(model, PROMPTS, page_size=page_size)
+    got_tokens, got_logits, cache = greedy_run(functools.partial(paged_step, model), logits, cache, 12)
+    np.testing.assert_allclose(got_logits, want_logits, atol=ATOL, rtol=0)
+    np.testing.assert_array_equal(got_tokens, want_tokens)
+    # Only the slots written are stored: no padding, each row from position 0.
+    lengths = [len(p) + 12 for p in PROMPTS]
+    assert np.asarray(cache.lengths).tolist() == lengths
+    assert int(cache.pages_in_use()) == sum(-(-n // page_size) for n in lengths)
+
+
+@pytest.mark.parametrize("cache_dtype", ["int8", "float8_e4m3fn"])
+def test_quantized_paged_equals_quantized_contiguous(cache_dtype):
+    model = model_for("gqa")
+    want_tokens, want_logits, _ = contiguous_run(model, PROMPTS, 10, cache_dtype)
+    logits, cache = paged_prefill(model, PROMPTS, page_size=4, cache_dtype=cache_dtype)
+    assert cache.dtype == cache_dtype and cache.quantized
+    got_tokens, got_logits, _ = greedy_run(functools.partial(paged_step, model), logits, cache, 10)
+    np.testing.assert_allclose(got_logits, want_logits, atol=ATOL, rtol=0)
+    np.testing.assert_array_equal(got_tokens, want_tokens)
+
+
+def test_nan_in_free_pages_changes_nothing():
+    model = model_for("gqa")
+    logits, cache = paged_prefill(model, PROMPTS, page_size=4)
+    clean_tokens, clean_logits, _ = greedy_run(functools.partial(paged_step, model), logits, cache, 8)
+    logits, cache = paged_prefill(model, PROMPTS, page_size=4)
+    free = np.asarray(cache.refcounts) == 0
+    poison = lambda pool: jnp.where(jnp.asarray(free)[:, None, None, None], jnp.nan, pool)  # noqa: E731
+    cache = cache.__class__(**{**cache.__dict__, "keys": tuple(map(poison, cache.keys)),
+                               "values": tuple(map(poison, cache.values))})
+    tokens, got_logits, _ = greedy_run(functools.partial(paged_step, model), logits, cache, 8)
+    np.testing.assert_array_equal(got_logits, clean_logits)
+    np.testing.assert_array_equal(tokens, clean_tokens)
+
+
+# --- forks -------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("page_size", [4, 7])  # the 18-token prompt ends mid-page either way
+def test_greedy_forks_equal_the_prompt_alone_and_share_its_pages(page_size):
+    model = model_for("gqa")
+    prompt = PROMPTS[1]
+    alone, _, _ = contiguous_run(model, [prompt], 9)
+    logits, cache = paged_prefill(model, [prompt], page_size=page_size)
+    shared_pages = len(prompt) // page_size  # full pages, shared by reference
+    forked = cache.fork(jnp.zeros((4,), jnp.int32))
+    refs = np.asarray(forked.refcounts)
+    table = np.asarray(forked.page_table)
+    assert (refs[table[0, :shared_pages]] == 4).all()  # every child holds the full pages
+    last = table[:, shared_pages]  # the partly filled page: one child keeps it, three got copies
+    assert len(set(last.tolist())) == 4 and (refs[last] == 1).all()
+    tokens, _, forked = greedy_run(functools.partial(paged_step, model), jnp.repeat(logits, 4, 0), forked, 9)
+    assert (tokens == alone).all()
+    assert int(forked.pages_in_use()) == shared_pages + 4 * (-(-(len(prompt) + 9) // page_size) - shared_pages)
+
+
+def test_a_childs_writes_never_change_what_others_read():
+    """Fork mid-page into a child sampled differently (forced tokens) and a greedy child: the greedy child and the
+    parent's continuation equal un-forked runs, whatever the other child wrote."""
+    model = model_for("mha")
+    prompt = PROMPTS[2]  # 8 tokens: with page size 3 the fork happens mid-page
+    alone, alone_logits, _ = contiguous_run(model, [prompt], 6)
+    logits, cache = paged_prefill(model, [prompt], page_size=3)
+    cache = cache.fork(jnp.asarray([0, 0, 0], jnp.int32))
+    logits = jnp.repeat(logits, 3, 0)
+    seen = []
+    for step in range(6):
+        seen.append(np.asarray(logits))
+        greedy = jnp.argmax(logits, -1).astype(jnp.int32)
+        tokens = greedy.at[2].set((7 * step + 11) % model.config.vocab_size)  # row 2 writes other tokens
+        logits, cache = paged_step(model, tokens, cache)
+    seen = np.stack(seen, 1)
+    np.testing.assert_allclose(seen[0], alone_logits[0], atol=ATOL, rtol=0)
+    np.testing.assert_allclose(seen[1], alone_logits[0], atol=ATOL, rtol=0)
+    assert np.abs(seen[2, 2:] - alone_logits[0, 2:]).max() > 1e-3  # the forced child really diverged
+
+
+def test_sampled_forks_differ():
+    model = model_for("gqa")
+    logits, cache = paged_prefill(model, [PROMPTS[0]], page_size=4)
+    cache = cache.fork(jnp.zeros((3,), jnp.int32))
+    logits = jnp.repeat(logits, 3, 0)
+    key = jax.random.PRNGKey(0)
+    rows = []
+    for _ in range(8):
+        key, sub = jax.random.split(key)
+        t = jax.random.categorical(sub, logits * 0.3).astype(jnp.int32)  # hot: rows draw differently
+        rows.append(np.asarray(t))
+        logits, cache = paged_step(model, t, cache)
+    rows = np.stack(rows, 1)
+    assert len({tuple(r) for r in rows.tolist()}) == 3
+
+
+# --- running out of pages ----------------------------------------------------------------------------------------
+
+
+def test_a_row_without_pages_is_poisoned_and_others_are_untouched():
+    model = model_for("gqa")
+    want, want_logits, _ = contiguous_run(model, PROMPTS[:2], 4)
+    # Exactly the pages the prompts need, plus one: row 0 (3 tokens, page 4) has room for one more token in its
+    # page; the 18-token row needs a new page at once (its 5th), gets the spare one, then none.
+    logits, cache = paged_prefill(model, PROMPTS[:2], page_size=4, num_pages=1 + 5 + 1)
+    tokens, seen, cache = greedy_run(functools.partial(paged_step, model), logits, cache, 4)
+    overflowed = np.asarray(cache.overflowed)
+    assert overflowed.tolist() == [True, False] or overflowed.tolist() == [False, True]
+    ok = int(np.flatnonzero(~overflowed)[0])
+    np.testing.assert_allclose(seen[ok], want_logits[ok], atol=ATOL, rtol=0)
+    bad = 1 - ok
+    assert np.isnan(seen[bad, -1]).all()  # the starved row's logits are NaN, never plausible
+    refs, table = np.asarray(cache.refcounts), np.asarray(cache.page_table)
+    assert refs.sum() == (table >= 0).sum() and refs.max() == 1
+
+
+# --- refcounts ---------------------------------------------------------------------------------------------------
+
+TINY = jaxkv.Config(vocab_size=11, d_model=8, n_layers=1, n_heads=1, n_kv_heads=1, ffn_dim=8, max_positions=64)
+B, PAGES, PAGE, MAX_LEN = 4, 24, 3, 18
+
+
+@functools.partial(jax.jit, static_argnames="n")
+def _write(cache, n):
+    cache = cache.reserve(n)
+    k = jnp.ones((B, 1, n, TINY.head_dim))
+    return cache.write(0, k, k).advance(n)
+
+
+_fork = jax.jit(PagedKVCache.fork)
+_release = jax.jit(PagedKVCache.release)
+
+
+def _check_counts(cache):
+    table, refs = np.asarray(cache.page_table), np.asarray(cache.refcounts)
+    held = np.bincount(table[table >= 0], minlength=PAGES)
+    np.testing.assert_array_equal(refs, held)  # count of a page = table entries naming it
+    lengths = np.asarray(cache.lengths)
+    for b in range(B):  # a row's partly filled last page is its own: nobody else reads what it writes next
+        if lengths[b] % PAGE and not cache.overflowed[b]:
+            assert refs[table[b, lengths[b] // PAGE]] == 1
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["write", "fork", "release"]), st.integers(0, 2**16)), max_size=24))
+def test_refcounts_stay_exact_and_nothing_leaks(ops):
+    cache = PagedKVCache.allocate(TINY, B, num_pages=PAGES, page_size=PAGE, max_len=MAX_LEN)
+    for op, seed in ops:
+        rng = np.random.default_rng(seed)
+        if op == "write":
+            cache = _write(cache, int(rng.integers(1, 3)))
+        elif op == "fork":
+            cache = _fork(cache, jnp.asarray(rng.integers(0, B, B), jnp.int32))
+        else:
+            cache = _release(cache, jnp.asarray(rng.random(B) < 0.5))
+        _check_counts(cache)
+    cache = _release(cache, jnp.ones((B,), bool))
+    assert int(cache.pages_in_use()) == 0 and not np.asarray(cache.refcounts).any()
