@@ -10,6 +10,10 @@ dispatches on the shape:
               caches are supported; ring caches are not (NotImplementedError: the library's prefill attends over
               the fresh prompt K/V, and there is no Pallas path that quietly calls the XLA one).
 
+`paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, ...)` computes what
+`paged_reference.paged_attention` computes, for one query per sequence (T == 1), with
+`paged_decode_kernel.paged_decode_attention`: only the live pages of each sequence are read.
+
 Each kernel has two bodies sharing their math: Mosaic for TPU and Triton for GPU (`platform`). On CPU there is no
 Pallas compiler, so the kernels run in the Pallas interpreter (`interpret` defaults to True there); the
 interpreted kernel is the same program, which is what the CPU tests check against the reference.
@@ -19,7 +23,7 @@ from __future__ import annotations
 
 import jax
 
-from jaxkv.attention import decode_kernel, prefill_kernel
+from jaxkv.attention import decode_kernel, paged_decode_kernel, prefill_kernel
 
 PLATFORMS = ("tpu", "gpu")
 
@@ -71,3 +75,36 @@ def attention(q, k, v, start, q_offset, *, scale: float, sliding_window: int | N
     return prefill_kernel.prefill_attention(q, k, v, start, q_offset, scale=scale, sliding_window=sliding_window,
                                             platform=platform, block_q=prefill_block_q,
                                             block_k=prefill_block_k, interpret=interpret, **cache)
+
+
+def paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale: float,
+                    sliding_window: int | None = None, k_scale=None, v_scale=None, interpret=None,
+                    platform: str | None = None, pages_per_block: int | None = None):
+    """Softmax attention of one query per sequence over its pages, as a Pallas kernel.
+
+    Args:
+      q: [B, T, N, H] with T == 1 (decode); the query of sequence b sits in slot q_slots[b, 0].
+      k_pages, v_pages: [P, K, page_size, H] pools (any float dtype, or int8 / float8_e4m3fn with scales).
+      page_table: int32[B, M], each sequence's pages in slot order (-1: none).
+      lengths: int32[B], slots written per sequence.
+      q_slots: int32[B, T].
+      scale, sliding_window, k_scale, v_scale: as `paged_reference.paged_attention`.
+      interpret: run in the Pallas interpreter; None means "only on CPU".
+      platform: "tpu" (Mosaic) or "gpu" (Triton) kernel body; None picks the default backend's.
+      pages_per_block: pages per grid step (TPU) or loop iteration (GPU).
+
+    Returns:
+      [B, T, N, H] in q's dtype; a query with no live slot gets 0.
+    """
+    if q.shape[1] != 1:
+        raise ValueError(f"Pallas paged attention takes one query per sequence (decode), got T={q.shape[1]}")
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    platform = platform or default_platform()
+    if platform not in PLATFORMS:
+        raise ValueError(f"platform must be one of {PLATFORMS}, got {platform!r}")
+    out = paged_decode_kernel.paged_decode_attention(q[:, 0], k_pages, v_pages, page_table, lengths, scale=scale,
+                                                     sliding_window=sliding_window, k_scale=k_scale,
+                                                     v_scale=v_scale, q_slots=q_slots[:, 0], platform=platform,
+                                                     pages_per_block=pages_per_block, interpret=interpret)
+    return out[:, None]

@@ -1,0 +1,242 @@
+"""The Pallas paged decode kernel against `paged_reference`, its page skipping, and its lowering.
+
+Both bodies (Mosaic "tpu", Triton "gpu") run in the Pallas interpreter on CPU. Every batch mixes the edge lengths
+(0, 1, page - 1, page, page + 1, the whole table), rows share pages (a prefix of row 0's pages, including pages
+where one row's slot is live and another's is past its length), and every slot no row may read holds NaN (values,
+and scales for quantized pools). Page tables and lengths are traced, so each configuration compiles once.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv.attention import decode_kernel, pallas, paged_reference
+from jaxkv.attention import paged_decode_kernel as pk
+from jaxkv.cache import quantize
+# _run: compiled once per argument shapes, at XLA:CPU optimisation level 0. TOLERANCES, keyed by q's dtype, with
+# their reasons there (the paged kernel shares the contiguous kernel's math; quantized pools give both sides the same
+# stored numbers and scales).
+from test_pallas_attention import TOLERANCES, _run
+
+HEADS = {"mha": (2, 2), "gqa": (8, 2), "mqa": (4, 1)}  # (N, K)
+H = 32
+M = 5  # pages per sequence: the groups of 2 or 4 pages below do not divide it
+SCALE = 0.3
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(platform, window, pages_per_block):
+    def kernel(q, k, v, table, lengths, k_scale=None, v_scale=None):
+        return pk.paged_decode_attention(q, k, v, table, lengths, scale=SCALE, sliding_window=window,
+                                         k_scale=k_scale, v_scale=v_scale, platform=platform,
+                                         pages_per_block=pages_per_block, interpret=True)
+
+    return kernel
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(window):
+    def ref(q, k, v, table, lengths, k_scale=None, v_scale=None):
+        out = paged_reference.paged_attention(q[:, None], k, v, table, lengths, (lengths - 1)[:, None], scale=SCALE,
+                                              sliding_window=window, k_scale=k_scale, v_scale=v_scale)
+        return out[:, 0]
+
+    return ref
+
+
+def _layout(lengths, page_size, seed):
+    """(page_table int32[B, M], live bool[P, page_size], P): row 0 owns its pages; every other row starts with a
+    prefix of row 0's pages (one page more than it fills, when row 0 has it: that page's tail is live for row 0 and
+    past the row's own length), then pages of its own; the pool has two free pages; physical ids are shuffled."""
+    rng = np.random.default_rng(seed)
+    needed = [-(-n // page_size) for n in lengths]
+    table = np.full((len(lengths), M), -1, np.int64)
+    table[0, :needed[0]] = np.arange(needed[0])
+    P = needed[0]
+    for b, n in enumerate(needed[1:], 1):
+        shared = min(n, needed[0], 1 + b % 2)
+        table[b, :shared] = table[0, :shared]
+        table[b, shared:n] = np.arange(P, P + n - shared)
+        P += n - shared
+    P += 2  # free pages
+    perm = rng.permutation(P)
+    table = np.where(table >= 0, perm[np.maximum(table, 0)], -1)
+    live = np.zeros((P, page_size), bool)
+    for b, n in enumerate(lengths):
+        for s in range(n):
+            live[table[b, s // page_size], s % page_size] = True
+    return jnp.asarray(table, jnp.int32), live, P
+
+
+def _pool(P, K, page_size, pool_dtype, rng):
+    """(k, v, scales): float pools in pool_dtype, or int8 / float8 pools quantized with the cache's `quantize` so
+    that kernel and reference read the same stored numbers; scales () for a float pool."""
+    k, v = (rng.normal(size=(P, K, page_size, H)).astype(np.float32) for _ in range(2))
+    if pool_dtype in ("int8", "float8_e4m3fn"):
+        (k, k_scale), (v, v_scale) = quantize(k, pool_dtype), quantize(v, pool_dtype)
+        return k, v, (k_scale, v_scale)
+    return jnp.asarray(k, pool_dtype), jnp.asarray(v, pool_dtype), ()
+
+
+def _poison(x, live):
+    """x [P, K, page_size, ...] with NaN at every slot no row may read (int8 has no NaN: unchanged)."""
+    if x.dtype == jnp.int8:
+        return x
+    dead = jnp.asarray(~live).reshape(live.shape[0], 1, live.shape[1], *([1] * (x.ndim - 3)))
+    return jnp.where(dead, jnp.nan, x).astype(x.dtype)
+
+
+def _check(platform, window, pages_per_block, q, kv_heads, lengths, page_size, pool_dtype, seed=0):
+    """Kernel on the poisoned pool == reference on the clean one, for rows with length >= 1; length-0 rows are 0."""
+    table, live, P = _layout(lengths, page_size, seed)
+    k, v, scales = _pool(P, kv_heads, page_size, pool_dtype, np.random.default_rng(seed + 1))
+    lengths = jnp.asarray(lengths, jnp.int32)
+    bad = [_poison(x, live) for x in (k, v, *scales)]
+    out = np.asarray(_run(_kernel(platform, window, pages_per_block), q, *bad[:2], table, lengths, *bad[2:]),
+                     np.float32)
+    want = np.asarray(_run(_reference(window), q, k, v, table, lengths, *scales), np.float32)
+    assert np.isfinite(out).all()
+    empty = np.asarray(lengths) == 0
+    np.testing.assert_array_equal(out[empty], 0.0)
+    np.testing.assert_allclose(out[~empty], want[~empty], **TOLERANCES[jnp.dtype(q.dtype).name],
+                               err_msg=f"lengths={np.asarray(lengths)}")
+
+
+def _edge_lengths(page_size):
+    """The whole table, 1, page - 1, page, page + 1, 0 (and the same set permuted, so that the long row is not
+    always the one that owns the shared pages)."""
+    lengths = [M * page_size, 1, page_size - 1, page_size, page_size + 1, 0]
+    return lengths, lengths[3:] + lengths[:3]
+
+
+# (page size, heads, q dtype, pool dtype, window, pages per block {platform: n} or None for the default): page sizes
+# 1, 4, 8, 16; every head layout; float32, bfloat16, int8 and float8 pools; a window shorter than a long row (its
+# pages and, on both platforms, whole groups before the window are skipped) and group sizes that do not divide M.
+CASES = [
+    (1, "mha", "float32", "float32", None, None),
+    (4, "gqa", "bfloat16", "bfloat16", None, None),
+    (16, "mqa", "float32", "int8", None, None),
+    (8, "gqa", "float32", "float8_e4m3fn", 11, {"tpu": 1, "gpu": 2}),
+    (4, "gqa", "float32", "float32", 3, {"tpu": 2, "gpu": 4}),
+]
+
+
+@pytest.mark.parametrize("platform", ["tpu", "gpu"])
+@pytest.mark.parametrize("page_size,heads,dtype,pool_dtype,window,pages_per_block", CASES)
+def test_kernel_matches_reference(platform, page_size, heads, dtype, pool_dtype, window, pages_per_block):
+    N, K = HEADS[heads]
+    q = jnp.asarray(np.random.default_rng(7).normal(size=(6, N, H)), dtype)
+    ppb = (pages_per_block or {}).get(platform)
+    for seed, lengths in enumerate(_edge_lengths(page_size)):
+        _check(platform, window, ppb, q, K, lengths, page_size, pool_dtype, seed)
+
+
+def test_reference_ignores_poison():
+    """The spec itself: NaN in every slot no row may read changes nothing (so the kernel tests may compare the
+    kernel on a poisoned pool with the reference on a clean one)."""
+    page_size, lengths = 4, jnp.asarray([20, 5, 0], jnp.int32)
+    table, live, P = _layout(list(np.asarray(lengths)), page_size, 0)
+    k, v, scales = _pool(P, 2, page_size, "float8_e4m3fn", np.random.default_rng(1))
+    q = jnp.asarray(np.random.default_rng(2).normal(size=(3, 4, H)), jnp.float32)
+    ref = _reference(3)
+    clean = ref(q, k, v, table, lengths, *scales)
+    k_bad, v_bad, *bad_scales = (_poison(x, live) for x in (k, v, *scales))
+    poisoned = ref(q, k_bad, v_bad, table, lengths, *bad_scales)
+    np.testing.assert_array_equal(clean, poisoned)
+
+
+def test_dispatch_takes_the_query_slot():
+    """`pallas.paged_attention` has the reference's signature (q_slots included: a query need not sit at its row's
+    last slot) and refuses T > 1."""
+    page_size, lengths = 4, jnp.asarray([17, 9, 3], jnp.int32)
+    # The last slot; an earlier one; one past the row's length (it sees slots 0..2 only, not the page's slot 3).
+    q_slots = jnp.asarray([[16], [4], [5]], jnp.int32)
+    table, _, P = _layout(list(np.asarray(lengths)), page_size, 0)
+    k, v, _ = _pool(P, 2, page_size, "float32", np.random.default_rng(1))
+    q = jnp.asarray(np.random.default_rng(2).normal(size=(3, 1, 8, H)), jnp.float32)
+    args = (q, k, v, table, lengths, q_slots)
+    out = pallas.paged_attention(*args, scale=SCALE, sliding_window=6)
+    want = paged_reference.paged_attention(*args, scale=SCALE, sliding_window=6)
+    np.testing.assert_allclose(out, want, **TOLERANCES["float32"])
+    with pytest.raises(ValueError, match="one query"):
+        pallas.paged_attention(jnp.concatenate([q, q], 1), k, v, table, lengths, jnp.concatenate([q_slots] * 2, 1),
+                               scale=SCALE)
+
+
+def _tpu_fetches(lengths, window, *, page_size, pages_per_block, table):
+    """Simulates the Mosaic pipeline over the TPU grid of one KV head: the (row, table position, physical page)
+    each page input DMAs (a copy only when its index map names another page than at the previous step) and the
+    table positions the body folds in unmasked (live steps, positions not clamped)."""
+    lengths = jnp.asarray(lengths, jnp.int32)
+    lo, hi = pk.paged_live_bounds(lengths, lengths - 1, M_BIG * page_size, window)
+    num_groups = -(-M_BIG // pages_per_block)
+    fetched, computed, previous = [], [], {}
+    for b in range(len(lengths)):
+        for j in range(num_groups):
+            for i in range(pages_per_block):
+                p, position, live = pk._tpu_page(b, j, i, lo, hi, page_size=page_size,
+                                                 pages_per_block=pages_per_block, num_groups=num_groups)
+                page = int(table[b, int(p)])
+                if previous.get(i) != page:
+                    fetched.append((b, int(p), page))
+                    previous[i] = page
+                if live and int(p) == int(position):
+                    computed.append((b, int(p)))
+    return fetched, computed
+
+
+M_BIG = 64
+
+
+@pytest.mark.parametrize("pages_per_block", [1, 3])
+def test_reads_only_live_pages(pages_per_block):
+    """A 64-page table (1,024 slots) with rows of 100 slots, all 1,024, 0, and 1,024 under a window of 40: the TPU
+    index maps name only the rows' live pages (never a -1 entry, nor a page wholly before the window), each live
+    page is folded in exactly once, and the GPU loop visits exactly the live groups."""
+    page_size, window = 16, None
+    table = np.arange(4 * M_BIG).reshape(4, M_BIG)
+    table[0, 7:] = -1  # 100 slots: pages 0..6
+    table[2, :] = -1
+    lengths = [100, 1024, 0, 1024]
+    for window, rows, live_pages in ((None, (0, 1, 2), {0: range(7), 1: range(64)}),
+                                     (40, (3,), {3: range(61, 64)})):  # slots 984..1023: pages 61..63
+        fetched, computed = _tpu_fetches([lengths[r] for r in rows], window, page_size=page_size,
+                                         pages_per_block=pages_per_block, table=table[list(rows)])
+        expected = sorted((rows.index(r), p) for r, pages in live_pages.items() for p in pages)
+        assert sorted(computed) == expected
+        empty = [f for f in fetched if lengths[rows[f[0]]] == 0]
+        assert len(empty) <= pages_per_block  # an empty row names one page per input, reading nothing else
+        fetched = [f for f in fetched if lengths[rows[f[0]]] > 0]
+        assert all(page >= 0 and p in live_pages[rows[b]] for b, p, page in fetched)
+        assert len({(b, p) for b, p, _ in fetched}) == len(expected)  # every live page, nothing else
+    # GPU: the loop runs over the groups holding [lo, hi], the same `block_range` for every row.
+    lo, hi = pk.paged_live_bounds(jnp.asarray([100, 1024, 0]), jnp.asarray([99, 1023, -1]), 1024, 40)
+    groups = [decode_kernel.block_range(lo[b], hi[b], 4 * page_size) for b in range(3)]
+    assert [(int(f), int(c)) for f, c in groups] == [(0, 2), (15, 1), (0, 0)]  # slots 60..99; 984..1023; none
+
+
+@pytest.mark.parametrize("pool,page_size", [("float32", 16), ("int8", 16), ("bfloat16", 1)])
+@pytest.mark.parametrize("platform,lowering_platform,custom_call",
+                         [("tpu", "tpu", "tpu_custom_call"), ("gpu", "cuda", "__gpu$xla.gpu.triton")])
+def test_lowers_for_device(platform, lowering_platform, custom_call, pool, page_size):
+    """Compiled (interpret=False) kernels lower to Mosaic / Triton IR from this host: the whole Pallas lowering
+    (block-shape rules, gather loads, scalar-prefetched index maps), not the device compiler. 1-slot bfloat16 pages
+    on TPU take the float32-matmul path (`paged_decode_attention`)."""
+    B, N, K, Hd, P, Mt = 2, 8, 2, 128, 64, 8
+    dtype = jnp.bfloat16 if pool == "bfloat16" else jnp.float32
+    shapes = [((B, N, Hd), dtype), ((P, K, page_size, Hd), pool), ((P, K, page_size, Hd), pool), ((B, Mt), jnp.int32),
+              ((B,), jnp.int32)]
+    if pool == "int8":
+        shapes += [((P, K, page_size), jnp.float32)] * 2
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
+    f = jax.jit(functools.partial(_lowering_target, platform=platform))
+    text = f.trace(*args).lower(lowering_platforms=(lowering_platform,)).as_text()
+    assert f"stablehlo.custom_call @{custom_call}" in text
+
+
+def _lowering_target(q, k, v, table, lengths, k_scale=None, v_scale=None, *, platform):
+    return pk.paged_decode_attention(q, k, v, table, lengths, scale=SCALE, sliding_window=48, k_scale=k_scale,
+                                     v_scale=v_scale, platform=platform, interpret=False)
