@@ -42,6 +42,7 @@ from jaxkv import checks, memory, roofline, sharding
 from jaxkv.cache import KVCache, check_cache_dtype
 from jaxkv.config import Config
 from jaxkv.model import Decoder, Model
+from jaxkv.paged_cache import PagedKVCache
 from jaxkv.sampling import Sampler
 
 STOP_ID_SLOTS = 8  # stop ids are padded to a multiple of this (with -1, never a token) so their number is traced
@@ -65,10 +66,15 @@ class Generation:
 # --- compiled pieces ------------------------------------------------------------------------------------------
 
 
-def _forward(params, tokens, cache, *, config, attention, prefill=False, last_only=False, mesh=None):
+def _forward(params, tokens, cache, *, config, attention, prefill=False, last_only=False, mesh=None, active=None):
     """tokens int32[B, T] into the cache -> (float32[B, T or 1, V], cache). With a mesh, the cache keeps its
-    (data, model) sharding (a constraint on the way out, so SPMD propagation cannot choose to gather it)."""
-    logits, cache = Decoder(config, mesh).apply({"params": params}, tokens, cache.positions(tokens.shape[1]), cache,
+    (data, model) sharding (a constraint on the way out, so SPMD propagation cannot choose to gather it).
+    `active` (bool[B], paged caches): rows that store their tokens; the others are padding, so a finished
+    sequence takes no more pages."""
+    positions = cache.positions(tokens.shape[1])
+    if active is not None:
+        positions = jnp.where(active[:, None], positions, -1)
+    logits, cache = Decoder(config, mesh).apply({"params": params}, tokens, positions, cache,
                                                 prefill=prefill, last_only=last_only, attention=attention)
     if mesh is not None:
         cache = sharding.constrain_cache(cache, mesh)
@@ -244,9 +250,12 @@ def _decode_loop(params, cache: KVCache, logits, key, sampler, stop_ids, done, s
     emit = functools.partial(_emit, sampler=sampler, stop_ids=stop_ids, stream=stream, rows=rows,
                              vocab_size=config.vocab_size)
 
+    paged = isinstance(cache, PagedKVCache)
+
     def body(carry):
         state, feed = carry
-        logits, cache = _forward(params, feed[:, None], state.cache, config=config, attention=attention, mesh=mesh)
+        logits, cache = _forward(params, feed[:, None], state.cache, config=config, attention=attention, mesh=mesh,
+                                 active=~state.done if paged else None)
         return emit(state.replace(cache=cache, logits=logits[:, 0]))
 
     # Sample, then (while a row runs and tokens are left) feed back and sample again: steps - 1 forward passes at
@@ -601,7 +610,8 @@ def _generation(model: Model, req: _Request, out, num_new, stopped, forward_pass
 def generate(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top_k=None, top_p=None, min_p=None,
              sampler: Callable | None = None, seed: int = 0, stop_tokens: Sequence[int] | None = None,
              max_len: int | None = None, cache_dtype: str | None = None, attention: str | None = None,
-             stream: Callable | None = None, mesh: Mesh | None = None) -> Generation:
+             stream: Callable | None = None, mesh: Mesh | None = None, n: int = 1,
+             page_size: int | None = None) -> Generation:
     """Generates up to `max_new_tokens` tokens for each prompt.
 
     Args:
@@ -629,6 +639,12 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top
       stream: optional host callback `(prompt_index, token_id)`, called for every new token as the compiled loop
         produces it (tokens after a stop token are not passed). With `mesh`, single-process only (each step's
         [B] tokens are gathered to one device for the callback).
+      n: samples per prompt. With n > 1 (or a page_size) the cache is paged (`jaxkv.paged_cache`): each prompt
+        is prefilled once and its n samples fork from it, sharing its full pages (its partly filled last page is
+        copied per sample). Results are prompt-major: tokens[i * n + j] is sample j of prompt i (`stream` gets that
+        row index). Each row draws its own samples; a per-prompt sampling setting applies to all its samples.
+        `stats` adds the pages in use at the peak and the bytes private caches would have taken.
+      page_size: slots per page of the paged cache (default 16 when n > 1); None and n == 1: the contiguous cache.
       mesh: a `jax.sharding.Mesh` with axes ("data", "model"): the batch is split over "data" (padded up to a
         multiple of it), attention heads and the FFN hidden width over "model" (Megatron-style), the cache over
         batch and KV heads; see `jaxkv.sharding`, which also explains how KV heads fewer than the "model" axis
@@ -638,6 +654,18 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top
     Raises:
       ValueError: for any bad argument, before any compute (and for a custom sampler's out-of-vocabulary id).
     """
+    n = checks.check_int("n", n, 1)
+    if page_size is not None or n > 1:
+        if mesh is not None:
+            raise ValueError("n > 1 and page_size (the paged cache) are not supported with a mesh yet")
+        if max_len is not None:
+            raise ValueError("max_len sizes the contiguous cache; a paged cache (n > 1 or page_size) is sized "
+                             "in pages: drop max_len")
+        return _generate_paged(model, prompts, n=n, page_size=memory.DEFAULT_PAGE_SIZE if page_size is None
+                               else checks.check_int("page_size", page_size, 1), max_new_tokens=max_new_tokens,
+                               temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, sampler=sampler,
+                               seed=seed, stop_tokens=stop_tokens, cache_dtype=cache_dtype, attention=attention,
+                               stream=stream)
     if mesh is not None:
         mesh = sharding.check_mesh(mesh)
         if stream is not None and jax.process_count() > 1:
@@ -676,6 +704,86 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top
             stream=on_step, mesh=mesh)
         out, num_new, stopped, passes = (sharding.to_host(x) for x in (out, num_new, stopped, passes))
     return _generation(model, req, out, num_new, stopped, passes, cache, prefill_time, decode_time)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "attention", "num_pages", "page_size", "max_pages",
+                                             "cache_dtype"))
+def _prefill_paged(params, tokens, positions, parents, *, config, attention, num_pages, page_size, max_pages,
+                   cache_dtype):
+    """Prefills right-padded prompts (positions -1 after each) into a fresh pool, then forks the rows that decode
+    from them: row r continues prompt parents[r] (-1: an empty filler row) -> (float32[R, V] logits, cache)."""
+    cache = PagedKVCache.allocate(config, tokens.shape[0], num_pages=num_pages, page_size=page_size,
+                                  max_len=max_pages * page_size, dtype=cache_dtype)
+    logits, cache = Decoder(config).apply({"params": params}, tokens, positions, cache, prefill=True, last_only=True,
+                                          attention=attention)
+    return logits[jnp.maximum(parents, 0), 0], cache.fork(parents)
+
+
+def _generate_paged(model: Model, prompts, *, n, page_size, max_new_tokens, temperature, top_k, top_p, min_p,
+                    sampler, seed, stop_tokens, cache_dtype, attention, stream) -> Generation:
+    """`generate` on a paged cache: each prompt prefilled once, its n samples forked from it."""
+    config = model.config
+    token_lists = _token_lists(prompts, config.vocab_size, model.tokenizer)
+    max_new_tokens = checks.check_int("max_new_tokens", max_new_tokens, 1)
+    stop_ids, key = _stop_ids(stop_tokens, config), _key(seed)
+    cache_dtype = check_cache_dtype(config.dtype if cache_dtype is None else cache_dtype)
+    attention = attention_impls.resolve(attention or config.attention)
+    pages = memory.plan_pages(config, [len(p) for p in token_lists], max_new_tokens, n=n, page_size=page_size,
+                              cache_dtype=cache_dtype)
+    rows = pages.batch * n
+    if sampler is None:  # per-prompt settings, repeated for each of the prompt's samples
+        settings = checks.sampling(temperature, top_k, top_p, min_p, rows=pages.batch)
+        temperature, top_k, top_p, min_p = ([v for v in settings[name] for _ in range(n)]
+                                            if isinstance(settings[name], list) else settings[name]
+                                            for name in ("temperature", "top_k", "top_p", "min_p"))
+    sample_fn, sampler_rows = _sampler(temperature, top_k, top_p, min_p, sampler, rows, pages.padded_rows)
+    on_step = None
+    if stream is not None:
+        if not callable(stream):
+            raise ValueError(f"stream must be a callable (row_index, token_id), got {stream!r}")
+        on_step = _StepStream(stream, rows)
+    T = pages.prompt_len
+    tokens = np.zeros((pages.prefill_batch, T), np.int32)
+    positions = np.full((pages.prefill_batch, T), -1, np.int32)
+    for b, p in enumerate(token_lists):
+        tokens[b, :len(p)], positions[b, :len(p)] = p, np.arange(len(p))
+    parents = np.full((pages.padded_rows,), -1, np.int32)
+    parents[:rows] = np.repeat(np.arange(pages.batch), n)
+    done = np.arange(pages.padded_rows) >= rows
+
+    with _Phase() as prefill_time:
+        logits, cache = _prefill_paged(model.params, jax.device_put(tokens), jax.device_put(positions),
+                                       jax.device_put(parents), config=config, attention=attention,
+                                       num_pages=pages.num_pages, page_size=page_size, max_pages=pages.max_pages,
+                                       cache_dtype=cache_dtype)
+        logits.block_until_ready()
+    with _Phase() as decode_time:
+        out, num_new, stopped, passes, cache = _decode_loop(
+            model.params, cache, logits, jax.device_put(key), sample_fn, jax.device_put(stop_ids),
+            jax.device_put(done), jax.device_put(np.int32(max_new_tokens)), config=config,
+            max_steps=_steps_bound(cache.capacity, False, max_new_tokens), rows=sampler_rows, attention=attention,
+            stream=on_step, mesh=None)
+        out, num_new, stopped, passes = (np.asarray(x) for x in (out, num_new, stopped, passes))
+    if np.asarray(cache.overflowed).any():  # the plan sizes the pool for the whole call: a bug if this happens
+        raise RuntimeError("the paged pool ran out of pages; the plan should have prevented it")
+    plan = memory.CachePlan(batch=rows, padded_batch=pages.padded_rows, prompt_len=T,
+                            capacity=pages.max_pages * page_size, ring=False, cache_dtype=cache_dtype,
+                            requested_bytes=pages.requested_bytes, allocated_bytes=pages.allocated_bytes)
+    req = _Request(token_lists=[p for p in token_lists for _ in range(n)], max_new_tokens=max_new_tokens,
+                   sampler=sample_fn, rows=sampler_rows, stop_ids=stop_ids, key=key, attention=attention, plan=plan,
+                   tokens=tokens, start=np.zeros((pages.prefill_batch,), np.int32), done=done)
+    result = _generation(model, req, out, num_new, stopped, passes, cache, prefill_time, decode_time)
+    # Nothing is freed while decoding (finished rows just stop taking pages), so the end is the peak.
+    peak = int(cache.pages_in_use())
+    page_bytes = memory.page_bytes(config, page_size, cache_dtype)
+    result.stats.update({
+        "n": n, "page_size": page_size, "num_pages": pages.num_pages, "pages_in_use_peak": peak,
+        "kv_bytes_in_use_peak": peak * page_bytes,
+        # What batch x n private contiguous sequences of prompt + max_new_tokens tokens would need.
+        "kv_cache_bytes_unshared": pages.unshared_bytes,
+        "prefilled_tokens": int(sum(len(p) for p in token_lists)),
+    })
+    return result
 
 
 _sharded_cache: list = []  # [(params, mesh, sharded params, config)]: the last model sharded, reused by identity

@@ -246,3 +246,88 @@ def plan_cache(config: Config, prompt_lengths, max_new_tokens: int, *, max_len: 
                      requested_bytes=kv_cache_bytes(config, tokens=longest + max_new_tokens, batch=len(lengths),
                                                     cache_dtype=cache_dtype),
                      allocated_bytes=padded_batch * capacity * per_token)
+
+
+# --- paged pools ------------------------------------------------------------------------------------------------
+
+DEFAULT_PAGE_SIZE = 16
+
+
+def page_bytes(config: Config | CacheGeometry, page_size: int, cache_dtype=None) -> int:
+    """Bytes of one page over all layers: page_size token slots of K and V (and scales) for every KV head."""
+    return _positive_int("page_size", page_size) * kv_bytes_per_token(config, cache_dtype)
+
+
+def pool_bytes(config: Config | CacheGeometry, *, num_pages: int, page_size: int, cache_dtype=None) -> int:
+    """Bytes of a paged pool of `num_pages` pages (`jaxkv.paged_cache.PagedKVCache.nbytes`)."""
+    return _positive_int("num_pages", num_pages) * page_bytes(config, page_size, cache_dtype)
+
+
+def pages_for(prompt_len: int, max_new_tokens: int, n: int, page_size: int) -> int:
+    """Pages n samples of one prompt hold at the end, sharing the prompt's full pages: the full pages once, and
+    per sample its own partly filled prompt page (copied on fork) and the pages of its new tokens (the last new
+    token is sampled but never stored)."""
+    full = prompt_len // page_size
+    per_sample = -(-(prompt_len + max_new_tokens - 1) // page_size) - full
+    return full + n * per_sample
+
+
+@dataclasses.dataclass(frozen=True)
+class PagePlan:
+    """How `generate(..., n=N)` lays out a paged batch, and the bytes it needs, allocates and saves.
+
+    batch:           prompts given; rows = batch x n sequences decoded (prompt-major).
+    prefill_batch:   prompts padded to a power of two (filler prompts are empty: they take no page).
+    padded_rows:     rows padded to a power of two (filler rows are released before decoding).
+    prompt_len:      T, the prompts' right-padded length (a power of two >= 16).
+    max_pages:       M, page-table entries per sequence: a power of two of slots / page_size (at most the model's
+                     max positions).
+    pages_needed:    pages in use at the end (the peak: nothing is freed while decoding), `pages_for` summed.
+    num_pages:       the pool allocated: pages_needed rounded up to a power of two, so calls share compiled shapes.
+    requested_bytes: pages_needed pages; allocated_bytes: the pool; unshared_bytes: what `batch x n` private
+                     sequences of prompt + max_new_tokens tokens would take (`kv_cache_bytes`, no sharing).
+    """
+
+    batch: int
+    n: int
+    prefill_batch: int
+    padded_rows: int
+    prompt_len: int
+    page_size: int
+    max_pages: int
+    pages_needed: int
+    num_pages: int
+    cache_dtype: str
+    requested_bytes: int
+    allocated_bytes: int
+    unshared_bytes: int
+
+
+def plan_pages(config: Config, prompt_lengths, max_new_tokens: int, *, n: int = 1,
+               page_size: int = DEFAULT_PAGE_SIZE, cache_dtype=None) -> PagePlan:
+    """The paged layout `jaxkv.generate(..., n=n)` allocates (see `PagePlan`); ValueError for what cannot fit."""
+    if not isinstance(config, Config):
+        raise TypeError(f"plan_pages needs a jaxkv.Config, got {type(config).__name__}")
+    lengths = [_positive_int("prompt length", x) for x in prompt_lengths]
+    if not lengths:
+        raise ValueError("prompt_lengths is empty: pass at least one prompt")
+    max_new_tokens = _positive_int("max_new_tokens", max_new_tokens)
+    n, page_size = _positive_int("n", n), _positive_int("page_size", page_size)
+    cache_dtype = _cache_dtype(CacheGeometry.of(config), cache_dtype)
+    limit = config.max_positions
+    for i, x in enumerate(lengths):
+        if x + max_new_tokens > limit:
+            raise ValueError(f"prompt {i} has {x} tokens; with max_new_tokens={max_new_tokens} it needs "
+                             f"{x + max_new_tokens} positions, beyond the model's max positions ({limit})")
+    prompt_len = max(MIN_PROMPT_BUCKET, _next_pow2(max(lengths)))
+    slots = min(_next_pow2(max(lengths) + max_new_tokens), -(-limit // page_size) * page_size)
+    max_pages = -(-slots // page_size)
+    needed = sum(pages_for(x, max_new_tokens, n, page_size) for x in lengths)
+    num_pages = _next_pow2(needed)
+    per_page = page_bytes(config, page_size, cache_dtype)
+    unshared = sum(n * (x + max_new_tokens) for x in lengths) * kv_bytes_per_token(config, cache_dtype)
+    return PagePlan(batch=len(lengths), n=n, prefill_batch=_next_pow2(len(lengths)),
+                    padded_rows=_next_pow2(len(lengths) * n), prompt_len=prompt_len, page_size=page_size,
+                    max_pages=max_pages, pages_needed=needed, num_pages=num_pages, cache_dtype=cache_dtype,
+                    requested_bytes=needed * per_page, allocated_bytes=num_pages * per_page,
+                    unshared_bytes=unshared)

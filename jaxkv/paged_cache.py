@@ -187,14 +187,17 @@ class PagedKVCache:
 
     def fork(self, parents) -> "PagedKVCache":
         """A cache of len(parents) rows whose row i continues sequence parents[i] (int32[B'], any B'; a row may
-        appear many times, or not at all: then its pages are released).
+        appear many times, or not at all: then its pages are released; a negative parent makes an empty row).
 
         Full pages are shared by reference (count + 1 per new holder). A partly filled last page is shared by
         every child at the same fill, so the first child continuing it (lowest row) keeps it and each other child
         gets a copy: from then on every row writes only to pages no other row reads."""
         parents = jnp.asarray(parents, jnp.int32)
-        table = self.page_table[parents]  # [B', M]
-        lengths, overflowed = self.lengths[parents], self.overflowed[parents]
+        some = parents >= 0  # a negative parent: an empty row (no pages, length 0)
+        src = jnp.maximum(parents, 0)
+        table = jnp.where(some[:, None], self.page_table[src], NO_PAGE)  # [B', M]
+        lengths = jnp.where(some, self.lengths[src], 0)
+        overflowed = some & self.overflowed[src]
         refcounts = self._count(self.page_table, -1, self._count(table, +1, self.refcounts))
         cache = dataclasses.replace(self, page_table=table, lengths=lengths, overflowed=overflowed,
                                     refcounts=refcounts)

@@ -226,3 +226,57 @@ def test_refcounts_stay_exact_and_nothing_leaks(ops):
         _check_counts(cache)
     cache = _release(cache, jnp.ones((B,), bool))
     assert int(cache.pages_in_use()) == 0 and not np.asarray(cache.refcounts).any()
+
+
+# --- generate(n=N) -----------------------------------------------------------------------------------------------
+
+
+def test_generate_n_greedy_samples_equal_each_prompt_alone():
+    model = model_for("gqa")
+    prompts = PROMPTS[:2]
+    alone = jaxkv.generate(model, prompts, max_new_tokens=10, stop_tokens=[]).tokens
+    out = jaxkv.generate(model, prompts, max_new_tokens=10, stop_tokens=[], n=3)
+    assert out.tokens == [alone[0]] * 3 + [alone[1]] * 3  # prompt-major: tokens[i * n + j]
+    plan = jaxkv.memory.plan_pages(model.config, [len(p) for p in prompts], 10, n=3)
+    s = out.stats
+    # The pool generate allocates is the planner's, and what is in use at the peak is what the plan needs.
+    assert s["kv_cache_bytes"] == plan.allocated_bytes == jaxkv.memory.pool_bytes(
+        model.config, num_pages=plan.num_pages, page_size=16)
+    assert s["pages_in_use_peak"] == plan.pages_needed and s["kv_bytes_in_use_peak"] == plan.requested_bytes
+    assert s["kv_cache_bytes_unshared"] == sum(jaxkv.kv_cache_bytes(model.config, tokens=len(p) + 10, batch=3)
+                                               for p in prompts)
+    assert s["prefilled_tokens"] == sum(map(len, prompts))  # once per prompt, not per sample
+
+
+def test_generate_n_sampled_rows_differ_and_settings_are_per_prompt():
+    model = model_for("gqa")
+    out = jaxkv.generate(model, PROMPTS[:2], max_new_tokens=8, stop_tokens=[], n=3, temperature=[0.0, 2.0], seed=4)
+    greedy = jaxkv.generate(model, [PROMPTS[0]], max_new_tokens=8, stop_tokens=[]).tokens[0]
+    assert out.tokens[:3] == [greedy] * 3  # prompt 0 is greedy in all its samples
+    assert len({tuple(t) for t in out.tokens[3:]}) == 3  # prompt 1's samples each draw their own tokens
+
+
+def test_generate_n_stops_rows_independently_and_finished_rows_take_no_pages():
+    model = model_for("gqa")
+    free = jaxkv.generate(model, [PROMPTS[1]], max_new_tokens=12, stop_tokens=[]).tokens[0]
+    stop = free[2]
+    out = jaxkv.generate(model, [PROMPTS[1]], max_new_tokens=12, stop_tokens=[stop], n=2, page_size=4)
+    assert out.tokens == [free[:free.index(stop) + 1]] * 2 and out.finish_reasons == ["stop", "stop"]
+    full = len(PROMPTS[1]) // 4
+    assert out.stats["pages_in_use_peak"] == full + 2 * (-(-(len(PROMPTS[1]) + len(out.tokens[0]) - 1) // 4) - full)
+
+
+def test_paged_generate_with_page_size_and_n_1_equals_contiguous():
+    model = model_for("learned")
+    want = jaxkv.generate(model, PROMPTS, max_new_tokens=9, stop_tokens=[]).tokens
+    assert jaxkv.generate(model, PROMPTS, max_new_tokens=9, stop_tokens=[], page_size=5).tokens == want
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(n=0), "n must be >= 1"),
+    (dict(n=2, max_len=64), "drop max_len"),
+    (dict(page_size=0), "page_size must be >= 1"),
+])
+def test_generate_n_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        jaxkv.generate(model_for("gqa"), [[1, 2]], max_new_tokens=2, **kwargs)
