@@ -297,15 +297,20 @@ def _decode_args(params, cache, logits, key, sampler, stop_ids, *, config, steps
                  mesh=None):
     """Validates `decode`'s arguments (ValueError before any compute) -> (args, kwargs) of `_decode_loop`."""
     _check_config(config)
-    if not isinstance(cache, KVCache):
-        raise ValueError(f"cache must be a jaxkv.KVCache (from prefill), got {type(cache).__name__}")
+    if not isinstance(cache, (KVCache, PagedKVCache)):
+        raise ValueError(f"cache must be a jaxkv.KVCache (from prefill) or a PagedKVCache, got "
+                         f"{type(cache).__name__}")
     steps = checks.check_int("steps", steps, 1)
     if np.shape(logits) != (cache.batch, config.vocab_size):
         raise ValueError(f"logits must be float32[{cache.batch}, {config.vocab_size}] (the cache's batch and the "
                          f"vocabulary), got shape {np.shape(logits)}")
-    if not cache.ring and steps - 1 > cache.capacity:
+    paged = isinstance(cache, PagedKVCache)
+    ring = False if paged else cache.ring
+    if not ring and steps - 1 > cache.capacity:
         raise ValueError(f"steps={steps} feeds back {steps - 1} tokens; the cache holds only {cache.capacity}")
-    if not isinstance(cache.length, jax.core.Tracer) and cache.start.is_fully_addressable:
+    if paged:
+        _check_pages(cache, steps, config)
+    elif not isinstance(cache.length, jax.core.Tracer) and cache.start.is_fully_addressable:
         # Known on the host (one scalar read, after the prefill has run): refuse what cannot fit, before compute.
         length, first = int(cache.length), int(np.min(np.asarray(cache.start)))
         if not cache.ring and length + steps - 1 > cache.capacity:
@@ -319,9 +324,28 @@ def _decode_args(params, cache, logits, key, sampler, stop_ids, *, config, steps
         raise ValueError(f"stream must be a callable (tokens, running), got {stream!r}")
     args = (params, cache, logits, key, _as_sampler(sampler), _as_stop_ids(stop_ids),
             jnp.zeros((cache.batch,), bool), jnp.int32(steps))
-    kwargs = dict(config=config, max_steps=_steps_bound(cache.capacity, cache.ring, steps), rows=None,
+    kwargs = dict(config=config, max_steps=_steps_bound(cache.capacity, ring, steps), rows=None,
                   attention=attention_impls.resolve(attention), stream=stream, mesh=mesh)
     return args, kwargs
+
+
+def _check_pages(cache: PagedKVCache, steps: int, config: Config):
+    """A paged cache known on the host: refuse steps whose slots, positions or pages cannot fit, before compute."""
+    if isinstance(cache.lengths, jax.core.Tracer):
+        return  # inside a user's jit: a row that finds no page is poisoned instead (`PagedKVCache`)
+    lengths, table = np.asarray(cache.lengths), np.asarray(cache.page_table)
+    end = lengths + steps - 1  # slots written by the end: the last sampled token is not fed back
+    if end.max() > cache.capacity:
+        raise ValueError(f"steps={steps} would take a sequence to {int(end.max())} slots; its page table holds "
+                         f"{cache.capacity}")
+    if end.max() > config.max_positions:
+        raise ValueError(f"steps={steps} would take a sequence past the model's max positions "
+                         f"({config.max_positions})")
+    held = (table >= 0).sum(axis=1)
+    need = int(np.maximum(-(-end // cache.page_size) - held, 0).sum())
+    free = int((np.asarray(cache.refcounts) == 0).sum())
+    if need > free:
+        raise ValueError(f"steps={steps} needs {need} more pages; the pool has {free} free")
 
 
 def decode(params, cache: KVCache, logits, key, sampler, stop_ids, *, config: Config, steps: int,

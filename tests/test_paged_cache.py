@@ -280,3 +280,15 @@ def test_paged_generate_with_page_size_and_n_1_equals_contiguous():
 def test_generate_n_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         jaxkv.generate(model_for("gqa"), [[1, 2]], max_new_tokens=2, **kwargs)
+
+
+def test_decode_runs_on_a_paged_cache_and_refuses_what_the_pool_cannot_hold():
+    model = model_for("gqa")
+    want = jaxkv.generate(model, PROMPTS, max_new_tokens=6, stop_tokens=[]).tokens
+    logits, cache = paged_prefill(model, PROMPTS, page_size=4, num_pages=16)  # prompts hold 1 + 5 + 2 pages; 13 more slots each need 3 + 3 + 4
+    with pytest.raises(ValueError, match="needs 10 more pages; the pool has 8 free"):
+        jaxkv.decode(model.params, cache, logits, jax.random.PRNGKey(0), jaxkv.sampling.greedy, [],
+                     config=model.config, steps=14)
+    out = jaxkv.decode(model.params, cache, logits, jax.random.PRNGKey(0), jaxkv.sampling.greedy, [],
+                       config=model.config, steps=6)
+    assert np.asarray(out.tokens).tolist() == want
