@@ -8,32 +8,33 @@ What a program reads
 --------------------
 One program per (sequence b, KV head h) handles all G = N // K query heads of that KV head (the G rows are the M
 dimension of both matmuls), so each K/V page is read once per group. Row b's query in slot q may see slots
-[lo, hi] with lo = max(0, q - window + 1) and hi = min(q, lengths[b] - 1) (`paged_live_bounds`). Slots are walked
-in groups of `pages_per_block` consecutive page-table entries (a "block" of C = pages_per_block * page_size slots),
-and only the groups holding a slot of [lo, hi] are visited: pages past the length and pages wholly before the
-sliding window are never read, nor is a page-table entry outside the live pages (-1 entries included). Inside a
-visited group, slots outside [lo, hi] are masked with selects (`decode_masks`), so NaN in a free page, in another
-sequence's page or in the unwritten tail of the last page cannot leak.
+[lo, hi] with lo = max(0, q - window + 1) and hi = min(q, lengths[b] - 1) (`paged_live_bounds`). Both bodies walk
+only the blocks of slots holding a slot of [lo, hi]: pages past the length and pages wholly before the sliding
+window are never read. Inside a visited block, slots outside [lo, hi] are masked with selects (`decode_masks`), so
+NaN in a free page, in another sequence's page or in the unwritten tail of the last page cannot leak.
 
-Pallas TPU (Mosaic), `_paged_kernel_tpu`: grid (B, K, groups), the last axis sequential ("arbitrary") with the
-softmax state in VMEM scratch. lo, hi and the flattened page table are scalar-prefetched into SMEM
-(`pltpu.PrefetchScalarGridSpec`) and read by the index maps: a pool BlockSpec per page of the group, block
-(page_size, H) (the last two dims are the pool's full dims, legal for any page size), whose index map names the
-physical page `page_table[b, p]` for the group's page position p. Positions are clamped (`_tpu_page`): the group
-into the row's live groups (a step past the last one names the pages of the step before it: no DMA, and
-`pl.when` skips the compute), and a position within the group into the live pages [lo // page_size,
-hi // page_size] (an input whose position falls outside names a live page instead of a -1 or dead entry; the body
-masks all of that position's slots, since they lie outside [lo, hi]). The body folds the group's pages into the
-softmax one page at a time. Several pages per step amortise the fixed per-step cost (~0.35 us) over more bytes; a
-16-slot bf16 page of H = 128 is only 4 KiB.
+Pallas TPU (Mosaic), `_paged_kernel_tpu`: a block is a group of `pages_per_block` consecutive page-table entries.
+Grid (B, K, groups), the last axis sequential ("arbitrary") with the softmax state in VMEM scratch. lo, hi and the
+flattened page table are scalar-prefetched into SMEM (`pltpu.PrefetchScalarGridSpec`) and read by the index maps:
+one pool BlockSpec per page of the group, block (page_size, H) (the pool's full last two dims: legal for any page
+size), whose index map names the physical page `page_table[b, p]` of the group's page position p. Positions are
+clamped (`_tpu_page`): the group into the row's live groups (a step past the last one names the pages of the step
+before it: no DMA, and `pl.when` skips the compute), and a position within the group into the live pages
+[lo // page_size, hi // page_size] (an input whose position falls outside names a live page instead of a -1 or a
+dead entry, and the body masks all of that position's slots, which lie outside [lo, hi]). So no page-table entry
+outside the live pages is read and no dead page is copied. The body folds the group's pages into the softmax one
+page at a time. Several pages per step amortise the fixed per-step cost (~0.35 us) over more bytes: a 16-slot
+bfloat16 page of H = 128 is 4 KiB.
 
-Pallas GPU (Triton), `_paged_kernel_gpu`: grid (B, K); each program loops (`fori_loop`, dynamic trip count) over
-its live groups only. The pools are passed flattened to [P * K * page_size, H] (a free reshape): a ref that is only
-a pointer. Per group the body gathers the group's page-table entries (one per slot, a vector load), computes each
-slot's row (page * K + h) * page_size + offset, and loads K and V with one gather load `k_ref[rows, :]` ([C, H];
-Triton turns it into a pointer tensor), the scales likewise. Grouping pages matters here: tl.dot needs every
-matmul dim >= 16, so pages of 1, 4 or 8 slots are read 16 or more slots at a time. C, the head dim and the padded
-query rows must be powers of two (Triton tensor sizes).
+Pallas GPU (Triton), `_paged_kernel_gpu`: a block is C slots, a power of two >= 16 (Triton tensor sizes; tl.dot
+needs every matmul dim >= 16), independent of the page size, so pages of 1, 4 or 5 slots are read 16 or more slots
+at a time. Grid (B, K); each program loops (`fori_loop`, dynamic trip count) over its live blocks only. The pools
+are passed flattened to [P * K * page_size, H] (a free reshape), a ref that is only a pointer. Per block the body
+gathers each slot's page-table entry (a vector load), computes the slot's pool row
+(page * K + h) * page_size + slot % page_size, and loads K, V ([C, H]) and the scales ([1, C]) with gather loads
+(Triton pointer tensors). Every load is masked to the live slots (`pltriton.load(..., mask)`), so a dead slot reads
+neither its page-table entry (it may be -1) nor its row. The head dim and the padded query rows must be powers of
+two; a head dim that is not is refused (padding it would copy the whole pool every step).
 """
 
 from __future__ import annotations
@@ -68,15 +69,15 @@ def paged_live_bounds(lengths, q_slots, num_slots: int, sliding_window: int | No
     return lo, jnp.minimum(hi, lengths - 1)
 
 
-def default_pages_per_block(platform: str, page_size: int, pages_per_seq: int) -> int:
-    pages = max(1, TARGET_SLOTS[platform] // page_size)
-    if platform == "tpu":
-        return min(pages, TPU_MAX_PAGES_PER_BLOCK, pages_per_seq)
-    # A power of two covering at least 16 slots, and no more groups' worth than the table holds (rounded up).
-    return max(cdiv(GPU_MIN_DIM, page_size), min(pages, next_pow2(pages_per_seq)))
+def tpu_pages_per_block(page_size: int, pages_per_seq: int, pages_per_block: int | None) -> int:
+    """Pages per TPU grid step: `pages_per_block` if given, else enough for 128 slots but at most 8; never more
+    than the table holds."""
+    default = min(max(1, TARGET_SLOTS["tpu"] // page_size), TPU_MAX_PAGES_PER_BLOCK)
+    return min(pages_per_block or default, pages_per_seq)
 
 
 def check_pool(k_pages, v_pages, page_table, k_scale, v_scale):
+    """Pools of one shape; both scales [P, K, page_size] or neither; a 2-D page table."""
     if k_pages.shape != v_pages.shape:
         raise ValueError(f"k_pages and v_pages must have the same shape, got {k_pages.shape} and {v_pages.shape}")
     if (k_scale is None) != (v_scale is None):
@@ -126,10 +127,9 @@ def _paged_kernel_tpu(lo_ref, hi_ref, table_ref, q_ref, *refs, scale: float, pag
         for i in range(n):  # static: one online-softmax step per page of the group
             offset = page(i)[1] * page_size  # the slots input i's positions stand for; masked if a clamped copy
             live, v_live = decode_masks(offset, offset, lo, hi, rows, page_size, head_dim)
-            k_scale, v_scale = (load_scale(scale_refs[i]), load_scale(scale_refs[n + i])) if quantized else (None,
-                                                                                                           None)
+            ks, vs = (load_scale(scale_refs[i]), load_scale(scale_refs[n + i])) if quantized else (None, None)
             state = online_softmax_step(*state, q, kv_refs[i][...], kv_refs[n + i][...], live, v_live,
-                                        scale=scale, k_scale=k_scale, v_scale=v_scale)
+                                        scale=scale, k_scale=ks, v_scale=vs)
         m_scr[...], l_scr[...], acc_scr[...] = state
 
     @pl.when(j == pl.num_programs(2) - 1)
@@ -184,48 +184,58 @@ def _paged_tpu(q, k_pages, v_pages, k_scale, v_scale, page_table, lo, hi, *, sca
 
 
 def _paged_kernel_gpu(lo_ref, hi_ref, table_ref, q_ref, k_ref, v_ref, *refs, scale: float, page_size: int,
-                      pages_per_block: int, kv_heads: int, quantized: bool):
-    """Grid (B, K). lo_ref, hi_ref [1]; table_ref [Mp] (the row's page table, -1 padded to whole groups); q_ref
-    [R, H]; k_ref, v_ref [P * K * page_size, H] (pointers: only the gathered rows are read); then, for a quantized
-    pool, ks_ref, vs_ref [P * K * page_size]; output [R, H]."""
+                      block: int, kv_heads: int, quantized: bool):
+    """Grid (B, K). lo_ref, hi_ref [1]; table_ref [M] (the row's page table); q_ref [R, H]; k_ref, v_ref
+    [P * K * page_size, H] (pointers: only the gathered rows are read); then, for a quantized pool, ks_ref, vs_ref
+    [P * K * page_size]; output [R, H]."""
     ks_ref, vs_ref, (out_ref,) = split_scale_refs(refs, quantized)
     lo, hi = lo_ref[0], hi_ref[0]
     h = pl.program_id(1)
     q = q_ref[...]  # [R, H]
     rows, head_dim = q.shape
-    block = page_size * pages_per_block  # C slots per group
     first, count = block_range(lo, hi, block)
-    slot = lax.broadcasted_iota(jnp.int32, (block,), 0)  # [C]: slot within the group
+    within = lax.broadcasted_iota(jnp.int32, (block,), 0)  # [C]
 
     def body(g, carry):
-        offset = (first + g) * block  # the group's first slot
-        page = table_ref[(first + g) * pages_per_block + slot // page_size]  # [C] gather: each slot's page
-        # -1 (no page) only in slots past the length, masked below; read page 0 there instead of out of bounds.
-        row = (jnp.maximum(page, 0) * kv_heads + h) * page_size + slot % page_size  # [C] rows of the flat pool
-        k, v = k_ref[row, :], v_ref[row, :]  # [C, H] gather loads
-        k_scale = load_scale(ks_ref, row[None, :])  # [1, C] or None
-        v_scale = load_scale(vs_ref, row[None, :])
+        offset = (first + g) * block  # the block's first slot
+        slot = offset + within  # [C]
+        # Masked loads: a slot outside [lo, hi] (past the length or the table, before the window) reads nothing,
+        # neither its page-table entry (it may be -1) nor its K/V/scale row.
+        read = (slot >= lo) & (slot <= hi)  # [C]
+        page = pltriton.load(table_ref.at[slot // page_size], mask=read, other=0)  # [C] each slot's page
+        row = (page * kv_heads + h) * page_size + slot % page_size  # [C] rows of the flat pool
+        rows_kv = (row[:, None], lax.broadcasted_iota(jnp.int32, (1, head_dim), 1))  # [C, 1], [1, H]: a [C, H] gather
+        read_kv = jnp.broadcast_to(read[:, None], (block, head_dim))
+        k = pltriton.load(k_ref.at[rows_kv], mask=read_kv, other=0)  # [C, H]
+        v = pltriton.load(v_ref.at[rows_kv], mask=read_kv, other=0)
+        k_scale, v_scale = ((pltriton.load(x.at[row[None, :]], mask=read[None, :], other=0) for x in (ks_ref, vs_ref))
+                            if quantized else (None, None))  # [1, C] each
         live, v_live = decode_masks(offset, offset, lo, hi, rows, block, head_dim)
         return online_softmax_step(*carry, q, k, v, live, v_live, scale=scale, k_scale=k_scale, v_scale=v_scale)
 
     init = (jnp.full((rows, 1), MASKED, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
             jnp.zeros((rows, head_dim), jnp.float32))
-    m, l, acc = lax.fori_loop(0, count, body, init)  # dynamic trip count: only live groups are loaded
+    m, l, acc = lax.fori_loop(0, count, body, init)  # dynamic trip count: only live blocks are loaded
     out_ref[...] = normalize(acc, l)
 
 
-def _paged_gpu(q, k_pages, v_pages, k_scale, v_scale, page_table, lo, hi, *, scale: float, pages_per_block: int,
-               interpret):
+def gpu_block_slots(page_size: int, pages_per_seq: int, pages_per_block: int | None) -> int:
+    """Slots per GPU loop iteration: a power of two >= 16 (Triton tensor sizes, tl.dot dims) covering
+    `pages_per_block` pages if given, else 64 slots (as the contiguous kernel's blocks) or the whole table if that
+    is shorter."""
+    if pages_per_block:
+        return max(GPU_MIN_DIM, next_pow2(pages_per_block * page_size))
+    return max(GPU_MIN_DIM, min(TARGET_SLOTS["gpu"], next_pow2(pages_per_seq * page_size)))
+
+
+def _paged_gpu(q, k_pages, v_pages, k_scale, v_scale, page_table, lo, hi, *, scale: float, block: int, interpret):
     """q [B, K, R, H] (R, H powers of two >= 16); pools [P, K, page_size, H]; scales f32[P, K, page_size] or None;
-    page_table int32[B, M]; lo, hi int32[B] -> f32[B, K, R, H]."""
+    page_table int32[B, M]; lo, hi int32[B]; block: slots per loop iteration -> f32[B, K, R, H]."""
     B, K, R, H = q.shape
     P, _, page_size, _ = k_pages.shape
-    block = page_size * pages_per_block
-    if block < GPU_MIN_DIM or block & (block - 1) or H & (H - 1):
-        raise ValueError(f"the GPU paged kernel needs pages_per_block * page_size (got {pages_per_block} * "
-                         f"{page_size}) and the head dim (got {H}) to be powers of two, the former >= {GPU_MIN_DIM}")
-    Mp = cdiv(page_table.shape[1], pages_per_block) * pages_per_block
-    table = jnp.pad(page_table, ((0, 0), (0, Mp - page_table.shape[1])), constant_values=-1)  # whole groups
+    if H & (H - 1):
+        raise ValueError(f"the GPU paged kernel needs a power-of-two head dim (Triton tensor sizes), got {H}; "
+                         "padding it would copy the whole pool every step")
     flat = (P * K * page_size, H)
 
     def scalar_map(b, h):
@@ -234,28 +244,31 @@ def _paged_gpu(q, k_pages, v_pages, k_scale, v_scale, page_table, lo, hi, *, sca
     def row_map(b, h):
         return b, h, 0, 0
 
-    def pool_map(b, h):  # the whole pool: a base pointer, gathered from per group
+    def whole(b, h):  # the whole pool: a base pointer, gathered from per block
         return 0, 0
 
+    def whole_scales(b, h):
+        return (0,)
+
     quantized = k_scale is not None
-    scale_specs = [pl.BlockSpec((P * K * page_size,), lambda b, h: (0,))] * 2 if quantized else []
-    kernel = functools.partial(_paged_kernel_gpu, scale=scale, page_size=page_size,
-                               pages_per_block=pages_per_block, kv_heads=K, quantized=quantized)
+    scale_specs = [pl.BlockSpec(flat[:1], whole_scales)] * 2 if quantized else []
+    kernel = functools.partial(_paged_kernel_gpu, scale=scale, page_size=page_size, block=block, kv_heads=K,
+                               quantized=quantized)
     scales = [k_scale.astype(jnp.float32).reshape(-1), v_scale.astype(jnp.float32).reshape(-1)] if quantized else []
     return pl.pallas_call(
         kernel,
         grid=(B, K),
         in_specs=[pl.BlockSpec((1,), scalar_map), pl.BlockSpec((1,), scalar_map),
-                  pl.BlockSpec((None, Mp), lambda b, h: (b, 0)),
+                  pl.BlockSpec((None, page_table.shape[1]), lambda b, h: (b, 0)),
                   pl.BlockSpec((None, None, R, H), row_map),
-                  pl.BlockSpec(flat, pool_map), pl.BlockSpec(flat, pool_map), *scale_specs],
+                  pl.BlockSpec(flat, whole), pl.BlockSpec(flat, whole), *scale_specs],
         out_specs=pl.BlockSpec((None, None, R, H), row_map),
         out_shape=jax.ShapeDtypeStruct((B, K, R, H), jnp.float32),
         # Explicit Triton params: without them JAX 0.10 lowers GPU pallas_calls with Mosaic GPU.
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="jaxkv_paged_decode_attention",
-    )(lo, hi, table, q, k_pages.reshape(flat), v_pages.reshape(flat), *scales)
+    )(lo, hi, page_table, q, k_pages.reshape(flat), v_pages.reshape(flat), *scales)
 
 
 # --- public --------------------------------------------------------------------------------------------------
@@ -277,8 +290,8 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale: f
       k_scale, v_scale: float32[P, K, page_size] dequantization scales of a quantized pool, else None.
       q_slots: int32[B], the query's slot; default lengths - 1 (decode: its own K/V already written).
       platform: "tpu" (Mosaic body) or "gpu" (Triton body); None: "gpu" on GPUs, else "tpu".
-      pages_per_block: pages folded per grid step (TPU) or per loop iteration (GPU); default
-        `default_pages_per_block`. GPU: page_size * pages_per_block must be a power of two >= 16.
+      pages_per_block: pages per grid step (TPU, `tpu_pages_per_block`) or per loop iteration (GPU: rounded up to
+        a power-of-two number of slots, `gpu_block_slots`).
       interpret: run in the Pallas interpreter; None means "only on CPU".
 
     Returns:
@@ -295,7 +308,6 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale: f
     lengths = jnp.asarray(lengths, jnp.int32)
     q_slots = lengths - 1 if q_slots is None else jnp.asarray(q_slots, jnp.int32)
     lo, hi = paged_live_bounds(lengths, q_slots, M * page_size, sliding_window)  # int32[B] each
-    pages_per_block = pages_per_block or default_pages_per_block(platform, page_size, M)
     page_table = jnp.asarray(page_table, jnp.int32)
     mm_dtype = matmul_dtype(dtype, k_pages.dtype)
     if platform == "tpu" and page_size == 1:
@@ -307,11 +319,12 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale: f
     if platform == "tpu":
         R = cdiv(G, TPU_ROW_MULTIPLE) * TPU_ROW_MULTIPLE  # whole sublane tiles
         out = _paged_tpu(pad_axis(q, 2, R), k_pages, v_pages, scale_rows(k_scale), scale_rows(v_scale), page_table,
-                         lo, hi, scale=scale, pages_per_block=min(pages_per_block, M), interpret=interpret)
+                         lo, hi, scale=scale, pages_per_block=tpu_pages_per_block(page_size, M, pages_per_block),
+                         interpret=interpret)
     elif platform == "gpu":
         R = max(GPU_MIN_DIM, next_pow2(G))  # tl.dot needs M >= 16; the padded rows are zeros, sliced off below
         out = _paged_gpu(pad_axis(q, 2, R), k_pages, v_pages, k_scale, v_scale, page_table, lo, hi, scale=scale,
-                         pages_per_block=pages_per_block, interpret=interpret)
+                         block=gpu_block_slots(page_size, M, pages_per_block), interpret=interpret)
     else:
         raise ValueError(f"platform must be 'tpu' or 'gpu', got {platform!r}")
     return out[:, :, :G].reshape(B, N, H).astype(dtype)  # [B, N, H]
