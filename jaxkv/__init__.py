@@ -20,6 +20,8 @@ _EXPORTS = {
     "KVCache": "jaxkv.cache",
     "Model": "jaxkv.model",
     "PRESETS": "jaxkv.config",
+    "PagedKVCache": "jaxkv.paged_cache",
+    "PrefixCache": "jaxkv.prefix_cache",
     "RopeScaling": "jaxkv.config",
     "Sampler": "jaxkv.sampling",
     "decode": "jaxkv.generate",

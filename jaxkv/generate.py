@@ -635,7 +635,7 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top
              sampler: Callable | None = None, seed: int = 0, stop_tokens: Sequence[int] | None = None,
              max_len: int | None = None, cache_dtype: str | None = None, attention: str | None = None,
              stream: Callable | None = None, mesh: Mesh | None = None, n: int = 1,
-             page_size: int | None = None) -> Generation:
+             page_size: int | None = None, prefix_cache=None) -> Generation:
     """Generates up to `max_new_tokens` tokens for each prompt.
 
     Args:
@@ -669,6 +669,9 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top
         row index). Each row draws its own samples; a per-prompt sampling setting applies to all its samples.
         `stats` adds the pages in use at the peak and the bytes private caches would have taken.
       page_size: slots per page of the paged cache (default 16 when n > 1); None and n == 1: the contiguous cache.
+      prefix_cache: a `jaxkv.PrefixCache` (prompt caching): the call runs in its page pool, reuses the pages of
+        any prefix it holds (whole pages of token ids) and prefills only the rest; the new prompts' pages stay
+        cached for later calls. `stats` adds "prefix_hit_tokens" and "prefilled_tokens".
       mesh: a `jax.sharding.Mesh` with axes ("data", "model"): the batch is split over "data" (padded up to a
         multiple of it), attention heads and the FFN hidden width over "model" (Megatron-style), the cache over
         batch and KV heads; see `jaxkv.sharding`, which also explains how KV heads fewer than the "model" axis
@@ -679,7 +682,13 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top
       ValueError: for any bad argument, before any compute (and for a custom sampler's out-of-vocabulary id).
     """
     n = checks.check_int("n", n, 1)
-    if page_size is not None or n > 1:
+    if prefix_cache is not None:
+        from jaxkv.prefix_cache import PrefixCache
+
+        if not isinstance(prefix_cache, PrefixCache):
+            raise ValueError(f"prefix_cache must be a jaxkv.PrefixCache, got {type(prefix_cache).__name__}")
+        page_size = prefix_cache.page_size if page_size is None else page_size
+    if page_size is not None or n > 1 or prefix_cache is not None:
         if mesh is not None:
             raise ValueError("n > 1 and page_size (the paged cache) are not supported with a mesh yet")
         if max_len is not None:
@@ -689,7 +698,7 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top
                                else checks.check_int("page_size", page_size, 1), max_new_tokens=max_new_tokens,
                                temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, sampler=sampler,
                                seed=seed, stop_tokens=stop_tokens, cache_dtype=cache_dtype, attention=attention,
-                               stream=stream)
+                               stream=stream, prefix_cache=prefix_cache)
     if mesh is not None:
         mesh = sharding.check_mesh(mesh)
         if stream is not None and jax.process_count() > 1:
@@ -743,9 +752,20 @@ def _prefill_paged(params, tokens, positions, parents, *, config, attention, num
     return logits[jnp.maximum(parents, 0), 0], cache.fork(parents)
 
 
+@functools.partial(jax.jit, static_argnames=("config", "attention"))
+def _prefill_suffix(params, tokens, positions, cache, parents, *, config, attention):
+    """Prefills right-padded prompt suffixes (positions -1 after each) into a cache whose rows already hold their
+    cached prefixes, attending over those pages -> (float32[R, V] logits of the rows forked by `parents`, the
+    prefilled page table, the forked cache)."""
+    logits, cache = Decoder(config).apply({"params": params}, tokens, positions, cache, last_only=True,
+                                          attention=attention)
+    return logits[jnp.maximum(parents, 0), 0], cache.page_table, cache.fork(parents)
+
+
 def _generate_paged(model: Model, prompts, *, n, page_size, max_new_tokens, temperature, top_k, top_p, min_p,
-                    sampler, seed, stop_tokens, cache_dtype, attention, stream) -> Generation:
-    """`generate` on a paged cache: each prompt prefilled once, its n samples forked from it."""
+                    sampler, seed, stop_tokens, cache_dtype, attention, stream, prefix_cache=None) -> Generation:
+    """`generate` on a paged cache: each prompt prefilled once (after its cached prefix, with a prefix cache),
+    its n samples forked from it."""
     config = model.config
     token_lists = _token_lists(prompts, config.vocab_size, model.tokenizer)
     max_new_tokens = checks.check_int("max_new_tokens", max_new_tokens, 1)
@@ -766,20 +786,38 @@ def _generate_paged(model: Model, prompts, *, n, page_size, max_new_tokens, temp
         if not callable(stream):
             raise ValueError(f"stream must be a callable (row_index, token_id), got {stream!r}")
         on_step = _StepStream(stream, rows)
-    T = pages.prompt_len
+    hits = [[] for _ in token_lists]  # cached pages of each prompt's prefix
+    if prefix_cache is not None:
+        prefix_cache.check(model, cache_dtype, page_size)
+        hits = [prefix_cache.match(p) for p in token_lists]
+        # The pages this call adds: everything the plan counts but the prefix pages it reuses.
+        prefix_cache.make_room(pages.pages_needed - sum(map(len, hits)), keep={p for h in hits for p in h})
+    hit = [len(h) * page_size for h in hits]  # tokens found in the cache
+    T = max(memory.MIN_PROMPT_BUCKET, memory._next_pow2(max(len(p) - h for p, h in zip(token_lists, hit))))
     tokens = np.zeros((pages.prefill_batch, T), np.int32)
     positions = np.full((pages.prefill_batch, T), -1, np.int32)
-    for b, p in enumerate(token_lists):
-        tokens[b, :len(p)], positions[b, :len(p)] = p, np.arange(len(p))
+    for b, (p, h) in enumerate(zip(token_lists, hit)):
+        tokens[b, :len(p) - h], positions[b, :len(p) - h] = p[h:], np.arange(h, len(p))
     parents = np.full((pages.padded_rows,), -1, np.int32)
     parents[:rows] = np.repeat(np.arange(pages.batch), n)
     done = np.arange(pages.padded_rows) >= rows
 
     with _Phase() as prefill_time:
-        logits, cache = _prefill_paged(model.params, jax.device_put(tokens), jax.device_put(positions),
-                                       jax.device_put(parents), config=config, attention=attention,
-                                       num_pages=pages.num_pages, page_size=page_size, max_pages=pages.max_pages,
-                                       cache_dtype=cache_dtype)
+        if prefix_cache is None:
+            logits, cache = _prefill_paged(model.params, jax.device_put(tokens), jax.device_put(positions),
+                                           jax.device_put(parents), config=config, attention=attention,
+                                           num_pages=pages.num_pages, page_size=page_size,
+                                           max_pages=pages.max_pages, cache_dtype=cache_dtype)
+        else:
+            table = np.full((pages.prefill_batch, pages.max_pages), -1, np.int32)
+            for b, h in enumerate(hits):
+                table[b, :len(h)] = h
+            lengths = np.zeros((pages.prefill_batch,), np.int32)
+            lengths[:len(hit)] = hit
+            logits, prefilled, cache = _prefill_suffix(model.params, jax.device_put(tokens),
+                                                       jax.device_put(positions), prefix_cache.cache(table, lengths),
+                                                       jax.device_put(parents), config=config, attention=attention)
+            cache = prefix_cache.remember(token_lists, np.asarray(prefilled), cache)
         logits.block_until_ready()
     with _Phase() as decode_time:
         out, num_new, stopped, passes, cache = _decode_loop(
@@ -788,7 +826,11 @@ def _generate_paged(model: Model, prompts, *, n, page_size, max_new_tokens, temp
             max_steps=_steps_bound(cache.capacity, False, max_new_tokens), rows=sampler_rows, attention=attention,
             stream=on_step, mesh=None)
         out, num_new, stopped, passes = (np.asarray(x) for x in (out, num_new, stopped, passes))
-    if np.asarray(cache.overflowed).any():  # the plan sizes the pool for the whole call: a bug if this happens
+    overflowed = bool(np.asarray(cache.overflowed).any())
+    peak = int(cache.pages_in_use())  # nothing is freed while decoding, so the end is the peak
+    if prefix_cache is not None:
+        prefix_cache.store(cache)  # the rows' pages released; the prefixes' stay cached
+    if overflowed:  # the plan sizes the pool for the whole call: a bug if this happens
         raise RuntimeError("the paged pool ran out of pages; the plan should have prevented it")
     plan = memory.CachePlan(batch=rows, padded_batch=pages.padded_rows, prompt_len=T,
                             capacity=pages.max_pages * page_size, ring=False, cache_dtype=cache_dtype,
@@ -797,16 +839,19 @@ def _generate_paged(model: Model, prompts, *, n, page_size, max_new_tokens, temp
                    sampler=sample_fn, rows=sampler_rows, stop_ids=stop_ids, key=key, attention=attention, plan=plan,
                    tokens=tokens, start=np.zeros((pages.prefill_batch,), np.int32), done=done)
     result = _generation(model, req, out, num_new, stopped, passes, cache, prefill_time, decode_time)
-    # Nothing is freed while decoding (finished rows just stop taking pages), so the end is the peak.
-    peak = int(cache.pages_in_use())
     page_bytes = memory.page_bytes(config, page_size, cache_dtype)
     result.stats.update({
-        "n": n, "page_size": page_size, "num_pages": pages.num_pages, "pages_in_use_peak": peak,
-        "kv_bytes_in_use_peak": peak * page_bytes,
+        "n": n, "page_size": page_size,
+        "num_pages": pages.num_pages if prefix_cache is None else prefix_cache.num_pages,
+        # Pages held at the end (with a prefix cache: also the cached prefixes that other calls left).
+        "pages_in_use_peak": peak, "kv_bytes_in_use_peak": peak * page_bytes,
         # What batch x n private contiguous sequences of prompt + max_new_tokens tokens would need.
         "kv_cache_bytes_unshared": pages.unshared_bytes,
-        "prefilled_tokens": int(sum(len(p) for p in token_lists)),
+        "prefix_hit_tokens": int(sum(hit)),
+        "prefilled_tokens": int(sum(len(p) for p in token_lists) - sum(hit)),
     })
+    if prefix_cache is not None:
+        result.stats["kv_cache_bytes"] = prefix_cache.nbytes()
     return result
 
 

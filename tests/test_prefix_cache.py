@@ -1,0 +1,79 @@
+"""Prompt caching (issue 13, item 5): a later call reuses the pages of a prefix computed before, prefills only the
+rest, and returns exactly what a call without the cache returns; eviction keeps it correct under a small pool."""
+
+import numpy as np
+import pytest
+
+import jaxkv
+from conftest import model_for
+
+RNG = np.random.default_rng(0)
+HEADER = RNG.integers(1, 97, 40).tolist()  # a shared 40-token prefix: 5 pages of 8
+SUFFIXES = [RNG.integers(1, 97, n).tolist() for n in (5, 9, 3, 12)]
+
+
+def alone(model, prompt, **kwargs):
+    return jaxkv.generate(model, [prompt], max_new_tokens=8, stop_tokens=[], **kwargs).tokens[0]
+
+
+def test_second_call_reuses_the_prefix_and_prefills_only_the_suffix():
+    model = model_for("gqa")
+    pc = jaxkv.PrefixCache(model, num_pages=64, page_size=8)
+    first = jaxkv.generate(model, [HEADER + SUFFIXES[0]], max_new_tokens=8, stop_tokens=[], prefix_cache=pc)
+    assert first.stats["prefix_hit_tokens"] == 0 and first.stats["prefilled_tokens"] == 45
+    assert first.tokens[0] == alone(model, HEADER + SUFFIXES[0])
+    assert pc.cached_pages == 5  # the prompt's whole pages
+    second = jaxkv.generate(model, [HEADER + SUFFIXES[1]], max_new_tokens=8, stop_tokens=[], prefix_cache=pc)
+    assert second.stats["prefix_hit_tokens"] == 40 and second.stats["prefilled_tokens"] == 9
+    assert second.tokens[0] == alone(model, HEADER + SUFFIXES[1])
+    # A batch, samples and a prompt that is entirely cached but its last token.
+    prompts = [HEADER + SUFFIXES[2], HEADER[:17]]
+    third = jaxkv.generate(model, prompts, max_new_tokens=8, stop_tokens=[], prefix_cache=pc, n=2)
+    assert third.tokens == [alone(model, prompts[0])] * 2 + [alone(model, prompts[1])] * 2
+    assert third.stats["prefix_hit_tokens"] == 40 + 16 and third.stats["prefilled_tokens"] == 3 + 1
+
+
+def test_sampled_calls_match_uncached_calls():
+    """float32: the suffix attends over the cached prefix's pages, which hold exactly the K/V a fresh prefill
+    computes, so sampled tokens match too. (An int8/fp8 pool stores the prefix quantized: a suffix prefilled after a
+    hit reads it dequantized, where an uncached prefill attends over the fresh float K/V; BUILD_NOTES.md.)"""
+    model = model_for("mha")
+    pc = jaxkv.PrefixCache(model, num_pages=64, page_size=4)
+    for suffix in SUFFIXES[:2]:
+        kwargs = dict(max_new_tokens=8, stop_tokens=[], temperature=1.0, seed=3, page_size=4)
+        got = jaxkv.generate(model, [HEADER + suffix], prefix_cache=pc, **kwargs)
+        assert got.tokens == jaxkv.generate(model, [HEADER + suffix], **kwargs).tokens
+    assert got.stats["prefix_hit_tokens"] == 40
+
+
+def test_eviction_under_a_small_pool_stays_correct():
+    model = model_for("gqa")
+    # Each call needs 7 pages of 8 (a 45-53-token prompt plus 7 fed-back tokens); 12 pages hold one cached
+    # prompt besides a call, so every other call must evict.
+    pc = jaxkv.PrefixCache(model, num_pages=12, page_size=8)
+    others = [RNG.integers(1, 97, 40).tolist() + s for s in SUFFIXES[:2]]
+    for prompt in [HEADER + SUFFIXES[0], others[0], HEADER + SUFFIXES[1], others[1], HEADER + SUFFIXES[3]]:
+        out = jaxkv.generate(model, [prompt], max_new_tokens=8, stop_tokens=[], prefix_cache=pc)
+        assert out.tokens[0] == alone(model, prompt)
+        refs = np.asarray(pc._pools.refcounts)
+        assert refs.sum() == pc.cached_pages and refs.max() <= 1  # only the index holds pages between calls
+
+
+def test_a_call_the_pool_cannot_hold_is_refused_before_compute():
+    model = model_for("gqa")
+    pc = jaxkv.PrefixCache(model, num_pages=4, page_size=8)
+    with pytest.raises(ValueError, match="needs 7 free pages; the PrefixCache pool has 4 free of 4"):
+        jaxkv.generate(model, [HEADER + SUFFIXES[0]], max_new_tokens=8, prefix_cache=pc)
+
+
+def test_a_prefix_cache_belongs_to_one_model_dtype_and_page_size():
+    model = model_for("gqa")
+    pc = jaxkv.PrefixCache(model, num_pages=16, page_size=8)
+    with pytest.raises(ValueError, match="another model"):
+        jaxkv.generate(model_for("mha"), [[1, 2, 3]], max_new_tokens=2, prefix_cache=pc)
+    with pytest.raises(ValueError, match="holds float32 pages, the call asks for a int8 cache"):
+        jaxkv.generate(model, [[1, 2, 3]], max_new_tokens=2, prefix_cache=pc, cache_dtype="int8")
+    with pytest.raises(ValueError, match="pages of 8 slots, the call asks for 4"):
+        jaxkv.generate(model, [[1, 2, 3]], max_new_tokens=2, prefix_cache=pc, page_size=4)
+    with pytest.raises(ValueError, match="prefix_cache must be a jaxkv.PrefixCache"):
+        jaxkv.generate(model, [[1, 2, 3]], max_new_tokens=2, prefix_cache={})
