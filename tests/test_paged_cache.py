@@ -292,3 +292,11 @@ def test_decode_runs_on_a_paged_cache_and_refuses_what_the_pool_cannot_hold():
     out = jaxkv.decode(model.params, cache, logits, jax.random.PRNGKey(0), jaxkv.sampling.greedy, [],
                        config=model.config, steps=6)
     assert np.asarray(out.tokens).tolist() == want
+
+
+def test_paged_generate_through_the_pallas_kernel_equals_xla():
+    """The decoder's paged decode path with attention="pallas" (the paged kernel, interpreted on CPU)."""
+    model = model_for("gqa")
+    kwargs = dict(max_new_tokens=6, stop_tokens=[], n=2, page_size=4)
+    xla = jaxkv.generate(model, PROMPTS[:2], attention="xla", **kwargs)
+    assert jaxkv.generate(model, PROMPTS[:2], attention="pallas", **kwargs).tokens == xla.tokens
