@@ -68,6 +68,9 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--cache-dtype", choices=memory.CACHE_DTYPES, default=None,
                      help="KV-cache dtype (int8/fp8: quantized with a scale per token per KV head); default: the "
                           "model's dtype")
+    gen.add_argument("--n", type=int, default=1,
+                     help="samples of the prompt (default 1): it is prefilled once and the samples share its KV "
+                          "pages; each is printed after the others finish")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streamed text")
 
     mem = commands.add_parser("memory", help="KV-cache bytes of a model, and how many sequences fit in memory")
@@ -183,8 +186,12 @@ def _check_generate(args):
         for token in prompt:
             checks.check_int("a prompt id", token, 0, checks.INT32_MAX)
     checks.check_int("max_new_tokens", args.max_new_tokens, 1)
+    checks.check_int("n", args.n, 1)
     if args.max_len is not None:
         checks.check_int("max_len", args.max_len, 1)
+        if args.n > 1:
+            raise ValueError("--max-len sizes the contiguous cache; --n > 1 uses a paged cache sized in pages: drop "
+                             "--max-len")
     checks.sampling(args.temperature, args.top_k, args.top_p, args.min_p)
     checks.seed_words(args.seed)
     if args.model != "tiny" and not pathlib.Path(args.model).exists():  # what jaxkv.load says, without JAX
@@ -203,15 +210,27 @@ def _generate(args, started: float) -> dict:
     t2 = time.perf_counter()
     if args.prompt is not None and model.tokenizer is None:
         raise ValueError(f"model {args.model} has no tokenizer.json: pass --prompt-ids instead of --prompt")
-    stream = None if args.json else _Stream(model.tokenizer, args.prompt or "")
+    # Several samples would interleave on a stream: they are printed whole, one after the other, at the end.
+    stream = None if args.json or args.n > 1 else _Stream(model.tokenizer, args.prompt or "")
     out = generate(model, [prompt], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
-                   max_len=args.max_len, cache_dtype=args.cache_dtype, stream=stream)
+                   max_len=args.max_len, cache_dtype=args.cache_dtype, stream=stream, n=args.n)
     if stream is not None:
         stream.finish(out.text[0] if out.text is not None else None)
+    elif args.n > 1 and not args.json:
+        for j in range(args.n):
+            body = out.text[j] if out.text is not None else " ".join(map(str, out.tokens[j]))
+            print(f"--- sample {j + 1} of {args.n} ({out.finish_reasons[j]}) ---")
+            print((args.prompt or "") + body)
     first_token = None if stream is None or stream.first_token_at is None else stream.first_token_at - started
     s = out.stats
-    return {
+    samples = {}
+    if args.n > 1:
+        samples = {"samples": [{"text": None if out.text is None else out.text[j], "tokens": out.tokens[j],
+                                "finish_reason": out.finish_reasons[j]} for j in range(args.n)],
+                   "pages_in_use_peak": s["pages_in_use_peak"], "kv_bytes_in_use_peak": s["kv_bytes_in_use_peak"],
+                   "kv_cache_bytes_unshared": s["kv_cache_bytes_unshared"]}
+    return {**samples,
         "text": out.text[0] if out.text is not None else None,
         "tokens": out.tokens[0],
         "finish_reason": out.finish_reasons[0],
@@ -234,8 +253,12 @@ def _figures(r: dict) -> str:
     wait = (f"first token {r['first_token_s']:.1f} s after start: " if r["first_token_s"] is not None else "") + \
         f"import {r['import_s']:.1f} s, load {r['load_s']:.1f} s, compile {r['compile_s']:.1f} s, " \
         f"prefill {r['prefill_ms']:.1f} ms"
+    kv = f"KV cache {r['kv_cache_bytes']:,} bytes"
+    if "samples" in r:
+        kv += (f" ({r['kv_bytes_in_use_peak']:,} in use at the peak, shared by {len(r['samples'])} samples; "
+               f"{r['kv_cache_bytes_unshared']:,} without sharing)")
     return (f"[prompt tokens {r['prompt_tokens']}, new tokens {r['new_tokens']}; {wait}; "
-            f"decode {r['decode_tokens_per_s']:.1f} tokens/s; KV cache {r['kv_cache_bytes']:,} bytes]")
+            f"decode {r['decode_tokens_per_s']:.1f} tokens/s; {kv}]")
 
 
 # --- jaxkv memory -----------------------------------------------------------------------------------------------

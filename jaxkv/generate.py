@@ -841,6 +841,7 @@ def _generate_paged(model: Model, prompts, *, n, page_size, max_new_tokens, temp
     result = _generation(model, req, out, num_new, stopped, passes, cache, prefill_time, decode_time)
     page_bytes = memory.page_bytes(config, page_size, cache_dtype)
     result.stats.update({
+        "prompt_tokens": int(sum(len(p) for p in token_lists)),  # each prompt once, not once per sample
         "n": n, "page_size": page_size,
         "num_pages": pages.num_pages if prefix_cache is None else prefix_cache.num_pages,
         # Pages held at the end (with a prefix cache: also the cached prefixes that other calls left).

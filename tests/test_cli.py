@@ -43,6 +43,21 @@ def test_json(model_dir, capsys):
     assert result["compile_s"] >= 0 and result["load_s"] > 0
 
 
+def test_n_samples(model_dir, capsys):
+    args = ["generate", "--model", model_dir, "--prompt", "Hi", "--max-new-tokens", "5", "--n", "3",
+            "--temperature", "0.9", "--seed", "2"]
+    assert cli.main(args + ["--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    want = jaxkv.generate(jaxkv.load(model_dir), ["Hi"], max_new_tokens=5, n=3, temperature=0.9, seed=2)
+    assert [s["tokens"] for s in result["samples"]] == want.tokens
+    assert result["prompt_tokens"] == 2 and result["kv_cache_bytes_unshared"] > 0
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    for j, text in enumerate(want.text):
+        assert f"--- sample {j + 1} of 3 (length) ---\nHi{text}\n" in out
+    assert "shared by 3 samples" in out.rstrip().rsplit("\n", 1)[1]
+
+
 def test_cache_dtype(model_dir, capsys):
     assert cli.main(["generate", "--model", model_dir, "--prompt", "Hi", "--max-new-tokens", "4", "--json",
                      "--cache-dtype", "int8"]) == 0
