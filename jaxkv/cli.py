@@ -89,6 +89,13 @@ def _parser() -> argparse.ArgumentParser:
                      help="sliding window W: the cache keeps at most W tokens (default: the config's, if any)")
     mem.add_argument("--tokens", metavar="N", type=_positive_int, default=2048,
                      help="tokens per sequence (default 2048)")
+    mem.add_argument("--n", metavar="N", type=_positive_int, default=None,
+                     help="samples per prompt: also print the bytes with prefix sharing (a paged cache: the "
+                          "prompt's pages shared by its N samples) and without; --tokens is then the prompt")
+    mem.add_argument("--new-tokens", metavar="T", type=_positive_int, default=None,
+                     help="tokens each sample generates (with --n; default 0 new: the prompt alone)")
+    mem.add_argument("--page-size", metavar="P", type=_positive_int, default=memory.DEFAULT_PAGE_SIZE,
+                     help=f"slots per page of the paged cache (with --n; default {memory.DEFAULT_PAGE_SIZE})")
     mem.add_argument("--batch", metavar="B", type=_positive_int, default=1,
                      help="sequences cached together (default 1)")
     mem.add_argument("--cache-dtype", choices=memory.CACHE_DTYPES, default=None,
@@ -336,6 +343,8 @@ def _memory(args) -> dict:
             raise ValueError("--hbm-gib with --layers/--kv-heads/--head-dim also needs --weights-gib (there is no "
                              "config to count parameters from)")
         hbm = int(args.hbm_gib * memory.GIB)  # exact: a float times a power of two
+    if args.new_tokens is not None and args.n is None:
+        raise ValueError("--new-tokens is only used with --n")
     rows = []
     for cache_dtype in [args.cache_dtype] if args.cache_dtype else memory.CACHE_DTYPES:
         total = memory.kv_cache_bytes(geometry, tokens=args.tokens, batch=args.batch, cache_dtype=cache_dtype)
@@ -350,6 +359,14 @@ def _memory(args) -> dict:
             "sequences_fit": None if hbm is None else memory.sequences_that_fit(
                 geometry, tokens=args.tokens, memory_bytes=hbm, weights_bytes=weights, cache_dtype=cache_dtype),
         })
+        if args.n is not None:
+            new = args.new_tokens or 1  # 1: the first new token is sampled from the prompt's logits, never stored
+            rows[-1]["shared_bytes"] = memory.shared_cache_bytes(
+                geometry, prompt_tokens=args.tokens, new_tokens=new, n=args.n, page_size=args.page_size,
+                batch=args.batch, cache_dtype=cache_dtype)
+            rows[-1]["unshared_bytes"] = memory.kv_cache_bytes(
+                geometry, tokens=args.tokens + (args.new_tokens or 0), batch=args.batch * args.n,
+                cache_dtype=cache_dtype)
     result = {
         "model": args.model or args.config,  # None: described by hand
         "n_layers": geometry.n_layers, "n_kv_heads": geometry.n_kv_heads, "head_dim": geometry.head_dim,
@@ -357,6 +374,7 @@ def _memory(args) -> dict:
         "param_count": model.param_count() if isinstance(model, Config) else None,
         "tokens": args.tokens, "batch": args.batch, "slots": memory.cache_slots(geometry, args.tokens),
         "padded_batch": memory._next_pow2(args.batch),
+        "n": args.n, "new_tokens": args.new_tokens, "page_size": args.page_size if args.n is not None else None,
         "hbm_bytes": hbm, "weights_bytes": weights, "weights_fit": None if hbm is None else weights <= hbm,
         "rows": rows,
     }
@@ -425,6 +443,11 @@ def _print_memory(result: dict):
           f"max_len={result['tokens']:,} (batch padded to {result['padded_batch']:,} rows; without max_len the "
           f"capacity is padded to a power of two too: jaxkv.plan_cache)")
     headers = ["cache dtype", "bytes/token", "bytes/sequence", "total bytes", "total GiB", "allocated bytes"]
+    if result["n"] is not None:
+        print(f"{result['n']} samples of {result['new_tokens'] or 0:,} new tokens per prompt of {result['tokens']:,}: "
+              f"with sharing, the prompt's full pages ({result['page_size']} slots each) are held once and each "
+              f"sample holds its own last prompt page and new tokens; without, each sample a private cache")
+        headers += ["with sharing", "without sharing"]
     if hbm is not None:
         headers.append("sequences that fit")
     table = [headers]
@@ -433,6 +456,8 @@ def _print_memory(result: dict):
                  f"{row['total_bytes']:,}", f"{row['total_gib']:,.4f}", f"{row['allocated_bytes']:,}"]
         if hbm is not None:
             cells.append(f"{row['sequences_fit']:,}")
+        if "shared_bytes" in row:
+            cells += [f"{row['shared_bytes']:,}", f"{row['unshared_bytes']:,}"]
         table.append(cells)
     widths = [max(len(line[i]) for line in table) for i in range(len(headers))]
     print()

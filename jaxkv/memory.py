@@ -106,23 +106,37 @@ def kv_bytes_per_token(config: Config | CacheGeometry, cache_dtype=None) -> int:
     return 2 * geometry.n_layers * geometry.n_kv_heads * per_head
 
 
-def kv_cache_bytes(config: Config | CacheGeometry, *, tokens: int, batch: int = 1, cache_dtype=None) -> int:
+def kv_cache_bytes(config: Config | CacheGeometry, *, tokens: int | None = None, batch: int = 1, cache_dtype=None,
+                   page_size: int | None = None, num_pages: int | None = None) -> int:
     """Exact bytes of the KV cache (keys, values and, for int8/fp8, their scales) for `batch` sequences of
-    `tokens` tokens each.
+    `tokens` tokens each, or of a paged pool.
 
     Args:
       config: a `jaxkv.Config` (or a `CacheGeometry`).
       tokens: tokens per sequence (prompt plus generated), i.e. the cache capacity asked for.
       batch: B, sequences cached together.
       cache_dtype: one of CACHE_DTYPES (a name or a dtype such as jnp.int8); None is the model's dtype.
+      page_size: a paged cache's slots per page: each sequence then takes whole pages, ceil(tokens / page_size)
+        of them (no sliding-window ring: a paged cache keeps every token).
+      num_pages: with page_size and without tokens: the bytes of a pool of that many pages
+        (`jaxkv.PagedKVCache.nbytes`). Prefix sharing: `shared_cache_bytes`.
 
     Returns:
-      batch x slots x bytes per token, slots = min(tokens, sliding window).
+      batch x slots x bytes per token, slots = min(tokens, sliding window); or pages x page bytes.
 
     Raises:
       ValueError: tokens or batch not a positive integer, or an unknown cache_dtype.
     """
+    if num_pages is not None:
+        if page_size is None or tokens is not None:
+            raise ValueError("num_pages gives a pool's bytes: pass it with page_size and without tokens")
+        return pool_bytes(config, num_pages=num_pages, page_size=page_size, cache_dtype=cache_dtype)
+    if tokens is None:
+        raise ValueError("pass tokens (per sequence), or num_pages and page_size (a paged pool)")
     _positive_int("batch", batch)
+    if page_size is not None:
+        pages = -(-_positive_int("tokens", tokens) // _positive_int("page_size", page_size))
+        return batch * pages * page_bytes(config, page_size, cache_dtype)
     return batch * cache_slots(config, tokens) * kv_bytes_per_token(config, cache_dtype)
 
 
@@ -331,3 +345,14 @@ def plan_pages(config: Config, prompt_lengths, max_new_tokens: int, *, n: int = 
                     max_pages=max_pages, pages_needed=needed, num_pages=num_pages, cache_dtype=cache_dtype,
                     requested_bytes=needed * per_page, allocated_bytes=num_pages * per_page,
                     unshared_bytes=unshared)
+
+
+def shared_cache_bytes(config: Config | CacheGeometry, *, prompt_tokens: int, new_tokens: int, n: int,
+                       page_size: int = DEFAULT_PAGE_SIZE, batch: int = 1, cache_dtype=None) -> int:
+    """Bytes `batch` prompts of `prompt_tokens` tokens with `n` samples of `new_tokens` each hold at the end in a
+    paged cache with prefix sharing (`pages_for`; `jaxkv.generate(..., n=n)` reports the same figure as
+    stats["kv_bytes_in_use_peak"]). Without sharing they would take
+    `kv_cache_bytes(config, tokens=prompt_tokens + new_tokens, batch=batch * n)`."""
+    pages = pages_for(_positive_int("prompt_tokens", prompt_tokens), _positive_int("new_tokens", new_tokens),
+                      _positive_int("n", n), _positive_int("page_size", page_size))
+    return _positive_int("batch", batch) * pages * page_bytes(config, page_size, cache_dtype)

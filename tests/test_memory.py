@@ -213,6 +213,23 @@ def test_allocated_column_is_what_generate_allocates(capsys, batch, cache_dtype)
     assert row["total_bytes"] == out.stats["kv_cache_bytes_requested"]
 
 
+def test_sharing_columns_are_what_generate_n_holds(capsys):
+    """jaxkv memory --n: the bytes with prefix sharing equal what generate(n=...) holds at its peak, and the bytes
+    without equal its unshared figure; kv_cache_bytes knows paged pools."""
+    model = jaxkv.load("tiny")
+    result = run_json(capsys, "--model", "tiny", "--tokens", "40", "--n", "3", "--new-tokens", "6", "--page-size", "8",
+                      "--cache-dtype", "float32")
+    (row,) = result["rows"]
+    out = jaxkv.generate(model, [[65] * 40], max_new_tokens=6, n=3, page_size=8, stop_tokens=[])
+    assert row["shared_bytes"] == out.stats["kv_bytes_in_use_peak"] < row["unshared_bytes"]
+    assert row["unshared_bytes"] == out.stats["kv_cache_bytes_unshared"]
+    assert out.stats["kv_cache_bytes"] == jaxkv.kv_cache_bytes(model.config, num_pages=out.stats["num_pages"],
+                                                               page_size=8)
+    assert jaxkv.kv_cache_bytes(model.config, tokens=41, page_size=8) == 6 * 8 * model.config.kv_bytes_per_token()
+    with pytest.raises(ValueError, match="num_pages gives a pool"):
+        jaxkv.kv_cache_bytes(model.config, tokens=4, num_pages=3, page_size=8)
+
+
 def test_hugging_face_config(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(LLAMA2_13B))
     for args in (["--model", str(tmp_path)], ["--config", str(tmp_path / "config.json")]):
