@@ -470,6 +470,10 @@ def _print_memory(result: dict):
 def main(argv=None) -> int:
     started = time.perf_counter()
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:2] == ["bench", "sharing"]:  # parallel samples and prompt caching (scripts/bench_sharing.py)
+        from jaxkv import bench_sharing
+
+        return bench_sharing.main(argv[2:])
     if argv[:1] == ["bench"]:  # the benchmark has its own options (scripts/bench.py, same code)
         from jaxkv import bench
 

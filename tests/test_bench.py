@@ -1,5 +1,7 @@
 """The benchmark's weight conversion: transformers must run the very same model, or the side-by-side is void."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -157,3 +159,19 @@ def test_cache_accuracy_says_how_long_before_its_minutes_of_work():
     plan = module.stages(module.HELDOUT_WINDOWS, 8, 256)
     assert len(plan) == 1 + 5 + 6  # load; perplexity per cache dtype; the greedy reference, then each dtype
     assert 5 * 60 < sum(seconds for _, seconds in plan) < 12 * 60
+
+
+def test_sharing_scenario_runs_and_reports_its_targets(tmp_path):
+    """`jaxkv bench sharing` end to end on the tiny preset: shared vs unshared vs transformers, prompt caching."""
+    from jaxkv import cli
+
+    out = tmp_path / "sharing.json"
+    assert cli.main(["bench", "sharing", "--config", "test-tiny", "--prompt-len", "40", "--n", "3", "--new-tokens",
+                     "4", "--reps", "1", "--calls", "3", "--suffix-len", "5", "--page-size", "8",
+                     "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["distinct_samples"] == 3
+    assert r["prefix_hit_tokens"] == [0, 40, 40]  # calls 2 and 3 reuse the 5 whole pages of the shared prompt
+    assert r["shared_peak_bytes"] < r["unshared_needed_bytes"] <= r["unshared_allocated_bytes"]
+    for key in ("speedup_vs_unshared", "speedup_vs_hf", "ttft_ratio", "peak_bytes_ratio"):
+        assert r[key] > 0

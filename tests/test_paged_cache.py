@@ -300,3 +300,43 @@ def test_paged_generate_through_the_pallas_kernel_equals_xla():
     kwargs = dict(max_new_tokens=6, stop_tokens=[], n=2, page_size=4)
     xla = jaxkv.generate(model, PROMPTS[:2], attention="xla", **kwargs)
     assert jaxkv.generate(model, PROMPTS[:2], attention="pallas", **kwargs).tokens == xla.tokens
+
+
+# --- the two XLA formulations ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("T, window", [(1, None), (1, 6), (3, None)])
+def test_pool_attention_equals_per_sequence_gather(T, window):
+    """The whole-pool formulation (shared pages read once) equals the gather spec, NaN in unread slots included."""
+    from jaxkv.attention import paged_reference as pr
+
+    rng = np.random.default_rng(0)
+    P, K, ps, H, B, N, M = 20, 2, 4, 8, 3, 4, 5
+    k, v = (jnp.asarray(rng.normal(size=(P, K, ps, H)), jnp.float32) for _ in range(2))
+    table = np.full((B, M), -1, np.int32)
+    perm = rng.permutation(P)
+    table[0, :1], table[1, :3], table[2, :5] = perm[:1], perm[1:4], perm[4:9]
+    table[2, 0] = table[1, 0]  # rows 1 and 2 share their first page
+    lengths = jnp.asarray([1, 9, 20], jnp.int32)
+    held = np.isin(np.arange(P), table)[:, None, None, None]
+    nan_k, nan_v = (jnp.where(held, x, jnp.nan) for x in (k, v))  # free pages hold NaN
+    q = jnp.asarray(rng.normal(size=(B, T, N, H)), jnp.float32)
+    q_slots = jnp.maximum(lengths[:, None] - T + jnp.arange(T)[None], 0)
+    args = (jnp.asarray(table), lengths, q_slots)
+    want = pr.paged_attention(q, k, v, *args, scale=0.3, sliding_window=window)
+    got = pr.pool_attention(q, nan_k, nan_v, *args, scale=0.3, sliding_window=window)
+    np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["gqa", "sliding", "learned"])
+def test_paged_through_the_pool_formulation_equals_contiguous(name):
+    """A pool no bigger than the batch's page tables takes the whole-pool path in the decoder."""
+    from jaxkv.attention import paged_reference as pr
+
+    model = model_for(name)
+    want_tokens, want_logits, _ = contiguous_run(model, PROMPTS, 8)
+    logits, cache = paged_prefill(model, PROMPTS, page_size=4, num_pages=16, max_len=32)
+    assert pr.prefers_pool(cache.num_pages, *cache.page_table.shape)
+    got_tokens, got_logits, _ = greedy_run(functools.partial(paged_step, model), logits, cache, 8)
+    np.testing.assert_allclose(got_logits, want_logits, atol=ATOL, rtol=0)
+    np.testing.assert_array_equal(got_tokens, want_tokens)

@@ -72,3 +72,45 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale:
     weights = _softmax(jnp.where(live[:, None, None], scores, MASKED))
     out = jnp.einsum("bkgts,bksh->btkgh", weights, v)  # [B, T, K, G, H]
     return out.reshape(B, T, N, H).astype(q.dtype)
+
+
+def pool_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale: float,
+                   sliding_window: int | None = None, k_scale=None, v_scale=None):
+    """`paged_attention` computed over the whole pool at once, each query masked to its own sequence's slots.
+
+    Same arguments and result. Instead of gathering each sequence's pages (B x M pages read and copied), every
+    query is scored against every page of the pool and a page counts for a sequence only where its page table
+    names it. A page shared by many sequences (the prompt of N samples, a beam's prefix) is then read once per
+    step, not once per sequence, at the price of B x more (cheap) multiply-adds and of reading free pages too: the
+    better choice when the pool is not much larger than what the batch holds (`prefers_pool`).
+    """
+    B, T, N, H = q.shape
+    P, K, ps = k_pages.shape[:3]
+    M = page_table.shape[1]
+    # entry[b, p]: the table entry of page p in sequence b, -1 if b does not hold p. (A sequence never holds a
+    # page twice; -1 table entries scatter out of range and are dropped.)
+    rows = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, M))
+    entries = jnp.broadcast_to(jnp.arange(M, dtype=jnp.int32)[None, :], (B, M))
+    entry = jnp.full((B, P), -1, jnp.int32).at[rows, jnp.where(page_table >= 0, page_table, P)].set(
+        entries, mode="drop")
+    slot = entry[:, :, None] * ps + jnp.arange(ps, dtype=jnp.int32)  # [B, P, ps]: the sequence slot held there
+    slot = jnp.where(entry[:, :, None] >= 0, slot, jnp.iinfo(jnp.int32).max).reshape(B, 1, P * ps)
+    qs = q_slots[:, :, None]  # [B, T, 1]
+    live = (slot <= qs) & (slot < lengths[:, None, None])  # [B, T, P * ps]
+    if sliding_window is not None:
+        live &= slot > qs - sliding_window
+    k = dequantize(k_pages, k_scale)  # [P, K, ps, H]
+    v = dequantize(v_pages, v_scale)
+    read = jnp.any(live, axis=(0, 1)).reshape(P, 1, ps, 1)  # slots some query reads; the rest selected away
+    k, v = (jnp.where(read, x, 0.0) for x in (k, v))
+    qg = q.astype(jnp.float32).reshape(B, T, K, N // K, H)  # [B, T, K, G, H]
+    scores = jnp.einsum("btkgh,pksh->bkgtps", qg, k).reshape(B, K, N // K, T, P * ps) * scale
+    weights = _softmax(jnp.where(live[:, None, None], scores, MASKED)).reshape(B, K, N // K, T, P, ps)
+    out = jnp.einsum("bkgtps,pksh->btkgh", weights, v)  # [B, T, K, G, H]
+    return out.reshape(B, T, N, H).astype(q.dtype)
+
+
+def prefers_pool(num_pages: int, batch: int, max_pages: int) -> bool:
+    """Whether `pool_attention` reads less than `paged_attention`: the pool's pages against the batch's table
+    entries (both static shapes)."""
+    return num_pages <= batch * max_pages
