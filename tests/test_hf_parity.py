@@ -105,6 +105,15 @@ def test_greedy_generation_is_token_identical(pair, prompts):
         assert got[b] == row, f"{name}, prompt {b}"
 
 
+def test_paged_samples_are_token_identical_to_transformers(pair):
+    """The paged cache (issue 13) for every family: 2 greedy samples of each ragged prompt, prefilled once and
+    forked, equal transformers' greedy output; page size 5 divides none of the prompt lengths."""
+    name, hf, model, _ = pair
+    expected = hf_greedy(hf, RAGGED)
+    got = jaxkv.generate(model, RAGGED, max_new_tokens=NEW_TOKENS, stop_tokens=[], n=2, page_size=5).tokens
+    assert got == [row for row in expected for _ in range(2)], name
+
+
 def test_params_have_the_decoder_layout(pair):
     """Same tree, shapes and dtypes as the Flax decoder's own init, and the config records the params' dtype."""
     _, _, model, _ = pair
