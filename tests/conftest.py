@@ -4,10 +4,12 @@ XLA_FLAGS must be set before jax is first imported, so multi-device tests can se
 depends on the device count otherwise.
 """
 
+import gc
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -54,3 +56,14 @@ def model_for(name: str) -> jaxkv.Model:
 @pytest.fixture(params=sorted(CONFIGS))
 def any_model(request):
     return model_for(request.param)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_code():
+    """Drops every compiled executable after each test file. XLA:CPU maps the code of each executable into memory
+    (several mappings each); the whole suite compiles thousands of programs, and one process crossed Linux's limit
+    of 65,530 mappings (vm.max_map_count): mmap failed inside the compiler and the process died with a segfault.
+    Files rarely share compiled shapes, so clearing costs little."""
+    yield
+    jax.clear_caches()
+    gc.collect()
