@@ -27,6 +27,7 @@ _EXPORTS = {
     "decode": "jaxkv.generate",
     "decode_step": "jaxkv.generate",
     "generate": "jaxkv.generate",
+    "fork": "jaxkv.paged_cache",
     "generate_pmap": "jaxkv.generate",
     "kv_cache_bytes": "jaxkv.memory",
     "left_pad": "jaxkv.generate",
@@ -34,6 +35,7 @@ _EXPORTS = {
     "logits": "jaxkv.model",
     "plan_cache": "jaxkv.memory",
     "prefill": "jaxkv.generate",
+    "release": "jaxkv.paged_cache",
     "save": "jaxkv.checkpoint",
 }
 

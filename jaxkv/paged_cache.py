@@ -252,3 +252,14 @@ class PagedKVCache:
         key_scales = self.key_scales[:layer] + (k_scale,) + self.key_scales[layer + 1:]
         value_scales = self.value_scales[:layer] + (v_scale,) + self.value_scales[layer + 1:]
         return dataclasses.replace(self, key_scales=key_scales, value_scales=value_scales)
+
+
+def fork(cache: PagedKVCache, parents) -> PagedKVCache:
+    """`cache.fork(parents)`: a cache whose row i continues sequence parents[i] (shared full pages, copy-on-write
+    of a shared partial last page; a negative parent gives an empty row). Pure and jittable."""
+    return cache.fork(parents)
+
+
+def release(cache: PagedKVCache, rows) -> PagedKVCache:
+    """`cache.release(rows)`: the rows where `rows` (bool[B]) is true drop their pages and become empty."""
+    return cache.release(rows)

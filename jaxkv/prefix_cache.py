@@ -57,18 +57,22 @@ class PrefixCache:
     Args:
       model: the `jaxkv.Model` whose K/V the pool holds.
       num_pages: pages in the pool (per layer): `jaxkv.memory.pool_bytes` gives its size in bytes. It must hold
-        a whole call's sequences (prompts and new tokens) besides whatever is cached.
+        a whole call's sequences (prompts and new tokens) besides whatever is cached. Default: four sequences of
+        the model's max positions.
       page_size: token slots per page; prefixes match in whole pages of this many tokens.
       cache_dtype: the pool's dtype (default: the model's), one of `jaxkv.cache.CACHE_DTYPES`.
     """
 
-    def __init__(self, model, *, num_pages: int, page_size: int = memory.DEFAULT_PAGE_SIZE, cache_dtype=None):
+    def __init__(self, model, *, num_pages: int | None = None, page_size: int = memory.DEFAULT_PAGE_SIZE,
+                 cache_dtype=None):
         from jaxkv.model import Model
 
         if not isinstance(model, Model):
             raise ValueError(f"model must be a jaxkv.Model, got {type(model).__name__}")
         self.config, self._params = model.config, model.params
         self.page_size = checks.check_int("page_size", page_size, 1)
+        if num_pages is None:
+            num_pages = 4 * -(-model.config.max_positions // self.page_size)
         self.num_pages = checks.check_int("num_pages", num_pages, 1)
         self.cache_dtype = check_cache_dtype(model.config.dtype if cache_dtype is None else cache_dtype)
         empty = PagedKVCache.allocate(model.config, 1, num_pages=num_pages, page_size=page_size, max_len=page_size,

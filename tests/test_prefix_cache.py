@@ -77,3 +77,15 @@ def test_a_prefix_cache_belongs_to_one_model_dtype_and_page_size():
         jaxkv.generate(model, [[1, 2, 3]], max_new_tokens=2, prefix_cache=pc, page_size=4)
     with pytest.raises(ValueError, match="prefix_cache must be a jaxkv.PrefixCache"):
         jaxkv.generate(model, [[1, 2, 3]], max_new_tokens=2, prefix_cache={})
+
+
+def test_default_pool_and_public_fork_release():
+    model = model_for("gqa")
+    pc = jaxkv.PrefixCache(model)  # four sequences of max positions (4096) in pages of 16
+    assert pc.num_pages == 4 * 4096 // 16 and pc.nbytes() == jaxkv.kv_cache_bytes(model.config, num_pages=1024,
+                                                                                  page_size=16)
+    cache = jaxkv.PagedKVCache.allocate(model.config, 1, num_pages=8, page_size=4, max_len=16)
+    cache = cache.reserve(6).advance(6)
+    two = jaxkv.fork(cache, [0, 0])
+    assert np.asarray(two.refcounts).sum() == 4  # 1 shared full page x 2 + 2 partial pages
+    assert int(jaxkv.release(two, np.array([True, True])).pages_in_use()) == 0
