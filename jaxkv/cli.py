@@ -196,9 +196,6 @@ def _check_generate(args):
     checks.check_int("n", args.n, 1)
     if args.max_len is not None:
         checks.check_int("max_len", args.max_len, 1)
-        if args.n > 1:
-            raise ValueError("--max-len sizes the contiguous cache; --n > 1 uses a paged cache sized in pages: drop "
-                             "--max-len")
     checks.sampling(args.temperature, args.top_k, args.top_p, args.min_p)
     checks.seed_words(args.seed)
     if args.model != "tiny" and not pathlib.Path(args.model).exists():  # what jaxkv.load says, without JAX

@@ -669,6 +669,7 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top
         row index). Each row draws its own samples; a per-prompt sampling setting applies to all its samples.
         `stats` adds the pages in use at the peak and the bytes private caches would have taken.
       page_size: slots per page of the paged cache (default 16 when n > 1); None and n == 1: the contiguous cache.
+        With a paged cache, max_len bounds each sequence's slots (its page table), not the pool.
       prefix_cache: a `jaxkv.PrefixCache` (prompt caching): the call runs in its page pool, reuses the pages of
         any prefix it holds (whole pages of token ids) and prefills only the rest; the new prompts' pages stay
         cached for later calls. `stats` adds "prefix_hit_tokens" and "prefilled_tokens".
@@ -691,14 +692,11 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top
     if page_size is not None or n > 1 or prefix_cache is not None:
         if mesh is not None:
             raise ValueError("n > 1 and page_size (the paged cache) are not supported with a mesh yet")
-        if max_len is not None:
-            raise ValueError("max_len sizes the contiguous cache; a paged cache (n > 1 or page_size) is sized "
-                             "in pages: drop max_len")
         return _generate_paged(model, prompts, n=n, page_size=memory.DEFAULT_PAGE_SIZE if page_size is None
                                else checks.check_int("page_size", page_size, 1), max_new_tokens=max_new_tokens,
                                temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, sampler=sampler,
                                seed=seed, stop_tokens=stop_tokens, cache_dtype=cache_dtype, attention=attention,
-                               stream=stream, prefix_cache=prefix_cache)
+                               stream=stream, prefix_cache=prefix_cache, max_len=max_len)
     if mesh is not None:
         mesh = sharding.check_mesh(mesh)
         if stream is not None and jax.process_count() > 1:
@@ -763,7 +761,8 @@ def _prefill_suffix(params, tokens, positions, cache, parents, *, config, attent
 
 
 def _generate_paged(model: Model, prompts, *, n, page_size, max_new_tokens, temperature, top_k, top_p, min_p,
-                    sampler, seed, stop_tokens, cache_dtype, attention, stream, prefix_cache=None) -> Generation:
+                    sampler, seed, stop_tokens, cache_dtype, attention, stream, prefix_cache=None,
+                    max_len=None) -> Generation:
     """`generate` on a paged cache: each prompt prefilled once (after its cached prefix, with a prefix cache),
     its n samples forked from it."""
     config = model.config
@@ -772,8 +771,10 @@ def _generate_paged(model: Model, prompts, *, n, page_size, max_new_tokens, temp
     stop_ids, key = _stop_ids(stop_tokens, config), _key(seed)
     cache_dtype = check_cache_dtype(config.dtype if cache_dtype is None else cache_dtype)
     attention = attention_impls.resolve(attention or config.attention)
+    if max_len is not None:
+        max_len = checks.check_int("max_len", max_len, 1)
     pages = memory.plan_pages(config, [len(p) for p in token_lists], max_new_tokens, n=n, page_size=page_size,
-                              cache_dtype=cache_dtype)
+                              cache_dtype=cache_dtype, max_len=max_len)
     rows = pages.batch * n
     if sampler is None:  # per-prompt settings, repeated for each of the prompt's samples
         settings = checks.sampling(temperature, top_k, top_p, min_p, rows=pages.batch)

@@ -318,8 +318,9 @@ class PagePlan:
 
 
 def plan_pages(config: Config, prompt_lengths, max_new_tokens: int, *, n: int = 1,
-               page_size: int = DEFAULT_PAGE_SIZE, cache_dtype=None) -> PagePlan:
-    """The paged layout `jaxkv.generate(..., n=n)` allocates (see `PagePlan`); ValueError for what cannot fit."""
+               page_size: int = DEFAULT_PAGE_SIZE, cache_dtype=None, max_len: int | None = None) -> PagePlan:
+    """The paged layout `jaxkv.generate(..., n=n)` allocates (see `PagePlan`); ValueError for what cannot fit.
+    `max_len` bounds each sequence's slots (its page table holds ceil(max_len / page_size) pages)."""
     if not isinstance(config, Config):
         raise TypeError(f"plan_pages needs a jaxkv.Config, got {type(config).__name__}")
     lengths = [_positive_int("prompt length", x) for x in prompt_lengths]
@@ -335,6 +336,15 @@ def plan_pages(config: Config, prompt_lengths, max_new_tokens: int, *, n: int = 
                              f"{x + max_new_tokens} positions, beyond the model's max positions ({limit})")
     prompt_len = max(MIN_PROMPT_BUCKET, _next_pow2(max(lengths)))
     slots = min(_next_pow2(max(lengths) + max_new_tokens), -(-limit // page_size) * page_size)
+    if max_len is not None:
+        max_len = _positive_int("max_len", max_len)
+        if max_len > limit:
+            raise ValueError(f"max_len={max_len} exceeds the model's max positions ({limit}): slots past them "
+                             f"could never be used")
+        if max(lengths) + max_new_tokens > max_len:
+            raise ValueError(f"the longest prompt has {max(lengths)} tokens; prompt_len + max_new_tokens = "
+                             f"{max(lengths) + max_new_tokens} exceeds max_len={max_len}")
+        slots = max_len
     max_pages = -(-slots // page_size)
     needed = sum(pages_for(x, max_new_tokens, n, page_size) for x in lengths)
     num_pages = _next_pow2(needed)

@@ -270,11 +270,15 @@ def test_paged_generate_with_page_size_and_n_1_equals_contiguous():
     model = model_for("learned")
     want = jaxkv.generate(model, PROMPTS, max_new_tokens=9, stop_tokens=[]).tokens
     assert jaxkv.generate(model, PROMPTS, max_new_tokens=9, stop_tokens=[], page_size=5).tokens == want
+    # max_len bounds each sequence's page table: 27 slots -> 6 entries of 5
+    out = jaxkv.generate(model, PROMPTS, max_new_tokens=9, stop_tokens=[], page_size=5, max_len=27)
+    assert out.tokens == want and out.stats["cache_capacity"] == 30
 
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(n=0), "n must be >= 1"),
-    (dict(n=2, max_len=64), "drop max_len"),
+    (dict(n=2, max_len=3), r"prompt_len \+ max_new_tokens = 4 exceeds max_len=3"),
+    (dict(n=2, max_len=10**6), "exceeds the model's max positions"),
     (dict(page_size=0), "page_size must be >= 1"),
 ])
 def test_generate_n_bad_arguments(kwargs, match):
