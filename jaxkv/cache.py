@@ -58,6 +58,18 @@ def check_cache_dtype(cache_dtype) -> str:
     return name
 
 
+def zeroed_buffers(config: Config, shape: tuple[int, ...], dtype=None):
+    """(keys, values, key_scales, value_scales): L zeroed K and V buffers of `shape` in the cache dtype (`dtype`,
+    default config.dtype), and for int8/fp8 L float32 scale buffers of shape[:3] each (else empty). Every buffer
+    is distinct: all may be donated, and one buffer cannot be donated twice."""
+    name = check_cache_dtype(dtype or config.dtype)
+    L = config.n_layers
+    buffers = lambda shape, dt: tuple(jnp.zeros(shape, dt) for _ in range(L))  # noqa: E731
+    scales = name in QUANTIZED
+    return (buffers(shape, name), buffers(shape, name), buffers(shape[:3], jnp.float32) if scales else (),
+            buffers(shape[:3], jnp.float32) if scales else ())
+
+
 def quantize(x, cache_dtype: str):
     """x [B, K, T, H] -> (values in cache_dtype, float32 scales [B, K, T]); symmetric, one scale per token and head.
 
@@ -92,16 +104,11 @@ class KVCache:
                  ring: bool = False) -> "KVCache":
         """A zeroed cache for `batch` sequences of `max_len` slots each (a ring of `max_len` slots with `ring`);
         `dtype` is one of CACHE_DTYPES (default config.dtype); `start` defaults to all zeros."""
-        name = check_cache_dtype(dtype or config.dtype)
-        shape = (batch, config.n_kv_heads, max_len, config.head_dim)
-        L = config.n_layers
-        # Every buffer must be distinct: all are donated, and one buffer cannot be donated twice.
-        keys = tuple(jnp.zeros(shape, name) for _ in range(L))
-        values = tuple(jnp.zeros(shape, name) for _ in range(L))
-        scales = lambda: tuple(jnp.zeros(shape[:3], jnp.float32) for _ in range(L)) if name in QUANTIZED else ()
+        keys, values, key_scales, value_scales = zeroed_buffers(
+            config, (batch, config.n_kv_heads, max_len, config.head_dim), dtype)
         start = jnp.zeros((batch,), jnp.int32) if start is None else jnp.asarray(start, jnp.int32)
         return cls(keys=keys, values=values, start=start, length=jnp.zeros((), jnp.int32),
-                   key_scales=scales(), value_scales=scales(), ring=ring)
+                   key_scales=key_scales, value_scales=value_scales, ring=ring)
 
     @property
     def dtype(self) -> str:

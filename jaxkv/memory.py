@@ -212,6 +212,13 @@ class CachePlan:
     allocated_bytes: int
 
 
+def _check_positions(lengths, max_new_tokens: int, limit: int):
+    for i, n in enumerate(lengths):
+        if n + max_new_tokens > limit:
+            raise ValueError(f"prompt {i} has {n} tokens; with max_new_tokens={max_new_tokens} it needs "
+                             f"{n + max_new_tokens} positions, beyond the model's max positions ({limit})")
+
+
 def plan_cache(config: Config, prompt_lengths, max_new_tokens: int, *, max_len: int | None = None,
                cache_dtype=None, batch_multiple: int = 1) -> CachePlan:
     """The cache `jaxkv.generate` allocates for prompts of `prompt_lengths` tokens and `max_new_tokens` new ones
@@ -230,10 +237,7 @@ def plan_cache(config: Config, prompt_lengths, max_new_tokens: int, *, max_len: 
     batch_multiple = _positive_int("batch_multiple", batch_multiple)
     cache_dtype = _cache_dtype(CacheGeometry.of(config), cache_dtype)
     longest, limit = max(lengths), config.max_positions
-    for i, n in enumerate(lengths):
-        if n + max_new_tokens > limit:
-            raise ValueError(f"prompt {i} has {n} tokens; with max_new_tokens={max_new_tokens} it needs "
-                             f"{n + max_new_tokens} positions, beyond the model's max positions ({limit})")
+    _check_positions(lengths, max_new_tokens, limit)
     if max_len is not None:
         max_len = _positive_int("max_len", max_len)
         if max_len > limit:
@@ -330,10 +334,7 @@ def plan_pages(config: Config, prompt_lengths, max_new_tokens: int, *, n: int = 
     n, page_size = _positive_int("n", n), _positive_int("page_size", page_size)
     cache_dtype = _cache_dtype(CacheGeometry.of(config), cache_dtype)
     limit = config.max_positions
-    for i, x in enumerate(lengths):
-        if x + max_new_tokens > limit:
-            raise ValueError(f"prompt {i} has {x} tokens; with max_new_tokens={max_new_tokens} it needs "
-                             f"{x + max_new_tokens} positions, beyond the model's max positions ({limit})")
+    _check_positions(lengths, max_new_tokens, limit)
     prompt_len = max(MIN_PROMPT_BUCKET, _next_pow2(max(lengths)))
     slots = min(_next_pow2(max(lengths) + max_new_tokens), -(-limit // page_size) * page_size)
     if max_len is not None:

@@ -38,9 +38,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxkv.cache import check_cache_dtype, quantize
+from jaxkv.cache import quantize, zeroed_buffers
 from jaxkv.config import Config
-from jaxkv.memory import QUANTIZED
 
 NO_PAGE = -1
 
@@ -67,17 +66,12 @@ class PagedKVCache:
         """An empty cache: `num_pages` free pages of `page_size` slots per layer, `batch` empty sequences of at most
         `max_len` slots each (M = ceil(max_len / page_size) table entries); `dtype` one of CACHE_DTYPES (default
         config.dtype)."""
-        name = check_cache_dtype(dtype or config.dtype)
-        shape = (num_pages, config.n_kv_heads, page_size, config.head_dim)
-        L = config.n_layers
-        # Every buffer distinct: all may be donated, and one buffer cannot be donated twice.
-        keys = tuple(jnp.zeros(shape, name) for _ in range(L))
-        values = tuple(jnp.zeros(shape, name) for _ in range(L))
-        scales = lambda: tuple(jnp.zeros(shape[:3], jnp.float32) for _ in range(L)) if name in QUANTIZED else ()
+        keys, values, key_scales, value_scales = zeroed_buffers(
+            config, (num_pages, config.n_kv_heads, page_size, config.head_dim), dtype)
         M = -(-max_len // page_size)
         return cls(keys=keys, values=values, page_table=jnp.full((batch, M), NO_PAGE, jnp.int32),
                    lengths=jnp.zeros((batch,), jnp.int32), refcounts=jnp.zeros((num_pages,), jnp.int32),
-                   overflowed=jnp.zeros((batch,), bool), key_scales=scales(), value_scales=scales(),
+                   overflowed=jnp.zeros((batch,), bool), key_scales=key_scales, value_scales=value_scales,
                    page_size=page_size)
 
     # --- shapes -------------------------------------------------------------------------------------------------
