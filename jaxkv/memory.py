@@ -212,11 +212,20 @@ class CachePlan:
     allocated_bytes: int
 
 
-def _check_positions(lengths, max_new_tokens: int, limit: int):
+def _check_request(planner: str, config, prompt_lengths, max_new_tokens):
+    """(prompt lengths, max_new_tokens) checked for a planner: positive, and within the model's max positions."""
+    if not isinstance(config, Config):
+        raise TypeError(f"{planner} needs a jaxkv.Config, got {type(config).__name__}")
+    lengths = [_positive_int("prompt length", n) for n in prompt_lengths]
+    if not lengths:
+        raise ValueError("prompt_lengths is empty: pass at least one prompt")
+    max_new_tokens = _positive_int("max_new_tokens", max_new_tokens)
+    limit = config.max_positions
     for i, n in enumerate(lengths):
         if n + max_new_tokens > limit:
             raise ValueError(f"prompt {i} has {n} tokens; with max_new_tokens={max_new_tokens} it needs "
                              f"{n + max_new_tokens} positions, beyond the model's max positions ({limit})")
+    return lengths, max_new_tokens
 
 
 def plan_cache(config: Config, prompt_lengths, max_new_tokens: int, *, max_len: int | None = None,
@@ -228,16 +237,10 @@ def plan_cache(config: Config, prompt_lengths, max_new_tokens: int, *, max_len: 
       ValueError: a prompt plus max_new_tokens beyond the model's max positions, max_len beyond them (slots that
         could never be used) or too small for the longest prompt plus max_new_tokens.
     """
-    if not isinstance(config, Config):
-        raise TypeError(f"plan_cache needs a jaxkv.Config, got {type(config).__name__}")
-    lengths = [_positive_int("prompt length", n) for n in prompt_lengths]
-    if not lengths:
-        raise ValueError("prompt_lengths is empty: pass at least one prompt")
-    max_new_tokens = _positive_int("max_new_tokens", max_new_tokens)
+    lengths, max_new_tokens = _check_request("plan_cache", config, prompt_lengths, max_new_tokens)
     batch_multiple = _positive_int("batch_multiple", batch_multiple)
     cache_dtype = _cache_dtype(CacheGeometry.of(config), cache_dtype)
     longest, limit = max(lengths), config.max_positions
-    _check_positions(lengths, max_new_tokens, limit)
     if max_len is not None:
         max_len = _positive_int("max_len", max_len)
         if max_len > limit:
@@ -325,16 +328,10 @@ def plan_pages(config: Config, prompt_lengths, max_new_tokens: int, *, n: int = 
                page_size: int = DEFAULT_PAGE_SIZE, cache_dtype=None, max_len: int | None = None) -> PagePlan:
     """The paged layout `jaxkv.generate(..., n=n)` allocates (see `PagePlan`); ValueError for what cannot fit.
     `max_len` bounds each sequence's slots (its page table holds ceil(max_len / page_size) pages)."""
-    if not isinstance(config, Config):
-        raise TypeError(f"plan_pages needs a jaxkv.Config, got {type(config).__name__}")
-    lengths = [_positive_int("prompt length", x) for x in prompt_lengths]
-    if not lengths:
-        raise ValueError("prompt_lengths is empty: pass at least one prompt")
-    max_new_tokens = _positive_int("max_new_tokens", max_new_tokens)
+    lengths, max_new_tokens = _check_request("plan_pages", config, prompt_lengths, max_new_tokens)
     n, page_size = _positive_int("n", n), _positive_int("page_size", page_size)
     cache_dtype = _cache_dtype(CacheGeometry.of(config), cache_dtype)
     limit = config.max_positions
-    _check_positions(lengths, max_new_tokens, limit)
     prompt_len = max(MIN_PROMPT_BUCKET, _next_pow2(max(lengths)))
     slots = min(_next_pow2(max(lengths) + max_new_tokens), -(-limit // page_size) * page_size)
     if max_len is not None:
