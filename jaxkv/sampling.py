@@ -81,6 +81,32 @@ def min_p_filter(logits, min_p):
     return jnp.where(logits >= threshold, logits, -jnp.inf)
 
 
+def _categorical(key, x):
+    """int32[B] draws from logits x [B, V]: with one key, `jax.random.categorical`; with a key per row, each row
+    drawn as a batch of one with its own key."""
+    if key.ndim == 2 and key.shape[0] == x.shape[0] and not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        draw = jax.vmap(lambda k, row: jax.random.categorical(k, row[None], axis=-1)[0])
+        return draw(key, x).astype(jnp.int32)
+    return jax.random.categorical(key, x, axis=-1).astype(jnp.int32)
+
+
+def token_logprobs(logits, tokens, k: int = 0):
+    """Log-probabilities under the model's own distribution (temperature 1, no filters) of float[B, V] logits.
+
+    Returns (float32[B] log p(tokens[b]), int32[B, k] ids and float32[B, k] log-probabilities of the k most likely
+    tokens, best first, ties by lower id). A token outside [0, V) gets NaN.
+    """
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    V = logp.shape[-1]
+    ok = (tokens >= 0) & (tokens < V)
+    chosen = jnp.take_along_axis(logp, jnp.clip(tokens, 0, V - 1)[:, None], axis=-1)[:, 0]
+    chosen = jnp.where(ok, chosen, jnp.nan)
+    if k == 0:
+        return chosen, jnp.zeros(tokens.shape + (0,), jnp.int32), jnp.zeros(tokens.shape + (0,), jnp.float32)
+    top_logp, top_ids = lax.top_k(logp, k)
+    return chosen, top_ids.astype(jnp.int32), top_logp
+
+
 @flax.struct.dataclass
 class Sampler:
     """temperature -> top-k -> top-p -> min-p -> categorical; temperature 0 is greedy.
@@ -111,6 +137,9 @@ class Sampler:
                    top_p=arr(top_p, 1.0, jnp.float32), min_p=arr(min_p, 0.0, jnp.float32))
 
     def __call__(self, logits, key):
+        """int32[B] tokens from float[B, V] logits. `key`: one PRNG key for the batch, or one per row ([B, 2]
+        raw keys): then row b draws exactly what a batch of that row alone would draw with key[b], whatever
+        shares the batch (what the engine's per-request seeds rely on)."""
         logits = logits.astype(jnp.float32)
         temperature = _rows(self.temperature, logits)  # [B, 1]
         greedy_tokens = greedy(logits)
@@ -121,7 +150,7 @@ class Sampler:
             needs_sort = jnp.any(jnp.asarray(self.top_k) > 0) | jnp.any(jnp.asarray(self.top_p) < 1.0)
             x = lax.cond(needs_sort, self._sorted_filters, lambda x: x, x)
             x = min_p_filter(x, self.min_p)
-            sampled = jax.random.categorical(key, x, axis=-1).astype(jnp.int32)
+            sampled = _categorical(key, x)
             return jnp.where(temperature[:, 0] <= 0.0, greedy_tokens, sampled)
 
         # An all-greedy batch skips the sampling work entirely.
