@@ -79,11 +79,15 @@ class PrefixCache:
                                       dtype=self.cache_dtype)
         self._pools = _Pools.of(empty)
         self._index: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # key -> page, LRU first
+        self.lent_to = None  # the `jaxkv.Engine` running in this pool now, if any (it holds the pool meanwhile)
 
     # --- what generate asks of it -------------------------------------------------------------------------------
 
     def check(self, model, cache_dtype: str, page_size: int):
         """ValueError unless `model`, `cache_dtype` and `page_size` are the ones this cache was built for."""
+        if self.lent_to is not None:
+            raise ValueError("this PrefixCache's pool is in use by a jaxkv.Engine with requests in flight: finish "
+                             "them (engine.results()) first")
         if model.config != self.config or model.params is not self._params:
             raise ValueError("this PrefixCache holds K/V of another model: build one PrefixCache per model")
         if cache_dtype != self.cache_dtype:
@@ -111,29 +115,48 @@ class PrefixCache:
         """Drops least recently used cached blocks (never pages in `keep`, which this call holds) until `needed`
         pages are free; ValueError if even dropping every other block is not enough."""
         refcounts = np.asarray(self._pools.refcounts).copy()
-        free = int((refcounts == 0).sum())
-        droppable = [(key, page) for key, page in self._index.items() if page not in keep]
-        while free < needed and droppable:
-            key, page = droppable.pop(0)
-            del self._index[key]
-            refcounts[page] -= 1
-            free += int(refcounts[page] == 0)
+        dropped, free = self.evict(needed, keep, refcounts)
         if free < needed:
             raise ValueError(f"the call needs {needed} free pages; the PrefixCache pool has {free} free of "
                              f"{self.num_pages} even after dropping every cached prefix it does not use: build it "
                              f"with more pages")
+        np.subtract.at(refcounts, dropped, 1)
         self._pools = dataclasses.replace(self._pools, refcounts=jax.device_put(refcounts))
+
+    def evict(self, needed: int, keep: set[int], refcounts: np.ndarray) -> tuple[list[int], int]:
+        """Drops least recently used blocks from the index (never pages in `keep`) until `needed` pages would be
+        free under `refcounts` (the pool's counts, read, not changed) -> (the dropped pages, whose index
+        reference the caller must remove from the pool's counts; the free pages after that)."""
+        counts = np.asarray(refcounts).copy()
+        free = int((counts == 0).sum())
+        droppable = [(key, page) for key, page in self._index.items() if page not in keep]
+        dropped = []
+        while free < needed and droppable:
+            key, page = droppable.pop(0)
+            del self._index[key]
+            dropped.append(page)
+            counts[page] -= 1
+            free += int(counts[page] == 0)
+        return dropped, free
 
     def remember(self, prompts, tables, cache: PagedKVCache) -> PagedKVCache:
         """After a prefill: the index takes a reference on every whole page of each prompt (`tables[b]` its page
         table row) that it does not hold yet, so later calls can reuse them -> `cache` with those references."""
         refcounts = np.asarray(cache.refcounts).copy()
+        for page in self.adopt(prompts, tables):
+            refcounts[page] += 1
+        return dataclasses.replace(cache, refcounts=jax.device_put(refcounts))
+
+    def adopt(self, prompts, tables) -> list[int]:
+        """Indexes the whole pages of each prompt (`tables[b]` its page table row) not indexed yet -> those pages:
+        the caller adds the index's reference to each in the pool's counts."""
+        pages = []
         for tokens, table in zip(prompts, tables):
             for key, page in zip(_block_keys(tokens, self.page_size), table):
                 if key not in self._index and page >= 0:
                     self._index[key] = int(page)
-                    refcounts[page] += 1
-        return dataclasses.replace(cache, refcounts=jax.device_put(refcounts))
+                    pages.append(int(page))
+        return pages
 
     def cache(self, page_table, lengths) -> PagedKVCache:
         """A `PagedKVCache` over this pool for sequences with `page_table` / `lengths` (numpy); the rows' own

@@ -1,0 +1,680 @@
+"""The continuous-batching engine: requests come and go through a fixed number of slots of one paged cache.
+
+`jaxkv.generate` decodes a static batch: every row runs until the longest is done, and new work waits for the whole
+batch. Here a request takes a slot when one is free, and gives it back (with its pages) the step it finishes, so
+the slots stay busy while output lengths vary.
+
+    engine = jaxkv.Engine(model, slots=16, max_len=1024)
+    a = engine.submit(prompt_a, max_new_tokens=64)
+    b = engine.submit(prompt_b, max_new_tokens=200, temperature=0.8, top_p=0.95, seed=1, logprobs=5)
+    for event in engine.run():          # events as tokens come out
+        print(event.id, event.tokens, event.finished, event.finish_reason)
+    results = engine.results()          # or: engine.generate([prompt_a, prompt_b], max_new_tokens=64)
+
+The device state (`_State`) is one pytree of fixed shape, threaded through five compiled programs and donated to
+each, so nothing recompiles once they are warm (S slots, M page-table entries, P pages, V vocabulary):
+
+  _admit    a request takes slot s: its page-table row (the pages of its cached prefix, if any), its sampling
+            settings, PRNG key, stop ids, token budget
+  _prefill  one chunk of at most `prefill_chunk` prompt tokens for each of up to `prefill_rows` prefilling slots,
+            attending over the pages written so far; a slot whose prompt is complete starts decoding
+  _decode   `steps_per_dispatch` decode steps over all S slots in a `lax.scan`: sample each decoding slot's next
+            token (its own settings and key, so a request draws what it would draw alone), record its
+            log-probability, feed it back; a slot that finishes releases its pages in the same step, and a step
+            with no slot decoding skips the model (`lax.cond`)
+  _release  cancelled slots drop their pages
+  _refs     the prefix cache's index takes or drops its references on pages
+
+The host scheduler (`Engine.step`) admits waiting requests in submission order while a slot is free and the
+pool can hold their worst case (prompt + max_new_tokens, less the pages of a cached prefix), evicting cached
+prefixes the running requests do not use when it must; then runs one prefill chunk and one decode dispatch, so a
+long prompt delays the running slots by one chunk at a time, not by its whole prefill.
+
+Why each request is independent of the batch it shares. Its rows of every matrix product, its own page-table row
+and its own PRNG key (split once per token it draws, as `generate`'s loop splits its key) are all that its tokens
+depend on: greedy tokens equal `jaxkv.generate` of the request alone, and sampled ones equal it too with the same
+seed, up to float rounding of the differently shaped programs.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxkv import attention as attention_impls
+from jaxkv import checks, memory
+from jaxkv.cache import check_cache_dtype
+from jaxkv.generate import STOP_ID_SLOTS, _forward, _key, _stop_ids, _token_lists
+from jaxkv.model import Decoder, Model
+from jaxkv.paged_cache import NO_PAGE, PagedKVCache
+from jaxkv.sampling import Sampler, token_logprobs
+
+MAX_LOGPROBS = 20  # top alternatives a request may ask for per token (OpenAI's API allows at most 20)
+STOP_SLOTS = 4 * STOP_ID_SLOTS  # stop ids per request (padded with -1): a fixed shape for every request
+FINISH_REASONS = (None, "stop", "length", "error")  # the decode step's finish codes 0..3
+
+
+class Event(NamedTuple):
+    """Tokens a request produced in one dispatch (one event per request per dispatch that touched it).
+
+    id: the request id `submit` returned. tokens: the new token ids (a stop token that ended it included).
+    logprobs: each new token's log-probability (temperature 1, before sampling filters). finished: the request
+    ended with this event; finish_reason: "stop", "length", "cancelled" or "error" then, else None.
+    """
+
+    id: int
+    tokens: list[int]
+    logprobs: list[float]
+    finished: bool
+    finish_reason: str | None
+
+
+@dataclasses.dataclass
+class Result:
+    """A finished request.
+
+    tokens: the generated ids (the stop token that ended it included). logprobs: the log-probability of each
+    under the model's distribution before sampling filters (temperature 1). top_logprobs: with `logprobs=k`,
+    per token the k most likely (id, log-probability), best first; else None. finish_reason: "stop" (a stop
+    token), "length" (max_new_tokens), "cancelled" (`Engine.cancel`) or "error" (`error` says what: a callback
+    raised, or the model's logits became NaN). prompt_tokens / cached_tokens: the prompt's length and how much of
+    it came from the prefix cache. text: the decoded tokens, when the model has a tokenizer.
+    """
+
+    id: int
+    tokens: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]] | None
+    finish_reason: str
+    prompt_tokens: int
+    cached_tokens: int = 0
+    text: str | None = None
+    error: str | None = None
+
+
+# --- device state and the compiled programs -------------------------------------------------------------------
+
+
+@flax.struct.dataclass
+class _State:
+    """Everything the device holds between dispatches (S slots).
+
+    cache:    the paged cache, batch S: slot s's sequence is row s
+    logits:   float32[S, V], what each decoding slot samples its next token from
+    keys:     uint32[S, 2], each slot's PRNG key, split once per token drawn
+    decoding: bool[S], the slot holds a request past its prefill and not finished
+    sampler:  `Sampler` with one setting per slot
+    stop_ids: int32[S, STOP_SLOTS], padded with -1
+    budget:   int32[S], tokens the slot's request may still emit
+    top:      int32[S], top alternatives wanted per token (0: none)
+    """
+
+    cache: PagedKVCache
+    logits: jax.Array
+    keys: jax.Array
+    decoding: jax.Array
+    sampler: Sampler
+    stop_ids: jax.Array
+    budget: jax.Array
+    top: jax.Array
+
+
+def _free_pages(state: _State) -> jax.Array:
+    return jnp.sum(state.cache.refcounts == 0, dtype=jnp.int32)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def _admit(state: _State, slot, table_row, length, key, temperature, top_k, top_p, min_p, stop_ids, budget, top):
+    """Request into `slot`: its page-table row holds the pages of its cached prefix (`length` slots), each taking
+    a reference; its settings replace the slot's."""
+    cache = state.cache
+    cache = dataclasses.replace(cache, page_table=cache.page_table.at[slot].set(table_row),
+                                lengths=cache.lengths.at[slot].set(length),
+                                overflowed=cache.overflowed.at[slot].set(False),
+                                refcounts=cache._count(table_row, +1, cache.refcounts))
+    s = state.sampler
+    sampler = Sampler(temperature=s.temperature.at[slot].set(temperature), top_k=s.top_k.at[slot].set(top_k),
+                      top_p=s.top_p.at[slot].set(top_p), min_p=s.min_p.at[slot].set(min_p))
+    state = state.replace(cache=cache, keys=state.keys.at[slot].set(key), decoding=state.decoding.at[slot].set(False),
+                          sampler=sampler, stop_ids=state.stop_ids.at[slot].set(stop_ids),
+                          budget=state.budget.at[slot].set(budget), top=state.top.at[slot].set(top))
+    return state, _free_pages(state)
+
+
+@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))
+def _prefill(params, state: _State, slots, tokens, counts, last, *, config):
+    """One prompt chunk per row: tokens int32[R, C] (right-padded; counts int32[R] real) into slots int32[R] (-1:
+    an unused row), attending over the slot's pages so far. Rows whose chunk ends the prompt (`last`) get their
+    last token's logits and start decoding."""
+    cache = state.cache
+    S = cache.batch
+    R, C = tokens.shape
+    used = slots >= 0
+    row = jnp.where(used, slots, 0)
+    # The chunk's rows as a batch of their own over the same pools (an unused row: no pages, nothing stored).
+    sub = dataclasses.replace(cache, page_table=jnp.where(used[:, None], cache.page_table[row], NO_PAGE),
+                              lengths=jnp.where(used, cache.lengths[row], 0),
+                              overflowed=jnp.where(used, cache.overflowed[row], False))
+    t = jnp.arange(C, dtype=jnp.int32)[None, :]
+    positions = jnp.where(t < counts[:, None], sub.lengths[:, None] + t, -1)  # [R, C], -1: padding
+    # XLA attention: the Pallas paged kernel takes one query per sequence.
+    logits, sub = Decoder(config).apply({"params": params}, tokens, positions, sub, last_only=True, attention="xla")
+    back = jnp.where(used, slots, S)  # out of range for unused rows: dropped
+    cache = dataclasses.replace(sub, page_table=cache.page_table.at[back].set(sub.page_table, mode="drop"),
+                                lengths=cache.lengths.at[back].set(sub.lengths, mode="drop"),
+                                overflowed=cache.overflowed.at[back].set(sub.overflowed, mode="drop"))
+    ready = jnp.where(used & last, slots, S)
+    state = state.replace(cache=cache, logits=state.logits.at[ready].set(logits[:, 0], mode="drop"),
+                          decoding=state.decoding.at[ready].set(True, mode="drop"))
+    return state, _free_pages(state)
+
+
+def _top(logits, k: int):
+    """(int32[S, k] ids, float32[S, k] log-probabilities) of the k most likely tokens, best first."""
+    _, ids, logp = token_logprobs(logits, jnp.zeros(logits.shape[:1], jnp.int32), k)
+    return ids, logp
+
+
+@functools.partial(jax.jit, static_argnames=("config", "attention", "steps"), donate_argnames=("state",))
+def _decode(params, state: _State, *, config, attention, steps: int):
+    """`steps` decode steps over every slot -> (state, per step: int32[S] tokens (-1: the slot did not decode),
+    float32[S] their log-probabilities, the top alternatives, int32[S] finish codes (FINISH_REASONS)), int32[]
+    steps that ran the model, int32[] free pages)."""
+    S = state.logits.shape[0]
+
+    def live(state):
+        run = state.decoding
+        split = jax.vmap(jax.random.split)(state.keys)  # [S, 2, key]: (the next key, this token's key)
+        tokens = state.sampler(state.logits, split[:, 1])
+        # NaN logits: the model could not place the row's last token (see `Decoder`); report, never sample it.
+        nan = jnp.any(jnp.isnan(state.logits), axis=-1)
+        tokens = jnp.where(nan, -1, tokens)
+        chosen = token_logprobs(state.logits, tokens)[0]
+        top_ids, top_logp = lax.cond(jnp.any(run & (state.top > 0)), functools.partial(_top, k=MAX_LOGPROBS),
+                                     lambda x: (jnp.zeros((S, MAX_LOGPROBS), jnp.int32),
+                                                jnp.zeros((S, MAX_LOGPROBS), jnp.float32)), state.logits)
+        stopped = jnp.any(tokens[:, None] == state.stop_ids, axis=1)
+        budget = state.budget - run
+        finished = run & (stopped | nan | (budget <= 0))
+        going = run & ~finished
+
+        def forward(state):
+            logits, cache = _forward(params, jnp.where(going, tokens, 0)[:, None], state.cache, config=config,
+                                     attention=attention, active=going)
+            return logits[:, 0], cache
+
+        # The last token of a request is never fed back: a step where every slot finishes runs no model.
+        logits, cache = lax.cond(jnp.any(going), forward, lambda s: (s.logits, s.cache), state)
+        cache = cache.release(finished)  # a finished request's pages are free for the next step's admissions
+        code = jnp.where(finished, jnp.where(nan, 3, jnp.where(stopped, 1, 2)), 0)
+        state = state.replace(cache=cache, logits=logits, keys=jnp.where(run[:, None], split[:, 0], state.keys),
+                              decoding=going, budget=budget)
+        return state, (jnp.where(run, tokens, -1), chosen, top_ids, top_logp, code, jnp.any(going))
+
+    def idle(state):
+        return state, (jnp.full((S,), -1, jnp.int32), jnp.zeros((S,), jnp.float32),
+                       jnp.zeros((S, MAX_LOGPROBS), jnp.int32), jnp.zeros((S, MAX_LOGPROBS), jnp.float32),
+                       jnp.zeros((S,), jnp.int32), jnp.zeros((), bool))
+
+    def step(state, _):
+        return lax.cond(jnp.any(state.decoding), live, idle, state)
+
+    state, (tokens, chosen, top_ids, top_logp, codes, ran) = lax.scan(step, state, None, length=steps)
+    return state, (tokens, chosen, top_ids, top_logp, codes), jnp.sum(ran, dtype=jnp.int32), _free_pages(state)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def _release(state: _State, rows):
+    """Slots where `rows` (bool[S]) is true drop their pages and stop decoding."""
+    state = state.replace(cache=state.cache.release(rows), decoding=state.decoding & ~rows)
+    return state, _free_pages(state)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def _refs(state: _State, pages, delta):
+    """refcounts[pages] += delta (int32[n] pages, -1 entries ignored): the prefix cache's index references."""
+    cache = state.cache
+    flat = jnp.where(pages >= 0, pages, cache.num_pages)
+    cache = dataclasses.replace(cache, refcounts=cache.refcounts.at[flat].add(delta, mode="drop"))
+    state = state.replace(cache=cache)
+    return state, _free_pages(state)
+
+
+# --- the host side --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Request:
+    """A submitted request and what it has produced (host side)."""
+
+    id: int
+    prompt: list[int]
+    max_new_tokens: int
+    settings: tuple  # (temperature, top_k, top_p, min_p) with disabled values 0.0, 0, 1.0, 0.0
+    key: np.ndarray
+    stop_ids: np.ndarray  # int32[STOP_SLOTS]
+    top: int
+    callback: Callable | None
+    pages: int  # pages it holds at most (prompt + max_new_tokens - 1 slots written)
+    state: str = "waiting"  # -> "prefilling" -> "decoding" -> "finished"
+    slot: int = -1
+    written: int = 0  # slots of its sequence written so far (cached prefix, prefilled prompt, fed-back tokens)
+    cached: int = 0  # prompt tokens found in the prefix cache
+    hit_pages: tuple = ()
+    tokens: list = dataclasses.field(default_factory=list)
+    logprobs: list = dataclasses.field(default_factory=list)
+    top_logprobs: list = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+class Engine:
+    """Continuous batching over `slots` sequences of one paged KV cache.
+
+    Args:
+      model: a `jaxkv.Model`.
+      slots: sequences decoded together (S): the batch of the compiled decode step.
+      max_len: the most slots one request may use: its prompt plus max_new_tokens, at most the model's max
+        positions. A longer request is refused at `submit`.
+      page_size: slots per page (default 16, or the prefix cache's).
+      cache_dtype: the cache dtype (default the model's): "float32", "bfloat16", "float16", "int8",
+        "float8_e4m3fn".
+      prefix_cache: a `jaxkv.PrefixCache`: the engine runs in its pool, a request reuses the pages of a cached
+        prefix of its prompt (whole pages) and prefills only the rest, and every prompt's whole pages stay cached
+        for later requests (and later `generate` calls), evicted least recently used first when the pool is
+        short. While requests are in flight the engine holds the pool (a `generate` call on it is refused).
+      mesh: not supported yet (the paged cache does not run on a mesh): must be None.
+      num_pages: pages in the pool (default: enough for every slot at max_len, so admission never waits for
+        pages). A smaller pool admits a request only when its worst case fits; the others wait. With a
+        prefix_cache its pool is used instead.
+      prefill_chunk: prompt tokens prefilled per request per dispatch (C).
+      prefill_rows: requests prefilled together per dispatch (R); the chunk program is [R, C] tokens.
+      steps_per_dispatch: decode steps per compiled dispatch (the host sees tokens and admits requests between
+        dispatches).
+      attention: "auto", "xla" or "pallas" for the decode step (prefill chunks use XLA).
+    """
+
+    def __init__(self, model: Model, *, slots: int, max_len: int, page_size: int | None = None,
+                 cache_dtype: str | None = None, prefix_cache=None, mesh=None, num_pages: int | None = None,
+                 prefill_chunk: int = 128, prefill_rows: int = 4, steps_per_dispatch: int = 8,
+                 attention: str | None = None):
+        if not isinstance(model, Model):
+            raise ValueError(f"model must be a jaxkv.Model, got {type(model).__name__}")
+        if mesh is not None:
+            raise ValueError("Engine(mesh=...) is not supported yet: the paged cache does not run on a mesh")
+        config = model.config
+        self.model, self.config = model, config
+        self.slots = checks.check_int("slots", slots, 1)
+        self.max_len = checks.check_int("max_len", max_len, 2)
+        if self.max_len > config.max_positions:
+            raise ValueError(f"max_len={max_len} exceeds the model's max positions ({config.max_positions})")
+        self.cache_dtype = check_cache_dtype(config.dtype if cache_dtype is None else cache_dtype)
+        if prefix_cache is not None:
+            from jaxkv.prefix_cache import PrefixCache
+
+            if not isinstance(prefix_cache, PrefixCache):
+                raise ValueError(f"prefix_cache must be a jaxkv.PrefixCache, got {type(prefix_cache).__name__}")
+            if num_pages is not None:
+                raise ValueError("pass num_pages or prefix_cache, not both: the engine runs in the prefix cache's pool")
+            page_size = prefix_cache.page_size if page_size is None else page_size
+            prefix_cache.check(model, self.cache_dtype, checks.check_int("page_size", page_size, 1))
+        self.page_size = checks.check_int("page_size", memory.DEFAULT_PAGE_SIZE if page_size is None else page_size, 1)
+        self.max_pages = -(-self.max_len // self.page_size)  # M
+        if prefix_cache is not None:
+            self.num_pages = prefix_cache.num_pages
+        else:
+            self.num_pages = checks.check_int("num_pages", self.slots * self.max_pages if num_pages is None
+                                              else num_pages, 1)
+        self.prefill_chunk = checks.check_int("prefill_chunk", prefill_chunk, 1)
+        self.prefill_rows = checks.check_int("prefill_rows", prefill_rows, 1, self.slots)
+        self.steps_per_dispatch = checks.check_int("steps_per_dispatch", steps_per_dispatch, 1)
+        self.attention = attention_impls.resolve(attention or config.attention)
+        self.prefix_cache = prefix_cache
+        self._state: _State | None = None  # allocated on first use
+        self._free = self.num_pages  # free pages as of the last dispatch
+        self._requests: dict[int, _Request] = {}  # unfinished, by id
+        self._waiting: collections.deque[int] = collections.deque()
+        self._by_slot: list[int | None] = [None] * self.slots
+        self._results: dict[int, Result] = {}  # finished, not yet collected
+        self._order: list[int] = []  # ids submitted and not yet collected, in submission order
+        self._next_id = 0
+        self._stats = collections.Counter()
+
+    # --- requests -----------------------------------------------------------------------------------------------
+
+    def submit(self, prompt, *, max_new_tokens: int, temperature=0.0, top_k=None, top_p=None, min_p=None,
+               seed: int = 0, stop_tokens: Sequence[int] | None = None, logprobs: int = 0,
+               callback: Callable | None = None) -> int:
+        """Queues a request -> its id. Every setting is checked here (ValueError), never in a running batch.
+
+        prompt: token ids, or text for a model with a tokenizer. max_new_tokens: at most this many new tokens;
+        prompt + max_new_tokens must fit max_len, and its pages the pool (else ValueError: it could never run).
+        temperature, top_k, top_p, min_p: as `jaxkv.generate` (scalars); different requests' settings run in the
+        same compiled step. seed: the request's own PRNG seed: it draws what `generate` of it alone draws.
+        stop_tokens: ids that end it (included in its tokens); None: the model's eos ids; []: none (at most
+        STOP_SLOTS). logprobs: k in [0, 20], the top-k alternatives to report per token (each token's own
+        log-probability is always reported). callback: called with each `Event` of this request as it is
+        produced; if it raises, this request ends with finish_reason "error" and the others go on.
+        """
+        config = self.config
+        prompt = _token_lists([prompt] if not isinstance(prompt, str) else prompt, config.vocab_size,
+                              self.model.tokenizer)
+        if len(prompt) != 1:
+            raise ValueError("submit takes one prompt (token ids or a string); use generate() for a list")
+        prompt = prompt[0]
+        max_new_tokens = checks.check_int("max_new_tokens", max_new_tokens, 1)
+        if len(prompt) + max_new_tokens > self.max_len:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                             f"engine's max_len ({self.max_len})")
+        pages = -(-(len(prompt) + max_new_tokens - 1) // self.page_size)
+        if pages > self.num_pages:
+            raise ValueError(f"the request needs {pages} pages of {self.page_size} slots; the pool has "
+                             f"{self.num_pages}")
+        s = checks.sampling(temperature, top_k, top_p, min_p)
+        settings = (float(s["temperature"]), int(s["top_k"] or 0), 1.0 if s["top_p"] is None else float(s["top_p"]),
+                    0.0 if s["min_p"] is None else float(s["min_p"]))
+        key = np.asarray(_key(seed))
+        stop_ids = _stop_ids(stop_tokens, config)
+        if (stop_ids >= 0).sum() > STOP_SLOTS:
+            raise ValueError(f"at most {STOP_SLOTS} stop tokens per request, got {(stop_ids >= 0).sum()}")
+        stop_ids = np.concatenate([stop_ids, np.full(STOP_SLOTS, -1, np.int32)])[:STOP_SLOTS]
+        top = checks.check_int("logprobs", logprobs, 0, MAX_LOGPROBS)
+        if callback is not None and not callable(callback):
+            raise ValueError(f"callback must be a callable (event), got {callback!r}")
+        rid = self._next_id
+        self._next_id += 1
+        self._requests[rid] = _Request(id=rid, prompt=prompt, max_new_tokens=max_new_tokens, settings=settings,
+                                       key=key, stop_ids=stop_ids, top=top, callback=callback, pages=pages)
+        self._waiting.append(rid)
+        self._order.append(rid)
+        return rid
+
+    def cancel(self, request_id: int) -> bool:
+        """Ends a request now (finish_reason "cancelled", tokens so far kept) and frees its slot and pages ->
+        whether it was still unfinished."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return False
+        self._finish(req, "cancelled")
+        return True
+
+    # --- running ------------------------------------------------------------------------------------------------
+
+    def run(self) -> Iterator[Event]:
+        """Runs until every submitted request has finished, yielding each `Event` as its tokens come out.
+        Requests submitted meanwhile (from the loop consuming the events) join. Leaving the loop early is safe:
+        the requests stay where they were and a later `run` continues them."""
+        while self._requests:
+            yield from self.step()
+        self._return_pool()
+
+    def step(self) -> list[Event]:
+        """One scheduling round: admit what fits, one prefill chunk, one decode dispatch -> the events."""
+        if not self._requests:
+            return []
+        self._take_pool()
+        self._admit_waiting()
+        events = self._prefill_chunk()
+        events += self._decode_dispatch()
+        return events
+
+    def results(self) -> list[Result]:
+        """Runs every submitted request to the end -> one `Result` per request submitted since the last call, in
+        submission order (each is returned once)."""
+        for _ in self.run():
+            pass
+        order, self._order = self._order, []
+        return [self._results.pop(rid) for rid in order]
+
+    def generate(self, requests, **defaults) -> list[Result]:
+        """Blocking: submits every request (all checked first: one bad request submits none), runs them to the
+        end -> their `Result`s in order. A request is a prompt (token ids or text), or a dict of `submit`
+        arguments with a "prompt"; `defaults` are `submit` arguments for every request (max_new_tokens, ...)."""
+        if isinstance(requests, (str, dict)) or not isinstance(requests, Sequence) or not requests:
+            raise ValueError("requests must be a non-empty list of prompts or of dicts of submit arguments")
+        calls = [dict(defaults, **r) if isinstance(r, dict) else dict(defaults, prompt=r) for r in requests]
+        for i, call in enumerate(calls):
+            if "prompt" not in call:
+                raise ValueError(f"request {i} has no prompt")
+        saved = (self._next_id, list(self._order), collections.deque(self._waiting), dict(self._requests))
+        ids = []
+        try:
+            for call in calls:
+                ids.append(self.submit(call.pop("prompt"), **call))
+        except Exception:
+            self._next_id, self._order, self._waiting, self._requests = saved
+            raise
+        for _ in self.run():
+            pass
+        self._order = [rid for rid in self._order if rid not in ids]
+        return [self._results.pop(rid) for rid in ids]
+
+    # --- inspection ---------------------------------------------------------------------------------------------
+
+    @property
+    def free_slots(self) -> int:
+        return sum(owner is None for owner in self._by_slot)
+
+    @property
+    def free_pages(self) -> int:
+        """Free pages of the pool as of the last dispatch (cached prefixes are not free)."""
+        return self._free
+
+    @property
+    def pending(self) -> int:
+        """Requests submitted and not finished."""
+        return len(self._requests)
+
+    @property
+    def stats(self) -> dict:
+        """Counters since the engine was built: requests, tokens, dispatches, decode steps run, slot occupancy
+        (decoding slots per step that ran / slots), the fraction of computed decode rows that were idle, prefill
+        tokens computed and padding, prefix-cache hits, seconds spent in each kind of dispatch."""
+        c = dict(self._stats)
+        rows = c.get("decode_steps", 0) * self.slots
+        c["slot_occupancy"] = c.get("decode_rows_used", 0) / rows if rows else 0.0
+        c["decode_padding"] = 1.0 - c["slot_occupancy"] if rows else 0.0
+        computed = c.get("prefill_tokens_computed", 0)
+        c["prefill_padding"] = 1.0 - c.get("prefill_tokens", 0) / computed if computed else 0.0
+        return c
+
+    # --- scheduling ---------------------------------------------------------------------------------------------
+
+    def _take_pool(self):
+        if self._state is not None:
+            return
+        S, V = self.slots, self.config.vocab_size
+        if self.prefix_cache is not None:
+            table = np.full((S, self.max_pages), NO_PAGE, np.int32)
+            cache = self.prefix_cache.cache(table, np.zeros((S,), np.int32))
+            self.prefix_cache.lent_to = self
+        else:
+            cache = jax.jit(PagedKVCache.allocate, static_argnums=(0, 1), static_argnames=(
+                "num_pages", "page_size", "max_len", "dtype"))(self.config, S, num_pages=self.num_pages,
+                                                               page_size=self.page_size, max_len=self.max_len,
+                                                               dtype=self.cache_dtype)
+        key_shape = np.asarray(_key(0)).shape
+        self._state = _State(
+            cache=cache, logits=jnp.zeros((S, V), jnp.float32), keys=jnp.zeros((S, *key_shape), jnp.uint32),
+            decoding=jnp.zeros((S,), bool),
+            sampler=Sampler(temperature=jnp.zeros((S,), jnp.float32), top_k=jnp.zeros((S,), jnp.int32),
+                            top_p=jnp.ones((S,), jnp.float32), min_p=jnp.zeros((S,), jnp.float32)),
+            stop_ids=jnp.full((S, STOP_SLOTS), -1, jnp.int32), budget=jnp.zeros((S,), jnp.int32),
+            top=jnp.zeros((S,), jnp.int32))
+        self._free = int(_free_pages(self._state))
+
+    def _return_pool(self):
+        """Idle: a prefix cache gets its pool back (every slot empty, the cached prefixes kept)."""
+        if self.prefix_cache is not None and self._state is not None and not self._requests:
+            self.prefix_cache.store(self._state.cache)
+            self.prefix_cache.lent_to = None
+            self._state = None
+
+    def _pending_pages(self) -> int:
+        """Pages the admitted requests may still take: each one's worst case less the pages it holds."""
+        ps = self.page_size
+        return sum(r.pages - -(-r.written // ps) for r in self._requests.values() if r.slot >= 0)
+
+    def _admit_waiting(self):
+        while self._waiting and None in self._by_slot:
+            req = self._requests[self._waiting[0]]
+            hits = self.prefix_cache.match(req.prompt) if self.prefix_cache is not None else []
+            need = req.pages - len(hits)
+            room = self._free - self._pending_pages()
+            if room < need and self.prefix_cache is not None:
+                keep = {p for r in self._requests.values() if r.slot >= 0 for p in r.hit_pages} | set(hits)
+                counts = np.asarray(self._state.cache.refcounts)
+                dropped, _ = self.prefix_cache.evict(need + self._pending_pages(), keep, counts)
+                if dropped:
+                    self._state, free = _refs(self._state, _padded(dropped, self.num_pages), np.int32(-1))
+                    self._free = int(free)
+                room = self._free - self._pending_pages()
+            if room < need:
+                return  # it waits (in order) for running requests to free pages
+            self._waiting.popleft()
+            slot = self._by_slot.index(None)
+            table = np.full((self.max_pages,), NO_PAGE, np.int32)
+            table[:len(hits)] = hits
+            req.slot, req.state = slot, "prefilling"
+            req.cached = req.written = len(hits) * self.page_size
+            req.hit_pages = tuple(hits)
+            self._by_slot[slot] = req.id
+            t, k, p, m = req.settings
+            self._state, free = _admit(self._state, np.int32(slot), table, np.int32(req.written), req.key,
+                                       np.float32(t), np.int32(k), np.float32(p), np.float32(m), req.stop_ids,
+                                       np.int32(req.max_new_tokens), np.int32(req.top))
+            self._free = int(free)
+            self._stats["requests_admitted"] += 1
+            self._stats["prefix_hit_tokens"] += req.cached
+
+    def _prefill_chunk(self) -> list[Event]:
+        rows = [r for r in self._requests.values() if r.state == "prefilling"][:self.prefill_rows]
+        if not rows:
+            return []
+        R, C = self.prefill_rows, self.prefill_chunk
+        slots = np.full((R,), -1, np.int32)
+        tokens = np.zeros((R, C), np.int32)
+        counts = np.zeros((R,), np.int32)
+        last = np.zeros((R,), bool)
+        for i, req in enumerate(rows):
+            chunk = req.prompt[req.written:req.written + C]
+            slots[i], counts[i] = req.slot, len(chunk)
+            tokens[i, :len(chunk)] = chunk
+            last[i] = req.written + len(chunk) == len(req.prompt)
+        t0 = time.perf_counter()
+        self._state, free = _prefill(self.model.params, self._state, slots, tokens, counts, last,
+                                     config=self.config)
+        self._free = int(free)
+        self._stats["prefill_s"] += time.perf_counter() - t0
+        self._stats["prefill_dispatches"] += 1
+        self._stats["prefill_tokens"] += int(counts.sum())
+        self._stats["prefill_tokens_computed"] += R * C
+        for i, req in enumerate(rows):
+            req.written += int(counts[i])
+            if last[i]:
+                req.state = "decoding"
+                if self.prefix_cache is not None:
+                    row = np.asarray(self._state.cache.page_table[req.slot])
+                    adopted = self.prefix_cache.adopt([req.prompt], [row])
+                    if adopted:
+                        self._state, free = _refs(self._state, _padded(adopted, self.num_pages), np.int32(1))
+                        self._free = int(free)
+        return []
+
+    def _decode_dispatch(self) -> list[Event]:
+        if not any(r.state == "decoding" for r in self._requests.values()):
+            return []
+        t0 = time.perf_counter()
+        self._state, out, ran, free = _decode(self.model.params, self._state, config=self.config,
+                                              attention=self.attention, steps=self.steps_per_dispatch)
+        tokens, chosen, top_ids, top_logp, codes = (np.asarray(x) for x in out)
+        self._free, ran = int(free), int(ran)
+        self._stats["decode_s"] += time.perf_counter() - t0
+        self._stats["decode_dispatches"] += 1
+        # Steps that sampled: the model ran for `ran` of them; the step where the last slot finishes samples too.
+        sampled = int(np.sum(np.any(tokens >= 0, axis=1)))
+        self._stats["decode_steps"] += sampled
+        self._stats["decode_forward_steps"] += ran
+        self._stats["decode_rows_used"] += int(np.sum(tokens >= 0))
+        events = []
+        for slot, rid in enumerate(self._by_slot):
+            req = self._requests.get(rid) if rid is not None else None
+            if req is None or req.state != "decoding":
+                continue
+            new, new_logp = [], []
+            for i in range(tokens.shape[0]):
+                code = int(codes[i, slot])
+                if code == 3:  # NaN logits: nothing was sampled (the decode step released the slot's pages)
+                    break
+                if tokens[i, slot] < 0:
+                    continue  # the slot did not decode at this step
+                new.append(int(tokens[i, slot]))
+                new_logp.append(float(chosen[i, slot]))
+                if req.top:
+                    req.top_logprobs.append([(int(a), float(b)) for a, b in
+                                             zip(top_ids[i, slot, :req.top], top_logp[i, slot, :req.top])])
+                if code:
+                    break
+                req.written += 1  # fed back
+            req.tokens += new
+            req.logprobs += new_logp
+            code = int(codes[:, slot].max())  # a slot finishes at most once per dispatch
+            if code:
+                self._finish(req, FINISH_REASONS[code], "the model's logits became NaN" if code == 3 else None,
+                             release=False)
+            self._stats["generated_tokens"] += len(new)
+            if not new and req.finish_reason is None:
+                continue
+            event = Event(req.id, new, new_logp, req.finish_reason is not None, req.finish_reason)
+            if req.callback is not None:
+                try:
+                    req.callback(event)
+                except Exception as exc:  # the request fails; the others are not touched
+                    if req.finish_reason is None:
+                        self._finish(req, "error", f"callback raised {type(exc).__name__}: {exc}")
+                    else:
+                        req.error = f"callback raised {type(exc).__name__}: {exc}"
+                        self._results[req.id].finish_reason = "error"
+                        self._results[req.id].error = req.error
+                    event = Event(req.id, new, new_logp, True, "error")
+            events.append(event)
+        return events
+
+    def _finish(self, req: _Request, reason: str, error: str | None = None, *, release: bool = True):
+        """Ends a request: frees its slot (and, unless the decode step already did, its pages) -> its Result."""
+        if req.slot >= 0:
+            if release:
+                rows = np.zeros((self.slots,), bool)
+                rows[req.slot] = True
+                self._state, free = _release(self._state, rows)
+                self._free = int(free)
+            self._by_slot[req.slot] = None
+        elif req.id in self._waiting:
+            self._waiting.remove(req.id)
+        req.state, req.finish_reason, req.error, req.slot = "finished", reason, error, -1
+        del self._requests[req.id]
+        text = None
+        if self.model.tokenizer is not None:
+            text = self.model.tokenizer.decode(req.tokens, skip_special_tokens=True)
+        self._results[req.id] = Result(id=req.id, tokens=req.tokens, logprobs=req.logprobs,
+                                       top_logprobs=req.top_logprobs if req.top else None, finish_reason=reason,
+                                       prompt_tokens=len(req.prompt), cached_tokens=req.cached, text=text,
+                                       error=error)
+        self._stats["requests_finished"] += 1
+
+
+def _padded(pages: list[int], size: int) -> np.ndarray:
+    """int32[size]: `pages` then -1 (one compiled shape for any number of pages)."""
+    out = np.full((size,), -1, np.int32)
+    out[:len(pages)] = pages
+    return out
