@@ -107,12 +107,14 @@ class Result:
 
 @flax.struct.dataclass
 class _State:
-    """Everything the device holds between dispatches (S slots).
+    """Everything the device holds between dispatches: S decode slots and R staging rows.
 
-    cache:    the paged cache, batch S: slot s's sequence is row s
+    cache:    the paged cache, batch S + R: rows [0, S) are the decode slots, rows S + j the staging rows where
+              prompts are prefilled before they move into a free slot (their pages move with them, not copied)
+    staged:   float32[R, V], the last prompt token's logits of each staging row whose prefill is complete
     logits:   float32[S, V], what each decoding slot samples its next token from
     keys:     uint32[S, 2], each slot's PRNG key, split once per token drawn
-    decoding: bool[S], the slot holds a request past its prefill and not finished
+    decoding: bool[S], the slot holds a request that has not finished
     sampler:  `Sampler` with one setting per slot
     stop_ids: int32[S, STOP_SLOTS], padded with -1
     budget:   int32[S], tokens the slot's request may still emit
@@ -120,6 +122,7 @@ class _State:
     """
 
     cache: PagedKVCache
+    staged: jax.Array
     logits: jax.Array
     keys: jax.Array
     decoding: jax.Array
@@ -133,49 +136,49 @@ def _free_pages(state: _State) -> jax.Array:
     return jnp.sum(state.cache.refcounts == 0, dtype=jnp.int32)
 
 
+def _rows(cache: PagedKVCache, rows) -> PagedKVCache:
+    """The cache's rows `rows` (int32[n], -1: an empty row) as a batch of their own over the same pools."""
+    used = rows >= 0
+    row = jnp.maximum(rows, 0)
+    return dataclasses.replace(cache, page_table=jnp.where(used[:, None], cache.page_table[row], NO_PAGE),
+                               lengths=jnp.where(used, cache.lengths[row], 0),
+                               overflowed=jnp.where(used, cache.overflowed[row], False))
+
+
+def _put_rows(cache: PagedKVCache, rows, sub: PagedKVCache) -> PagedKVCache:
+    """`sub` (from `_rows(cache, rows)`, then used) back into the cache: its pools and counts, its rows' tables."""
+    back = jnp.where(rows >= 0, rows, cache.batch)  # out of range for empty rows: dropped
+    return dataclasses.replace(sub, page_table=cache.page_table.at[back].set(sub.page_table, mode="drop"),
+                               lengths=cache.lengths.at[back].set(sub.lengths, mode="drop"),
+                               overflowed=cache.overflowed.at[back].set(sub.overflowed, mode="drop"))
+
+
 @functools.partial(jax.jit, donate_argnames=("state",))
-def _admit(state: _State, slot, table_row, length, key, temperature, top_k, top_p, min_p, stop_ids, budget, top):
-    """Request into `slot`: its page-table row holds the pages of its cached prefix (`length` slots), each taking
-    a reference; its settings replace the slot's."""
+def _admit(state: _State, row, table_row, length):
+    """A request into staging row `row` of the cache: its page-table row holds the pages of its cached prefix
+    (`length` slots), each taking a reference."""
     cache = state.cache
-    cache = dataclasses.replace(cache, page_table=cache.page_table.at[slot].set(table_row),
-                                lengths=cache.lengths.at[slot].set(length),
-                                overflowed=cache.overflowed.at[slot].set(False),
+    cache = dataclasses.replace(cache, page_table=cache.page_table.at[row].set(table_row),
+                                lengths=cache.lengths.at[row].set(length),
+                                overflowed=cache.overflowed.at[row].set(False),
                                 refcounts=cache._count(table_row, +1, cache.refcounts))
-    s = state.sampler
-    sampler = Sampler(temperature=s.temperature.at[slot].set(temperature), top_k=s.top_k.at[slot].set(top_k),
-                      top_p=s.top_p.at[slot].set(top_p), min_p=s.min_p.at[slot].set(min_p))
-    state = state.replace(cache=cache, keys=state.keys.at[slot].set(key), decoding=state.decoding.at[slot].set(False),
-                          sampler=sampler, stop_ids=state.stop_ids.at[slot].set(stop_ids),
-                          budget=state.budget.at[slot].set(budget), top=state.top.at[slot].set(top))
+    state = state.replace(cache=cache)
     return state, _free_pages(state)
 
 
 @functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))
-def _prefill(params, state: _State, slots, tokens, counts, last, *, config):
-    """One prompt chunk per row: tokens int32[R, C] (right-padded; counts int32[R] real) into slots int32[R] (-1:
-    an unused row), attending over the slot's pages so far. Rows whose chunk ends the prompt (`last`) get their
-    last token's logits and start decoding."""
-    cache = state.cache
-    S = cache.batch
+def _prefill(params, state: _State, rows, tokens, counts, *, config):
+    """One prompt chunk per staging row: tokens int32[R, C] (right-padded; counts int32[R] real, 0: no chunk)
+    into cache rows `rows` int32[R] (-1: none), attending over the row's pages so far. Each row's last token's
+    logits go to `staged` (what the slot it moves to samples from first, once its prompt is complete)."""
     R, C = tokens.shape
-    used = slots >= 0
-    row = jnp.where(used, slots, 0)
-    # The chunk's rows as a batch of their own over the same pools (an unused row: no pages, nothing stored).
-    sub = dataclasses.replace(cache, page_table=jnp.where(used[:, None], cache.page_table[row], NO_PAGE),
-                              lengths=jnp.where(used, cache.lengths[row], 0),
-                              overflowed=jnp.where(used, cache.overflowed[row], False))
+    sub = _rows(state.cache, rows)
     t = jnp.arange(C, dtype=jnp.int32)[None, :]
     positions = jnp.where(t < counts[:, None], sub.lengths[:, None] + t, -1)  # [R, C], -1: padding
     # XLA attention: the Pallas paged kernel takes one query per sequence.
     logits, sub = Decoder(config).apply({"params": params}, tokens, positions, sub, last_only=True, attention="xla")
-    back = jnp.where(used, slots, S)  # out of range for unused rows: dropped
-    cache = dataclasses.replace(sub, page_table=cache.page_table.at[back].set(sub.page_table, mode="drop"),
-                                lengths=cache.lengths.at[back].set(sub.lengths, mode="drop"),
-                                overflowed=cache.overflowed.at[back].set(sub.overflowed, mode="drop"))
-    ready = jnp.where(used & last, slots, S)
-    state = state.replace(cache=cache, logits=state.logits.at[ready].set(logits[:, 0], mode="drop"),
-                          decoding=state.decoding.at[ready].set(True, mode="drop"))
+    staged = jnp.where((counts > 0)[:, None], logits[:, 0], state.staged)
+    state = state.replace(cache=_put_rows(state.cache, rows, sub), staged=staged)
     return state, _free_pages(state)
 
 
@@ -185,12 +188,38 @@ def _top(logits, k: int):
     return ids, logp
 
 
-@functools.partial(jax.jit, static_argnames=("config", "attention", "steps"), donate_argnames=("state",))
-def _decode(params, state: _State, *, config, attention, steps: int):
-    """`steps` decode steps over every slot -> (state, per step: int32[S] tokens (-1: the slot did not decode),
-    float32[S] their log-probabilities, the top alternatives, int32[S] finish codes (FINISH_REASONS)), int32[]
-    steps that ran the model, int32[] free pages)."""
+def _move_in(state: _State, moves, keys, sampler: Sampler, stop_ids, budget, top) -> _State:
+    """Slot s takes the request prefilled in staging row moves[s] (-1: none) with its settings: the staging row's
+    page-table row and length move to the slot (no page is copied or recounted) and the staging row empties."""
     S = state.logits.shape[0]
+    cache = state.cache
+    moving = moves >= 0
+    src = S + jnp.maximum(moves, 0)  # cache row of the staging row
+    dst = jnp.where(moving, jnp.arange(S, dtype=jnp.int32), cache.batch)  # dropped where nothing moves
+    table = cache.page_table.at[dst].set(cache.page_table[src], mode="drop")
+    lengths = cache.lengths.at[dst].set(cache.lengths[src], mode="drop")
+    overflowed = cache.overflowed.at[dst].set(cache.overflowed[src], mode="drop")
+    emptied = jnp.where(moving, src, cache.batch)
+    cache = dataclasses.replace(cache, page_table=table.at[emptied].set(NO_PAGE, mode="drop"),
+                                lengths=lengths.at[emptied].set(0, mode="drop"), overflowed=overflowed)
+
+    def pick(new, old):
+        return jnp.where(moving.reshape((S,) + (1,) * (old.ndim - 1)), new, old)
+
+    return state.replace(cache=cache, logits=pick(state.staged[jnp.maximum(moves, 0)], state.logits),
+                         keys=pick(keys, state.keys), decoding=state.decoding | moving,
+                         sampler=jax.tree.map(pick, sampler, state.sampler), stop_ids=pick(stop_ids, state.stop_ids),
+                         budget=pick(budget, state.budget), top=pick(top, state.top))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "attention", "steps"), donate_argnames=("state",))
+def _decode(params, state: _State, moves, keys, sampler, stop_ids, budget, top, *, config, attention, steps: int):
+    """Moves prefilled requests into free slots (`_move_in`), then `steps` decode steps over every slot ->
+    (state, per step: int32[S] tokens (-1: the slot did not decode), float32[S] their log-probabilities, the top
+    alternatives, int32[S] finish codes (FINISH_REASONS)), int32[] free pages)."""
+    state = _move_in(state, moves, keys, sampler, stop_ids, budget, top)
+    S = state.logits.shape[0]
+    slots = jnp.arange(S, dtype=jnp.int32)
 
     def live(state):
         run = state.decoding
@@ -209,34 +238,38 @@ def _decode(params, state: _State, *, config, attention, steps: int):
         going = run & ~finished
 
         def forward(state):
-            logits, cache = _forward(params, jnp.where(going, tokens, 0)[:, None], state.cache, config=config,
-                                     attention=attention, active=going)
-            return logits[:, 0], cache
+            # The slots as a batch of their own: the staging rows take no part in decoding.
+            sub = _rows(state.cache, slots)
+            logits, sub = _forward(params, jnp.where(going, tokens, 0)[:, None], sub, config=config,
+                                   attention=attention, active=going)
+            return logits[:, 0], _put_rows(state.cache, slots, sub)
 
         # The last token of a request is never fed back: a step where every slot finishes runs no model.
         logits, cache = lax.cond(jnp.any(going), forward, lambda s: (s.logits, s.cache), state)
-        cache = cache.release(finished)  # a finished request's pages are free for the next step's admissions
+        # A finished request's pages are free at once (for the next admissions).
+        cache = cache.release(jnp.zeros((cache.batch,), bool).at[:S].set(finished))
         code = jnp.where(finished, jnp.where(nan, 3, jnp.where(stopped, 1, 2)), 0)
         state = state.replace(cache=cache, logits=logits, keys=jnp.where(run[:, None], split[:, 0], state.keys),
                               decoding=going, budget=budget)
-        return state, (jnp.where(run, tokens, -1), chosen, top_ids, top_logp, code, jnp.any(going))
+        return state, (jnp.where(run, tokens, -1), chosen, top_ids, top_logp, code)
 
     def idle(state):
         return state, (jnp.full((S,), -1, jnp.int32), jnp.zeros((S,), jnp.float32),
                        jnp.zeros((S, MAX_LOGPROBS), jnp.int32), jnp.zeros((S, MAX_LOGPROBS), jnp.float32),
-                       jnp.zeros((S,), jnp.int32), jnp.zeros((), bool))
+                       jnp.zeros((S,), jnp.int32))
 
     def step(state, _):
         return lax.cond(jnp.any(state.decoding), live, idle, state)
 
-    state, (tokens, chosen, top_ids, top_logp, codes, ran) = lax.scan(step, state, None, length=steps)
-    return state, (tokens, chosen, top_ids, top_logp, codes), jnp.sum(ran, dtype=jnp.int32), _free_pages(state)
+    state, out = lax.scan(step, state, None, length=steps)
+    return state, out, _free_pages(state)
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
 def _release(state: _State, rows):
-    """Slots where `rows` (bool[S]) is true drop their pages and stop decoding."""
-    state = state.replace(cache=state.cache.release(rows), decoding=state.decoding & ~rows)
+    """Cache rows where `rows` (bool[S + R]) is true drop their pages; such slots stop decoding."""
+    S = state.logits.shape[0]
+    state = state.replace(cache=state.cache.release(rows), decoding=state.decoding & ~rows[:S])
     return state, _free_pages(state)
 
 
@@ -266,8 +299,8 @@ class _Request:
     top: int
     callback: Callable | None
     pages: int  # pages it holds at most (prompt + max_new_tokens - 1 slots written)
-    state: str = "waiting"  # -> "prefilling" -> "decoding" -> "finished"
-    slot: int = -1
+    state: str = "waiting"  # -> "prefilling" -> "ready" (prompt done) -> "decoding" -> "finished"
+    row: int = -1  # the cache row it holds: a staging row S + j while prefilling and ready, then its slot
     written: int = 0  # slots of its sequence written so far (cached prefix, prefilled prompt, fed-back tokens)
     cached: int = 0  # prompt tokens found in the prefix cache
     hit_pages: tuple = ()
@@ -336,7 +369,7 @@ class Engine:
             self.num_pages = checks.check_int("num_pages", self.slots * self.max_pages if num_pages is None
                                               else num_pages, 1)
         self.prefill_chunk = checks.check_int("prefill_chunk", prefill_chunk, 1)
-        self.prefill_rows = checks.check_int("prefill_rows", prefill_rows, 1, self.slots)
+        self.prefill_rows = checks.check_int("prefill_rows", prefill_rows, 1)
         self.steps_per_dispatch = checks.check_int("steps_per_dispatch", steps_per_dispatch, 1)
         self.attention = attention_impls.resolve(attention or config.attention)
         self.prefix_cache = prefix_cache
@@ -344,7 +377,8 @@ class Engine:
         self._free = self.num_pages  # free pages as of the last dispatch
         self._requests: dict[int, _Request] = {}  # unfinished, by id
         self._waiting: collections.deque[int] = collections.deque()
-        self._by_slot: list[int | None] = [None] * self.slots
+        self._by_slot: list[int | None] = [None] * self.slots  # decode slot -> request id
+        self._staging: list[int | None] = [None] * self.prefill_rows  # staging row -> request id
         self._results: dict[int, Result] = {}  # finished, not yet collected
         self._order: list[int] = []  # ids submitted and not yet collected, in submission order
         self._next_id = 0
@@ -424,9 +458,8 @@ class Engine:
             return []
         self._take_pool()
         self._admit_waiting()
-        events = self._prefill_chunk()
-        events += self._decode_dispatch()
-        return events
+        self._prefill_chunk()
+        return self._decode_dispatch()
 
     def results(self) -> list[Result]:
         """Runs every submitted request to the end -> one `Result` per request submitted since the last call, in
@@ -493,20 +526,18 @@ class Engine:
     def _take_pool(self):
         if self._state is not None:
             return
-        S, V = self.slots, self.config.vocab_size
+        S, R, V = self.slots, self.prefill_rows, self.config.vocab_size
         if self.prefix_cache is not None:
-            table = np.full((S, self.max_pages), NO_PAGE, np.int32)
-            cache = self.prefix_cache.cache(table, np.zeros((S,), np.int32))
+            table = np.full((S + R, self.max_pages), NO_PAGE, np.int32)
+            cache = self.prefix_cache.cache(table, np.zeros((S + R,), np.int32))
             self.prefix_cache.lent_to = self
         else:
-            cache = jax.jit(PagedKVCache.allocate, static_argnums=(0, 1), static_argnames=(
-                "num_pages", "page_size", "max_len", "dtype"))(self.config, S, num_pages=self.num_pages,
-                                                               page_size=self.page_size, max_len=self.max_len,
-                                                               dtype=self.cache_dtype)
+            cache = _allocate(self.config, S + R, num_pages=self.num_pages, page_size=self.page_size,
+                              max_len=self.max_len, dtype=self.cache_dtype)
         key_shape = np.asarray(_key(0)).shape
         self._state = _State(
-            cache=cache, logits=jnp.zeros((S, V), jnp.float32), keys=jnp.zeros((S, *key_shape), jnp.uint32),
-            decoding=jnp.zeros((S,), bool),
+            cache=cache, staged=jnp.zeros((R, V), jnp.float32), logits=jnp.zeros((S, V), jnp.float32),
+            keys=jnp.zeros((S, *key_shape), jnp.uint32), decoding=jnp.zeros((S,), bool),
             sampler=Sampler(temperature=jnp.zeros((S,), jnp.float32), top_k=jnp.zeros((S,), jnp.int32),
                             top_p=jnp.ones((S,), jnp.float32), min_p=jnp.zeros((S,), jnp.float32)),
             stop_ids=jnp.full((S, STOP_SLOTS), -1, jnp.int32), budget=jnp.zeros((S,), jnp.int32),
@@ -514,7 +545,7 @@ class Engine:
         self._free = int(_free_pages(self._state))
 
     def _return_pool(self):
-        """Idle: a prefix cache gets its pool back (every slot empty, the cached prefixes kept)."""
+        """Idle: a prefix cache gets its pool back (every row empty, the cached prefixes kept)."""
         if self.prefix_cache is not None and self._state is not None and not self._requests:
             self.prefix_cache.store(self._state.cache)
             self.prefix_cache.lent_to = None
@@ -523,16 +554,17 @@ class Engine:
     def _pending_pages(self) -> int:
         """Pages the admitted requests may still take: each one's worst case less the pages it holds."""
         ps = self.page_size
-        return sum(r.pages - -(-r.written // ps) for r in self._requests.values() if r.slot >= 0)
+        return sum(r.pages - -(-r.written // ps) for r in self._requests.values() if r.row >= 0)
 
     def _admit_waiting(self):
-        while self._waiting and None in self._by_slot:
+        """Waiting requests, in submission order, into free staging rows while the pool holds their worst case."""
+        while self._waiting and None in self._staging:
             req = self._requests[self._waiting[0]]
             hits = self.prefix_cache.match(req.prompt) if self.prefix_cache is not None else []
             need = req.pages - len(hits)
             room = self._free - self._pending_pages()
             if room < need and self.prefix_cache is not None:
-                keep = {p for r in self._requests.values() if r.slot >= 0 for p in r.hit_pages} | set(hits)
+                keep = {p for r in self._requests.values() if r.row >= 0 for p in r.hit_pages} | set(hits)
                 counts = np.asarray(self._state.cache.refcounts)
                 dropped, _ = self.prefix_cache.evict(need + self._pending_pages(), keep, counts)
                 if dropped:
@@ -540,76 +572,94 @@ class Engine:
                     self._free = int(free)
                 room = self._free - self._pending_pages()
             if room < need:
-                return  # it waits (in order) for running requests to free pages
+                return  # it waits (and the requests behind it) until finished requests free pages
             self._waiting.popleft()
-            slot = self._by_slot.index(None)
+            j = self._staging.index(None)
             table = np.full((self.max_pages,), NO_PAGE, np.int32)
             table[:len(hits)] = hits
-            req.slot, req.state = slot, "prefilling"
+            req.row, req.state = self.slots + j, "prefilling"
             req.cached = req.written = len(hits) * self.page_size
             req.hit_pages = tuple(hits)
-            self._by_slot[slot] = req.id
-            t, k, p, m = req.settings
-            self._state, free = _admit(self._state, np.int32(slot), table, np.int32(req.written), req.key,
-                                       np.float32(t), np.int32(k), np.float32(p), np.float32(m), req.stop_ids,
-                                       np.int32(req.max_new_tokens), np.int32(req.top))
+            self._staging[j] = req.id
+            self._state, free = _admit(self._state, np.int32(req.row), table, np.int32(req.written))
             self._free = int(free)
             self._stats["requests_admitted"] += 1
             self._stats["prefix_hit_tokens"] += req.cached
 
-    def _prefill_chunk(self) -> list[Event]:
-        rows = [r for r in self._requests.values() if r.state == "prefilling"][:self.prefill_rows]
-        if not rows:
-            return []
+    def _prefill_chunk(self):
         R, C = self.prefill_rows, self.prefill_chunk
-        slots = np.full((R,), -1, np.int32)
+        rows = np.full((R,), -1, np.int32)
         tokens = np.zeros((R, C), np.int32)
         counts = np.zeros((R,), np.int32)
-        last = np.zeros((R,), bool)
-        for i, req in enumerate(rows):
+        chunked = []
+        for j, rid in enumerate(self._staging):
+            req = self._requests[rid] if rid is not None else None
+            if req is None or req.state != "prefilling":
+                continue
             chunk = req.prompt[req.written:req.written + C]
-            slots[i], counts[i] = req.slot, len(chunk)
-            tokens[i, :len(chunk)] = chunk
-            last[i] = req.written + len(chunk) == len(req.prompt)
+            rows[j], counts[j] = req.row, len(chunk)
+            tokens[j, :len(chunk)] = chunk
+            chunked.append((j, req))
+        if not chunked:
+            return
         t0 = time.perf_counter()
-        self._state, free = _prefill(self.model.params, self._state, slots, tokens, counts, last,
-                                     config=self.config)
+        self._state, free = _prefill(self.model.params, self._state, rows, tokens, counts, config=self.config)
         self._free = int(free)
         self._stats["prefill_s"] += time.perf_counter() - t0
         self._stats["prefill_dispatches"] += 1
         self._stats["prefill_tokens"] += int(counts.sum())
         self._stats["prefill_tokens_computed"] += R * C
-        for i, req in enumerate(rows):
-            req.written += int(counts[i])
-            if last[i]:
-                req.state = "decoding"
-                if self.prefix_cache is not None:
-                    row = np.asarray(self._state.cache.page_table[req.slot])
-                    adopted = self.prefix_cache.adopt([req.prompt], [row])
+        for j, req in chunked:
+            req.written += int(counts[j])
+            if req.written == len(req.prompt):
+                req.state = "ready"
+                if self.prefix_cache is not None:  # its whole prompt pages stay cached for later requests
+                    table = np.asarray(self._state.cache.page_table[req.row])
+                    adopted = self.prefix_cache.adopt([req.prompt], [table])
                     if adopted:
                         self._state, free = _refs(self._state, _padded(adopted, self.num_pages), np.int32(1))
                         self._free = int(free)
-        return []
 
     def _decode_dispatch(self) -> list[Event]:
-        if not any(r.state == "decoding" for r in self._requests.values()):
+        S = self.slots
+        moves = np.full((S,), -1, np.int32)
+        key_shape = np.asarray(_key(0)).shape
+        keys = np.zeros((S, *key_shape), np.uint32)
+        settings = np.zeros((4, S), np.float32)
+        stop_ids = np.full((S, STOP_SLOTS), -1, np.int32)
+        budget = np.zeros((S,), np.int32)
+        top = np.zeros((S,), np.int32)
+        ready = sorted((self._requests[rid] for rid in self._staging
+                        if rid is not None and self._requests[rid].state == "ready"), key=lambda r: r.id)
+        for slot in range(S):
+            if not ready:
+                break
+            if self._by_slot[slot] is None:
+                req = ready.pop(0)
+                moves[slot] = req.row - S
+                self._staging[req.row - S] = None
+                self._by_slot[slot] = req.id
+                req.row, req.state = slot, "decoding"
+                keys[slot], settings[:, slot], stop_ids[slot] = req.key, req.settings, req.stop_ids
+                budget[slot], top[slot] = req.max_new_tokens, req.top
+        if not any(rid is not None for rid in self._by_slot):
             return []
+        sampler = Sampler(temperature=settings[0], top_k=settings[1].astype(np.int32), top_p=settings[2],
+                          min_p=settings[3])
         t0 = time.perf_counter()
-        self._state, out, ran, free = _decode(self.model.params, self._state, config=self.config,
-                                              attention=self.attention, steps=self.steps_per_dispatch)
+        self._state, out, free = _decode(self.model.params, self._state, moves, keys, sampler, stop_ids, budget,
+                                         top, config=self.config, attention=self.attention,
+                                         steps=self.steps_per_dispatch)
         tokens, chosen, top_ids, top_logp, codes = (np.asarray(x) for x in out)
-        self._free, ran = int(free), int(ran)
+        self._free = int(free)
         self._stats["decode_s"] += time.perf_counter() - t0
         self._stats["decode_dispatches"] += 1
-        # Steps that sampled: the model ran for `ran` of them; the step where the last slot finishes samples too.
-        sampled = int(np.sum(np.any(tokens >= 0, axis=1)))
-        self._stats["decode_steps"] += sampled
-        self._stats["decode_forward_steps"] += ran
+        self._stats["decode_steps"] += int(np.sum(np.any(tokens >= 0, axis=1)))  # steps some slot decoded
         self._stats["decode_rows_used"] += int(np.sum(tokens >= 0))
         events = []
         for slot, rid in enumerate(self._by_slot):
             req = self._requests.get(rid) if rid is not None else None
-            if req is None or req.state != "decoding":
+            if req is None:
                 continue
             new, new_logp = [], []
             for i in range(tokens.shape[0]):
@@ -628,40 +678,46 @@ class Engine:
                 req.written += 1  # fed back
             req.tokens += new
             req.logprobs += new_logp
+            self._stats["generated_tokens"] += len(new)
             code = int(codes[:, slot].max())  # a slot finishes at most once per dispatch
             if code:
                 self._finish(req, FINISH_REASONS[code], "the model's logits became NaN" if code == 3 else None,
                              release=False)
-            self._stats["generated_tokens"] += len(new)
-            if not new and req.finish_reason is None:
-                continue
-            event = Event(req.id, new, new_logp, req.finish_reason is not None, req.finish_reason)
-            if req.callback is not None:
-                try:
-                    req.callback(event)
-                except Exception as exc:  # the request fails; the others are not touched
-                    if req.finish_reason is None:
-                        self._finish(req, "error", f"callback raised {type(exc).__name__}: {exc}")
-                    else:
-                        req.error = f"callback raised {type(exc).__name__}: {exc}"
-                        self._results[req.id].finish_reason = "error"
-                        self._results[req.id].error = req.error
-                    event = Event(req.id, new, new_logp, True, "error")
-            events.append(event)
+            if new or code:
+                events.append(self._notify(req, Event(req.id, new, new_logp, bool(code), FINISH_REASONS[code])))
         return events
 
+    def _notify(self, req: _Request, event: Event) -> Event:
+        """The request's callback, if any, gets the event; if it raises, the request ends with "error" (its slot
+        and pages freed) and the others are untouched -> the event as reported."""
+        if req.callback is None:
+            return event
+        try:
+            req.callback(event)
+        except Exception as exc:
+            error = f"callback raised {type(exc).__name__}: {exc}"
+            if req.id in self._requests:
+                self._finish(req, "error", error)
+            else:  # it had just finished: its result records the failure
+                self._results[req.id].finish_reason, self._results[req.id].error = "error", error
+            return event._replace(finished=True, finish_reason="error")
+        return event
+
     def _finish(self, req: _Request, reason: str, error: str | None = None, *, release: bool = True):
-        """Ends a request: frees its slot (and, unless the decode step already did, its pages) -> its Result."""
-        if req.slot >= 0:
+        """Ends a request: frees its row (and, unless the decode step already did, its pages) -> its Result."""
+        if req.row >= 0:
             if release:
-                rows = np.zeros((self.slots,), bool)
-                rows[req.slot] = True
+                rows = np.zeros((self.slots + self.prefill_rows,), bool)
+                rows[req.row] = True
                 self._state, free = _release(self._state, rows)
                 self._free = int(free)
-            self._by_slot[req.slot] = None
+            if req.row < self.slots:
+                self._by_slot[req.row] = None
+            else:
+                self._staging[req.row - self.slots] = None
         elif req.id in self._waiting:
             self._waiting.remove(req.id)
-        req.state, req.finish_reason, req.error, req.slot = "finished", reason, error, -1
+        req.state, req.finish_reason, req.error, req.row = "finished", reason, error, -1
         del self._requests[req.id]
         text = None
         if self.model.tokenizer is not None:
@@ -671,6 +727,12 @@ class Engine:
                                        prompt_tokens=len(req.prompt), cached_tokens=req.cached, text=text,
                                        error=error)
         self._stats["requests_finished"] += 1
+
+
+@functools.partial(jax.jit, static_argnames=("config", "batch", "num_pages", "page_size", "max_len", "dtype"))
+def _allocate(config, batch, *, num_pages, page_size, max_len, dtype):
+    return PagedKVCache.allocate(config, batch, num_pages=num_pages, page_size=page_size, max_len=max_len,
+                                 dtype=dtype)
 
 
 def _padded(pages: list[int], size: int) -> np.ndarray:

@@ -1,0 +1,240 @@
+"""The continuous-batching engine (issue 14): each request's tokens equal `generate` of it alone whatever shares the
+batch and whenever it arrives; log-probabilities equal a recomputation; nothing recompiles after warm-up; slots and
+pages all come back after finishing, cancelling and failing."""
+
+import jax
+import numpy as np
+import pytest
+
+import jaxkv
+from jaxkv.engine import Engine
+from conftest import model_for
+from test_compiles import count_compiles
+
+LOGPROB_TOL = 1e-4  # float32 log-softmax of the same logits computed through a different (cached) program
+
+RNG = np.random.default_rng(0)
+
+
+def random_requests(n, rng, longest=40, most_new=24):
+    return [(rng.integers(1, 97, int(rng.integers(1, longest))).tolist(), int(rng.integers(1, most_new)))
+            for _ in range(n)]
+
+
+def alone(model, prompt, max_new_tokens, **kwargs):
+    kwargs.setdefault("stop_tokens", [])
+    return jaxkv.generate(model, [prompt], max_new_tokens=max_new_tokens, **kwargs)
+
+
+def recomputed_logprobs(model, prompt, tokens):
+    """log p(token i | prompt, tokens before i) from the full forward pass over prompt + tokens, no cache."""
+    logp = np.asarray(jax.nn.log_softmax(jaxkv.logits(model, prompt + tokens)[0], axis=-1))
+    return logp, np.array([logp[len(prompt) - 1 + i, t] for i, t in enumerate(tokens)])
+
+
+def drain(engine, arrivals, rng):
+    """Submits `arrivals` (prompt, max_new_tokens, kwargs) at random points of the run -> {id: arrival}."""
+    pending, ids = list(arrivals), {}
+    while pending or engine.pending:
+        for _ in range(int(rng.integers(0, 3)) if engine.pending else 1):
+            if pending:
+                prompt, new, kwargs = pending.pop(0)
+                ids[engine.submit(prompt, max_new_tokens=new, **kwargs)] = (prompt, new, kwargs)
+        engine.step()
+    return ids
+
+
+def assert_all_free(engine):
+    assert engine.pending == 0 and engine.free_slots == engine.slots
+    state = engine._state
+    refcounts = np.asarray(state.cache.refcounts)
+    cached = engine.prefix_cache.cached_pages if engine.prefix_cache is not None else 0
+    assert refcounts.sum() == cached and engine.free_pages == engine.num_pages - cached
+    assert (np.asarray(state.cache.page_table) == -1).all() and (np.asarray(state.cache.lengths) == 0).all()
+    assert not np.asarray(state.decoding).any()
+
+
+@pytest.mark.parametrize("slots", [1, 3, 8])
+def test_greedy_tokens_and_logprobs_equal_each_request_alone(slots):
+    model = model_for("gqa")
+    rng = np.random.default_rng(slots)
+    engine = Engine(model, slots=slots, max_len=96, page_size=8, prefill_chunk=16, prefill_rows=2)
+    arrivals = [(p, n, {}) for p, n in random_requests(10, rng)]
+    rng.shuffle(arrivals)
+    ids = drain(engine, arrivals, rng)
+    assert_all_free(engine)
+    results = engine.results()
+    assert [r.id for r in results] == sorted(ids)
+    for r in results:
+        prompt, new, _ = ids[r.id]
+        assert r.tokens == alone(model, prompt, new).tokens[0]
+        assert r.finish_reason == "length" and r.prompt_tokens == len(prompt)
+        _, want = recomputed_logprobs(model, prompt, r.tokens)
+        np.testing.assert_allclose(r.logprobs, want, atol=LOGPROB_TOL)
+
+
+def test_mixed_sampling_settings_draw_what_each_request_draws_alone():
+    model = model_for("mha")
+    rng = np.random.default_rng(7)
+    settings = [dict(temperature=0.9, seed=1), dict(), dict(temperature=1.3, top_k=10, seed=2),
+                dict(temperature=0.7, top_p=0.8, seed=3), dict(temperature=1.0, min_p=0.05, seed=2**40 + 5),
+                dict(temperature=1.0, top_k=5, top_p=0.9, seed=4)]
+    arrivals = [(p, n, s) for (p, n), s in zip(random_requests(len(settings), rng, most_new=16), settings)]
+    engine = Engine(model, slots=3, max_len=64, page_size=4, prefill_chunk=8)
+    ids = drain(engine, arrivals, rng)
+    for r in engine.results():
+        prompt, new, kwargs = ids[r.id]
+        assert r.tokens == alone(model, prompt, new, **kwargs).tokens[0], kwargs
+
+
+def test_top_logprobs_are_the_recomputed_top_k():
+    model = model_for("gqa")
+    prompt = RNG.integers(1, 97, 11).tolist()
+    engine = Engine(model, slots=2, max_len=64, page_size=8)
+    r = engine.generate([prompt], max_new_tokens=6, logprobs=5, stop_tokens=[], temperature=1.0, seed=9)[0]
+    logp, want = recomputed_logprobs(model, prompt, r.tokens)
+    np.testing.assert_allclose(r.logprobs, want, atol=LOGPROB_TOL)
+    assert len(r.top_logprobs) == len(r.tokens) == 6
+    for i, top in enumerate(r.top_logprobs):
+        row = logp[len(prompt) - 1 + i]
+        assert [t for t, _ in top] == np.argsort(-row, kind="stable")[:5].tolist()
+        np.testing.assert_allclose([v for _, v in top], np.sort(row)[::-1][:5], atol=LOGPROB_TOL)
+    greedy = engine.generate([prompt], max_new_tokens=4, logprobs=1, stop_tokens=[])[0]
+    assert [top[0][0] for top in greedy.top_logprobs] == greedy.tokens
+    assert engine.generate([prompt], max_new_tokens=2, stop_tokens=[])[0].top_logprobs is None
+
+
+def test_events_stream_every_token_once_and_stop_tokens_end_requests():
+    model = model_for("gqa")
+    prompts = [RNG.integers(1, 97, n).tolist() for n in (3, 17, 9)]
+    # Stop at the third token each would emit greedily.
+    stops = [alone(model, p, 6).tokens[0][2] for p in prompts]
+    engine = Engine(model, slots=2, max_len=64, page_size=8, steps_per_dispatch=2)
+    ids = [engine.submit(p, max_new_tokens=6, stop_tokens=[s]) for p, s in zip(prompts, stops)]
+    streamed = {i: [] for i in ids}
+    finished = []
+    for event in engine.run():
+        assert event.id in ids and len(event.tokens) == len(event.logprobs)
+        streamed[event.id] += event.tokens
+        if event.finished:
+            finished.append((event.id, event.finish_reason))
+    results = engine.results()
+    assert sorted(finished) == [(i, "stop") for i in ids]
+    for r, p, s in zip(results, prompts, stops):
+        want = alone(model, p, 6, stop_tokens=[s]).tokens[0]
+        assert r.tokens == streamed[r.id] == want and r.tokens[-1] == s and r.finish_reason == "stop"
+
+
+def test_no_recompiles_after_warm_up_over_200_requests():
+    model = model_for("mqa")
+    rng = np.random.default_rng(3)
+    engine = Engine(model, slots=4, max_len=128, page_size=8, prefill_chunk=16)
+    warm = [dict(max_new_tokens=3, temperature=0.8, top_k=5, seed=1, logprobs=2), dict(max_new_tokens=2)]
+    for kwargs in warm:
+        engine.generate([rng.integers(1, 97, 40).tolist()], stop_tokens=[], **kwargs)
+    engine.cancel(engine.submit([1, 2, 3], max_new_tokens=4))  # a cancel, warm too
+    settings = [dict(), dict(temperature=1.0, seed=5), dict(temperature=0.5, top_p=0.9, seed=6),
+                dict(temperature=1.2, top_k=3, min_p=0.1, logprobs=3), dict(stop_tokens=[1, 2, 3, 4, 5, 6, 7, 8, 9])]
+    requests = [dict(prompt=rng.integers(1, 97, int(rng.integers(1, 100))).tolist(),
+                     max_new_tokens=int(rng.integers(1, 28)), **settings[i % len(settings)]) for i in range(200)]
+    with count_compiles() as c:
+        results = engine.generate(requests)
+    assert c["n"] == 0
+    assert len(results) == 200 and all(r.finish_reason in ("stop", "length") for r in results)
+    assert_all_free(engine)
+
+
+def test_slots_and_pages_come_back_after_cancels_and_failed_callbacks():
+    model = model_for("gqa")
+    prompts = [RNG.integers(1, 97, n).tolist() for n in (30, 12, 25, 8, 19)]
+    engine = Engine(model, slots=2, max_len=64, page_size=8, prefill_chunk=8, prefill_rows=2)
+
+    def explode(event):
+        raise RuntimeError("user code failed")
+
+    ids = [engine.submit(p, max_new_tokens=20, stop_tokens=[]) for p in prompts[:3]]
+    failing = engine.submit(prompts[3], max_new_tokens=20, stop_tokens=[], callback=explode)
+    waiting = engine.submit(prompts[4], max_new_tokens=20, stop_tokens=[])
+    engine.step()  # ids[0], ids[1] prefilling (two staging rows), the rest waiting
+    assert engine.cancel(waiting) and not engine.cancel(waiting)
+    engine.step()
+    engine.step()
+    assert engine.cancel(ids[1])  # mid-prefill or mid-decode
+    results = {r.id: r for r in engine.results()}
+    assert_all_free(engine)
+    assert results[waiting].finish_reason == "cancelled" and results[waiting].tokens == []
+    assert results[ids[1]].finish_reason == "cancelled"
+    assert results[failing].finish_reason == "error" and "user code failed" in results[failing].error
+    for rid, p in ((ids[0], prompts[0]), (ids[2], prompts[2])):  # the others are untouched
+        assert results[rid].tokens == alone(model, p, 20).tokens[0]
+    # The engine keeps working afterwards.
+    assert engine.generate([prompts[1]], max_new_tokens=5, stop_tokens=[])[0].tokens == alone(model, prompts[1], 5).tokens[0]
+
+
+def test_a_small_pool_makes_requests_wait_not_fail():
+    model = model_for("gqa")
+    rng = np.random.default_rng(11)
+    # 6 pages of 8: a 40-token prompt with 8 new tokens needs 6, so requests run one or two at a time.
+    engine = Engine(model, slots=4, max_len=64, page_size=8, num_pages=6, prefill_chunk=16)
+    reqs = random_requests(6, rng)
+    results = engine.generate([dict(prompt=p, max_new_tokens=n) for p, n in reqs], stop_tokens=[])
+    for r, (p, n) in zip(results, reqs):
+        assert r.tokens == alone(model, p, n).tokens[0]
+    assert_all_free(engine)
+
+
+def test_requests_sharing_a_prefix_share_pages_through_the_prefix_cache():
+    model = model_for("gqa")
+    header = RNG.integers(1, 97, 40).tolist()  # 5 pages of 8
+    prompts = [header + RNG.integers(1, 97, n).tolist() for n in (3, 9, 5, 1)]
+    pc = jaxkv.PrefixCache(model, num_pages=40, page_size=8)
+    engine = Engine(model, slots=2, max_len=96, prefix_cache=pc, prefill_chunk=16)
+    first = engine.generate([prompts[0]], max_new_tokens=6, stop_tokens=[])[0]
+    assert first.cached_tokens == 0 and pc.cached_pages == 5 and pc.lent_to is None
+    results = engine.generate(prompts[1:], max_new_tokens=6, stop_tokens=[])
+    assert [r.cached_tokens for r in results] == [40, 40, 40]
+    for r, p in zip([first] + results, prompts):
+        assert r.tokens == alone(model, p, 6).tokens[0]
+    # The pool went back to the prefix cache: generate can use it, and hits what the engine cached.
+    out = jaxkv.generate(model, [prompts[2]], max_new_tokens=6, stop_tokens=[], prefix_cache=pc)
+    assert out.stats["prefix_hit_tokens"] == 40 and out.tokens[0] == results[1].tokens
+    # A pool too small for everything cached: the engine evicts least recently used prefixes and stays exact.
+    small = jaxkv.PrefixCache(model, num_pages=9, page_size=8)
+    engine = Engine(model, slots=2, max_len=96, prefix_cache=small)
+    others = [RNG.integers(1, 97, 45).tolist() for _ in range(3)]
+    for r, p in zip(engine.generate(others + prompts[:2], max_new_tokens=4, stop_tokens=[]), others + prompts[:2]):
+        assert r.tokens == alone(model, p, 4).tokens[0]
+
+
+def test_bad_requests_are_refused_at_submit_and_queue_nothing():
+    model = model_for("gqa")
+    engine = Engine(model, slots=2, max_len=32, page_size=8, num_pages=3)
+    good = [1, 2, 3]
+    bad = [
+        dict(prompt=list(range(1, 30)), max_new_tokens=4),  # 33 > max_len
+        dict(prompt=list(range(1, 20)), max_new_tokens=10),  # 28 slots: 4 pages > the pool's 3
+        dict(prompt=good, max_new_tokens=0),
+        dict(prompt=[], max_new_tokens=2),
+        dict(prompt=[1, 200], max_new_tokens=2),  # outside the vocabulary
+        dict(prompt=good, max_new_tokens=2, temperature=-1.0),
+        dict(prompt=good, max_new_tokens=2, top_k=5),  # a filter with greedy decoding
+        dict(prompt=good, max_new_tokens=2, temperature=1.0, top_p=1.5),
+        dict(prompt=good, max_new_tokens=2, logprobs=21),
+        dict(prompt=good, max_new_tokens=2, stop_tokens=[97]),
+        dict(prompt=good, max_new_tokens=2, stop_tokens=list(range(40))),
+        dict(prompt=good, max_new_tokens=2, callback=3),
+        dict(prompt="text", max_new_tokens=2),  # no tokenizer
+    ]
+    for kwargs in bad:
+        with pytest.raises(ValueError):
+            engine.submit(kwargs.pop("prompt"), **kwargs)
+    assert engine.pending == 0
+    with pytest.raises(ValueError):  # one bad request in a batch submits none
+        engine.generate([good, dict(prompt=good, max_new_tokens=0)], max_new_tokens=2)
+    assert engine.pending == 0
+    for kwargs in (dict(slots=0, max_len=32), dict(slots=2, max_len=10_000), dict(slots=2, max_len=32, mesh=object()),
+                   dict(slots=2, max_len=32, cache_dtype="int4")):
+        with pytest.raises(ValueError):
+            Engine(model, **kwargs)
+    with pytest.raises(ValueError):
+        Engine("not a model", slots=1, max_len=8)
