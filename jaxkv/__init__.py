@@ -16,6 +16,7 @@ _EXPORTS = {
     "Config": "jaxkv.config",
     "Decoded": "jaxkv.generate",
     "Decoder": "jaxkv.model",
+    "Engine": "jaxkv.engine",
     "Generation": "jaxkv.generate",
     "KVCache": "jaxkv.cache",
     "Model": "jaxkv.model",
@@ -37,6 +38,7 @@ _EXPORTS = {
     "prefill": "jaxkv.generate",
     "release": "jaxkv.paged_cache",
     "save": "jaxkv.checkpoint",
+    "score": "jaxkv.score",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -121,7 +121,7 @@ class Attention(nn.Module):
             # Whichever XLA formulation reads less: the whole pool once (shared pages read once per step) or each
             # sequence's own pages (B x M of them, shared ones read once per sequence).
             fn = (paged_reference.pool_attention if paged_reference.prefers_pool(cache.num_pages, *cache.page_table.shape)
-                  else paged_reference.paged_attention)
+                  else paged_reference.live_paged_attention)
             out = fn(q, *pools, cache.positions(q.shape[1]), scale=scale, sliding_window=cfg.sliding_window,
                      k_scale=k_scale, v_scale=v_scale)
         return out, cache

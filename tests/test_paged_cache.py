@@ -339,8 +339,32 @@ def test_paged_through_the_pool_formulation_equals_contiguous(name):
 
     model = model_for(name)
     want_tokens, want_logits, _ = contiguous_run(model, PROMPTS, 8)
-    logits, cache = paged_prefill(model, PROMPTS, page_size=4, num_pages=16, max_len=32)
+    # Table rows of 16 entries: 3 rows x 16 >= POOL_COST x 16 pages.
+    logits, cache = paged_prefill(model, PROMPTS, page_size=4, num_pages=16, max_len=64)
     assert pr.prefers_pool(cache.num_pages, *cache.page_table.shape)
     got_tokens, got_logits, _ = greedy_run(functools.partial(paged_step, model), logits, cache, 8)
     np.testing.assert_allclose(got_logits, want_logits, atol=ATOL, rtol=0)
     np.testing.assert_array_equal(got_tokens, want_tokens)
+
+
+@pytest.mark.parametrize("longest", [1, 16, 17, 40, 64])
+def test_live_paged_attention_equals_the_full_table_gather(longest):
+    """Reading only the first entries of every table (a branch per length) gives what reading all of them gives:
+    entries past the longest sequence hold nothing live (here their pages hold NaN)."""
+    from jaxkv.attention import paged_reference as pr
+
+    rng = np.random.default_rng(longest)
+    B, N, K, H, ps, M, P = 3, 4, 2, 8, 4, 16, 64
+    k, v = (jnp.asarray(rng.normal(size=(P, K, ps, H)), jnp.float32) for _ in range(2))
+    lengths = np.array([longest, max(longest // 2, 1), 1], np.int32)
+    table = np.full((B, M), -1, np.int32)
+    perm = rng.permutation(P)
+    for b, n in enumerate(lengths):
+        table[b, :-(-n // ps)] = perm[b * M:b * M + -(-n // ps)]
+    held = np.isin(np.arange(P), table)[:, None, None, None]
+    nan_k, nan_v = (jnp.where(held, x, jnp.nan) for x in (k, v))
+    q = jnp.asarray(rng.normal(size=(B, 1, N, H)), jnp.float32)
+    args = (jnp.asarray(table), jnp.asarray(lengths), jnp.asarray(lengths - 1)[:, None])
+    want = pr.paged_attention(q, k, v, *args, scale=0.3)
+    got = jax.jit(functools.partial(pr.live_paged_attention, scale=0.3, min_prefix=16))(q, nan_k, nan_v, *args)
+    np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
