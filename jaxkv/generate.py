@@ -10,7 +10,9 @@ The pipeline for one `generate` call:
   3. `decode` (one jit, cache donated): a `lax.while_loop` over the new tokens. Each step samples a token from
      the previous logits, then runs only that token through the model: Q, K and V for one token, K and V
      appended at slot `length`, attention over the cache. A row that emitted a stop token is done (its later
-     tokens are -1, fed back as padding); the loop ends when every row is done or max_new_tokens are out.
+     tokens are -1, fed back as padding); the loop ends when every row is done or max_new_tokens are out. Each
+     step also records the sampled token's log-probability (and with `logprobs=k` the k most likely tokens) under
+     the logits it was sampled from, at temperature 1 and before any filter.
 
 Shapes, sampling settings and seeds are arranged so nothing recompiles per prompt length, step count or sampling
 setting: prompt lengths, batch sizes and capacities are bucketed; the step count, sampling parameters (one per
@@ -43,9 +45,10 @@ from jaxkv.cache import KVCache, check_cache_dtype
 from jaxkv.config import Config
 from jaxkv.model import Decoder, Model
 from jaxkv.paged_cache import PagedKVCache
-from jaxkv.sampling import Sampler
+from jaxkv.sampling import Sampler, token_logprobs
 
 STOP_ID_SLOTS = 8  # stop ids are padded to a multiple of this (with -1, never a token) so their number is traced
+MAX_TOP_LOGPROBS = 20  # the most alternatives `generate(logprobs=k)` reports per token (OpenAI's API allows 20)
 
 
 @dataclasses.dataclass
@@ -55,12 +58,18 @@ class Generation:
     tokens: per prompt, the new token ids; a stop token that ended the sequence is included, nothing after it.
     finish_reasons: per prompt, "stop" (a stop token was emitted) or "length" (max_new_tokens reached).
     stats: measured figures of this call (seconds, tokens/s, cache bytes).
+    logprobs: per prompt, the log-probability of each new token under the model's distribution before any
+      sampling filter, at temperature 1 (log_softmax of the raw logits): one float per entry of tokens[i].
+    top_logprobs: with `generate(logprobs=k)`, k > 0: per prompt, per new token, the k most likely
+      (token id, log-probability) pairs under that same distribution, best first (ties: lower id first); else None.
     """
 
     tokens: list[list[int]]
     finish_reasons: list[str]
     stats: dict = dataclasses.field(default_factory=dict)
     text: list[str] | None = None  # decoded new tokens, when the model has a tokenizer
+    logprobs: list[list[float]] = dataclasses.field(default_factory=list)
+    top_logprobs: list[list[list[tuple[int, float]]]] | None = None
 
 
 # --- compiled pieces ------------------------------------------------------------------------------------------
@@ -192,6 +201,10 @@ class LoopState:
     num_new: int32[B], tokens emitted before and including the stop token.
     step:    int32[], tokens emitted so far per row (the column the next one goes to).
     tokens:  int32[B, max_steps], the emitted tokens, -1 where a row had stopped or the loop ended.
+    logprobs: float32[B, max_steps], log p(token) of each emitted token under `logits` at temperature 1 with no
+             filter (`sampling.token_logprobs`); garbage where `tokens` is -1. None: not recorded.
+    top_ids, top_logprobs: int32 and float32[B, max_steps, k], each step's k most likely tokens (k static, from
+             the shape; k = 0 records none). None: not recorded.
     """
 
     cache: KVCache
@@ -201,6 +214,9 @@ class LoopState:
     num_new: jax.Array
     step: jax.Array
     tokens: jax.Array
+    logprobs: jax.Array | None = None
+    top_ids: jax.Array | None = None
+    top_logprobs: jax.Array | None = None
 
 
 def _emit(state: LoopState, *, sampler, stop_ids, stream, rows, vocab_size):
@@ -230,22 +246,54 @@ def _emit(state: LoopState, *, sampler, stop_ids, stream, rows, vocab_size):
     if stream is not None:
         io_callback(stream, None, tokens, running & valid, ordered=True)
     out = lax.dynamic_update_slice(state.tokens, jnp.where(running, tokens, -1)[:, None], (0, state.step))
+    if state.logprobs is not None:
+        state = _record_logprobs(state, tokens)
     stopped = jnp.any(tokens[:, None] == stop_ids[None, :], axis=-1) | ~valid
     state = state.replace(key=key, done=state.done | stopped, num_new=state.num_new + running.astype(jnp.int32),
                           step=state.step + 1, tokens=out)
     return state, jnp.where(running & valid, tokens, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "max_steps", "rows", "attention", "stream", "mesh"),
+def _record_logprobs(state: LoopState, tokens) -> LoopState:
+    """Writes column `step` of the log-probability buffers: the tokens' and the top k's, from the raw logits
+    the tokens were sampled from (before the sampler's temperature and filters, so what a row reports does not
+    depend on how it was sampled)."""
+    chosen, top_ids, top_logprobs = token_logprobs(state.logits, tokens, state.top_ids.shape[-1])
+    column = lambda buf, x: lax.dynamic_update_slice(  # noqa: E731
+        buf, x[:, None], (0, state.step) + (0,) * (buf.ndim - 2))
+    return state.replace(logprobs=column(state.logprobs, chosen), top_ids=column(state.top_ids, top_ids),
+                         top_logprobs=column(state.top_logprobs, top_logprobs))
+
+
+class _LoopOut(NamedTuple):
+    """What `_decode_loop` returns (host code reads the first four and the log-probabilities; `LoopState` says
+    what each holds)."""
+
+    tokens: jax.Array  # int32[B, max_steps]
+    num_new: jax.Array  # int32[B]
+    done: jax.Array  # bool[B]
+    forward_passes: jax.Array  # int32[], the decode forward passes run
+    cache: KVCache
+    logprobs: jax.Array  # float32[B, max_steps]
+    top_ids: jax.Array  # int32[B, max_steps, k]
+    top_logprobs: jax.Array  # float32[B, max_steps, k]
+
+
+@functools.partial(jax.jit, static_argnames=("config", "max_steps", "rows", "attention", "stream", "mesh",
+                                             "logprobs"),
                    donate_argnames=("cache",))
 def _decode_loop(params, cache: KVCache, logits, key, sampler, stop_ids, done, steps, *, config: Config,
-                 max_steps: int, rows: int | None, attention: str, stream: Callable | None, mesh: Mesh | None):
+                 max_steps: int, rows: int | None, attention: str, stream: Callable | None, mesh: Mesh | None,
+                 logprobs: int = 0) -> _LoopOut:
     """The loop behind `decode`: emits up to `steps` (traced, <= max_steps) tokens per row, feeding back all but
-    the last, and stops early once every row is done (`done` may start true: batch filler rows).
-    Returns (int32[B, max_steps] tokens, int32[B] num_new, bool[B] done, int32[] forward passes run, cache)."""
+    the last, and stops early once every row is done (`done` may start true: batch filler rows). `logprobs`: k,
+    the alternatives recorded per token (static; 0 records only each token's own log-probability)."""
     B = logits.shape[0]
     state = LoopState(cache=cache, logits=logits, key=key, done=done, num_new=jnp.zeros((B,), jnp.int32),
-                      step=jnp.zeros((), jnp.int32), tokens=jnp.full((B, max_steps), -1, jnp.int32))
+                      step=jnp.zeros((), jnp.int32), tokens=jnp.full((B, max_steps), -1, jnp.int32),
+                      logprobs=jnp.zeros((B, max_steps), jnp.float32),
+                      top_ids=jnp.zeros((B, max_steps, logprobs), jnp.int32),
+                      top_logprobs=jnp.zeros((B, max_steps, logprobs), jnp.float32))
 
     emit = functools.partial(_emit, sampler=sampler, stop_ids=stop_ids, stream=stream, rows=rows,
                              vocab_size=config.vocab_size)
@@ -261,12 +309,13 @@ def _decode_loop(params, cache: KVCache, logits, key, sampler, stop_ids, done, s
     # Sample, then (while a row runs and tokens are left) feed back and sample again: steps - 1 forward passes at
     # most, the last token is never fed back, and a batch that stops at once runs none.
     state, _ = lax.while_loop(lambda c: (c[0].step < steps) & ~jnp.all(c[0].done), body, emit(state))
-    forward_passes = state.step - 1
-    tokens, num_new, done = state.tokens, state.num_new, state.done
-    if mesh is not None:
-        tokens, num_new, done, forward_passes = (sharding.replicated(x, mesh)
-                                                 for x in (tokens, num_new, done, forward_passes))
-    return tokens, num_new, done, forward_passes, state.cache
+    out = _LoopOut(tokens=state.tokens, num_new=state.num_new, done=state.done, forward_passes=state.step - 1,
+                   cache=state.cache, logprobs=state.logprobs, top_ids=state.top_ids,
+                   top_logprobs=state.top_logprobs)
+    if mesh is not None:  # everything but the cache, readable by every process
+        out = out._replace(**{name: sharding.replicated(getattr(out, name), mesh)
+                              for name in out._fields if name != "cache"})
+    return out
 
 
 class Decoded(NamedTuple):
@@ -374,8 +423,8 @@ def decode(params, cache: KVCache, logits, key, sampler, stop_ids, *, config: Co
     """
     args, kwargs = _decode_args(params, cache, logits, key, sampler, stop_ids, config=config, steps=steps,
                                 attention=attention, stream=stream, mesh=mesh)
-    tokens, num_new, done, _, cache = _decode_loop(*args, **kwargs)
-    return Decoded(tokens[:, :steps], num_new, done, cache)
+    out = _decode_loop(*args, **kwargs)
+    return Decoded(out.tokens[:, :steps], out.num_new, out.done, out.cache)
 
 
 def _lowering(prepare, jitted):
@@ -464,27 +513,32 @@ class _Phase:
         return phase
 
 
-def _token_lists(prompts, vocab_size: int, tokenizer) -> list[list[int]]:
+def _token_lists(prompts, vocab_size: int, tokenizer, what: str = "prompt",
+                 special_tokens: bool = True) -> list[list[int]]:
+    """Checked token-id lists (ValueError naming `what` and the index otherwise). Strings are encoded with the
+    tokenizer; `special_tokens=False` adds no BOS (a text that continues another, as `jaxkv.score`'s
+    continuations do)."""
     if isinstance(prompts, str):
         prompts = [prompts]
     if not isinstance(prompts, (Sequence, np.ndarray)):
-        raise ValueError("prompts must be a list of token-id lists (or of strings, for a model with a tokenizer)")
+        raise ValueError(f"{what}s must be a list of token-id lists (or of strings, for a model with a tokenizer)")
     if any(isinstance(p, str) for p in prompts):
         if tokenizer is None:
-            raise ValueError("text prompts need a model with a tokenizer; this one has none: pass token ids")
-        prompts = [tokenizer.encode(p).ids if isinstance(p, str) else p for p in prompts]
+            raise ValueError(f"text {what}s need a model with a tokenizer; this one has none: pass token ids")
+        encode = tokenizer.encode if special_tokens else functools.partial(tokenizer.encode, add_special_tokens=False)
+        prompts = [encode(p).ids if isinstance(p, str) else p for p in prompts]
     if len(prompts) == 0:
-        raise ValueError("prompts is empty: pass at least one prompt")
+        raise ValueError(f"{what}s is empty: pass at least one {what}")
     out = []
     for i, prompt in enumerate(prompts):
         arr = np.asarray(prompt)
         if arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
-            raise ValueError(f"prompt {i} must be a flat list of integer token ids")
+            raise ValueError(f"{what} {i} must be a flat list of integer token ids")
         if arr.size == 0:
-            raise ValueError(f"prompt {i} is empty: a prompt needs at least one token")
+            raise ValueError(f"{what} {i} is empty: a {what} needs at least one token")
         bad = (arr < 0) | (arr >= vocab_size)
         if bad.any():
-            raise ValueError(f"prompt {i}: token id {int(arr[bad][0])} is outside the vocabulary [0, {vocab_size})")
+            raise ValueError(f"{what} {i}: token id {int(arr[bad][0])} is outside the vocabulary [0, {vocab_size})")
         out.append([int(t) for t in arr])
     return out
 
@@ -573,12 +627,12 @@ def _request(model: Model, prompts, *, max_new_tokens, temperature, top_k, top_p
                     stop_ids=stop_ids, key=key, attention=attention, plan=plan, tokens=tokens, start=start, done=done)
 
 
-def _generation(model: Model, req: _Request, out, num_new, stopped, forward_passes: int, cache: KVCache,
-                prefill_time: _Phase, decode_time: _Phase) -> Generation:
-    """The `Generation` of a finished call: host arrays out [B, max_steps], num_new [B], stopped [B], the number
-    of decode forward passes run, and the final cache (global arrays; a pmapped cache's leaves have a leading
-    device axis, which changes no byte count)."""
+def _generation(model: Model, req: _Request, loop: _LoopOut, prefill_time: _Phase,
+                decode_time: _Phase) -> Generation:
+    """The `Generation` of a finished call: `loop` holds host arrays (`_on_host`) and the final cache (global
+    arrays; a pmapped cache's leaves have a leading device axis, which changes no byte count)."""
     config = model.config
+    out, num_new, stopped, forward_passes, cache = loop[:5]
     n, lengths = len(req.token_lists), req.lengths
     result = [out[b, : num_new[b]].tolist() for b in range(n)]
     for b, row in enumerate(result):
@@ -628,14 +682,26 @@ def _generation(model: Model, req: _Request, out, num_new, stopped, forward_pass
     text = None
     if model.tokenizer is not None:
         text = [model.tokenizer.decode(r, skip_special_tokens=True) for r in result]
-    return Generation(tokens=result, finish_reasons=reasons, stats=stats, text=text)
+    logprobs = [loop.logprobs[b, : num_new[b]].tolist() for b in range(n)]
+    top = None
+    if loop.top_ids.shape[-1]:
+        top = [[list(zip(ids.tolist(), values.tolist()))
+                for ids, values in zip(loop.top_ids[b, : num_new[b]], loop.top_logprobs[b, : num_new[b]])]
+               for b in range(n)]
+    return Generation(tokens=result, finish_reasons=reasons, stats=stats, text=text, logprobs=logprobs,
+                      top_logprobs=top)
+
+
+def _on_host(loop: _LoopOut, to_host=np.asarray) -> _LoopOut:
+    """`_decode_loop`'s output with everything but the cache read to host arrays."""
+    return loop._replace(**{name: to_host(getattr(loop, name)) for name in loop._fields if name != "cache"})
 
 
 def generate(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top_k=None, top_p=None, min_p=None,
              sampler: Callable | None = None, seed: int = 0, stop_tokens: Sequence[int] | None = None,
              max_len: int | None = None, cache_dtype: str | None = None, attention: str | None = None,
              stream: Callable | None = None, mesh: Mesh | None = None, n: int = 1,
-             page_size: int | None = None, prefix_cache=None) -> Generation:
+             page_size: int | None = None, prefix_cache=None, logprobs: int = 0) -> Generation:
     """Generates up to `max_new_tokens` tokens for each prompt.
 
     Args:
@@ -678,11 +744,15 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top
         batch and KV heads; see `jaxkv.sharding`, which also explains how KV heads fewer than the "model" axis
         are replicated. n_heads and ffn_dim must divide by the "model" axis. Works across processes (after
         `jax.distributed.initialize`): every process calls generate with the same arguments and gets all tokens.
+      logprobs: k in [0, MAX_TOP_LOGPROBS]. Every call fills `Generation.logprobs` (each new token's
+        log-probability under the model's own distribution: temperature 1, no filter); k > 0 also fills
+        `top_logprobs` with the k most likely tokens at each step. Both are computed inside the compiled loop.
 
     Raises:
       ValueError: for any bad argument, before any compute (and for a custom sampler's out-of-vocabulary id).
     """
     n = checks.check_int("n", n, 1)
+    logprobs = checks.check_int("logprobs", logprobs, 0, MAX_TOP_LOGPROBS)
     if prefix_cache is not None:
         from jaxkv.prefix_cache import PrefixCache
 
@@ -696,7 +766,7 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top
                                else checks.check_int("page_size", page_size, 1), max_new_tokens=max_new_tokens,
                                temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, sampler=sampler,
                                seed=seed, stop_tokens=stop_tokens, cache_dtype=cache_dtype, attention=attention,
-                               stream=stream, prefix_cache=prefix_cache, max_len=max_len)
+                               stream=stream, prefix_cache=prefix_cache, max_len=max_len, logprobs=logprobs)
     if mesh is not None:
         mesh = sharding.check_mesh(mesh)
         if stream is not None and jax.process_count() > 1:
@@ -727,14 +797,14 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top
                                  cache_dtype=plan.cache_dtype, ring=plan.ring, mesh=mesh)
         logits.block_until_ready()
     with _Phase() as decode_time:
-        out, num_new, stopped, passes, cache = _decode_loop(
+        loop = _decode_loop(
             params, cache, logits, put(req.key, replicated), put(req.sampler, replicated),
             put(req.stop_ids, replicated), put(req.done, sharding.BATCH_SPEC),
             put(np.int32(req.max_new_tokens), replicated), config=config,
             max_steps=_steps_bound(plan.capacity, plan.ring, req.max_new_tokens), rows=req.rows, attention=req.attention,
-            stream=on_step, mesh=mesh)
-        out, num_new, stopped, passes = (sharding.to_host(x) for x in (out, num_new, stopped, passes))
-    return _generation(model, req, out, num_new, stopped, passes, cache, prefill_time, decode_time)
+            stream=on_step, mesh=mesh, logprobs=logprobs)
+        loop = _on_host(loop, sharding.to_host)
+    return _generation(model, req, loop, prefill_time, decode_time)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "attention", "num_pages", "page_size", "max_pages",
@@ -762,7 +832,7 @@ def _prefill_suffix(params, tokens, positions, cache, parents, *, config, attent
 
 def _generate_paged(model: Model, prompts, *, n, page_size, max_new_tokens, temperature, top_k, top_p, min_p,
                     sampler, seed, stop_tokens, cache_dtype, attention, stream, prefix_cache=None,
-                    max_len=None) -> Generation:
+                    max_len=None, logprobs=0) -> Generation:
     """`generate` on a paged cache: each prompt prefilled once (after its cached prefix, with a prefix cache),
     its n samples forked from it."""
     config = model.config
@@ -821,12 +891,13 @@ def _generate_paged(model: Model, prompts, *, n, page_size, max_new_tokens, temp
             cache = prefix_cache.remember(token_lists, np.asarray(prefilled), cache)
         logits.block_until_ready()
     with _Phase() as decode_time:
-        out, num_new, stopped, passes, cache = _decode_loop(
+        loop = _decode_loop(
             model.params, cache, logits, jax.device_put(key), sample_fn, jax.device_put(stop_ids),
             jax.device_put(done), jax.device_put(np.int32(max_new_tokens)), config=config,
             max_steps=_steps_bound(cache.capacity, False, max_new_tokens), rows=sampler_rows, attention=attention,
-            stream=on_step, mesh=None)
-        out, num_new, stopped, passes = (np.asarray(x) for x in (out, num_new, stopped, passes))
+            stream=on_step, mesh=None, logprobs=logprobs)
+        loop = _on_host(loop)
+    cache = loop.cache
     overflowed = bool(np.asarray(cache.overflowed).any())
     peak = int(cache.pages_in_use())  # nothing is freed while decoding, so the end is the peak
     if prefix_cache is not None:
@@ -839,7 +910,7 @@ def _generate_paged(model: Model, prompts, *, n, page_size, max_new_tokens, temp
     req = _Request(token_lists=[p for p in token_lists for _ in range(n)], max_new_tokens=max_new_tokens,
                    sampler=sample_fn, rows=sampler_rows, stop_ids=stop_ids, key=key, attention=attention, plan=plan,
                    tokens=tokens, start=np.zeros((pages.prefill_batch,), np.int32), done=done)
-    result = _generation(model, req, out, num_new, stopped, passes, cache, prefill_time, decode_time)
+    result = _generation(model, req, loop, prefill_time, decode_time)
     page_bytes = memory.page_bytes(config, page_size, cache_dtype)
     result.stats.update({
         "prompt_tokens": int(sum(len(p) for p in token_lists)),  # each prompt once, not once per sample
@@ -874,7 +945,7 @@ def generate_pmap(model: Model, prompts, *, max_new_tokens: int, temperature=0.0
                   min_p=None, sampler: Callable | None = None, seed: int = 0,
                   stop_tokens: Sequence[int] | None = None, max_len: int | None = None,
                   cache_dtype: str | None = None, attention: str | None = None,
-                  stream: Callable | None = None) -> Generation:
+                  stream: Callable | None = None, logprobs: int = 0) -> Generation:
     """`generate`, data-parallel over this process's local devices with `jax.pmap` (for scripts built on pmap).
 
     The padded batch is split evenly over the devices (padded further when it does not divide); each device runs
@@ -884,6 +955,7 @@ def generate_pmap(model: Model, prompts, *, max_new_tokens: int, temperature=0.0
     `sampler` (it would see each device's rows, not the caller's batch). `jax.pmap` is in maintenance mode;
     `generate(..., mesh=...)` is the scalable path (weights sharded too, multi-host).
     """
+    logprobs = checks.check_int("logprobs", logprobs, 0, MAX_TOP_LOGPROBS)
     if stream is not None:
         raise ValueError("stream is not supported by generate_pmap")
     if sampler is not None:
@@ -897,30 +969,31 @@ def generate_pmap(model: Model, prompts, *, max_new_tokens: int, temperature=0.0
     plan = req.plan
     batch, T = req.tokens.shape
     max_steps = _steps_bound(plan.capacity, plan.ring, req.max_new_tokens)
-    run = _pmapped(model.config, plan.capacity, req.attention, plan.cache_dtype, plan.ring, max_steps, n)
+    run = _pmapped(model.config, plan.capacity, req.attention, plan.cache_dtype, plan.ring, max_steps, n, logprobs)
     keys = jax.random.split(jnp.asarray(req.key), n)
     per_device = lambda x: x.reshape(n, batch // n, *x.shape[1:])  # noqa: E731
     # Each device's per-row settings travel with its rows.
     sampler_rows = jax.tree.map(per_device, req.sampler)
     with _Phase() as time_all:
-        out, num_new, stopped, passes, cache = run(model.params, per_device(req.tokens), per_device(req.start), keys,
-                                                   sampler_rows, req.stop_ids, per_device(req.done),
-                                                   np.int32(req.max_new_tokens))
-        out, num_new, stopped = (np.asarray(x).reshape(batch, *x.shape[2:]) for x in (out, num_new, stopped))
-        passes = int(np.max(np.asarray(passes)))
+        loop = run(model.params, per_device(req.tokens), per_device(req.start), keys, sampler_rows, req.stop_ids,
+                   per_device(req.done), np.int32(req.max_new_tokens))
+        # [devices, rows per device, ...] -> [batch, ...]; the pass count is each device's, the most of them ran.
+        loop = _on_host(loop, lambda x: np.asarray(x).reshape(batch, *x.shape[2:]) if x.ndim > 1 else np.asarray(x))
+        loop = loop._replace(forward_passes=int(np.max(loop.forward_passes)))
     # One compiled program: its time is reported as decode time, prefill_s is 0.
-    return _generation(model, req, out, num_new, stopped, passes, cache, _Phase.empty(), time_all)
+    return _generation(model, req, loop, _Phase.empty(), time_all)
 
 
 @functools.lru_cache(maxsize=16)
-def _pmapped(config, capacity, attention, cache_dtype, ring, max_steps, num_devices):
+def _pmapped(config, capacity, attention, cache_dtype, ring, max_steps, num_devices, logprobs):
     """The pmapped prefill + decode loop for one shape (cached, so the same shapes never re-trace)."""
 
     def run(params, tokens, start, key, sampler, stop_ids, done, steps):
         logits, cache = _prefill(params, tokens, start, config=config, capacity=capacity, attention=attention,
                                  cache_dtype=cache_dtype, ring=ring, mesh=None)
         return _decode_loop(params, cache, logits, key, sampler, stop_ids, done, steps, config=config,
-                            max_steps=max_steps, rows=None, attention=attention, stream=None, mesh=None)
+                            max_steps=max_steps, rows=None, attention=attention, stream=None, mesh=None,
+                            logprobs=logprobs)
 
     return jax.pmap(run, in_axes=(None, 0, 0, 0, 0, None, 0, None), devices=jax.local_devices()[:num_devices])
 

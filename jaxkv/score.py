@@ -1,0 +1,124 @@
+"""Scoring: the log-probability of given continuations of given prompts, through the KV cache.
+
+What evaluation harnesses ask of a model (multiple-choice log-likelihood, perplexity of a reference answer):
+for each (prompt, continuation) pair, log p(c_j | prompt, c_<j) for every continuation token c_j, and whether
+greedy decoding would have produced the continuation.
+
+"Through the cache" means the same two passes `generate` makes, so a score reflects what decoding sees (the cache
+dtype, its quantization, the attention implementation): one jit per batch allocates a contiguous cache, prefills
+the left-padded prompts (the last prompt token's logits predict c_0), then runs every right-padded continuation as
+one more chunk over that cache (its logits at j predict c_{j+1}). Padding after a continuation has position -1: its
+hidden state is zeroed, and no real token attends to it (it comes after them all).
+
+Shapes are bucketed as in `generate` (batch, prompt length and continuation length each a power of two), so
+repeated calls compile once per bucket, not once per length. The [B, Tc, V] logits of a batch are bounded by
+`LOGITS_BYTES`: more pairs than fit become several batches of one shape.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv import attention as attention_impls
+from jaxkv import memory
+from jaxkv.cache import KVCache, check_cache_dtype
+from jaxkv.config import Config
+from jaxkv.generate import _prefill, _token_lists, left_pad
+from jaxkv.model import Decoder, Model
+from jaxkv.sampling import greedy, token_logprobs
+
+# The float32 logits of one batch's continuation chunk ([B, Tc, V]) stay below this: a 128k vocabulary and 512-token
+# continuations give 4 rows per batch, rather than gigabytes of logits for a large evaluation set.
+LOGITS_BYTES = 1 << 30
+
+
+class Score(list):
+    """The log-probability of each continuation token (a list of float, so `np.allclose(score, expected)` works).
+
+    total:  the sum, log p(continuation | prompt).
+    greedy: every continuation token was the most likely one (lowest id among ties, as greedy decoding picks):
+            greedy decoding from the prompt would have produced the continuation.
+    """
+
+    def __init__(self, logprobs, greedy: bool):
+        super().__init__(float(x) for x in logprobs)
+        self.total = float(sum(self))
+        self.greedy = bool(greedy)
+
+    def __repr__(self):
+        return f"Score({list.__repr__(self)}, total={self.total}, greedy={self.greedy})"
+
+
+@functools.partial(jax.jit, static_argnames=("config", "attention", "cache_dtype"))
+def _score_batch(params, prompts, start, continuations, lengths, *, config: Config, attention: str, cache_dtype: str):
+    """prompts int32[B, Tp] left-padded (after start[b] padding slots), continuations int32[B, Tc] right-padded
+    (lengths[b] real tokens) -> (float32[B, Tc] log p(continuations[b, j]), bool[B, Tc] it was the argmax).
+    Entries past a row's length are garbage."""
+    B, Tp = prompts.shape
+    Tc = continuations.shape[1]
+    first, cache = _prefill(params, prompts, start, config=config, capacity=Tp + Tc, attention=attention,
+                            cache_dtype=cache_dtype, ring=False, mesh=None)  # [B, V]: predicts c_0
+    real = jnp.arange(Tc)[None, :] < lengths[:, None]  # [B, Tc]
+    positions = jnp.where(real, cache.positions(Tc), -1)
+    rest, _ = Decoder(config).apply({"params": params}, continuations, positions, cache, attention=attention)
+    logits = jnp.concatenate([first[:, None], rest[:, :-1]], axis=1)  # [B, Tc, V]: logits[:, j] predicts c_j
+    flat = logits.reshape(B * Tc, -1)
+    chosen, _, _ = token_logprobs(flat, continuations.reshape(-1))
+    is_best = greedy(flat) == continuations.reshape(-1)
+    return chosen.reshape(B, Tc), is_best.reshape(B, Tc)
+
+
+def score(model: Model, prompts, continuations, *, cache_dtype: str | None = None,
+          attention: str | None = None) -> list[Score]:
+    """Log-probabilities of `continuations[i]` given `prompts[i]`, computed through the KV cache (module docstring).
+
+    Args:
+      prompts, continuations: equally many token-id lists (each non-empty); or, for a model with a tokenizer,
+        strings (each encoded separately; a continuation without the tokenizer's special tokens, so no BOS lands
+        in the middle). Each prompt plus its continuation fits the model's max positions.
+      cache_dtype: the cache dtype the prompts are cached in (`jaxkv.cache.CACHE_DTYPES`); default the model's.
+      attention: "auto", "xla" or "pallas"; default config.attention.
+
+    Returns:
+      one `Score` per pair, in order: the log-probability of each continuation token under the model's
+      distribution (temperature 1, no filter), with `.total` and `.greedy`.
+
+    Raises:
+      ValueError: for any bad argument, before any compute.
+    """
+    config = model.config
+    prompt_lists = _token_lists(prompts, config.vocab_size, model.tokenizer, "prompt")
+    cont_lists = _token_lists(continuations, config.vocab_size, model.tokenizer, "continuation", special_tokens=False)
+    if len(prompt_lists) != len(cont_lists):
+        raise ValueError(f"{len(prompt_lists)} prompts and {len(cont_lists)} continuations: pass one continuation "
+                         f"per prompt")
+    for i, (p, c) in enumerate(zip(prompt_lists, cont_lists)):
+        if len(p) + len(c) > config.max_positions:
+            raise ValueError(f"pair {i}: the prompt ({len(p)} tokens) and continuation ({len(c)}) exceed the model's "
+                             f"max positions ({config.max_positions})")
+    cache_dtype = check_cache_dtype(config.dtype if cache_dtype is None else cache_dtype)
+    attention = attention_impls.resolve(attention or config.attention)
+
+    Tp = max(memory.MIN_PROMPT_BUCKET, memory._next_pow2(max(map(len, prompt_lists))))
+    Tc = max(memory.MIN_PROMPT_BUCKET, memory._next_pow2(max(map(len, cont_lists))))
+    fit = max(1, LOGITS_BYTES // (Tc * config.vocab_size * 4))
+    rows = min(memory._next_pow2(len(prompt_lists)), 1 << (fit.bit_length() - 1))  # powers of two
+    out = []
+    for lo in range(0, len(prompt_lists), rows):
+        batch_prompts, batch_conts = prompt_lists[lo:lo + rows], cont_lists[lo:lo + rows]
+        filler = memory._next_pow2(len(batch_prompts)) - len(batch_prompts)  # a short last batch: its own bucket
+        tokens, start = left_pad(batch_prompts + [[0]] * filler, length=Tp)
+        conts = np.zeros((len(batch_prompts) + filler, Tc), np.int32)
+        lengths = np.zeros((len(conts),), np.int32)
+        for b, c in enumerate(batch_conts):
+            conts[b, :len(c)], lengths[b] = c, len(c)
+        logprobs, best = _score_batch(model.params, jax.device_put(tokens), jax.device_put(start),
+                                      jax.device_put(conts), jax.device_put(lengths), config=config,
+                                      attention=attention, cache_dtype=cache_dtype)
+        logprobs, best = np.asarray(logprobs), np.asarray(best)
+        out += [Score(logprobs[b, :len(c)], best[b, :len(c)].all()) for b, c in enumerate(batch_conts)]
+    return out
