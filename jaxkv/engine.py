@@ -450,7 +450,6 @@ class Engine:
         the requests stay where they were and a later `run` continues them."""
         while self._requests:
             yield from self.step()
-        self._return_pool()
 
     def step(self) -> list[Event]:
         """One scheduling round: admit what fits, one prefill chunk, one decode dispatch -> the events."""
@@ -459,7 +458,10 @@ class Engine:
         self._take_pool()
         self._admit_waiting()
         self._prefill_chunk()
-        return self._decode_dispatch()
+        events = self._decode_dispatch()
+        if not self._requests:
+            self._return_pool()
+        return events
 
     def results(self) -> list[Result]:
         """Runs every submitted request to the end -> one `Result` per request submitted since the last call, in

@@ -238,3 +238,18 @@ def test_bad_requests_are_refused_at_submit_and_queue_nothing():
             Engine(model, **kwargs)
     with pytest.raises(ValueError):
         Engine("not a model", slots=1, max_len=8)
+
+
+@pytest.mark.parametrize("kwargs", [dict(cache_dtype="int8"), dict(cache_dtype="bfloat16"), dict(attention="pallas")])
+def test_quantized_caches_and_the_pallas_decode_kernel(kwargs):
+    """The engine's cache dtypes and decode kernel are `generate`'s paged ones (Pallas in interpret mode on CPU).
+    A quantized cache is not bit-exact against generate (the engine's prompt chunk attends over its own K/V as
+    stored, generate's prefill over the fresh float K/V), so this compares fixed cases that agree, as a
+    regression check."""
+    model = model_for("gqa")
+    prompts = [RNG.integers(1, 97, n).tolist() for n in (5, 30, 12)]
+    engine = Engine(model, slots=2, max_len=64, page_size=8, **kwargs)
+    got = engine.generate(prompts, max_new_tokens=8, stop_tokens=[])
+    want = jaxkv.generate(model, prompts, max_new_tokens=8, stop_tokens=[], page_size=8, **kwargs)
+    assert [r.tokens for r in got] == want.tokens
+    assert_all_free(engine)
