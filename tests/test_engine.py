@@ -254,3 +254,22 @@ def test_quantized_caches_and_the_pallas_decode_kernel(kwargs):
     want = jaxkv.generate(model, prompts, max_new_tokens=8, stop_tokens=[], page_size=8, **kwargs)
     assert [r.tokens for r in got] == want.tokens
     assert_all_free(engine)
+
+
+def test_readme_engine_example_runs():
+    """The README's engine example runs as shown; its greedy request equals generate of it alone."""
+    import contextlib
+    import io
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "jaxkv.Engine(" in b]
+    assert blocks, "README has no engine example"
+    scope = {}
+    with contextlib.redirect_stdout(io.StringIO()):
+        exec(blocks[0], scope)  # noqa: S102 (our own README)
+    model, results = scope["model"], scope["results"]
+    assert [r.finish_reason for r in results] == ["length", "length"] and len(results[1].tokens) == 4
+    want = jaxkv.generate(model, ["Hello"], max_new_tokens=16)
+    assert results[0].tokens == want.tokens[0] and results[0].text == want.text[0]
