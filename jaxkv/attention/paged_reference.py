@@ -67,7 +67,7 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale:
     live = live_mask(lengths, q_slots, k.shape[2], sliding_window)  # [B, T, S]
     written = jnp.any(live, axis=1)  # [B, S]: some query reads the slot
     v = jnp.where(written[:, None, :, None], v, 0.0)  # dead values selected away, NaN included
-    k = jnp.where(written[:, None, :, None], k, 0.0)
+    # (dead keys need no select: their scores are replaced by MASKED, NaN or not)
     qg = q.astype(jnp.float32).reshape(B, T, K, N // K, H)  # [B, T, K, G, H]
     scores = jnp.einsum("btkgh,bksh->bkgts", qg, k) * scale  # [B, K, G, T, S]
     weights = _softmax(jnp.where(live[:, None, None], scores, MASKED))
