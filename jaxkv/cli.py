@@ -471,6 +471,10 @@ def main(argv=None) -> int:
         from jaxkv import bench_sharing
 
         return bench_sharing.main(argv[2:])
+    if argv[:2] == ["bench", "engine"]:  # continuous batching against static batches (scripts/bench_engine.py)
+        from jaxkv import bench_engine
+
+        return bench_engine.main(argv[2:])
     if argv[:1] == ["bench"]:  # the benchmark has its own options (scripts/bench.py, same code)
         from jaxkv import bench
 

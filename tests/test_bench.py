@@ -175,3 +175,41 @@ def test_sharing_scenario_runs_and_reports_its_targets(tmp_path):
     assert r["shared_peak_bytes"] < r["unshared_needed_bytes"] <= r["unshared_allocated_bytes"]
     for key in ("speedup_vs_unshared", "speedup_vs_hf", "ttft_ratio", "peak_bytes_ratio"):
         assert r[key] > 0
+
+
+def test_engine_scenario_counts_what_it_reports(tmp_path, capsys):
+    """`jaxkv bench engine` end to end on the tiny preset: every path produces every requested token, the
+    padding counts follow from the requests, the ratios from the measured seconds, and the engine's greedy
+    tokens equal static jaxkv's."""
+    from jaxkv import bench_engine, cli
+
+    out = tmp_path / "engine.json"
+    argv = ["--config", "test-tiny", "--requests", "7", "--slots", "3", "--min-prompt", "5", "--max-prompt", "30",
+            "--mean-new", "4", "--max-new", "12", "--seed", "1"]
+    assert cli.main(["bench", "engine", *argv, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    r = json.loads(out.read_text())
+    requests = bench_engine.make_requests(256, bench_engine.parse_args(argv))
+    new = [m for _, m in requests]
+    assert r["requested_new_tokens"] == sum(new)
+    batches = [new[:3], new[3:6], new[6:]]  # static batches of 3 in submission order, each running its largest
+    static_rows = sum(padded * max(b) for padded, b in zip((4, 4, 1), batches))  # generate pads 3 rows to 4
+    for name, p in r["paths"].items():
+        assert p["generated_tokens"] == p["useful_rows"] == sum(new), name
+        assert 0 <= p["decode_padding"] <= 1 and 0 <= p["prefill_padding"] <= 1, name
+        assert p["slot_occupancy"] == pytest.approx(1 - p["decode_padding"])
+        assert p["slot_occupancy"] == pytest.approx(p["useful_rows"] / p["computed_rows"])
+        assert p["tokens_per_s"] == pytest.approx(sum(new) / p["median_s"])
+        assert p["median_s"] == p["seconds"][0] > 0
+    assert r["paths"]["static"]["computed_rows"] == static_rows
+    assert r["paths"]["transformers"]["computed_rows"] == sum(len(b) * max(b) for b in batches)
+    engine = r["paths"]["engine"]
+    assert engine["computed_rows"] == engine["engine_stats"]["decode_steps"] * 3
+    assert engine["compiles_in_timed_runs"] == r["paths"]["static"]["compiles_in_timed_runs"] == 0  # warmed up
+    med = r["median_s"]
+    assert r["speedup_vs_static"] == pytest.approx(med["static"] / med["engine"])
+    assert r["speedup_vs_hf"] == pytest.approx(med["transformers"] / med["engine"])
+    assert r["engine_matches_static"] == 7
+    assert "engine equals static jaxkv for 7 of 7 requests" in printed
+    assert bench_engine.parse_args(["--quick", "--requests", "5"]).requests == 5  # explicit options win
+    assert bench_engine.parse_args(["--quick"]).max_new == bench_engine.QUICK["max_new"]
