@@ -52,7 +52,7 @@ import numpy as np
 from jax import lax
 
 from jaxkv import attention as attention_impls
-from jaxkv import checks, memory
+from jaxkv import checks, memory, sharding
 from jaxkv.cache import check_cache_dtype
 from jaxkv.generate import STOP_ID_SLOTS, _forward, _key, _stop_ids, _token_lists
 from jaxkv.model import Decoder, Model
@@ -132,6 +132,11 @@ class _State:
     top: jax.Array
 
 
+def _placed(state: _State, mesh) -> _State:
+    """On a mesh, the cache keeps its layout (pools split over KV heads; `sharding.paged_cache_shardings`)."""
+    return state if mesh is None else state.replace(cache=sharding.constrain_cache(state.cache, mesh))
+
+
 def _free_pages(state: _State) -> jax.Array:
     return jnp.sum(state.cache.refcounts == 0, dtype=jnp.int32)
 
@@ -153,8 +158,8 @@ def _put_rows(cache: PagedKVCache, rows, sub: PagedKVCache) -> PagedKVCache:
                                overflowed=cache.overflowed.at[back].set(sub.overflowed, mode="drop"))
 
 
-@functools.partial(jax.jit, donate_argnames=("state",))
-def _admit(state: _State, row, table_row, length):
+@functools.partial(jax.jit, static_argnames=("mesh",), donate_argnames=("state",))
+def _admit(state: _State, row, table_row, length, *, mesh=None):
     """A request into staging row `row` of the cache: its page-table row holds the pages of its cached prefix
     (`length` slots), each taking a reference."""
     cache = state.cache
@@ -162,12 +167,12 @@ def _admit(state: _State, row, table_row, length):
                                 lengths=cache.lengths.at[row].set(length),
                                 overflowed=cache.overflowed.at[row].set(False),
                                 refcounts=cache._count(table_row, +1, cache.refcounts))
-    state = state.replace(cache=cache)
+    state = _placed(state.replace(cache=cache), mesh)
     return state, _free_pages(state)
 
 
-@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))
-def _prefill(params, state: _State, rows, tokens, counts, *, config):
+@functools.partial(jax.jit, static_argnames=("config", "mesh"), donate_argnames=("state",))
+def _prefill(params, state: _State, rows, tokens, counts, *, config, mesh=None):
     """One prompt chunk per staging row: tokens int32[R, C] (right-padded; counts int32[R] real, 0: no chunk)
     into cache rows `rows` int32[R] (-1: none), attending over the row's pages so far. Each row's last token's
     logits go to `staged` (what the slot it moves to samples from first, once its prompt is complete)."""
@@ -176,9 +181,10 @@ def _prefill(params, state: _State, rows, tokens, counts, *, config):
     t = jnp.arange(C, dtype=jnp.int32)[None, :]
     positions = jnp.where(t < counts[:, None], sub.lengths[:, None] + t, -1)  # [R, C], -1: padding
     # XLA attention: the Pallas paged kernel takes one query per sequence.
-    logits, sub = Decoder(config).apply({"params": params}, tokens, positions, sub, last_only=True, attention="xla")
+    logits, sub = Decoder(config, mesh).apply({"params": params}, tokens, positions, sub, last_only=True,
+                                              attention="xla")
     staged = jnp.where((counts > 0)[:, None], logits[:, 0], state.staged)
-    state = state.replace(cache=_put_rows(state.cache, rows, sub), staged=staged)
+    state = _placed(state.replace(cache=_put_rows(state.cache, rows, sub), staged=staged), mesh)
     return state, _free_pages(state)
 
 
@@ -212,8 +218,9 @@ def _move_in(state: _State, moves, keys, sampler: Sampler, stop_ids, budget, top
                          budget=pick(budget, state.budget), top=pick(top, state.top))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "attention", "steps"), donate_argnames=("state",))
-def _decode(params, state: _State, moves, keys, sampler, stop_ids, budget, top, *, config, attention, steps: int):
+@functools.partial(jax.jit, static_argnames=("config", "attention", "steps", "mesh"), donate_argnames=("state",))
+def _decode(params, state: _State, moves, keys, sampler, stop_ids, budget, top, *, config, attention, steps: int,
+            mesh=None):
     """Moves prefilled requests into free slots (`_move_in`), then `steps` decode steps over every slot ->
     (state, per step: int32[S] tokens (-1: the slot did not decode), float32[S] their log-probabilities, the top
     alternatives, int32[S] finish codes (FINISH_REASONS)), int32[] free pages)."""
@@ -241,7 +248,7 @@ def _decode(params, state: _State, moves, keys, sampler, stop_ids, budget, top, 
             # The slots as a batch of their own: the staging rows take no part in decoding.
             sub = _rows(state.cache, slots)
             logits, sub = _forward(params, jnp.where(going, tokens, 0)[:, None], sub, config=config,
-                                   attention=attention, active=going)
+                                   attention=attention, active=going, mesh=mesh)
             return logits[:, 0], _put_rows(state.cache, slots, sub)
 
         # The last token of a request is never fed back: a step where every slot finishes runs no model.
@@ -251,6 +258,7 @@ def _decode(params, state: _State, moves, keys, sampler, stop_ids, budget, top, 
         code = jnp.where(finished, jnp.where(nan, 3, jnp.where(stopped, 1, 2)), 0)
         state = state.replace(cache=cache, logits=logits, keys=jnp.where(run[:, None], split[:, 0], state.keys),
                               decoding=going, budget=budget)
+        state = _placed(state, mesh)
         return state, (jnp.where(run, tokens, -1), chosen, top_ids, top_logp, code)
 
     def idle(state):
@@ -265,21 +273,21 @@ def _decode(params, state: _State, moves, keys, sampler, stop_ids, budget, top, 
     return state, out, _free_pages(state)
 
 
-@functools.partial(jax.jit, donate_argnames=("state",))
-def _release(state: _State, rows):
+@functools.partial(jax.jit, static_argnames=("mesh",), donate_argnames=("state",))
+def _release(state: _State, rows, *, mesh=None):
     """Cache rows where `rows` (bool[S + R]) is true drop their pages; such slots stop decoding."""
     S = state.logits.shape[0]
-    state = state.replace(cache=state.cache.release(rows), decoding=state.decoding & ~rows[:S])
+    state = _placed(state.replace(cache=state.cache.release(rows), decoding=state.decoding & ~rows[:S]), mesh)
     return state, _free_pages(state)
 
 
-@functools.partial(jax.jit, donate_argnames=("state",))
-def _refs(state: _State, pages, delta):
+@functools.partial(jax.jit, static_argnames=("mesh",), donate_argnames=("state",))
+def _refs(state: _State, pages, delta, *, mesh=None):
     """refcounts[pages] += delta (int32[n] pages, -1 entries ignored): the prefix cache's index references."""
     cache = state.cache
     flat = jnp.where(pages >= 0, pages, cache.num_pages)
     cache = dataclasses.replace(cache, refcounts=cache.refcounts.at[flat].add(delta, mode="drop"))
-    state = state.replace(cache=cache)
+    state = _placed(state.replace(cache=cache), mesh)
     return state, _free_pages(state)
 
 
@@ -326,7 +334,9 @@ class Engine:
         prefix of its prompt (whole pages) and prefills only the rest, and every prompt's whole pages stay cached
         for later requests (and later `generate` calls), evicted least recently used first when the pool is
         short. While requests are in flight the engine holds the pool (a `generate` call on it is refused).
-      mesh: not supported yet (the paged cache does not run on a mesh): must be None.
+      mesh: a ("data", "model") `jax.sharding.Mesh` with data 1: weights split Megatron-style over "model" as for
+        `generate`, the page pools over KV heads (`sharding.paged_cache_shardings`), the page tables and the
+        per-slot state on every device. XLA attention; no prefix_cache yet.
       num_pages: pages in the pool (default: enough for every slot at max_len, so admission never waits for
         pages). A smaller pool admits a request only when its worst case fits; the others wait. With a
         prefix_cache its pool is used instead.
@@ -343,10 +353,21 @@ class Engine:
                  attention: str | None = None):
         if not isinstance(model, Model):
             raise ValueError(f"model must be a jaxkv.Model, got {type(model).__name__}")
-        if mesh is not None:
-            raise ValueError("Engine(mesh=...) is not supported yet: the paged cache does not run on a mesh")
         config = model.config
         self.model, self.config = model, config
+        self.mesh = None if mesh is None else sharding.check_mesh(mesh)
+        self._params, self._run_config = model.params, config
+        if self.mesh is not None:
+            if sharding.data_size(self.mesh) != 1:
+                raise ValueError("the engine splits heads and FFN over the mesh's 'model' axis; its 'data' axis must "
+                                 "be 1 (sequences anywhere share the one page pool): run one engine per data shard")
+            if prefix_cache is not None:
+                raise ValueError("prefix_cache with a mesh is not supported yet")
+            if attention not in (None, "auto", "xla"):
+                raise ValueError("on a mesh the engine decodes with XLA attention (the Pallas paged kernel does not "
+                                 "run on a mesh yet): pass attention='xla' or leave it unset")
+            attention = "xla"
+            self._params, self._run_config = sharding.shard_params(model.params, config, self.mesh)
         self.slots = checks.check_int("slots", slots, 1)
         self.max_len = checks.check_int("max_len", max_len, 2)
         if self.max_len > config.max_positions:
@@ -534,7 +555,7 @@ class Engine:
             cache = self.prefix_cache.cache(table, np.zeros((S + R,), np.int32))
             self.prefix_cache.lent_to = self
         else:
-            cache = _allocate(self.config, S + R, num_pages=self.num_pages, page_size=self.page_size,
+            cache = _allocate(self._run_config, S + R, num_pages=self.num_pages, page_size=self.page_size,
                               max_len=self.max_len, dtype=self.cache_dtype)
         key_shape = np.asarray(_key(0)).shape
         self._state = _State(
@@ -544,6 +565,11 @@ class Engine:
                             top_p=jnp.ones((S,), jnp.float32), min_p=jnp.zeros((S,), jnp.float32)),
             stop_ids=jnp.full((S, STOP_SLOTS), -1, jnp.int32), budget=jnp.zeros((S,), jnp.int32),
             top=jnp.zeros((S,), jnp.int32))
+        if self.mesh is not None:  # the pools split over KV heads, everything else on every device
+            rep = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+            shardings = jax.tree.map(lambda _: rep, self._state)
+            shardings = shardings.replace(cache=sharding.paged_cache_shardings(cache, self.mesh))
+            self._state = jax.device_put(self._state, shardings)
         self._free = int(_free_pages(self._state))
 
     def _return_pool(self):
@@ -570,7 +596,8 @@ class Engine:
                 counts = np.asarray(self._state.cache.refcounts)
                 dropped, _ = self.prefix_cache.evict(need + self._pending_pages(), keep, counts)
                 if dropped:
-                    self._state, free = _refs(self._state, _padded(dropped, self.num_pages), np.int32(-1))
+                    self._state, free = _refs(self._state, _padded(dropped, self.num_pages), np.int32(-1),
+                                                 mesh=self.mesh)
                     self._free = int(free)
                 room = self._free - self._pending_pages()
             if room < need:
@@ -583,7 +610,8 @@ class Engine:
             req.cached = req.written = len(hits) * self.page_size
             req.hit_pages = tuple(hits)
             self._staging[j] = req.id
-            self._state, free = _admit(self._state, np.int32(req.row), table, np.int32(req.written))
+            self._state, free = _admit(self._state, np.int32(req.row), table, np.int32(req.written),
+                                         mesh=self.mesh)
             self._free = int(free)
             self._stats["requests_admitted"] += 1
             self._stats["prefix_hit_tokens"] += req.cached
@@ -605,7 +633,8 @@ class Engine:
         if not chunked:
             return
         t0 = time.perf_counter()
-        self._state, free = _prefill(self.model.params, self._state, rows, tokens, counts, config=self.config)
+        self._state, free = _prefill(self._params, self._state, rows, tokens, counts, config=self._run_config,
+                                     mesh=self.mesh)
         self._free = int(free)
         self._stats["prefill_s"] += time.perf_counter() - t0
         self._stats["prefill_dispatches"] += 1
@@ -619,7 +648,8 @@ class Engine:
                     table = np.asarray(self._state.cache.page_table[req.row])
                     adopted = self.prefix_cache.adopt([req.prompt], [table])
                     if adopted:
-                        self._state, free = _refs(self._state, _padded(adopted, self.num_pages), np.int32(1))
+                        self._state, free = _refs(self._state, _padded(adopted, self.num_pages), np.int32(1),
+                                                     mesh=self.mesh)
                         self._free = int(free)
 
     def _decode_dispatch(self) -> list[Event]:
@@ -649,9 +679,9 @@ class Engine:
         sampler = Sampler(temperature=settings[0], top_k=settings[1].astype(np.int32), top_p=settings[2],
                           min_p=settings[3])
         t0 = time.perf_counter()
-        self._state, out, free = _decode(self.model.params, self._state, moves, keys, sampler, stop_ids, budget,
-                                         top, config=self.config, attention=self.attention,
-                                         steps=self.steps_per_dispatch)
+        self._state, out, free = _decode(self._params, self._state, moves, keys, sampler, stop_ids, budget,
+                                         top, config=self._run_config, attention=self.attention,
+                                         steps=self.steps_per_dispatch, mesh=self.mesh)
         tokens, chosen, top_ids, top_logp, codes = (np.asarray(x) for x in out)
         self._free = int(free)
         self._stats["decode_s"] += time.perf_counter() - t0
@@ -711,7 +741,7 @@ class Engine:
             if release:
                 rows = np.zeros((self.slots + self.prefill_rows,), bool)
                 rows[req.row] = True
-                self._state, free = _release(self._state, rows)
+                self._state, free = _release(self._state, rows, mesh=self.mesh)
                 self._free = int(free)
             if req.row < self.slots:
                 self._by_slot[req.row] = None

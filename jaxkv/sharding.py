@@ -134,9 +134,25 @@ def cache_shardings(cache, mesh: Mesh):
                        value_scales=tuple(scale for _ in cache.value_scales), ring=cache.ring)
 
 
+def paged_cache_shardings(cache, mesh: Mesh):
+    """NamedShardings for a PagedKVCache: the pools ([P, K, page_size, H]) and their scales split over KV heads on
+    "model"; page tables, lengths, counts and flags replicated (every device reads every sequence's pages of its
+    own heads). The "data" axis does not split a pool: sequences anywhere may share any page."""
+    pool, scale, rep = (NamedSharding(mesh, P(None, MODEL, None, None)), NamedSharding(mesh, P(None, MODEL, None)),
+                        NamedSharding(mesh, P()))
+    return type(cache)(keys=tuple(pool for _ in cache.keys), values=tuple(pool for _ in cache.values),
+                       page_table=rep, lengths=rep, refcounts=rep, overflowed=rep,
+                       key_scales=tuple(scale for _ in cache.key_scales),
+                       value_scales=tuple(scale for _ in cache.value_scales), page_size=cache.page_size)
+
+
 def constrain_cache(cache, mesh: Mesh):
-    """The cache with sharding constraints on every leaf (inside jit): K/V stay split over batch and KV heads."""
-    return jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh))
+    """The cache with sharding constraints on every leaf (inside jit): K/V stay split over batch and KV heads (a
+    paged cache's pools over KV heads)."""
+    from jaxkv.paged_cache import PagedKVCache
+
+    shardings = (paged_cache_shardings if isinstance(cache, PagedKVCache) else cache_shardings)(cache, mesh)
+    return jax.lax.with_sharding_constraint(cache, shardings)
 
 
 def replicate_kv_heads(params, config: Config, kv_heads: int):

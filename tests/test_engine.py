@@ -273,3 +273,26 @@ def test_readme_engine_example_runs():
     assert [r.finish_reason for r in results] == ["length", "length"] and len(results[1].tokens) == 4
     want = jaxkv.generate(model, ["Hello"], max_new_tokens=16)
     assert results[0].tokens == want.tokens[0] and results[0].text == want.text[0]
+
+
+@pytest.mark.parametrize("model_axis", [2, 4])
+def test_on_a_mesh_the_pools_split_over_kv_heads_and_tokens_are_unchanged(model_axis):
+    """Weights over "model" (Megatron), page pools over KV heads (2 heads repeated to 4 for a 4-way axis), the
+    rest replicated: each request draws what generate of it alone draws."""
+    model = model_for("gqa")
+    mesh = jax.make_mesh((1, model_axis), ("data", "model"))
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(1, 97, n).tolist() for n in (5, 30, 12)]
+    engine = Engine(model, slots=2, max_len=64, page_size=8, mesh=mesh)
+    got = engine.generate(prompts, max_new_tokens=8, stop_tokens=[], temperature=0.8, seed=3)
+    for r, p in zip(got, prompts):
+        assert r.tokens == alone(model, p, 8, temperature=0.8, seed=3).tokens[0]
+    pool = engine._state.cache.keys[0]
+    kv_heads = max(model.config.n_kv_heads, model_axis)
+    assert pool.shape[1] == kv_heads and pool.addressable_shards[0].data.shape[1] == kv_heads // model_axis
+    assert_all_free(engine)
+    for bad in (dict(mesh=jax.make_mesh((2, 2), ("data", "model"))),
+                dict(mesh=mesh, prefix_cache=jaxkv.PrefixCache(model, num_pages=8, page_size=8)),
+                dict(mesh=mesh, attention="pallas")):
+        with pytest.raises(ValueError):
+            Engine(model, slots=2, max_len=64, page_size=8, **bad)
