@@ -401,6 +401,7 @@ class Engine:
         self._by_slot: list[int | None] = [None] * self.slots  # decode slot -> request id
         self._staging: list[int | None] = [None] * self.prefill_rows  # staging row -> request id
         self._results: dict[int, Result] = {}  # finished, not yet collected
+        self._events: list[Event] = []  # events produced between steps (cancellations), reported by the next
         self._order: list[int] = []  # ids submitted and not yet collected, in submission order
         self._next_id = 0
         self._stats = collections.Counter()
@@ -461,6 +462,7 @@ class Engine:
         if req is None:
             return False
         self._finish(req, "cancelled")
+        self._events.append(Event(req.id, [], [], True, "cancelled"))  # reported by the next step
         return True
 
     # --- running ------------------------------------------------------------------------------------------------
@@ -469,17 +471,17 @@ class Engine:
         """Runs until every submitted request has finished, yielding each `Event` as its tokens come out.
         Requests submitted meanwhile (from the loop consuming the events) join. Leaving the loop early is safe:
         the requests stay where they were and a later `run` continues them."""
-        while self._requests:
+        while self._requests or self._events:
             yield from self.step()
 
     def step(self) -> list[Event]:
         """One scheduling round: admit what fits, one prefill chunk, one decode dispatch -> the events."""
-        if not self._requests:
-            return []
-        self._take_pool()
-        self._admit_waiting()
-        self._prefill_chunk()
-        events = self._decode_dispatch()
+        events, self._events = self._events, []
+        if self._requests:
+            self._take_pool()
+            self._admit_waiting()
+            self._prefill_chunk()
+            events += self._decode_dispatch()
         if not self._requests:
             self._return_pool()
         return events
