@@ -2,7 +2,7 @@
 
   jaxkv generate --prompt TEXT [--model PATH|tiny] [--max-new-tokens N] [--temperature T] [--top-k K]
                  [--top-p P] [--min-p M] [--seed S] [--dtype D] [--max-len N]
-                 [--cache-dtype D] [--json]
+                 [--cache-dtype D] [--n N] [--logprobs K] [--json]
   jaxkv memory (--model PATH|tiny | --config config.json | --layers L --kv-heads K --head-dim H [--dtype D])
                [--window W] [--tokens N] [--batch B] [--cache-dtype D] [--hbm-gib G [--weights-gib W]]
                [--plot FILE.png] [--json]
@@ -71,6 +71,9 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--n", type=int, default=1,
                      help="samples of the prompt (default 1): it is prefilled once and the samples share its KV "
                           "pages; each is printed after the others finish")
+    gen.add_argument("--logprobs", type=int, default=0, metavar="K",
+                     help="with --json: each new token's log-probability (always) and its K most likely "
+                          "alternatives per step (0 <= K <= 20)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streamed text")
 
     mem = commands.add_parser("memory", help="KV-cache bytes of a model, and how many sequences fit in memory")
@@ -194,6 +197,7 @@ def _check_generate(args):
             checks.check_int("a prompt id", token, 0, checks.INT32_MAX)
     checks.check_int("max_new_tokens", args.max_new_tokens, 1)
     checks.check_int("n", args.n, 1)
+    checks.check_int("logprobs", args.logprobs, 0, 20)
     if args.max_len is not None:
         checks.check_int("max_len", args.max_len, 1)
     checks.sampling(args.temperature, args.top_k, args.top_p, args.min_p)
@@ -218,7 +222,8 @@ def _generate(args, started: float) -> dict:
     stream = None if args.json or args.n > 1 else _Stream(model.tokenizer, args.prompt or "")
     out = generate(model, [prompt], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
-                   max_len=args.max_len, cache_dtype=args.cache_dtype, stream=stream, n=args.n)
+                   max_len=args.max_len, cache_dtype=args.cache_dtype, stream=stream, n=args.n,
+                   logprobs=args.logprobs)
     if stream is not None:
         stream.finish(out.text[0] if out.text is not None else None)
     elif args.n > 1 and not args.json:
@@ -231,12 +236,15 @@ def _generate(args, started: float) -> dict:
     samples = {}
     if args.n > 1:
         samples = {"samples": [{"text": None if out.text is None else out.text[j], "tokens": out.tokens[j],
-                                "finish_reason": out.finish_reasons[j]} for j in range(args.n)],
+                                "finish_reason": out.finish_reasons[j], "logprobs": out.logprobs[j],
+                                **_top(out, j)} for j in range(args.n)],
                    "pages_in_use_peak": s["pages_in_use_peak"], "kv_bytes_in_use_peak": s["kv_bytes_in_use_peak"],
                    "kv_cache_bytes_unshared": s["kv_cache_bytes_unshared"]}
     return {**samples,
         "text": out.text[0] if out.text is not None else None,
         "tokens": out.tokens[0],
+        "logprobs": out.logprobs[0],
+        **_top(out, 0),
         "finish_reason": out.finish_reasons[0],
         "prompt_tokens": s["prompt_tokens"],
         "new_tokens": s["new_tokens"],
@@ -251,6 +259,13 @@ def _generate(args, started: float) -> dict:
         "compile_s": round(s["compile_s"], 3),
         "first_token_s": None if first_token is None else round(first_token, 3),
     }
+
+
+def _top(out, row: int) -> dict:
+    """{"top_logprobs": per token, [[id, log-probability], ...] best first} when --logprobs K > 0, else {}."""
+    if out.top_logprobs is None:
+        return {}
+    return {"top_logprobs": [[[t, lp] for t, lp in step] for step in out.top_logprobs[row]]}
 
 
 def _figures(r: dict) -> str:

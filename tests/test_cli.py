@@ -43,6 +43,15 @@ def test_json(model_dir, capsys):
     assert result["compile_s"] >= 0 and result["load_s"] > 0
 
 
+def test_logprobs(model_dir, capsys):
+    assert cli.main(["generate", "--model", model_dir, "--prompt", "Hi", "--max-new-tokens", "3", "--json",
+                     "--logprobs", "2"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    want = jaxkv.generate(jaxkv.load(model_dir), ["Hi"], max_new_tokens=3, logprobs=2)
+    assert result["logprobs"] == want.logprobs[0] and len(result["top_logprobs"]) == 3
+    assert [[tuple(alt) for alt in step] for step in result["top_logprobs"]] == want.top_logprobs[0]
+
+
 def test_n_samples(model_dir, capsys):
     args = ["generate", "--model", model_dir, "--prompt", "Hi", "--max-new-tokens", "5", "--n", "3",
             "--temperature", "0.9", "--seed", "2"]
@@ -75,6 +84,7 @@ def test_cache_dtype(model_dir, capsys):
     (["--model", "/nonexistent/dir"], "no such directory"),
     (["--dtype", "float64"], "invalid choice"),
     (["--max-len", "3"], "exceeds max_len=3"),
+    (["--logprobs", "21"], "logprobs must be <= 20"),
 ])
 def test_bad_arguments_give_one_line_and_status_2(model_dir, capsys, args, match):
     argv = ["generate", "--model", model_dir, "--prompt", "Hi", *args]
