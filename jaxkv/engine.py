@@ -572,7 +572,11 @@ class Engine:
             shardings = jax.tree.map(lambda _: rep, self._state)
             shardings = shardings.replace(cache=sharding.paged_cache_shardings(cache, self.mesh))
             self._state = jax.device_put(self._state, shardings)
-        self._free = int(_free_pages(self._state))
+        # The two small programs a run may first need late (a cancel; an eviction), compiled now with no effect,
+        # so that no request ever waits on a compile once the first has run.
+        self._state, _ = _release(self._state, np.zeros((S + R,), bool), mesh=self.mesh)
+        self._state, free = _refs(self._state, _padded([], self.num_pages), np.int32(0), mesh=self.mesh)
+        self._free = int(free)
 
     def _return_pool(self):
         """Idle: a prefix cache gets its pool back (every row empty, the cached prefixes kept)."""
