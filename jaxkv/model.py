@@ -119,8 +119,10 @@ class Attention(nn.Module):
                                          k_scale=k_scale, v_scale=v_scale)
         else:
             # Whichever XLA formulation reads less: the whole pool once (shared pages read once per step) or each
-            # sequence's own pages (B x M of them, shared ones read once per sequence).
+            # sequence's own pages (shared ones read once per sequence): for one query per sequence only the pages
+            # in use, end to end (ragged); for a chunk, each table's live prefix.
             fn = (paged_reference.pool_attention if paged_reference.prefers_pool(cache.num_pages, *cache.page_table.shape)
+                  else paged_reference.ragged_paged_attention if q.shape[1] == 1
                   else paged_reference.live_paged_attention)
             out = fn(q, *pools, cache.positions(q.shape[1]), scale=scale, sliding_window=cfg.sliding_window,
                      k_scale=k_scale, v_scale=v_scale)

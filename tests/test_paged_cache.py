@@ -368,3 +368,38 @@ def test_live_paged_attention_equals_the_full_table_gather(longest):
     want = pr.paged_attention(q, k, v, *args, scale=0.3)
     got = jax.jit(functools.partial(pr.live_paged_attention, scale=0.3, min_prefix=16))(q, nan_k, nan_v, *args)
     np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("window, quantized", [(None, False), (5, False), (None, True)])
+def test_ragged_paged_attention_equals_the_per_sequence_gather(window, quantized):
+    """One list of every sequence's used pages, segment softmax per sequence == each sequence's own gather: ragged
+    lengths (one sequence empty, one a single slot, one across a page boundary), pages out of order, shared pages,
+    free pages holding NaN, branch sizes below and at the whole table."""
+    from jaxkv.attention import paged_reference as pr
+
+    rng = np.random.default_rng(7)
+    N, K, H, ps, M, P = 4, 2, 8, 4, 8, 48
+    lengths = np.array([0, 1, 5, 32, 13, 4], np.int32)
+    B = len(lengths)
+    table = np.full((B, M), -1, np.int32)
+    perm = rng.permutation(P)
+    for b, n in enumerate(lengths):
+        table[b, :-(-n // ps)] = perm[b * M:b * M + -(-n // ps)]
+    table[4, 0] = table[3, 0]  # a shared first page
+    held = np.isin(np.arange(P), table)[:, None, None, None]
+    k, v = (jnp.asarray(rng.normal(size=(P, K, ps, H)), jnp.float32) for _ in range(2))
+    scales = {}
+    if quantized:
+        k, v = (jnp.round(x * 20).astype(jnp.int8) for x in (k, v))
+        scales = dict(k_scale=jnp.asarray(rng.uniform(0.01, 0.1, (P, K, ps)), jnp.float32),
+                      v_scale=jnp.asarray(rng.uniform(0.01, 0.1, (P, K, ps)), jnp.float32))
+    q = jnp.asarray(rng.normal(size=(B, 1, N, H)), jnp.float32)
+    args = (jnp.asarray(table), jnp.asarray(lengths), jnp.asarray(np.maximum(lengths - 1, 0))[:, None])
+    want = pr.paged_attention(q, k, v, *args, scale=0.3, sliding_window=window, **scales)
+    nan_k, nan_v = ((jnp.where(held, x, jnp.nan) if not quantized else x) for x in (k, v))
+    for min_prefix in (4, None):  # several branch sizes; one branch (the whole table)
+        ragged = functools.partial(pr.ragged_paged_attention, scale=0.3, sliding_window=window,
+                                   min_prefix=min_prefix, **scales)
+        got = jax.jit(ragged)(q, nan_k, nan_v, *args)
+        np.testing.assert_allclose(got[1:], want[1:], atol=2e-6, rtol=0)
+        np.testing.assert_array_equal(got[0], 0.0)  # no live slot: zeros

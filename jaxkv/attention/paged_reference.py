@@ -140,6 +140,64 @@ def live_paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, s
                           lengths, q_slots)
 
 
+def ragged_paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale: float,
+                           sliding_window: int | None = None, k_scale=None, v_scale=None,
+                           min_prefix: int | None = MIN_PREFIX):
+    """`paged_attention` for one query per sequence (T == 1) reading only the pages each sequence uses.
+
+    The batch's used table entries, ceil(lengths[b] / page_size) of row b, are laid end to end in one list of C
+    entries, C the shortest of a few static sizes (`reference.prefix_lengths` of the whole table, in pages: at
+    most 1.5x the total in use) that holds them all: one `lax.switch` branch per size. Those pages are gathered
+    once ([C, K, page_size, H]), each scored against its own sequence's query, and each sequence's softmax is
+    taken over its entries with segment reductions (max, then sums of weights and of weighted values). A batch of
+    ragged sequences then reads what its sequences hold, not B x its longest one (the engine's slots hold prompts
+    of 16 to 1,024 tokens side by side). Same arguments and result as `paged_attention`, T == 1; a sequence with
+    no live slot gets zeros.
+    """
+    B, T, N, H = q.shape
+    if T != 1:
+        raise ValueError(f"ragged_paged_attention takes one query per sequence, got {T}")
+    P, K, ps, _ = k_pages.shape
+    M = page_table.shape[1]
+    used = jnp.minimum((lengths + ps - 1) // ps, M).astype(jnp.int32)  # [B] table entries in use
+    ends = jnp.cumsum(used)  # [B]: row b's entries are [ends[b] - used[b], ends[b]) of the list
+    sizes = sorted({min(B * M, -(-n // ps)) for n in prefix_lengths(B * M * ps, min_prefix)})
+
+    def branch(C):
+        def attend(q, k_pages, v_pages, k_scale, v_scale, page_table, lengths, q_slots):
+            i = jnp.arange(C, dtype=jnp.int32)
+            owner = jnp.searchsorted(ends, i, side="right").astype(jnp.int32)  # [C]: the row of entry i
+            valid = owner < B  # past the batch's last used entry: nothing
+            owner = jnp.minimum(owner, B - 1)
+            entry = i - (ends[owner] - used[owner])  # [C]: its index in the row's table
+            page = jnp.maximum(jnp.where(valid, page_table[owner, jnp.clip(entry, 0, M - 1)], 0), 0)
+            k = dequantize(k_pages[page], None if k_scale is None else k_scale[page])  # [C, K, ps, H]
+            v = dequantize(v_pages[page], None if v_scale is None else v_scale[page])
+            slot = entry[:, None] * ps + jnp.arange(ps, dtype=jnp.int32)[None, :]  # [C, ps]
+            qs = q_slots[owner, 0][:, None]
+            live = valid[:, None] & (slot <= qs) & (slot < lengths[owner][:, None])  # [C, ps]
+            if sliding_window is not None:
+                live &= slot > qs - sliding_window
+            v = jnp.where(live[:, None, :, None], v, 0.0)  # dead values selected away, NaN included
+            qg = q[owner, 0].astype(jnp.float32).reshape(C, K, N // K, H)  # [C, K, G, H]
+            scores = jnp.einsum("ckgh,cksh->ckgs", qg, k) * scale
+            scores = jnp.where(live[:, None, None, :], scores, MASKED)  # [C, K, G, ps]
+            segment = dict(segment_ids=owner, num_segments=B, indices_are_sorted=True)
+            top = jax.ops.segment_max(jnp.max(scores, axis=-1), **segment)  # [B, K, G]; -inf: no entries
+            top = jnp.where(jnp.isfinite(top), top, 0.0)
+            weights = jnp.exp(scores - top[owner][..., None])  # dead: exp(MASKED - max) == 0
+            total = jax.ops.segment_sum(jnp.sum(weights, axis=-1), **segment)  # [B, K, G]
+            out = jax.ops.segment_sum(jnp.einsum("ckgs,cksh->ckgh", weights, v), **segment)  # [B, K, G, H]
+            out = out / jnp.where(total > 0, total, 1.0)[..., None]
+            return out.reshape(B, 1, N, H).astype(q.dtype)
+
+        return attend
+
+    index = jnp.minimum(jnp.searchsorted(jnp.asarray(sizes, jnp.int32), ends[-1]), len(sizes) - 1)
+    return jax.lax.switch(index, [branch(C) for C in sizes], q, k_pages, v_pages, k_scale, v_scale, page_table,
+                          lengths, q_slots)
+
+
 # Scoring every page of the pool for every sequence costs about 3x a gather of the same number of slots on CPU
 # (measured: the engine's decode step, 16 sequences over a 1,024-page pool, 0.47 s through the pool against
 # 0.14 s gathering each sequence's 64 pages): the pool pays off only when it is several times smaller.
