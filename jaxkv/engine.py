@@ -479,8 +479,7 @@ class Engine:
         events, self._events = self._events, []
         if self._requests:
             self._take_pool()
-            self._admit_waiting()
-            self._prefill_chunk()
+            self._prefill_round()
             events += self._decode_dispatch()
         if not self._requests:
             self._return_pool()
@@ -622,7 +621,22 @@ class Engine:
             self._stats["requests_admitted"] += 1
             self._stats["prefix_hit_tokens"] += req.cached
 
-    def _prefill_chunk(self):
+    def _prefill_round(self):
+        """Admits and prefills before a decode dispatch: one chunk per prefilling row; a second when some free slot
+        would otherwise stay empty through the dispatch (requests finish faster than one chunk a round refills
+        them); as many as it takes while no slot decodes (nothing to hold up). A long prompt therefore delays the
+        running slots by at most two chunks per dispatch."""
+        for i in range(self.prefill_rows * -(-self.max_len // self.prefill_chunk)):
+            self._admit_waiting()
+            if not self._prefill_chunk():
+                return
+            decoding = sum(rid is not None for rid in self._by_slot)
+            ready = sum(rid is not None and self._requests[rid].state == "ready" for rid in self._staging)
+            if decoding and (i >= 1 or ready >= self.slots - decoding):
+                return
+
+    def _prefill_chunk(self) -> bool:
+        """One prefill dispatch: the next chunk of every prefilling staging row -> whether there was any."""
         R, C = self.prefill_rows, self.prefill_chunk
         rows = np.full((R,), -1, np.int32)
         tokens = np.zeros((R, C), np.int32)
@@ -637,7 +651,7 @@ class Engine:
             tokens[j, :len(chunk)] = chunk
             chunked.append((j, req))
         if not chunked:
-            return
+            return False
         t0 = time.perf_counter()
         self._state, free = _prefill(self._params, self._state, rows, tokens, counts, config=self._run_config,
                                      mesh=self.mesh)
@@ -657,6 +671,7 @@ class Engine:
                         self._state, free = _refs(self._state, _padded(adopted, self.num_pages), np.int32(1),
                                                      mesh=self.mesh)
                         self._free = int(free)
+        return True
 
     def _decode_dispatch(self) -> list[Event]:
         S = self.slots

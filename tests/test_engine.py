@@ -152,14 +152,14 @@ def test_slots_and_pages_come_back_after_cancels_and_failed_callbacks():
     def explode(event):
         raise RuntimeError("user code failed")
 
-    ids = [engine.submit(p, max_new_tokens=20, stop_tokens=[]) for p in prompts[:3]]
+    ids = [engine.submit(p, max_new_tokens=n, stop_tokens=[]) for p, n in zip(prompts[:3], (20, 40, 20))]
     failing = engine.submit(prompts[3], max_new_tokens=20, stop_tokens=[], callback=explode)
     waiting = engine.submit(prompts[4], max_new_tokens=20, stop_tokens=[])
     engine.step()  # ids[0], ids[1] prefilling (two staging rows), the rest waiting
     assert engine.cancel(waiting) and not engine.cancel(waiting)
     assert (waiting, "cancelled") in [(e.id, e.finish_reason) for e in engine.step() if e.finished]
     engine.step()
-    assert engine.cancel(ids[1])  # mid-prefill or mid-decode
+    assert engine.cancel(ids[1])  # mid-decode (3 dispatches of 8 steps so far)
     results = {r.id: r for r in engine.results()}
     assert_all_free(engine)
     assert results[waiting].finish_reason == "cancelled" and results[waiting].tokens == []
