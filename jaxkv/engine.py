@@ -14,21 +14,22 @@ the slots stay busy while output lengths vary.
 The device state (`_State`) is one pytree of fixed shape, threaded through five compiled programs and donated to
 each, so nothing recompiles once they are warm (S slots, M page-table entries, P pages, V vocabulary):
 
-  _admit    a request takes slot s: its page-table row (the pages of its cached prefix, if any), its sampling
-            settings, PRNG key, stop ids, token budget
-  _prefill  one chunk of at most `prefill_chunk` prompt tokens for each of up to `prefill_rows` prefilling slots,
-            attending over the pages written so far; a slot whose prompt is complete starts decoding
-  _decode   `steps_per_dispatch` decode steps over all S slots in a `lax.scan`: sample each decoding slot's next
-            token (its own settings and key, so a request draws what it would draw alone), record its
-            log-probability, feed it back; a slot that finishes releases its pages in the same step, and a step
-            with no slot decoding skips the model (`lax.cond`)
+  _admit    a request takes a staging row: its page-table row holds the pages of its cached prefix, if any
+  _prefill  one chunk of at most `prefill_chunk` prompt tokens for each of up to `prefill_rows` staging rows,
+            attending over the pages written so far; a row whose prompt is complete keeps its last logits
+  _decode   moves complete prefills into free slots (a page-table row, and the request's PRNG key, sampling
+            settings, stop ids, token budget), then `steps_per_dispatch` decode steps over all S slots in a
+            `lax.scan`: sample each decoding slot's next token (its own settings and key, so a request draws what
+            it would draw alone), record its log-probability, feed it back; a slot that finishes releases its
+            pages in the same step, and a step with no slot decoding skips the model (`lax.cond`)
   _release  cancelled slots drop their pages
   _refs     the prefix cache's index takes or drops its references on pages
 
-The host scheduler (`Engine.step`) admits waiting requests in submission order while a slot is free and the
-pool can hold their worst case (prompt + max_new_tokens, less the pages of a cached prefix), evicting cached
-prefixes the running requests do not use when it must; then runs one prefill chunk and one decode dispatch, so a
-long prompt delays the running slots by one chunk at a time, not by its whole prefill.
+The host scheduler (`Engine.step`) admits waiting requests in submission order into free staging rows (twice
+`prefill_rows` of them) while the pool can hold their worst case (prompt + max_new_tokens, less the pages of a
+cached prefix), evicting cached prefixes the running requests do not use when it must; runs one prefill chunk
+(two when a free slot would otherwise stay empty, as many as it takes while nothing decodes); then one decode
+dispatch. A long prompt delays the running requests by a chunk or two per dispatch, never by its whole prefill.
 
 Why each request is independent of the batch it shares. Its rows of every matrix product, its own page-table row
 and its own PRNG key (split once per token it draws, as `generate`'s loop splits its key) are all that its tokens
@@ -109,9 +110,9 @@ class Result:
 class _State:
     """Everything the device holds between dispatches: S decode slots and R staging rows.
 
-    cache:    the paged cache, batch S + R: rows [0, S) are the decode slots, rows S + j the staging rows where
+    cache:    the paged cache, batch S + Q: rows [0, S) are the decode slots, rows S + j the Q staging rows where
               prompts are prefilled before they move into a free slot (their pages move with them, not copied)
-    staged:   float32[R, V], the last prompt token's logits of each staging row whose prefill is complete
+    staged:   float32[Q, V], the last prompt token's logits of each staging row whose prefill is complete
     logits:   float32[S, V], what each decoding slot samples its next token from
     keys:     uint32[S, 2], each slot's PRNG key, split once per token drawn
     decoding: bool[S], the slot holds a request that has not finished
@@ -173,9 +174,10 @@ def _admit(state: _State, row, table_row, length, *, mesh=None):
 
 @functools.partial(jax.jit, static_argnames=("config", "mesh"), donate_argnames=("state",))
 def _prefill(params, state: _State, rows, tokens, counts, *, config, mesh=None):
-    """One prompt chunk per staging row: tokens int32[R, C] (right-padded; counts int32[R] real, 0: no chunk)
-    into cache rows `rows` int32[R] (-1: none), attending over the row's pages so far. Each row's last token's
-    logits go to `staged` (what the slot it moves to samples from first, once its prompt is complete)."""
+    """One prompt chunk per prefill row: tokens int32[R, C] (right-padded; counts int32[R] real, 0: no chunk)
+    into staging rows `rows` int32[R] (cache rows S + j; -1: none), attending over the row's pages so far. Each
+    row's last token's logits go to `staged[j]` (what the slot it moves to samples from first, once its prompt is
+    complete)."""
     R, C = tokens.shape
     sub = _rows(state.cache, rows)
     t = jnp.arange(C, dtype=jnp.int32)[None, :]
@@ -183,7 +185,8 @@ def _prefill(params, state: _State, rows, tokens, counts, *, config, mesh=None):
     # XLA attention: the Pallas paged kernel takes one query per sequence.
     logits, sub = Decoder(config, mesh).apply({"params": params}, tokens, positions, sub, last_only=True,
                                               attention="xla")
-    staged = jnp.where((counts > 0)[:, None], logits[:, 0], state.staged)
+    S, Q = state.logits.shape[0], state.staged.shape[0]
+    staged = state.staged.at[jnp.where(counts > 0, rows - S, Q)].set(logits[:, 0], mode="drop")
     state = _placed(state.replace(cache=_put_rows(state.cache, rows, sub), staged=staged), mesh)
     return state, _free_pages(state)
 
@@ -275,7 +278,7 @@ def _decode(params, state: _State, moves, keys, sampler, stop_ids, budget, top, 
 
 @functools.partial(jax.jit, static_argnames=("mesh",), donate_argnames=("state",))
 def _release(state: _State, rows, *, mesh=None):
-    """Cache rows where `rows` (bool[S + R]) is true drop their pages; such slots stop decoding."""
+    """Cache rows where `rows` (bool[S + Q]) is true drop their pages; such slots stop decoding."""
     S = state.logits.shape[0]
     state = _placed(state.replace(cache=state.cache.release(rows), decoding=state.decoding & ~rows[:S]), mesh)
     return state, _free_pages(state)
@@ -341,7 +344,8 @@ class Engine:
         pages). A smaller pool admits a request only when its worst case fits; the others wait. With a
         prefix_cache its pool is used instead.
       prefill_chunk: prompt tokens prefilled per request per dispatch (C).
-      prefill_rows: requests prefilled together per dispatch (R); the chunk program is [R, C] tokens.
+      prefill_rows: requests prefilled together per dispatch (R); the chunk program is [R, C] tokens. Twice as
+        many staging rows hold requests being prefilled or prefilled and waiting for a slot.
       steps_per_dispatch: decode steps per compiled dispatch (the host sees tokens and admits requests between
         dispatches).
       attention: "auto", "xla" or "pallas" for the decode step (prefill chunks use XLA).
@@ -399,7 +403,9 @@ class Engine:
         self._requests: dict[int, _Request] = {}  # unfinished, by id
         self._waiting: collections.deque[int] = collections.deque()
         self._by_slot: list[int | None] = [None] * self.slots  # decode slot -> request id
-        self._staging: list[int | None] = [None] * self.prefill_rows  # staging row -> request id
+        # Staging rows (Q): twice the prefill rows, so that requests prefilled and waiting for a slot do not leave
+        # the prefill dispatch's rows empty.
+        self._staging: list[int | None] = [None] * (2 * self.prefill_rows)  # staging row -> request id
         self._results: dict[int, Result] = {}  # finished, not yet collected
         self._events: list[Event] = []  # events produced between steps (cancellations), reported by the next
         self._order: list[int] = []  # ids submitted and not yet collected, in submission order
@@ -550,17 +556,17 @@ class Engine:
     def _take_pool(self):
         if self._state is not None:
             return
-        S, R, V = self.slots, self.prefill_rows, self.config.vocab_size
+        S, Q, V = self.slots, len(self._staging), self.config.vocab_size
         if self.prefix_cache is not None:
-            table = np.full((S + R, self.max_pages), NO_PAGE, np.int32)
-            cache = self.prefix_cache.cache(table, np.zeros((S + R,), np.int32))
+            table = np.full((S + Q, self.max_pages), NO_PAGE, np.int32)
+            cache = self.prefix_cache.cache(table, np.zeros((S + Q,), np.int32))
             self.prefix_cache.lent_to = self
         else:
-            cache = _allocate(self._run_config, S + R, num_pages=self.num_pages, page_size=self.page_size,
+            cache = _allocate(self._run_config, S + Q, num_pages=self.num_pages, page_size=self.page_size,
                               max_len=self.max_len, dtype=self.cache_dtype)
         key_shape = np.asarray(_key(0)).shape
         self._state = _State(
-            cache=cache, staged=jnp.zeros((R, V), jnp.float32), logits=jnp.zeros((S, V), jnp.float32),
+            cache=cache, staged=jnp.zeros((Q, V), jnp.float32), logits=jnp.zeros((S, V), jnp.float32),
             keys=jnp.zeros((S, *key_shape), jnp.uint32), decoding=jnp.zeros((S,), bool),
             sampler=Sampler(temperature=jnp.zeros((S,), jnp.float32), top_k=jnp.zeros((S,), jnp.int32),
                             top_p=jnp.ones((S,), jnp.float32), min_p=jnp.zeros((S,), jnp.float32)),
@@ -573,7 +579,7 @@ class Engine:
             self._state = jax.device_put(self._state, shardings)
         # The two small programs a run may first need late (a cancel; an eviction), compiled now with no effect,
         # so that no request ever waits on a compile once the first has run.
-        self._state, _ = _release(self._state, np.zeros((S + R,), bool), mesh=self.mesh)
+        self._state, _ = _release(self._state, np.zeros((S + Q,), bool), mesh=self.mesh)
         self._state, free = _refs(self._state, _padded([], self.num_pages), np.int32(0), mesh=self.mesh)
         self._free = int(free)
 
@@ -626,7 +632,7 @@ class Engine:
         would otherwise stay empty through the dispatch (requests finish faster than one chunk a round refills
         them); as many as it takes while no slot decodes (nothing to hold up). A long prompt therefore delays the
         running slots by at most two chunks per dispatch."""
-        for i in range(self.prefill_rows * -(-self.max_len // self.prefill_chunk)):
+        for i in range(len(self._staging) * -(-self.max_len // self.prefill_chunk)):
             self._admit_waiting()
             if not self._prefill_chunk():
                 return
@@ -636,16 +642,16 @@ class Engine:
                 return
 
     def _prefill_chunk(self) -> bool:
-        """One prefill dispatch: the next chunk of every prefilling staging row -> whether there was any."""
+        """One prefill dispatch: the next chunk of up to R prefilling staging rows (first admitted first) ->
+        whether there was any."""
         R, C = self.prefill_rows, self.prefill_chunk
         rows = np.full((R,), -1, np.int32)
         tokens = np.zeros((R, C), np.int32)
         counts = np.zeros((R,), np.int32)
+        prefilling = sorted((self._requests[rid] for rid in self._staging
+                             if rid is not None and self._requests[rid].state == "prefilling"), key=lambda r: r.id)
         chunked = []
-        for j, rid in enumerate(self._staging):
-            req = self._requests[rid] if rid is not None else None
-            if req is None or req.state != "prefilling":
-                continue
+        for j, req in enumerate(prefilling[:R]):
             chunk = req.prompt[req.written:req.written + C]
             rows[j], counts[j] = req.row, len(chunk)
             tokens[j, :len(chunk)] = chunk
@@ -760,7 +766,7 @@ class Engine:
         """Ends a request: frees its row (and, unless the decode step already did, its pages) -> its Result."""
         if req.row >= 0:
             if release:
-                rows = np.zeros((self.slots + self.prefill_rows,), bool)
+                rows = np.zeros((self.slots + len(self._staging),), bool)
                 rows[req.row] = True
                 self._state, free = _release(self._state, rows, mesh=self.mesh)
                 self._free = int(free)
