@@ -143,9 +143,10 @@ class Engine:
       mesh: a ("data", "model") `jax.sharding.Mesh` with data 1: weights split Megatron-style over "model" as for
         `generate`, the page pools over KV heads (`sharding.paged_cache_shardings`), the page tables and the
         per-slot state on every device. XLA attention; no prefix_cache yet.
-      num_pages: pages in the pool (default: enough for every slot at max_len, so admission never waits for
-        pages). A smaller pool admits a request only when its worst case fits; the others wait. With a
-        prefix_cache its pool is used instead.
+      num_pages: pages in the pool (default: every slot at max_len; `jaxkv.memory.pool_bytes` gives the bytes).
+        A request is admitted only when its worst case fits beside the worst cases of those admitted (the others
+        wait, in order), so a smaller pool trades throughput for memory, never correctness. With a prefix_cache
+        its pool is used instead.
       prefill_chunk: prompt tokens prefilled per request per dispatch (C).
       prefill_rows: requests prefilled together per dispatch (R); the chunk program is [R, C] tokens. Twice as
         many staging rows hold requests being prefilled or prefilled and waiting for a slot.
