@@ -215,6 +215,7 @@ class Engine:
         self._order: list[int] = []  # ids submitted and not yet collected, in submission order
         self._next_id = 0
         self._stats = collections.Counter()
+        self._key_shape = np.asarray(_key(0)).shape  # a PRNG key's raw words (2 for threefry)
 
     # --- requests -----------------------------------------------------------------------------------------------
 
@@ -368,10 +369,9 @@ class Engine:
         else:
             cache = _allocate(self._run_config, S + Q, num_pages=self.num_pages, page_size=self.page_size,
                               max_len=self.max_len, dtype=self.cache_dtype)
-        key_shape = np.asarray(_key(0)).shape
         self._state = _State(
             cache=cache, staged=jnp.zeros((Q, V), jnp.float32), logits=jnp.zeros((S, V), jnp.float32),
-            keys=jnp.zeros((S, *key_shape), jnp.uint32), decoding=jnp.zeros((S,), bool),
+            keys=jnp.zeros((S, *self._key_shape), jnp.uint32), decoding=jnp.zeros((S,), bool),
             sampler=Sampler(temperature=jnp.zeros((S,), jnp.float32), top_k=jnp.zeros((S,), jnp.int32),
                             top_p=jnp.ones((S,), jnp.float32), min_p=jnp.zeros((S,), jnp.float32)),
             stop_ids=jnp.full((S, STOP_SLOTS), -1, jnp.int32), budget=jnp.zeros((S,), jnp.int32),
@@ -486,8 +486,7 @@ class Engine:
     def _decode_dispatch(self) -> list[Event]:
         S = self.slots
         moves = np.full((S,), -1, np.int32)
-        key_shape = np.asarray(_key(0)).shape
-        keys = np.zeros((S, *key_shape), np.uint32)
+        keys = np.zeros((S, *self._key_shape), np.uint32)
         settings = np.zeros((4, S), np.float32)
         stop_ids = np.full((S, STOP_SLOTS), -1, np.int32)
         budget = np.zeros((S,), np.int32)

@@ -15,12 +15,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxkv import sharding
-from jaxkv.generate import STOP_ID_SLOTS, _forward
+from jaxkv.generate import MAX_TOP_LOGPROBS, STOP_ID_SLOTS, _forward
 from jaxkv.model import Decoder
 from jaxkv.paged_cache import NO_PAGE, PagedKVCache
 from jaxkv.sampling import Sampler, token_logprobs
 
-MAX_LOGPROBS = 20  # top alternatives a request may ask for per token (OpenAI's API allows at most 20)
+MAX_LOGPROBS = MAX_TOP_LOGPROBS  # top alternatives a request may ask for per token, as for `generate`
 STOP_SLOTS = 4 * STOP_ID_SLOTS  # stop ids per request (padded with -1): a fixed shape for every request
 FINISH_REASONS = (None, "stop", "length", "error")  # the decode step's finish codes 0..3
 
