@@ -13,6 +13,7 @@ import types as _types
 # public name -> the module that defines it
 _EXPORTS = {
     "CachePlan": "jaxkv.memory",
+    "BeamSearchResult": "jaxkv.beam_search",
     "Config": "jaxkv.config",
     "Decoded": "jaxkv.generate",
     "Decoder": "jaxkv.model",
@@ -28,6 +29,8 @@ _EXPORTS = {
     "decode": "jaxkv.generate",
     "decode_step": "jaxkv.generate",
     "generate": "jaxkv.generate",
+    "beam_search": "jaxkv.beam_search",
+    "Hypothesis": "jaxkv.beam_search",
     "fork": "jaxkv.paged_cache",
     "generate_pmap": "jaxkv.generate",
     "kv_cache_bytes": "jaxkv.memory",

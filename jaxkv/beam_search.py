@@ -1,0 +1,357 @@
+"""Beam search on the paged cache, scored exactly as transformers scores it.
+
+Each prompt is prefilled once; its K beams are forks of it (`PagedKVCache.fork`): full pages are shared by
+reference. Every step, each prompt's K*V continuations (beam score + the token's log-probability) are ranked, the
+best K that do not end become the next beams, and those that end (a stop token, or the last allowed token) may
+enter the prompt's K finished hypotheses. Choosing the next beams is a fork of page-table rows: the counts of the
+pages move, no full page is copied, and the partly filled last page of a beam is copied only for the second and
+later children that extend it (copy-on-write). Beams that are not chosen drop their pages in the same fork. A
+finished hypothesis keeps only its token ids and score: no page.
+
+The scoring is transformers' (`GenerationMixin._beam_search`, 4.50+), step for step, in float32:
+
+  candidates  the best C of the K*V continuations, C = (1 + stop-id slots) * K (transformers keeps
+              max(2, 1 + n_eos) * K; any C >= (1 + n_eos) * K selects the same beams and hypotheses, and a fixed
+              C means no recompile per number of stop ids). On the first step beams 1..K-1 score -1e9, so all
+              continuations come from the prompt.
+  next beams  the best K candidates that do not end (ended ones get -1e9 added).
+  finished    of the best K candidates (only those), each that ends scores sum_logprobs / length**length_penalty,
+              length = tokens generated including the stop token; it replaces the worst of the K finished
+              hypotheses if it beats it. A prompt whose K hypotheses are final adds no more: with
+              early_stopping=True once it holds K; otherwise once the best running beam cannot beat the worst
+              hypothesis, estimated at the current length (False), or at max_new_tokens when
+              length_penalty > 0 ("never", the exact bound).
+  the end     max_new_tokens, or every prompt final. A prompt that is final drops its beams' pages at once
+              and its rows stop computing; its hypotheses are what transformers returns for it.
+
+num_beams=1 is greedy search, as transformers runs it (which does no beam search for one beam).
+
+Letters as in `jaxkv.shapes`: B prompts (padded to a power of two), K beams, C candidates, V vocabulary, N
+max_new_tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxkv import attention as attention_impls
+from jaxkv import checks, memory
+from jaxkv.cache import check_cache_dtype
+from jaxkv.config import Config
+from jaxkv.generate import _forward, _Phase, _prefill_paged, _stop_ids, _token_lists
+from jaxkv.model import Model
+from jaxkv.paged_cache import PagedKVCache
+
+NEG = -1.0e9  # transformers' score of an impossible choice (added, in float32, exactly as it adds it)
+EARLY_STOPPING = (True, False, "never")
+
+
+@dataclasses.dataclass(frozen=True)
+class Hypothesis:
+    """One finished beam.
+
+    tokens:        the new token ids; a stop token that ended it is included.
+    score:         logprob / len(tokens) ** length_penalty: transformers' `sequences_scores`.
+    logprob:       the sum of the tokens' log-probabilities.
+    finish_reason: "stop" (it ended at a stop token) or "length" (max_new_tokens).
+    text:          the decoded tokens, when the model has a tokenizer.
+    """
+
+    tokens: list[int]
+    score: float
+    logprob: float
+    finish_reason: str
+    text: str | None = None
+
+
+class BeamSearchResult(list):
+    """What `beam_search` returns: per prompt, its `num_return_sequences` best `Hypothesis`, best first.
+
+    result[i][j].tokens / .score, or the same by attribute: result.tokens[i][j], result.scores[i][j],
+    result.text[i][j] (None without a tokenizer). `stats`: measured figures of the call (seconds, pages)."""
+
+    def __init__(self, hypotheses, stats: dict):
+        super().__init__(hypotheses)
+        self.stats = stats
+
+    @property
+    def tokens(self) -> list[list[list[int]]]:
+        return [[h.tokens for h in hyps] for hyps in self]
+
+    @property
+    def scores(self) -> list[list[float]]:
+        return [[h.score for h in hyps] for hyps in self]
+
+    @property
+    def text(self) -> list[list[str]] | None:
+        return None if self and self[0][0].text is None else [[h.text for h in hyps] for hyps in self]
+
+
+@flax.struct.dataclass
+class _Beams:
+    """The search's loop carry.
+
+    cache:     the paged cache, row b * K + k: beam k of prompt b
+    logits:    float32[B * K, V], what each beam continues from
+    running:   float32[B, K], each beam's summed log-probabilities, best first (transformers' running scores)
+    seqs:      int32[B, K, N], each beam's tokens so far (-1 after)
+    scores:    float32[B, K], the finished hypotheses' scores, best first (-1e9: none yet)
+    sums:      float32[B, K], their summed log-probabilities
+    lengths:   int32[B, K], their token counts
+    hyps:      int32[B, K, N], their tokens
+    finished:  bool[B, K], the slot holds a finished hypothesis
+    open:      bool[B], a running beam may still beat the worst finished hypothesis (transformers'
+               is_early_stop_heuristic_unsatisfied)
+    live:      bool[B], the prompt is still searching (its beams hold pages and compute)
+    step:      int32[], tokens chosen so far
+    peak:      int32[], the most pages in use after any step
+    """
+
+    cache: PagedKVCache
+    logits: jax.Array
+    running: jax.Array
+    seqs: jax.Array
+    scores: jax.Array
+    sums: jax.Array
+    lengths: jax.Array
+    hyps: jax.Array
+    finished: jax.Array
+    open: jax.Array
+    live: jax.Array
+    step: jax.Array
+    peak: jax.Array
+
+
+def _take(x, index):
+    """x[b, index[b, j], ...] for every b, j: a gather along the beam axis (x [B, n, ...], index [B, m])."""
+    return jax.vmap(lambda row, i: row[i])(x, index)
+
+
+def _penalty(condition):
+    """-1e9 where `condition`, else 0: what transformers adds as `condition.float() * -1e9`."""
+    return jnp.where(condition, jnp.float32(NEG), jnp.float32(0.0))
+
+
+def _choose(state: _Beams, *, stop_ids, max_new_tokens, length_penalty, early_stopping, num_beams: int,
+            candidates: int):
+    """One step of transformers' selection -> (state with the new beams and hypotheses, int32[B, K] the beams'
+    parents, int32[B, K] their new tokens)."""
+    B, K, N = state.seqs.shape
+    V = state.logits.shape[-1]
+    t = state.step
+    length = t + 1  # tokens generated once this step's token is appended
+    logp = jax.nn.log_softmax(state.logits, axis=-1).reshape(B, K, V) + state.running[:, :, None]
+    values, index = lax.top_k(logp.reshape(B, K * V), candidates)  # [B, C], best first
+    parent, token = index // V, index % V
+    ends = jnp.any(token[:, :, None] == stop_ids[None, None, :], axis=-1) | (length >= max_new_tokens)  # [B, C]
+    extended = lax.dynamic_update_slice_in_dim(_take(state.seqs, parent), token[:, :, None], t, axis=2)  # [B,C,N]
+
+    # The next beams: the best K candidates that do not end.
+    running_values = values + _penalty(ends)
+    running, pick = lax.top_k(running_values, num_beams)
+    new_parent, new_token, seqs = _take(parent, pick), _take(token, pick), _take(extended, pick)
+
+    # The finished hypotheses: the best K candidates that end may replace the worst ones.
+    top = jnp.arange(candidates) < num_beams
+    just = ends & top[None, :]
+    score = values / jnp.power(length.astype(jnp.float32), length_penalty)
+    if early_stopping is True:
+        score = score + _penalty(jnp.all(state.finished, axis=1))[:, None]
+    score = score + _penalty(~state.open)[:, None]
+    score = score + _penalty(~just)
+    merged = jnp.concatenate([state.scores, score], axis=1)  # [B, K + C]
+    scores, keep = lax.top_k(merged, num_beams)
+    sums = _take(jnp.concatenate([state.sums, values], axis=1), keep)
+    lengths = _take(jnp.concatenate([state.lengths, jnp.broadcast_to(length, values.shape)], axis=1), keep)
+    hyps = _take(jnp.concatenate([state.hyps, extended], axis=1), keep)
+    finished = _take(jnp.concatenate([state.finished, just], axis=1), keep)
+
+    # Can a running beam still beat the worst finished hypothesis? (transformers' _check_early_stop_heuristic)
+    if early_stopping == "never":
+        hypothetical = jnp.where(length_penalty > 0.0, max_new_tokens, length)
+    else:
+        hypothetical = length
+    best = running[:, :1] / jnp.power(hypothetical.astype(jnp.float32), length_penalty)  # [B, 1]
+    worst = jnp.where(finished, jnp.min(scores, axis=1, keepdims=True), jnp.float32(NEG))  # [B, K]
+    is_open = state.open & jnp.any(best > worst, axis=1)
+    live = state.live & is_open & (length < max_new_tokens)
+    if early_stopping is True:
+        live &= ~jnp.all(finished, axis=1)
+    state = state.replace(running=running, seqs=seqs, scores=scores, sums=sums, lengths=lengths, hyps=hyps,
+                          finished=finished, open=is_open, live=live, step=length)
+    return state, new_parent, new_token
+
+
+@functools.partial(jax.jit, static_argnames=("config", "attention", "early_stopping", "num_beams", "candidates"),
+                   donate_argnames=("cache",))
+def _search(params, cache: PagedKVCache, logits, real, stop_ids, max_new_tokens, length_penalty, *, config: Config,
+            attention: str, early_stopping, num_beams: int, candidates: int):
+    """The whole search after prefill, one `lax.while_loop` (cache rows B * K, forked from the prompts) ->
+    the final `_Beams`, every page released."""
+    BK, V = logits.shape
+    K = num_beams
+    B = BK // K
+    N = max_new_tokens
+    max_steps = cache.capacity  # the static bound of the token buffers (N <= capacity, checked on the host)
+    running = jnp.where(jnp.arange(K)[None, :] == 0, 0.0, jnp.float32(NEG)) * jnp.ones((B, 1), jnp.float32)
+    state = _Beams(cache=cache, logits=logits, running=running,
+                   seqs=jnp.full((B, K, max_steps), -1, jnp.int32), scores=jnp.full((B, K), NEG, jnp.float32),
+                   sums=jnp.zeros((B, K), jnp.float32), lengths=jnp.zeros((B, K), jnp.int32),
+                   hyps=jnp.full((B, K, max_steps), -1, jnp.int32), finished=jnp.zeros((B, K), bool),
+                   open=real, live=real, step=jnp.zeros((), jnp.int32), peak=cache.pages_in_use())
+    rows = jnp.arange(BK, dtype=jnp.int32).reshape(B, K)
+
+    def body(state: _Beams) -> _Beams:
+        state, parent, token = _choose(state, stop_ids=stop_ids, max_new_tokens=N, length_penalty=length_penalty,
+                                       early_stopping=early_stopping, num_beams=K, candidates=candidates)
+        # The chosen beams as page-table rows: row b*K + k continues row b*K + parent[b, k]; a prompt that is done
+        # keeps no row (its pages are released by the same fork).
+        parents = jnp.where(state.live[:, None], _take(rows, parent), -1).reshape(BK)
+        active = parents >= 0
+
+        def forward(state):
+            cache = state.cache.fork(parents)
+            logits, cache = _forward(params, jnp.where(active, token.reshape(BK), 0)[:, None], cache,
+                                     config=config, attention=attention, active=active)
+            return state.replace(cache=cache, logits=logits[:, 0],
+                                 peak=jnp.maximum(state.peak, cache.pages_in_use()))
+
+        # The last step feeds nothing back: no forward pass once no prompt is live.
+        return lax.cond(jnp.any(state.live), forward, lambda s: s.replace(cache=s.cache.fork(parents)), state)
+
+    state = lax.while_loop(lambda s: jnp.any(s.live), body, state)
+    return state.replace(cache=state.cache.release(jnp.ones((BK,), bool)))
+
+
+def _check_early_stopping(value):
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if value == "never":
+        return "never"
+    raise ValueError(f"early_stopping must be True, False or 'never', got {value!r}")
+
+
+def beam_search(model: Model, prompts, *, num_beams: int, max_new_tokens: int, length_penalty: float = 1.0,
+                early_stopping: bool | str = False, num_return_sequences: int = 1,
+                stop_tokens: Sequence[int] | None = None, max_len: int | None = None, cache_dtype: str | None = None,
+                page_size: int = memory.DEFAULT_PAGE_SIZE, num_pages: int | None = None,
+                attention: str | None = None) -> BeamSearchResult:
+    """Beam search for a batch of prompts on a paged cache, with transformers' scoring (see the module docstring).
+
+    Args:
+      model: a `jaxkv.Model`.
+      prompts: token-id lists, or strings for a model with a tokenizer (one prompt: a list of one).
+      num_beams: K >= 1 beams per prompt (1: greedy search).
+      max_new_tokens: the most tokens a hypothesis may have (>= 1).
+      length_penalty: a hypothesis scores sum_logprobs / len ** length_penalty (> 0 favours longer ones).
+      early_stopping: True (a prompt ends once it holds K finished hypotheses), False (once no running beam can
+        beat them, judged at the current length) or "never" (judged at the best length any beam could reach),
+        as in transformers.
+      num_return_sequences: hypotheses returned per prompt, 1..num_beams.
+      stop_tokens: ids that end a hypothesis (included in it). None: the model's eos ids; []: only the length.
+      max_len: bound on each sequence's slots (prompt + new tokens); default: the longest prompt + max_new_tokens
+        rounded up to a power of two.
+      cache_dtype: one of `jaxkv.cache.CACHE_DTYPES` (default the model's dtype).
+      page_size: slots per page.
+      num_pages: the page pool to use; default what the plan needs (`stats["pages_needed"]`, rounded up to a
+        power of two). A pool too small for the worst case is a ValueError.
+      attention: "auto", "xla" or "pallas" (the paged decode kernel); default the config's.
+
+    Returns:
+      A `BeamSearchResult`: per prompt, its best `num_return_sequences` `Hypothesis` (tokens, score, logprob,
+      finish_reason, text), best first; `.stats` with the pages used ("pages_in_use_peak" after any step,
+      "pages_needed" the planner's bound, "pages_in_use_end" after the search, 0) and the bytes K private caches
+      per prompt would need ("kv_cache_bytes_unshared").
+
+    Raises:
+      ValueError: before any compute, for bad settings or prompts, or what cannot fit (max_len, the model's
+        positions, num_pages).
+    """
+    config = model.config
+    num_beams = checks.check_int("num_beams", num_beams, 1)
+    num_return_sequences = checks.check_int("num_return_sequences", num_return_sequences, 1)
+    if num_return_sequences > num_beams:
+        raise ValueError(f"num_return_sequences={num_return_sequences} exceeds num_beams={num_beams}: beam search "
+                         f"keeps num_beams hypotheses per prompt")
+    max_new_tokens = checks.check_int("max_new_tokens", max_new_tokens, 1)
+    length_penalty = checks.check_float("length_penalty", length_penalty)
+    early_stopping = _check_early_stopping(early_stopping)
+    if num_beams == 1:  # transformers runs greedy search: the first hypothesis to end is the answer
+        early_stopping = True
+    token_lists = _token_lists(prompts, config.vocab_size, model.tokenizer)
+    stop_ids = _stop_ids(stop_tokens, config)
+    cache_dtype = check_cache_dtype(config.dtype if cache_dtype is None else cache_dtype)
+    attention = attention_impls.resolve(attention or config.attention)
+    if max_len is not None:
+        max_len = checks.check_int("max_len", max_len, 1)
+    page_size = checks.check_int("page_size", page_size, 1)
+    lengths = [len(p) for p in token_lists]
+    plan = memory.plan_pages(config, lengths, max_new_tokens, n=num_beams, page_size=page_size,
+                             cache_dtype=cache_dtype, max_len=max_len)
+    pool = plan.num_pages
+    if num_pages is not None:
+        pool = checks.check_int("num_pages", num_pages, 1)
+        if pool < plan.pages_needed:
+            raise ValueError(f"{num_beams} beams of {len(token_lists)} prompt(s) with max_new_tokens={max_new_tokens} "
+                             f"may hold {plan.pages_needed} pages of {page_size} slots at once; num_pages={pool} "
+                             f"cannot hold them")
+    B, K = plan.prefill_batch, num_beams
+    T = plan.prompt_len
+    tokens = np.zeros((B, T), np.int32)
+    positions = np.full((B, T), -1, np.int32)
+    for b, p in enumerate(token_lists):
+        tokens[b, :len(p)], positions[b, :len(p)] = p, np.arange(len(p))
+    real = np.arange(B) < len(token_lists)
+    parents = np.where(np.repeat(real, K), np.repeat(np.arange(B), K), -1).astype(np.int32)
+    candidates = min((1 + len(stop_ids)) * K, K * config.vocab_size)
+
+    with _Phase() as prefill_time:
+        logits, cache = _prefill_paged(model.params, jax.device_put(tokens), jax.device_put(positions),
+                                       jax.device_put(parents), config=config, attention=attention, num_pages=pool,
+                                       page_size=page_size, max_pages=plan.max_pages, cache_dtype=cache_dtype)
+        start_pages = int(cache.pages_in_use())
+    with _Phase() as search_time:
+        state = _search(model.params, cache, logits, jax.device_put(real), jax.device_put(stop_ids),
+                        jnp.int32(max_new_tokens), jnp.float32(length_penalty), config=config,
+                        attention=attention, early_stopping=early_stopping, num_beams=K, candidates=candidates)
+        final_cache = state.cache
+        state = jax.device_get(state.replace(cache=None))  # everything but the pools, to the host
+    end_pages = int(final_cache.pages_in_use())
+    if bool(np.asarray(final_cache.overflowed).any()) or bool(np.isnan(state.scores[:len(token_lists)]).any()):
+        raise RuntimeError("the beams ran out of pages or positions; the plan should have prevented it")
+
+    stop_set = {int(t) for t in stop_ids if t >= 0}
+    hypotheses = []
+    for b in range(len(token_lists)):
+        hyps = []
+        for j in range(num_return_sequences):
+            row = state.hyps[b, j, :state.lengths[b, j]].tolist()
+            text = model.tokenizer.decode(row, skip_special_tokens=True) if model.tokenizer is not None else None
+            hyps.append(Hypothesis(tokens=row, score=float(state.scores[b, j]), logprob=float(state.sums[b, j]),
+                                   finish_reason="stop" if row and row[-1] in stop_set else "length", text=text))
+        hypotheses.append(hyps)
+    per_page = memory.page_bytes(config, page_size, cache_dtype)
+    peak = max(int(state.peak), start_pages)
+    steps = int(state.step)
+    stats = {
+        "prompt_tokens": int(sum(lengths)),  # each prompt prefilled once, not once per beam
+        "num_beams": K, "page_size": page_size, "num_pages": pool, "cache_dtype": cache_dtype,
+        "steps": steps,  # tokens chosen per beam before every prompt was done
+        "pages_needed": plan.pages_needed,  # the planner's bound on pages in use at any time
+        "pages_in_use_peak": peak, "kv_bytes_in_use_peak": peak * per_page,
+        "pages_in_use_end": end_pages,
+        # What K private contiguous caches of prompt + max_new_tokens slots per prompt would need.
+        "kv_cache_bytes_unshared": plan.unshared_bytes,
+        "kv_cache_bytes": memory.pool_bytes(config, num_pages=pool, page_size=page_size, cache_dtype=cache_dtype),
+        "prefill_s": prefill_time.run_s, "search_s": search_time.run_s,
+        "compile_s": prefill_time.compile_s + search_time.compile_s,
+    }
+    return BeamSearchResult(hypotheses, stats)
