@@ -208,26 +208,27 @@ def _search(params, cache: PagedKVCache, logits, real, stop_ids, max_new_tokens,
                    hyps=jnp.full((B, K, max_steps), -1, jnp.int32), finished=jnp.zeros((B, K), bool),
                    open=real, live=real, step=jnp.zeros((), jnp.int32), peak=cache.pages_in_use())
     rows = jnp.arange(BK, dtype=jnp.int32).reshape(B, K)
+    choose = functools.partial(_choose, stop_ids=stop_ids, max_new_tokens=N, length_penalty=length_penalty,
+                               early_stopping=early_stopping, num_beams=K, candidates=candidates)
 
-    def body(state: _Beams) -> _Beams:
-        state, parent, token = _choose(state, stop_ids=stop_ids, max_new_tokens=N, length_penalty=length_penalty,
-                                       early_stopping=early_stopping, num_beams=K, candidates=candidates)
+    def cond(carry):
+        return jnp.any(carry[0].live)
+
+    def body(carry):
+        state, parent, token = carry
         # The chosen beams as page-table rows: row b*K + k continues row b*K + parent[b, k]; a prompt that is done
         # keeps no row (its pages are released by the same fork).
         parents = jnp.where(state.live[:, None], _take(rows, parent), -1).reshape(BK)
         active = parents >= 0
+        cache = state.cache.fork(parents)
+        logits, cache = _forward(params, jnp.where(active, token.reshape(BK), 0)[:, None], cache, config=config,
+                                 attention=attention, active=active)
+        state = state.replace(cache=cache, logits=logits[:, 0], peak=jnp.maximum(state.peak, cache.pages_in_use()))
+        return choose(state)
 
-        def forward(state):
-            cache = state.cache.fork(parents)
-            logits, cache = _forward(params, jnp.where(active, token.reshape(BK), 0)[:, None], cache,
-                                     config=config, attention=attention, active=active)
-            return state.replace(cache=cache, logits=logits[:, 0],
-                                 peak=jnp.maximum(state.peak, cache.pages_in_use()))
-
-        # The last step feeds nothing back: no forward pass once no prompt is live.
-        return lax.cond(jnp.any(state.live), forward, lambda s: s.replace(cache=s.cache.fork(parents)), state)
-
-    state = lax.while_loop(lambda s: jnp.any(s.live), body, state)
+    # Choose, then (while a prompt is live) fork, feed the chosen tokens and choose again: the last choice feeds
+    # nothing back. (No lax.cond around the model: on XLA:CPU one made the pools be copied every step.)
+    state, _, _ = lax.while_loop(cond, body, choose(state))
     return state.replace(cache=state.cache.release(jnp.ones((BK,), bool)))
 
 

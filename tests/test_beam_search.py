@@ -1,0 +1,275 @@
+"""Beam search: the same hypotheses and scores as transformers' beam search, beams as forks of page-table rows
+(no whole K/V copy in the compiled loop), every page back at the end, bad input refused before compute.
+
+transformers runs tiny random Llama and GPT-2 models (CPU, float32, eager attention) with
+`generate(num_beams=K, do_sample=False, ...)`; jaxkv loads the same weights with `load_hf`. The stop tokens are
+picked from the models' own greedy continuations, so hypotheses end at a stop token at different steps.
+"""
+
+import importlib
+import itertools
+import math
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxkv
+from conftest import model_for
+from jaxkv import memory
+from jaxkv.checkpoint_hf import load_hf
+from jaxkv.generate import _prefill_paged
+
+bs = importlib.import_module("jaxkv.beam_search")  # the module (jaxkv.beam_search is the function)
+
+VOCAB = 160
+PAD, EOS, BOS = 0, 1, 2
+NEW = 12
+SCORE_ATOL = 1e-4  # float32: the two sum the same log-probabilities from logits that agree to ~1e-5
+SINGLE = [[17, 3, 99, 41, 8, 150, 23, 64, 5, 77, 120, 31]]
+RAGGED = [[44, 9, 130, 2, 61], [7, 88, 19, 140, 33, 52, 101, 4, 66, 29, 150, 11, 93],
+          [12, 5, 70, 143, 38, 26, 9, 81, 57]]
+HF = {
+    "llama": ("LlamaConfig", dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                  initializer_range=0.25, rms_norm_eps=1e-6, pad_token_id=PAD, eos_token_id=EOS,
+                                  bos_token_id=BOS)),
+    "gpt2": ("GPT2Config", dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=128,
+                                initializer_range=0.25, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=BOS)),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(HF))
+def pair(request, tmp_path_factory):
+    """(HF model, jaxkv model of the same weights, stop tokens its greedy continuations reach at different
+    steps)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config_class, kwargs = HF[request.param]
+    hf = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_class)(**kwargs),
+                                                       attn_implementation="eager").eval()
+    hf.generation_config.eos_token_id = None  # the stop tokens are passed per call
+    directory = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(directory, safe_serialization=True)
+    model = load_hf(directory)
+    greedy = jaxkv.generate(model, SINGLE + RAGGED, max_new_tokens=NEW, stop_tokens=[]).tokens
+    stops = sorted({greedy[0][3], greedy[1][6], greedy[2][9]})
+    return hf, model, stops
+
+
+def hf_beam_search(hf, prompts, stops, *, num_beams, length_penalty, early_stopping, num_return_sequences):
+    """transformers' hypotheses per prompt: [(new tokens up to and including a stop token, score or None)]."""
+    import torch
+
+    T = max(map(len, prompts))
+    ids = torch.full((len(prompts), T), PAD, dtype=torch.long)
+    mask = torch.zeros((len(prompts), T), dtype=torch.long)
+    for b, p in enumerate(prompts):  # left padding, as transformers wants for decoder-only models
+        ids[b, T - len(p):], mask[b, T - len(p):] = torch.tensor(p), 1
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=mask, num_beams=num_beams, do_sample=False,
+                          length_penalty=length_penalty, early_stopping=early_stopping,
+                          num_return_sequences=num_return_sequences, max_new_tokens=NEW, output_scores=True,
+                          return_dict_in_generate=True, eos_token_id=stops, pad_token_id=PAD)
+    seqs = out.sequences[:, T:].tolist()
+    scores = getattr(out, "sequences_scores", None)  # greedy search (one beam) reports none
+    result = []
+    for i in range(len(prompts)):
+        hyps = []
+        for j in range(num_return_sequences):
+            row = seqs[i * num_return_sequences + j]
+            end = next((k + 1 for k, t in enumerate(row) if t in stops), len(row))  # padding follows a stop
+            hyps.append((row[:end], None if scores is None else float(scores[i * num_return_sequences + j])))
+        result.append(hyps)
+    return result
+
+
+@pytest.mark.parametrize("early_stopping", [True, False, "never"])
+@pytest.mark.parametrize("num_beams", [1, 2, 4])
+def test_hypotheses_and_scores_equal_transformers(pair, num_beams, early_stopping):
+    hf, model, stops = pair
+    for length_penalty, prompts in itertools.product([0.5, 1.0, 2.0], [SINGLE, RAGGED]):
+        want = hf_beam_search(hf, prompts, stops, num_beams=num_beams, length_penalty=length_penalty,
+                              early_stopping=early_stopping, num_return_sequences=num_beams)
+        got = jaxkv.beam_search(model, prompts, num_beams=num_beams, max_new_tokens=NEW,
+                                length_penalty=length_penalty, early_stopping=early_stopping,
+                                num_return_sequences=num_beams, stop_tokens=stops)
+        where = f"length_penalty={length_penalty}, {len(prompts)} prompt(s)"
+        assert got.tokens == [[tokens for tokens, _ in hyps] for hyps in want], where
+        for hyps, want_hyps in zip(got, want):
+            for h, (tokens, score) in zip(hyps, want_hyps):
+                assert h.score == pytest.approx(h.logprob / len(h.tokens) ** length_penalty, rel=1e-6)
+                assert h.finish_reason == ("stop" if tokens[-1] in stops else "length")
+                if score is not None:
+                    assert abs(h.score - score) < SCORE_ATOL, where
+        assert got.stats["pages_in_use_end"] == 0
+        assert got.stats["pages_in_use_peak"] <= got.stats["pages_needed"]
+
+
+def test_the_settings_matter(pair):
+    """The comparison above can tell the settings apart: on these models they give different hypotheses."""
+    _, model, stops = pair
+    outcome = {(lp, es): str(jaxkv.beam_search(model, SINGLE + RAGGED, num_beams=4, max_new_tokens=NEW,
+                                               length_penalty=lp, early_stopping=es, num_return_sequences=4,
+                                               stop_tokens=stops).tokens)
+               for lp, es in itertools.product([0.5, 1.0, 2.0], [True, False, "never"])}
+    assert any(len({outcome[lp, es] for es in (True, False, "never")}) > 1 for lp in (0.5, 1.0, 2.0))
+    assert any(len({outcome[lp, es] for lp in (0.5, 1.0, 2.0)}) > 1 for es in (True, False, "never"))
+    got = jaxkv.beam_search(model, RAGGED, num_beams=4, max_new_tokens=NEW, num_return_sequences=4,
+                            stop_tokens=stops)
+    reasons = {h.finish_reason for hyps in got for h in hyps}
+    lengths = {len(h.tokens) for hyps in got for h in hyps if h.finish_reason == "stop"}
+    assert "stop" in reasons and len(lengths) >= 3  # stop tokens reached at different steps
+
+
+@pytest.mark.parametrize("name", ["gqa", "sliding", "learned"])
+def test_one_beam_is_greedy_generate(name):
+    model = model_for(name)
+    prompts = [[5, 9, 2, 77, 31, 8], [3] * 20, [60, 1]]
+    greedy = jaxkv.generate(model, prompts, max_new_tokens=NEW, stop_tokens=[])
+    stops = [greedy.tokens[0][4], greedy.tokens[1][7]]
+    greedy = jaxkv.generate(model, prompts, max_new_tokens=NEW, stop_tokens=stops, logprobs=1)
+    for early_stopping in (True, False, "never"):
+        got = jaxkv.beam_search(model, prompts, num_beams=1, max_new_tokens=NEW, stop_tokens=stops,
+                                early_stopping=early_stopping, length_penalty=2.0)
+        assert [h[0].tokens for h in got] == greedy.tokens
+        assert [h[0].finish_reason for h in got] == greedy.finish_reasons
+        for hyps, logprobs in zip(got, greedy.logprobs):
+            assert hyps[0].logprob == pytest.approx(sum(logprobs), abs=1e-4)
+
+
+def test_pages_are_shared_bounded_and_all_returned():
+    """A long prompt's full pages are held once by all beams; a pool of exactly the planned pages suffices (a
+    beam that found no page would poison its row and the call would raise); at the end every page is free."""
+    model = model_for("gqa")
+    prompt = [int(t) for t in np.random.default_rng(0).integers(3, 97, 100)]
+    plan = memory.plan_pages(model.config, [100], NEW, n=4, page_size=4)
+    roomy = jaxkv.beam_search(model, [prompt], num_beams=4, max_new_tokens=NEW, stop_tokens=[], page_size=4)
+    tight = jaxkv.beam_search(model, [prompt], num_beams=4, max_new_tokens=NEW, stop_tokens=[], page_size=4,
+                              num_pages=plan.pages_needed)
+    assert tight.tokens == roomy.tokens and tight.scores == roomy.scores
+    stats = tight.stats
+    assert stats["pages_needed"] == plan.pages_needed == 25 + 4 * 3  # 25 prompt pages, 3 own pages per beam
+    assert stats["pages_in_use_end"] == 0
+    # K private caches would hold the prompt 4 times: 4 x 28 pages' worth of slots.
+    assert 25 < stats["pages_in_use_peak"] <= plan.pages_needed < 4 * 25
+    assert stats["kv_bytes_in_use_peak"] < stats["kv_cache_bytes_unshared"] / 2
+    assert stats["kv_cache_bytes_unshared"] == 4 * (100 + NEW) * memory.kv_bytes_per_token(model.config)
+
+
+def test_tokenizer_text_and_result_views():
+    model = jaxkv.load("tiny")
+    got = jaxkv.beam_search(model, ["Once upon a time", "The cat"], num_beams=3, max_new_tokens=6,
+                            num_return_sequences=2)
+    assert len(got) == 2 and all(len(h) == 2 for h in got)
+    for hyps in got:
+        assert hyps[0].score >= hyps[1].score
+        for h in hyps:
+            assert h.text == model.tokenizer.decode(h.tokens, skip_special_tokens=True)
+    assert got.text == [[h.text for h in hyps] for hyps in got]
+    assert got.scores == [[h.score for h in hyps] for hyps in got]
+    assert got.tokens == [[h.tokens for h in hyps] for hyps in got]
+
+
+def test_settings_are_traced_not_compiled():
+    """length_penalty, max_new_tokens (within a capacity bucket) and the stop ids do not recompile the loop."""
+    model = model_for("gqa")
+    prompts = [[5, 9, 2, 77], [3, 4]]
+    jaxkv.beam_search(model, prompts, num_beams=2, max_new_tokens=8)
+    before = bs._search._cache_size()
+    for lp, new, stops in [(0.5, 9, [4]), (2.0, 10, [4, 5, 6]), (-1.0, 7, [])]:
+        jaxkv.beam_search(model, prompts, num_beams=2, max_new_tokens=new, length_penalty=lp, stop_tokens=stops)
+    assert bs._search._cache_size() == before
+
+
+def test_int8_cache_and_pallas_kernel_run_the_same_search():
+    """The quantized pool and the Pallas paged decode kernel (interpreted on CPU) behind the same search."""
+    model = model_for("gqa")
+    prompts = [[5, 9, 2, 77, 31, 8, 14, 60, 2], [3, 4, 5]]
+    ref = jaxkv.beam_search(model, prompts, num_beams=3, max_new_tokens=6, stop_tokens=[], page_size=4)
+    kernel = jaxkv.beam_search(model, prompts, num_beams=3, max_new_tokens=6, stop_tokens=[], page_size=4,
+                               attention="pallas")
+    assert kernel.tokens == ref.tokens
+    np.testing.assert_allclose(kernel.scores, ref.scores, atol=1e-5)
+    int8 = jaxkv.beam_search(model, prompts, num_beams=3, max_new_tokens=6, stop_tokens=[], page_size=4,
+                             cache_dtype="int8")
+    assert int8.stats["cache_dtype"] == "int8" and int8.stats["pages_in_use_end"] == 0
+    # int8 K/V moves each score a little (per-token scales): the best hypotheses stay close.
+    np.testing.assert_allclose([h[0].score for h in int8], [h[0].score for h in ref], atol=0.05)
+
+
+# --- the compiled loop copies no K/V ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cache_dtype", ["float32", "int8"])
+def test_compiled_search_never_copies_or_gathers_whole_pools(cache_dtype):
+    """Choosing the next beams is a fork of page-table rows: outside the attention (which reads the pages it
+    needs), no op in the compiled search copies, transposes or gathers a buffer as large as a K/V pool; the
+    only K/V data moved is the partly filled last page of a beam extended twice (a gather of at most B*K
+    pages)."""
+    model = model_for("gqa")
+    cfg = model.config
+    B, K, P, page = 2, 4, 64, 4
+    tokens = np.ones((B, 16), np.int32)
+    positions = np.tile(np.arange(16, dtype=np.int32), (B, 1))
+    parents = np.repeat(np.arange(B, dtype=np.int32), K)
+    logits, cache = _prefill_paged(model.params, tokens, positions, parents, config=cfg, attention="xla",
+                                   num_pages=P, page_size=page, max_pages=16, cache_dtype=cache_dtype)
+    text = bs._search.lower(model.params, cache, logits, jnp.ones((B,), bool), jnp.full((8,), -1, jnp.int32),
+                            jnp.int32(8), jnp.float32(1.0), config=cfg, attention="xla", early_stopping=False,
+                            num_beams=K, candidates=9 * K).compile().as_text()
+    short = {"float32": "f32", "int8": "s8"}[cache_dtype]
+    pool = f"{short}[{P},{cfg.n_kv_heads},{page},{cfg.head_dim}]"
+    assert pool in text  # the check below looks at the right buffers
+    moved = []
+    for line in text.splitlines():
+        m = re.search(r"%(\S+) = \w+\[([\d,]+)\]\S* (\w+)\(", line)
+        if not m:
+            continue
+        name, op, dims = m.group(1), m.group(3), [int(d) for d in m.group(2).split(",")]
+        # Pages of K/V ([..., K, page, H]) or of scales ([..., K, page]), as many as the pool holds or more.
+        for tail in ([cfg.n_kv_heads, page, cfg.head_dim], [cfg.n_kv_heads, page]):
+            pages = dims[:-len(tail)]
+            if dims[-len(tail):] == tail and pages and math.prod(pages) >= P:
+                copy = op == "copy" or "copy" in name or "transpose" in name
+                gather = (op == "gather" or "gather" in name) and "attn._paged" not in line
+                if copy or gather:
+                    moved.append(line.strip()[:160])
+    assert not moved, moved[:3]
+
+
+# --- bad input --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_beams=0), "num_beams must be"),
+    (dict(num_beams=2.0), "num_beams must be"),
+    (dict(num_beams=2, num_return_sequences=3), "num_return_sequences=3 exceeds num_beams=2"),
+    (dict(num_return_sequences=0), "num_return_sequences must be"),
+    (dict(max_new_tokens=-1), "max_new_tokens must be"),
+    (dict(max_new_tokens=0), "max_new_tokens must be"),
+    (dict(early_stopping="sometimes"), "early_stopping must be"),
+    (dict(early_stopping=None), "early_stopping must be"),
+    (dict(length_penalty="long"), "length_penalty must be"),
+    (dict(length_penalty=float("nan")), "length_penalty must be"),
+    (dict(num_pages=5), "num_pages=5 cannot hold them"),
+    (dict(max_len=16), "exceeds max_len=16"),
+    (dict(max_new_tokens=5000), "max positions"),
+    (dict(stop_tokens=[97]), "outside the vocabulary"),
+    (dict(cache_dtype="int3"), "cache_dtype"),
+    (dict(prompts=[[]]), "empty"),
+    (dict(prompts=[[1, 2, 500]]), "outside the vocabulary"),
+])
+def test_bad_input_is_refused_before_compute(kwargs, match, monkeypatch):
+    def no_compute(*a, **kw):
+        raise AssertionError("compute started for bad input")
+
+    monkeypatch.setattr(bs, "_prefill_paged", no_compute)
+    monkeypatch.setattr(bs, "_search", no_compute)
+    args = dict(prompts=[[5, 9, 2, 77, 31, 8, 14, 60, 2, 5]], num_beams=4, max_new_tokens=8) | kwargs
+    with pytest.raises(ValueError, match=match):
+        jaxkv.beam_search(model_for("gqa"), args.pop("prompts"), **args)
