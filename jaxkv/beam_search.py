@@ -1,24 +1,24 @@
 """Beam search on the paged cache, scored exactly as transformers scores it.
 
-Each prompt is prefilled once; its K beams are forks of it (`PagedKVCache.fork`): full pages are shared by
-reference. Every step, each prompt's K*V continuations (beam score + the token's log-probability) are ranked, the
-best K that do not end become the next beams, and those that end (a stop token, or the last allowed token) may
-enter the prompt's K finished hypotheses. Choosing the next beams is a fork of page-table rows: the counts of the
+Each prompt is prefilled once; its W beams are forks of it (`PagedKVCache.fork`): full pages are shared by
+reference. Every step, each prompt's W*V continuations (beam score + the token's log-probability) are ranked, the
+best W that do not end become the next beams, and those that end (a stop token, or the last allowed token) may
+enter the prompt's W finished hypotheses. Choosing the next beams is a fork of page-table rows: the counts of the
 pages move, no full page is copied, and the partly filled last page of a beam is copied only for the second and
 later children that extend it (copy-on-write). Beams that are not chosen drop their pages in the same fork. A
 finished hypothesis keeps only its token ids and score: no page.
 
 The scoring is transformers' (`GenerationMixin._beam_search`, 4.50+), step for step, in float32:
 
-  candidates  the best C of the K*V continuations, C = (1 + stop-id slots) * K (transformers keeps
-              max(2, 1 + n_eos) * K; any C >= (1 + n_eos) * K selects the same beams and hypotheses, and a fixed
-              C means no recompile per number of stop ids). On the first step beams 1..K-1 score -1e9, so all
+  candidates  the best C of the W*V continuations, C = (1 + stop-id slots) * W (transformers keeps
+              max(2, 1 + n_eos) * W; any C >= (1 + n_eos) * W selects the same beams and hypotheses, and a fixed
+              C means no recompile per number of stop ids). On the first step beams 1..W-1 score -1e9, so all
               continuations come from the prompt.
-  next beams  the best K candidates that do not end (ended ones get -1e9 added).
-  finished    of the best K candidates (only those), each that ends scores sum_logprobs / length**length_penalty,
-              length = tokens generated including the stop token; it replaces the worst of the K finished
-              hypotheses if it beats it. A prompt whose K hypotheses are final adds no more: with
-              early_stopping=True once it holds K; otherwise once the best running beam cannot beat the worst
+  next beams  the best W candidates that do not end (ended ones get -1e9 added).
+  finished    of the best W candidates (only those), each that ends scores sum_logprobs / length**length_penalty,
+              length = tokens generated including the stop token; it replaces the worst of the W finished
+              hypotheses if it beats it. A prompt whose W hypotheses are final adds no more: with
+              early_stopping=True once it holds W; otherwise once the best running beam cannot beat the worst
               hypothesis, estimated at the current length (False), or at max_new_tokens when
               length_penalty > 0 ("never", the exact bound).
   the end     max_new_tokens, or every prompt final. A prompt that is final drops its beams' pages at once
@@ -26,8 +26,8 @@ The scoring is transformers' (`GenerationMixin._beam_search`, 4.50+), step for s
 
 num_beams=1 is greedy search, as transformers runs it (which does no beam search for one beam).
 
-Letters as in `jaxkv.shapes`: B prompts (padded to a power of two), K beams, C candidates, V vocabulary, N
-max_new_tokens.
+Letters as in `jaxkv.shapes`: B prompts (padded to a power of two), W beams, C candidates, V vocabulary, S the
+slots of a sequence (the static bound of the token buffers).
 """
 
 from __future__ import annotations
@@ -99,15 +99,15 @@ class BeamSearchResult(list):
 class _Beams:
     """The search's loop carry.
 
-    cache:     the paged cache, row b * K + k: beam k of prompt b
-    logits:    float32[B * K, V], what each beam continues from
-    running:   float32[B, K], each beam's summed log-probabilities, best first (transformers' running scores)
-    seqs:      int32[B, K, N], each beam's tokens so far (-1 after)
-    scores:    float32[B, K], the finished hypotheses' scores, best first (-1e9: none yet)
-    sums:      float32[B, K], their summed log-probabilities
-    lengths:   int32[B, K], their token counts
-    hyps:      int32[B, K, N], their tokens
-    finished:  bool[B, K], the slot holds a finished hypothesis
+    cache:     the paged cache, row b * W + k: beam k of prompt b
+    logits:    float32[B * W, V], what each beam continues from
+    running:   float32[B, W], each beam's summed log-probabilities, best first (transformers' running scores)
+    seqs:      int32[B, W, S], each beam's tokens so far (-1 after)
+    scores:    float32[B, W], the finished hypotheses' scores, best first (-1e9: none yet)
+    sums:      float32[B, W], their summed log-probabilities
+    lengths:   int32[B, W], their token counts
+    hyps:      int32[B, W, S], their tokens
+    finished:  bool[B, W], the slot holds a finished hypothesis
     open:      bool[B], a running beam may still beat the worst finished hypothesis (transformers'
                is_early_stop_heuristic_unsatisfied)
     live:      bool[B], the prompt is still searching (its beams hold pages and compute)
@@ -142,24 +142,24 @@ def _penalty(condition):
 
 def _choose(state: _Beams, *, stop_ids, max_new_tokens, length_penalty, early_stopping, num_beams: int,
             candidates: int):
-    """One step of transformers' selection -> (state with the new beams and hypotheses, int32[B, K] the beams'
-    parents, int32[B, K] their new tokens)."""
-    B, K, N = state.seqs.shape
+    """One step of transformers' selection -> (state with the new beams and hypotheses, int32[B, W] the beams'
+    parents, int32[B, W] their new tokens)."""
+    B, W, _ = state.seqs.shape
     V = state.logits.shape[-1]
     t = state.step
     length = t + 1  # tokens generated once this step's token is appended
-    logp = jax.nn.log_softmax(state.logits, axis=-1).reshape(B, K, V) + state.running[:, :, None]
-    values, index = lax.top_k(logp.reshape(B, K * V), candidates)  # [B, C], best first
+    logp = jax.nn.log_softmax(state.logits, axis=-1).reshape(B, W, V) + state.running[:, :, None]
+    values, index = lax.top_k(logp.reshape(B, W * V), candidates)  # [B, C], best first
     parent, token = index // V, index % V
     ends = jnp.any(token[:, :, None] == stop_ids[None, None, :], axis=-1) | (length >= max_new_tokens)  # [B, C]
-    extended = lax.dynamic_update_slice_in_dim(_take(state.seqs, parent), token[:, :, None], t, axis=2)  # [B,C,N]
+    extended = lax.dynamic_update_slice_in_dim(_take(state.seqs, parent), token[:, :, None], t, axis=2)  # [B, C, S]
 
-    # The next beams: the best K candidates that do not end.
+    # The next beams: the best W candidates that do not end.
     running_values = values + _penalty(ends)
     running, pick = lax.top_k(running_values, num_beams)
     new_parent, new_token, seqs = _take(parent, pick), _take(token, pick), _take(extended, pick)
 
-    # The finished hypotheses: the best K candidates that end may replace the worst ones.
+    # The finished hypotheses: the best W candidates that end may replace the worst ones.
     top = jnp.arange(candidates) < num_beams
     just = ends & top[None, :]
     score = values / jnp.power(length.astype(jnp.float32), length_penalty)
@@ -167,7 +167,7 @@ def _choose(state: _Beams, *, stop_ids, max_new_tokens, length_penalty, early_st
         score = score + _penalty(jnp.all(state.finished, axis=1))[:, None]
     score = score + _penalty(~state.open)[:, None]
     score = score + _penalty(~just)
-    merged = jnp.concatenate([state.scores, score], axis=1)  # [B, K + C]
+    merged = jnp.concatenate([state.scores, score], axis=1)  # [B, W + C]
     scores, keep = lax.top_k(merged, num_beams)
     sums = _take(jnp.concatenate([state.sums, values], axis=1), keep)
     lengths = _take(jnp.concatenate([state.lengths, jnp.broadcast_to(length, values.shape)], axis=1), keep)
@@ -180,7 +180,7 @@ def _choose(state: _Beams, *, stop_ids, max_new_tokens, length_penalty, early_st
     else:
         hypothetical = length
     best = running[:, :1] / jnp.power(hypothetical.astype(jnp.float32), length_penalty)  # [B, 1]
-    worst = jnp.where(finished, jnp.min(scores, axis=1, keepdims=True), jnp.float32(NEG))  # [B, K]
+    worst = jnp.where(finished, jnp.min(scores, axis=1, keepdims=True), jnp.float32(NEG))  # [B, W]
     is_open = state.open & jnp.any(best > worst, axis=1)
     live = state.live & is_open & (length < max_new_tokens)
     if early_stopping is True:
@@ -194,34 +194,33 @@ def _choose(state: _Beams, *, stop_ids, max_new_tokens, length_penalty, early_st
                    donate_argnames=("cache",))
 def _search(params, cache: PagedKVCache, logits, real, stop_ids, max_new_tokens, length_penalty, *, config: Config,
             attention: str, early_stopping, num_beams: int, candidates: int):
-    """The whole search after prefill, one `lax.while_loop` (cache rows B * K, forked from the prompts) ->
+    """The whole search after prefill, one `lax.while_loop` (cache rows B * W, forked from the prompts) ->
     the final `_Beams`, every page released."""
-    BK, V = logits.shape
-    K = num_beams
-    B = BK // K
-    N = max_new_tokens
-    max_steps = cache.capacity  # the static bound of the token buffers (N <= capacity, checked on the host)
-    running = jnp.where(jnp.arange(K)[None, :] == 0, 0.0, jnp.float32(NEG)) * jnp.ones((B, 1), jnp.float32)
+    BW, V = logits.shape
+    W = num_beams
+    B = BW // W
+    S = cache.capacity  # the static bound of the token buffers (max_new_tokens < S, checked on the host)
+    running = jnp.where(jnp.arange(W)[None, :] == 0, 0.0, jnp.float32(NEG)) * jnp.ones((B, 1), jnp.float32)
     state = _Beams(cache=cache, logits=logits, running=running,
-                   seqs=jnp.full((B, K, max_steps), -1, jnp.int32), scores=jnp.full((B, K), NEG, jnp.float32),
-                   sums=jnp.zeros((B, K), jnp.float32), lengths=jnp.zeros((B, K), jnp.int32),
-                   hyps=jnp.full((B, K, max_steps), -1, jnp.int32), finished=jnp.zeros((B, K), bool),
+                   seqs=jnp.full((B, W, S), -1, jnp.int32), scores=jnp.full((B, W), NEG, jnp.float32),
+                   sums=jnp.zeros((B, W), jnp.float32), lengths=jnp.zeros((B, W), jnp.int32),
+                   hyps=jnp.full((B, W, S), -1, jnp.int32), finished=jnp.zeros((B, W), bool),
                    open=real, live=real, step=jnp.zeros((), jnp.int32), peak=cache.pages_in_use())
-    rows = jnp.arange(BK, dtype=jnp.int32).reshape(B, K)
-    choose = functools.partial(_choose, stop_ids=stop_ids, max_new_tokens=N, length_penalty=length_penalty,
-                               early_stopping=early_stopping, num_beams=K, candidates=candidates)
+    rows = jnp.arange(BW, dtype=jnp.int32).reshape(B, W)
+    choose = functools.partial(_choose, stop_ids=stop_ids, max_new_tokens=max_new_tokens, length_penalty=length_penalty,
+                               early_stopping=early_stopping, num_beams=W, candidates=candidates)
 
     def cond(carry):
         return jnp.any(carry[0].live)
 
     def body(carry):
         state, parent, token = carry
-        # The chosen beams as page-table rows: row b*K + k continues row b*K + parent[b, k]; a prompt that is done
+        # The chosen beams as page-table rows: row b*W + k continues row b*W + parent[b, k]; a prompt that is done
         # keeps no row (its pages are released by the same fork).
-        parents = jnp.where(state.live[:, None], _take(rows, parent), -1).reshape(BK)
+        parents = jnp.where(state.live[:, None], _take(rows, parent), -1).reshape(BW)
         active = parents >= 0
         cache = state.cache.fork(parents)
-        logits, cache = _forward(params, jnp.where(active, token.reshape(BK), 0)[:, None], cache, config=config,
+        logits, cache = _forward(params, jnp.where(active, token.reshape(BW), 0)[:, None], cache, config=config,
                                  attention=attention, active=active)
         state = state.replace(cache=cache, logits=logits[:, 0], peak=jnp.maximum(state.peak, cache.pages_in_use()))
         return choose(state)
@@ -229,7 +228,7 @@ def _search(params, cache: PagedKVCache, logits, real, stop_ids, max_new_tokens,
     # Choose, then (while a prompt is live) fork, feed the chosen tokens and choose again: the last choice feeds
     # nothing back. (No lax.cond around the model: on XLA:CPU one made the pools be copied every step.)
     state, _, _ = lax.while_loop(cond, body, choose(state))
-    return state.replace(cache=state.cache.release(jnp.ones((BK,), bool)))
+    return state.replace(cache=state.cache.release(jnp.ones((BW,), bool)))
 
 
 def _check_early_stopping(value):
@@ -250,10 +249,10 @@ def beam_search(model: Model, prompts, *, num_beams: int, max_new_tokens: int, l
     Args:
       model: a `jaxkv.Model`.
       prompts: token-id lists, or strings for a model with a tokenizer (one prompt: a list of one).
-      num_beams: K >= 1 beams per prompt (1: greedy search).
+      num_beams: W >= 1 beams per prompt (1: greedy search).
       max_new_tokens: the most tokens a hypothesis may have (>= 1).
       length_penalty: a hypothesis scores sum_logprobs / len ** length_penalty (> 0 favours longer ones).
-      early_stopping: True (a prompt ends once it holds K finished hypotheses), False (once no running beam can
+      early_stopping: True (a prompt ends once it holds W finished hypotheses), False (once no running beam can
         beat them, judged at the current length) or "never" (judged at the best length any beam could reach),
         as in transformers.
       num_return_sequences: hypotheses returned per prompt, 1..num_beams.
@@ -269,7 +268,7 @@ def beam_search(model: Model, prompts, *, num_beams: int, max_new_tokens: int, l
     Returns:
       A `BeamSearchResult`: per prompt, its best `num_return_sequences` `Hypothesis` (tokens, score, logprob,
       finish_reason, text), best first; `.stats` with the pages used ("pages_in_use_peak" after any step,
-      "pages_needed" the planner's bound, "pages_in_use_end" after the search, 0) and the bytes K private caches
+      "pages_needed" the planner's bound, "pages_in_use_end" after the search, 0) and the bytes W private caches
       per prompt would need ("kv_cache_bytes_unshared").
 
     Raises:
@@ -304,15 +303,15 @@ def beam_search(model: Model, prompts, *, num_beams: int, max_new_tokens: int, l
             raise ValueError(f"{num_beams} beams of {len(token_lists)} prompt(s) with max_new_tokens={max_new_tokens} "
                              f"may hold {plan.pages_needed} pages of {page_size} slots at once; num_pages={pool} "
                              f"cannot hold them")
-    B, K = plan.prefill_batch, num_beams
+    B, W = plan.prefill_batch, num_beams
     T = plan.prompt_len
     tokens = np.zeros((B, T), np.int32)
     positions = np.full((B, T), -1, np.int32)
     for b, p in enumerate(token_lists):
         tokens[b, :len(p)], positions[b, :len(p)] = p, np.arange(len(p))
     real = np.arange(B) < len(token_lists)
-    parents = np.where(np.repeat(real, K), np.repeat(np.arange(B), K), -1).astype(np.int32)
-    candidates = min((1 + len(stop_ids)) * K, K * config.vocab_size)
+    parents = np.where(np.repeat(real, W), np.repeat(np.arange(B), W), -1).astype(np.int32)
+    candidates = min((1 + len(stop_ids)) * W, W * config.vocab_size)
 
     with _Phase() as prefill_time:
         logits, cache = _prefill_paged(model.params, jax.device_put(tokens), jax.device_put(positions),
@@ -322,7 +321,7 @@ def beam_search(model: Model, prompts, *, num_beams: int, max_new_tokens: int, l
     with _Phase() as search_time:
         state = _search(model.params, cache, logits, jax.device_put(real), jax.device_put(stop_ids),
                         jnp.int32(max_new_tokens), jnp.float32(length_penalty), config=config,
-                        attention=attention, early_stopping=early_stopping, num_beams=K, candidates=candidates)
+                        attention=attention, early_stopping=early_stopping, num_beams=W, candidates=candidates)
         final_cache = state.cache
         state = jax.device_get(state.replace(cache=None))  # everything but the pools, to the host
     end_pages = int(final_cache.pages_in_use())
@@ -344,12 +343,12 @@ def beam_search(model: Model, prompts, *, num_beams: int, max_new_tokens: int, l
     steps = int(state.step)
     stats = {
         "prompt_tokens": int(sum(lengths)),  # each prompt prefilled once, not once per beam
-        "num_beams": K, "page_size": page_size, "num_pages": pool, "cache_dtype": cache_dtype,
+        "num_beams": W, "page_size": page_size, "num_pages": pool, "cache_dtype": cache_dtype,
         "steps": steps,  # tokens chosen per beam before every prompt was done
         "pages_needed": plan.pages_needed,  # the planner's bound on pages in use at any time
         "pages_in_use_peak": peak, "kv_bytes_in_use_peak": peak * per_page,
         "pages_in_use_end": end_pages,
-        # What K private contiguous caches of prompt + max_new_tokens slots per prompt would need.
+        # What W private contiguous caches of prompt + max_new_tokens slots per prompt would need.
         "kv_cache_bytes_unshared": plan.unshared_bytes,
         "kv_cache_bytes": memory.pool_bytes(config, num_pages=pool, page_size=page_size, cache_dtype=cache_dtype),
         "prefill_s": prefill_time.run_s, "search_s": search_time.run_s,

@@ -14,6 +14,8 @@ Shape letters (docstrings, einsums and shape comments use these and nothing else
   V  vocabulary
   L  layers
   P  pages (paged cache)
+  W  beams per prompt (beam search)
+  C  candidates per prompt ranked in one beam-search step
 
 Logical axis names name the same axes for sharding rules: a rule maps a logical name to a mesh axis, so sharding
 over batch and KV heads never needs to know where those axes sit in a particular array.
