@@ -113,6 +113,7 @@ class _Beams:
     live:      bool[B], the prompt is still searching (its beams hold pages and compute)
     step:      int32[], tokens chosen so far
     peak:      int32[], the most pages in use after any step
+    starved:   bool[], some beam found no free page (its row was poisoned): a planner bug if ever true
     """
 
     cache: PagedKVCache
@@ -128,6 +129,7 @@ class _Beams:
     live: jax.Array
     step: jax.Array
     peak: jax.Array
+    starved: jax.Array
 
 
 def _take(x, index):
@@ -205,7 +207,8 @@ def _search(params, cache: PagedKVCache, logits, real, stop_ids, max_new_tokens,
                    seqs=jnp.full((B, W, S), -1, jnp.int32), scores=jnp.full((B, W), NEG, jnp.float32),
                    sums=jnp.zeros((B, W), jnp.float32), lengths=jnp.zeros((B, W), jnp.int32),
                    hyps=jnp.full((B, W, S), -1, jnp.int32), finished=jnp.zeros((B, W), bool),
-                   open=real, live=real, step=jnp.zeros((), jnp.int32), peak=cache.pages_in_use())
+                   open=real, live=real, step=jnp.zeros((), jnp.int32), peak=cache.pages_in_use(),
+                   starved=jnp.any(cache.overflowed))
     rows = jnp.arange(BW, dtype=jnp.int32).reshape(B, W)
     choose = functools.partial(_choose, stop_ids=stop_ids, max_new_tokens=max_new_tokens, length_penalty=length_penalty,
                                early_stopping=early_stopping, num_beams=W, candidates=candidates)
@@ -222,7 +225,8 @@ def _search(params, cache: PagedKVCache, logits, real, stop_ids, max_new_tokens,
         cache = state.cache.fork(parents)
         logits, cache = _forward(params, jnp.where(active, token.reshape(BW), 0)[:, None], cache, config=config,
                                  attention=attention, active=active)
-        state = state.replace(cache=cache, logits=logits[:, 0], peak=jnp.maximum(state.peak, cache.pages_in_use()))
+        state = state.replace(cache=cache, logits=logits[:, 0], peak=jnp.maximum(state.peak, cache.pages_in_use()),
+                              starved=state.starved | jnp.any(cache.overflowed))
         return choose(state)
 
     # Choose, then (while a prompt is live) fork, feed the chosen tokens and choose again: the last choice feeds
@@ -325,7 +329,7 @@ def beam_search(model: Model, prompts, *, num_beams: int, max_new_tokens: int, l
         final_cache = state.cache
         state = jax.device_get(state.replace(cache=None))  # everything but the pools, to the host
     end_pages = int(final_cache.pages_in_use())
-    if bool(np.asarray(final_cache.overflowed).any()) or bool(np.isnan(state.scores[:len(token_lists)]).any()):
+    if bool(state.starved) or bool(np.isnan(state.scores[:len(token_lists)]).any()):
         raise RuntimeError("the beams ran out of pages or positions; the plan should have prevented it")
 
     stop_set = {int(t) for t in stop_ids if t >= 0}

@@ -6,6 +6,7 @@ transformers runs tiny random Llama and GPT-2 models (CPU, float32, eager attent
 picked from the models' own greedy continuations, so hypotheses end at a stop token at different steps.
 """
 
+import dataclasses
 import importlib
 import itertools
 import math
@@ -142,7 +143,7 @@ def test_one_beam_is_greedy_generate(name):
             assert hyps[0].logprob == pytest.approx(sum(logprobs), abs=1e-4)
 
 
-def test_pages_are_shared_bounded_and_all_returned():
+def test_pages_are_shared_bounded_and_all_returned(monkeypatch):
     """A long prompt's full pages are held once by all beams; a pool of exactly the planned pages suffices (a
     beam that found no page would poison its row and the call would raise); at the end every page is free."""
     model = model_for("gqa")
@@ -159,6 +160,12 @@ def test_pages_are_shared_bounded_and_all_returned():
     assert 25 < stats["pages_in_use_peak"] <= plan.pages_needed < 4 * 25
     assert stats["kv_bytes_in_use_peak"] < stats["kv_cache_bytes_unshared"] / 2
     assert stats["kv_cache_bytes_unshared"] == 4 * (100 + NEW) * memory.kv_bytes_per_token(model.config)
+    # The check behind "suffices" can fail: a planner that promised one page fewer than the beams took.
+    short = dataclasses.replace(plan, pages_needed=stats["pages_in_use_peak"] - 1)
+    monkeypatch.setattr(memory, "plan_pages", lambda *a, **kw: short)
+    with pytest.raises(RuntimeError, match="ran out of pages"):
+        jaxkv.beam_search(model, [prompt], num_beams=4, max_new_tokens=NEW, stop_tokens=[], page_size=4,
+                          num_pages=short.pages_needed)
 
 
 def test_tokenizer_text_and_result_views():
