@@ -3,10 +3,18 @@
   jaxkv generate --prompt TEXT [--model PATH|tiny] [--max-new-tokens N] [--temperature T] [--top-k K]
                  [--top-p P] [--min-p M] [--seed S] [--dtype D] [--max-len N]
                  [--cache-dtype D] [--n N] [--logprobs K] [--json]
+  jaxkv generate --prompt TEXT --num-beams K [--length-penalty F] [--early-stopping true|false|never]
+                 [--num-return-sequences R] [--model PATH|tiny] [--max-new-tokens N] [--dtype D] [--max-len N]
+                 [--cache-dtype D] [--json]
+                 (beam search, jaxkv.beam_search: prints the best hypothesis at the end, or the R best; with
+                 --json all R with their scores. Deterministic: no sampling flags, --n or --logprobs)
   jaxkv memory (--model PATH|tiny | --config config.json | --layers L --kv-heads K --head-dim H [--dtype D])
                [--window W] [--tokens N] [--batch B] [--cache-dtype D] [--hbm-gib G [--weights-gib W]]
                [--plot FILE.png] [--json]
   jaxkv bench [options]     (see jaxkv bench --help; the same as python scripts/bench.py)
+  jaxkv bench sharing [options]   (parallel samples and prompt caching: jaxkv.bench_sharing)
+  jaxkv bench engine [options]    (continuous batching against static batches: jaxkv.bench_engine)
+  jaxkv bench beam [options]      (beam search: jaxkv.bench_beam)
   jaxkv --version
 
 Every flag is parsed and checked (`jaxkv.checks`, which is JAX-free) before JAX is imported and before anything is
@@ -26,6 +34,7 @@ from jaxkv import checks, memory
 from jaxkv.config import DTYPES, Config
 
 EXIT_USAGE = 2
+EARLY_STOPPING = {"true": True, "false": False, "never": "never"}  # --early-stopping -> jaxkv.beam_search's value
 VERSION = "0.1.0"  # what --version says when the package metadata is missing (running from a source tree)
 
 
@@ -75,6 +84,20 @@ def _parser() -> argparse.ArgumentParser:
                      help="with --json: each new token's log-probability (always) and its K most likely "
                           "alternatives per step (0 <= K <= 20)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streamed text")
+    beam = gen.add_argument_group("beam search", "deterministic (no --temperature > 0, --top-k, --top-p, --min-p, "
+                                  "--n or --logprobs); the options below need --num-beams > 1")
+    beam.add_argument("--num-beams", type=int, default=1, metavar="K",
+                      help="beam search with K beams (jaxkv.beam_search, transformers' scoring); printed at the "
+                           "end, not streamed (default 1: no beam search)")
+    # None: not given (each is refused without --num-beams > 1); the defaults are jaxkv.beam_search's.
+    beam.add_argument("--length-penalty", type=float, default=None, metavar="F",
+                      help="a hypothesis scores sum_logprobs / length**F; F > 0 favours longer ones (default 1.0)")
+    beam.add_argument("--early-stopping", choices=list(EARLY_STOPPING), default=None,
+                      help="true: stop once K hypotheses are finished; false: once no beam can beat them at the "
+                           "current length; never: judged at the longest length a beam could reach (default false)")
+    beam.add_argument("--num-return-sequences", type=int, default=None, metavar="R",
+                      help="hypotheses returned, best first, 1 <= R <= K (default 1); printed one after the other, "
+                           "with --json with their scores")
 
     mem = commands.add_parser("memory", help="KV-cache bytes of a model, and how many sequences fit in memory")
     source = mem.add_mutually_exclusive_group()
@@ -196,6 +219,7 @@ def _check_generate(args):
         for token in prompt:
             checks.check_int("a prompt id", token, 0, checks.INT32_MAX)
     checks.check_int("max_new_tokens", args.max_new_tokens, 1)
+    _check_beam_flags(args)
     checks.check_int("n", args.n, 1)
     checks.check_int("logprobs", args.logprobs, 0, 20)
     if args.max_len is not None:
@@ -205,6 +229,37 @@ def _check_generate(args):
     if args.model != "tiny" and not pathlib.Path(args.model).exists():  # what jaxkv.load says, without JAX
         raise FileNotFoundError(f"{args.model}: no such directory (pass a checkpoint directory or 'tiny')")
     return prompt
+
+
+def _check_beam_flags(args):
+    """--num-beams and its options; beam search is deterministic and scores its hypotheses itself, so the
+    sampling flags, --n and --logprobs are refused with it, and its options without it. Raises ValueError."""
+    checks.check_int("num_beams", args.num_beams, 1)
+    options = {"--length-penalty": args.length_penalty, "--early-stopping": args.early_stopping,
+               "--num-return-sequences": args.num_return_sequences}
+    if args.num_beams == 1:
+        given = [flag for flag, value in options.items() if value is not None]
+        if given:
+            raise ValueError(f"{given[0]} is only used with --num-beams > 1 (beam search)")
+        return
+    # A bad temperature (negative, nan) is left to checks.sampling's message.
+    sampling = {"--temperature": args.temperature if args.temperature > 0 else None, "--top-k": args.top_k,
+                "--top-p": args.top_p, "--min-p": args.min_p}
+    given = [flag for flag, value in sampling.items() if value is not None]
+    if given:
+        raise ValueError(f"{given[0]} samples; beam search (--num-beams {args.num_beams}) is deterministic: drop "
+                         f"one of them")
+    if args.n != 1:
+        raise ValueError("--n is for sampling; beam search returns several hypotheses with --num-return-sequences")
+    if args.logprobs != 0:
+        raise ValueError("--logprobs is for sampling; beam search scores its hypotheses itself (see --json)")
+    if args.length_penalty is not None:
+        checks.check_float("length_penalty", args.length_penalty)
+    if args.num_return_sequences is not None:
+        checks.check_int("num_return_sequences", args.num_return_sequences, 1)
+        if args.num_return_sequences > args.num_beams:
+            raise ValueError(f"--num-return-sequences {args.num_return_sequences} exceeds --num-beams "
+                             f"{args.num_beams}: beam search keeps that many hypotheses")
 
 
 def _generate(args, started: float) -> dict:
@@ -218,6 +273,9 @@ def _generate(args, started: float) -> dict:
     t2 = time.perf_counter()
     if args.prompt is not None and model.tokenizer is None:
         raise ValueError(f"model {args.model} has no tokenizer.json: pass --prompt-ids instead of --prompt")
+    timing = {"import_s": round(t1 - t0, 3), "load_s": round(t2 - t1, 3)}
+    if args.num_beams > 1:
+        return _beam_search(args, model, prompt, timing)
     # Several samples would interleave on a stream: they are printed whole, one after the other, at the end.
     stream = None if args.json or args.n > 1 else _Stream(model.tokenizer, args.prompt or "")
     out = generate(model, [prompt], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -228,7 +286,7 @@ def _generate(args, started: float) -> dict:
         stream.finish(out.text[0] if out.text is not None else None)
     elif args.n > 1 and not args.json:
         for j in range(args.n):
-            body = out.text[j] if out.text is not None else " ".join(map(str, out.tokens[j]))
+            body = out.text[j] if out.text is not None else _ids(out.tokens[j])
             print(f"--- sample {j + 1} of {args.n} ({out.finish_reasons[j]}) ---")
             print((args.prompt or "") + body)
     first_token = None if stream is None or stream.first_token_at is None else stream.first_token_at - started
@@ -254,11 +312,41 @@ def _generate(args, started: float) -> dict:
         "cache_dtype": s["cache_dtype"],
         # Where the wait for the first token goes: importing JAX, reading the checkpoint, compiling (prefill_ms
         # and decode_tokens_per_s exclude compile time).
-        "import_s": round(t1 - t0, 3),
-        "load_s": round(t2 - t1, 3),
+        **timing,
         "compile_s": round(s["compile_s"], 3),
         "first_token_s": None if first_token is None else round(first_token, 3),
     }
+
+
+def _ids(tokens: list[int]) -> str:
+    """New tokens of a model without a tokenizer, as printed: the ids."""
+    return " ".join(map(str, tokens))
+
+
+def _beam_search(args, model, prompt, timing: dict) -> dict:
+    """--num-beams K > 1: jaxkv.beam_search, printed at the end (a search cannot stream: the best hypothesis is
+    known only once it ends). Plain: the best hypothesis after the prompt, or with --num-return-sequences R > 1
+    each of the R, best first, as --n prints its samples."""
+    from jaxkv.beam_search import beam_search
+
+    returned = args.num_return_sequences or 1
+    out = beam_search(model, [prompt], num_beams=args.num_beams, max_new_tokens=args.max_new_tokens,
+                      length_penalty=1.0 if args.length_penalty is None else args.length_penalty,
+                      early_stopping=EARLY_STOPPING[args.early_stopping or "false"],
+                      num_return_sequences=returned, max_len=args.max_len, cache_dtype=args.cache_dtype)
+    hypotheses = [{"tokens": h.tokens, "text": h.text, "score": h.score, "logprob": h.logprob,
+                   "finish_reason": h.finish_reason} for h in out[0]]
+    if not args.json:
+        for j, h in enumerate(hypotheses):
+            body = (args.prompt or "") + (h["text"] if h["text"] is not None else _ids(h["tokens"]))
+            if returned == 1:
+                sys.stdout.write(body)  # main ends the line, as after streamed text
+            else:
+                print(f"--- hypothesis {j + 1} of {returned} (score {h['score']:.4f}, {h['finish_reason']}) ---")
+                print(body)
+    best = hypotheses[0]
+    return {"prompt": prompt, "text": best["text"], "tokens": best["tokens"], "finish_reason": best["finish_reason"],
+            "hypotheses": hypotheses, "stats": out.stats, **timing}
 
 
 def _top(out, row: int) -> dict:
@@ -268,16 +356,31 @@ def _top(out, row: int) -> dict:
     return {"top_logprobs": [[[t, lp] for t, lp in step] for step in out.top_logprobs[row]]}
 
 
+def _wait(r: dict, compile_s: float, prefill_ms: float) -> str:
+    return f"import {r['import_s']:.1f} s, load {r['load_s']:.1f} s, compile {compile_s:.1f} s, " \
+        f"prefill {prefill_ms:.1f} ms"
+
+
 def _figures(r: dict) -> str:
+    if "hypotheses" in r:
+        return _beam_figures(r)
     wait = (f"first token {r['first_token_s']:.1f} s after start: " if r["first_token_s"] is not None else "") + \
-        f"import {r['import_s']:.1f} s, load {r['load_s']:.1f} s, compile {r['compile_s']:.1f} s, " \
-        f"prefill {r['prefill_ms']:.1f} ms"
+        _wait(r, r["compile_s"], r["prefill_ms"])
     kv = f"KV cache {r['kv_cache_bytes']:,} bytes"
     if "samples" in r:
         kv += (f" ({r['kv_bytes_in_use_peak']:,} in use at the peak, shared by {len(r['samples'])} samples; "
                f"{r['kv_cache_bytes_unshared']:,} without sharing)")
     return (f"[prompt tokens {r['prompt_tokens']}, new tokens {r['new_tokens']}; {wait}; "
             f"decode {r['decode_tokens_per_s']:.1f} tokens/s; {kv}]")
+
+
+def _beam_figures(r: dict) -> str:
+    s, best = r["stats"], r["hypotheses"][0]
+    wait = _wait(r, s["compile_s"], 1e3 * s["prefill_s"])
+    return (f"[prompt tokens {s['prompt_tokens']}, new tokens {len(best['tokens'])} (the best of {s['num_beams']} "
+            f"beams, score {best['score']:.4f}); {wait}, search {1e3 * s['search_s']:.1f} ms ({s['steps']} steps); "
+            f"KV cache {s['kv_cache_bytes']:,} bytes ({s['kv_bytes_in_use_peak']:,} in use at the peak, shared by "
+            f"{s['num_beams']} beams; {s['kv_cache_bytes_unshared']:,} without sharing)]")
 
 
 # --- jaxkv memory -----------------------------------------------------------------------------------------------
@@ -490,6 +593,10 @@ def main(argv=None) -> int:
         from jaxkv import bench_engine
 
         return bench_engine.main(argv[2:])
+    if argv[:2] == ["bench", "beam"]:  # beam search on the paged cache (jaxkv.bench_beam)
+        from jaxkv import bench_beam
+
+        return bench_beam.main(argv[2:])
     if argv[:1] == ["bench"]:  # the benchmark has its own options (scripts/bench.py, same code)
         from jaxkv import bench
 

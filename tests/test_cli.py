@@ -108,18 +108,30 @@ LONG_PROMPT = "The KV cache " * 1600  # 20,800 characters
     (["--prompt", "Hi", "--max-len", "0"], "max_len must be >= 1"),
     (["--prompt", "Hi", "--model", "/nonexistent/dir"], "/nonexistent/dir: no such directory"),
 ])
-def test_flags_are_checked_before_the_model_is_loaded(monkeypatch, capsys, args, match):
+def test_flags_are_checked_before_the_model_is_loaded(no_load, capsys, args, match):
     """Every flag is checked before JAX is imported or a checkpoint read: the load is never reached."""
+    err = usage_error(capsys, ["generate", *args], match)
+    assert len(err) < 200  # the 20,000-character prompt is not echoed
+
+
+@pytest.fixture
+def no_load(monkeypatch):
+    """jaxkv.checkpoint.load fails the test: flags must be refused before it."""
     import jaxkv.checkpoint
 
-    def no_load(*a, **k):
+    def load(*a, **k):
         raise AssertionError("the model was loaded before the flags were checked")
 
-    monkeypatch.setattr(jaxkv.checkpoint, "load", no_load)
-    assert cli.main(["generate", *args]) == 2
+    monkeypatch.setattr(jaxkv.checkpoint, "load", load)
+
+
+def usage_error(capsys, argv, match) -> str:
+    """Runs `jaxkv ARGV`, which must exit 2 with one line on stderr (saying `match`), nothing on stdout."""
+    assert cli.main(argv) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and err.startswith("jaxkv: error: ") and match in err
-    assert len(err) < 200  # the 20,000-character prompt is not echoed
+    assert "Traceback" not in err
+    return err
 
 
 # `jaxkv ARGV` in a fresh interpreter, then one more stdout line saying whether JAX got imported.
@@ -181,3 +193,77 @@ def test_console_script_in_a_subprocess(model_dir):
                           "--temperature", "-1"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2
     assert run.stderr.startswith("jaxkv: error: temperature must be >= 0") and "Traceback" not in run.stderr
+
+
+# --- beam search: jaxkv generate --num-beams K ---------------------------------------------------------------------
+
+
+def test_beam_search_prints_the_best_hypothesis(model_dir, capsys):
+    assert cli.main(["generate", "--model", model_dir, "--prompt", "Hi", "--max-new-tokens", "5",
+                     "--num-beams", "2"]) == 0
+    out = capsys.readouterr().out
+    want = jaxkv.beam_search(jaxkv.load(model_dir), ["Hi"], num_beams=2, max_new_tokens=5)
+    text, figures = out.rstrip("\n").rsplit("\n", 1)
+    assert text == "Hi" + want.text[0][0]
+    assert "the best of 2 beams" in figures and f"new tokens {len(want.tokens[0][0])}" in figures
+    for part in ("import", "load", "compile", "prefill", "search", "KV cache"):
+        assert part in figures
+
+
+def test_beam_search_json_has_every_hypothesis_best_first(model_dir, capsys):
+    assert cli.main(["generate", "--model", model_dir, "--prompt", "Hi", "--max-new-tokens", "4", "--json",
+                     "--num-beams", "3", "--num-return-sequences", "3", "--length-penalty", "0.5",
+                     "--early-stopping", "never"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    want = jaxkv.beam_search(jaxkv.load(model_dir), ["Hi"], num_beams=3, max_new_tokens=4, length_penalty=0.5,
+                             early_stopping="never", num_return_sequences=3)[0]
+    assert result["prompt"] == "Hi"
+    assert [set(h) for h in result["hypotheses"]] == [{"tokens", "text", "score", "logprob", "finish_reason"}] * 3
+    assert [h["tokens"] for h in result["hypotheses"]] == [h.tokens for h in want]
+    assert [h["score"] for h in result["hypotheses"]] == [h.score for h in want]
+    assert [h["score"] for h in result["hypotheses"]] == sorted((h.score for h in want), reverse=True)
+    assert result["text"] == want[0].text and result["stats"]["num_beams"] == 3
+    assert result["stats"]["pages_in_use_end"] == 0 and result["load_s"] > 0
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--num-beams", "0"], "num_beams must be >= 1"),
+    (["--num-beams", "two"], "invalid int value"),
+    (["--num-beams", "2", "--num-return-sequences", "3"], "--num-return-sequences 3 exceeds --num-beams 2"),
+    (["--num-beams", "2", "--num-return-sequences", "0"], "num_return_sequences must be >= 1"),
+    (["--num-beams", "2", "--length-penalty", "inf"], "length_penalty must be finite"),
+    (["--num-beams", "2", "--early-stopping", "sometimes"], "invalid choice"),
+    (["--length-penalty", "2"], "--length-penalty is only used with --num-beams > 1"),
+    (["--num-beams", "1", "--early-stopping", "true"], "--early-stopping is only used with --num-beams > 1"),
+    (["--num-return-sequences", "1"], "--num-return-sequences is only used with --num-beams > 1"),
+    (["--num-beams", "2", "--temperature", "0.7"], "--temperature samples; beam search"),
+    (["--num-beams", "2", "--top-k", "5"], "--top-k samples; beam search"),
+    (["--num-beams", "2", "--top-p", "0.9"], "--top-p samples; beam search"),
+    (["--num-beams", "2", "--min-p", "0.1"], "--min-p samples; beam search"),
+    (["--num-beams", "2", "--n", "2"], "--n is for sampling"),
+    (["--num-beams", "2", "--logprobs", "1"], "--logprobs is for sampling"),
+])
+def test_beam_flags_are_checked_before_the_model_is_loaded(no_load, capsys, args, match):
+    usage_error(capsys, ["generate", "--prompt", "Hi", *args], match)
+
+
+def test_bad_beam_flag_fails_fast_before_jax():
+    run, seconds = run_cli_fresh("generate", "--prompt", "Hi", "--num-beams", "2", "--top-k", "5")
+    assert run.returncode == 2 and run.stdout == "jax imported: False\n"
+    assert run.stderr.startswith("jaxkv: error: --top-k samples") and run.stderr.count("\n") == 1
+    assert seconds < FAST_S
+
+
+def test_bench_beam_is_handed_to_jaxkv_bench_beam(monkeypatch):
+    """`jaxkv bench beam ARGS` calls jaxkv.bench_beam.main(ARGS), imported only then."""
+    import importlib.machinery
+    import types
+
+    seen = []
+    fake = types.ModuleType("jaxkv.bench_beam")
+    fake.__spec__ = importlib.machinery.ModuleSpec("jaxkv.bench_beam", None)  # find_spec reads it
+    fake.main = lambda argv: seen.append(argv) or 0
+    monkeypatch.setitem(sys.modules, "jaxkv.bench_beam", fake)
+    monkeypatch.setattr(jaxkv, "bench_beam", fake, raising=False)
+    assert cli.main(["bench", "beam", "--quick"]) == 0
+    assert seen == [["--quick"]]
