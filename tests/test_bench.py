@@ -213,3 +213,33 @@ def test_engine_scenario_counts_what_it_reports(tmp_path, capsys):
     assert "engine equals static jaxkv for 7 of 7 requests" in printed
     assert bench_engine.parse_args(["--quick", "--requests", "5"]).requests == 5  # explicit options win
     assert bench_engine.parse_args(["--quick"]).max_new == bench_engine.QUICK["max_new"]
+
+
+def test_beam_scenario_reports_time_bytes_and_matches(tmp_path, capsys):
+    """`jaxkv bench beam --quick` end to end (the tiny preset): per K the measured seconds and their ratio, jaxkv's
+    peak pages against K private caches, transformers' cache as measured, and equal best hypotheses."""
+    from jaxkv import bench_beam
+    from jaxkv.config import PRESETS
+    from jaxkv.memory import kv_bytes_per_token
+
+    out = tmp_path / "beam.json"
+    assert bench_beam.main(["--quick", "--batch", "2", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    r = json.loads(out.read_text())
+    a = r["args"]
+    assert (a["config"], a["prompt_len"], a["new_tokens"], a["batch"]) == ("test-tiny", 40, 8, 2)
+    per_token = kv_bytes_per_token(PRESETS["test-tiny"])
+    assert sorted(r["beams"]) == ["2", "4"]
+    for K, row in r["beams"].items():
+        K = int(K)
+        jx, hf = row["jaxkv"], row["transformers"]
+        assert jx["compiles_in_timed_runs"] == 0 and jx["steps"] == 8 and row["generated_tokens"] == [8, 8]
+        assert row["speedup_vs_hf"] == pytest.approx(hf["median_s"] / jx["median_s"])
+        assert jx["median_s"] == jx["seconds"][0] > 0 and hf["forwards"] == 8  # the prefill + 7 steps
+        assert jx["kv_cache_bytes_unshared"] == row["hf_cache_bytes_estimate"] == 2 * K * 48 * per_token
+        assert jx["kv_bytes_in_use_peak"] < jx["kv_cache_bytes_unshared"]
+        assert row["peak_bytes_ratio"] == pytest.approx(jx["kv_cache_bytes_unshared"] / jx["kv_bytes_in_use_peak"])
+        assert hf["cache_bytes_measured"] in (None, 2 * K * 47 * per_token)  # the last token is never fed back
+        assert row["tokens_equal"] == [True, True]  # float32 on both sides
+    assert printed.count("best hypothesis equals transformers' for 2 of 2 prompt(s)") == 2
+    assert bench_beam.main(["--beams", "4,x"]) == 2
