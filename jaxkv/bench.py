@@ -122,6 +122,8 @@ def to_hf_llama(model: jaxkv.Model):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from jaxkv.model import to_out_in
+
     cfg = model.config
     if cfg.positions != "rope" or cfg.ffn_kind != "swiglu" or cfg.norm_kind != "rmsnorm" or cfg.sliding_window:
         raise ValueError("to_hf_llama needs a Llama-style config (RoPE, SwiGLU, RMSNorm, no window)")
@@ -132,10 +134,11 @@ def to_hf_llama(model: jaxkv.Model):
                          tie_word_embeddings=cfg.tie_embeddings, attention_bias=cfg.qkv_bias,
                          pad_token_id=0, bos_token_id=None, eos_token_id=None)
     hf = LlamaForCausalLM(hf_cfg).eval()
-    p = jax.tree_util.tree_map(lambda a: np.array(a, np.float32), model.params)  # writable copies for torch
+    # Writable float32 copies for torch, in the [out, in] form (torch Linear's layout once flattened).
+    p = jax.tree_util.tree_map(lambda a: np.array(a, np.float32), to_out_in(model.params))
     D = cfg.d_model
 
-    def t(a, in_dims=1):  # jaxkv weights are [out..., in...]; torch Linear's [out, in] once flattened
+    def t(a, in_dims=1):  # [out..., in...] -> torch Linear's [out, in]
         return torch.from_numpy(np.ascontiguousarray(a.reshape(-1, int(np.prod(a.shape[a.ndim - in_dims:])))))
 
     state = {"model.embed_tokens.weight": torch.from_numpy(p["embedding"]),

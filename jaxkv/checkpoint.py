@@ -20,12 +20,13 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv.config import DTYPES, Config, RopeScaling
-from jaxkv.model import Model, param_shapes
+from jaxkv.model import Model, from_out_in, param_shapes, to_out_in
 
 CONFIG_FILE = "jaxkv_config.json"
 PARAMS_DIR = "params"
 TOKENIZER_FILE = "tokenizer.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: weight matrices [in, out]; 1: [out, in] (read, and converted: `model.from_out_in`)
+READ_VERSIONS = (1, 2)
 TINY_DIR = pathlib.Path(__file__).parent / "tiny"
 
 
@@ -36,8 +37,8 @@ def config_to_dict(config: Config) -> dict:
 def config_from_dict(data: dict, *, source: str) -> Config:
     data = dict(data)
     version = data.pop("format_version", None)
-    if version != FORMAT_VERSION:
-        raise ValueError(f"{source}: unsupported format_version {version!r} (this jaxkv reads {FORMAT_VERSION})")
+    if version not in READ_VERSIONS:
+        raise ValueError(f"{source}: unsupported format_version {version!r} (this jaxkv reads {READ_VERSIONS})")
     fields = {f.name for f in dataclasses.fields(Config)}
     unknown = sorted(set(data) - fields)
     if unknown:
@@ -112,6 +113,7 @@ def load_saved(directory: str | os.PathLike, *, dtype: str | None = None) -> Mod
         raise FileNotFoundError(f"{config_path}: missing") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{config_path}: not valid JSON ({e})") from None
+    version = data.get("format_version")
     config = config_from_dict(data, source=str(config_path))
     params_dir = directory / PARAMS_DIR
     if not params_dir.is_dir():
@@ -121,9 +123,15 @@ def load_saved(directory: str | os.PathLike, *, dtype: str | None = None) -> Mod
         stored = checkpointer.metadata(params_dir).item_metadata.tree
     except Exception as e:  # orbax raises assorted types for a damaged checkpoint
         raise ValueError(f"{params_dir}: unreadable orbax checkpoint ({e})") from None
-    _check_against_config(stored, param_shapes(config), str(params_dir))
+    expected = param_shapes(config)
+    if version == 1:  # stored in the [out, in] form
+        expected = to_out_in(expected)
+    _check_against_config(stored, expected, str(params_dir))
     params = checkpointer.restore(params_dir)
+    if version == 1:
+        params = jax.tree_util.tree_map(jnp.asarray, from_out_in(params))
     return cast(Model(config, params, _load_tokenizer(directory)), dtype)
+
 
 
 def _check_against_config(stored, expected, source: str):

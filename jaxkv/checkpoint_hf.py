@@ -12,9 +12,11 @@ run code. The loader works in two phases so that a bad checkpoint fails with a c
   2. Load: read one tensor at a time, convert it to jaxkv's layout, cast it, and put it on the device.
 
 Per-architecture name mapping (HF name, after the base-model prefix `model.` / `transformer.`; letters as in
-`jaxkv.shapes`; `{i}` is the layer; paths are into `Model.params`):
+`jaxkv.shapes`; `{i}` is the layer; paths are into `Model.params`). The table gives each matrix in its [out, in]
+form; the loader then transposes it to the decoder's [in, out] layout (`jaxkv.model.OUT_IN_ORDER`: wq [D, N, H],
+wo [N, H, D], w_gate [D, F], ...; embeddings and lm_head stay [V, D]):
 
-  Llama / Mistral / Qwen2 (torch nn.Linear weights are [out, in], jaxkv's layout too: nothing is transposed)
+  Llama / Mistral / Qwen2 (torch nn.Linear weights are [out, in])
     embed_tokens.weight                  [V, D]    -> embedding                      as is
     layers.{i}.input_layernorm.weight    [D]       -> layer_{i}/attn_norm/scale      as is
     layers.{i}.post_attention_layernorm.weight [D] -> layer_{i}/mlp_norm/scale       as is
@@ -32,7 +34,7 @@ Per-architecture name mapping (HF name, after the base-model prefix `model.` / `
     norm.weight                          [D]       -> final_norm/scale               as is
     lm_head.weight (no prefix)           [V, D]    -> lm_head                        as is (untied only)
 
-  GPT-2 (Conv1D weights are [in, out]: every matrix is transposed to jaxkv's [out, in])
+  GPT-2 (Conv1D weights are [in, out]: every matrix is transposed to the [out, in] form, then back)
     wte.weight                           [V, D]    -> embedding                      as is
     wpe.weight                   [n_positions, D]  -> pos_embedding                  as is
     h.{i}.ln_1.{weight,bias}             [D]       -> layer_{i}/attn_norm/{scale,bias}
@@ -72,7 +74,7 @@ import safetensors
 from safetensors import safe_open
 
 from jaxkv.config import DTYPES, Config, RopeScaling
-from jaxkv.model import Model
+from jaxkv.model import OUT_IN_ORDER, Model
 
 LLAMA, MISTRAL, QWEN2, GPT2 = "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel"
 ARCHITECTURES = (LLAMA, MISTRAL, QWEN2, GPT2)
@@ -394,7 +396,7 @@ def _as_is(path):
 
 
 def _conv1d(path, *shape):
-    """GPT-2 Conv1D weight [in, out] -> transposed to jaxkv's [out, in], then reshaped to `shape`."""
+    """GPT-2 Conv1D weight [in, out] -> transposed to the [out, in] form, then reshaped to `shape`."""
     return lambda w: {path: np.ascontiguousarray(w.T).reshape(shape or w.T.shape)}
 
 
@@ -404,7 +406,7 @@ def _reshape(path, *shape):
 
 def _split_qkv(paths, *shape):
     """GPT-2 c_attn packs q, k and v along its last (output) axis: [..., 3*D] -> three [*shape]; a weight
-    ([in, out]) is transposed to jaxkv's [out, in] first."""
+    ([in, out]) is transposed to the [out, in] form first."""
     def convert(w):
         parts = np.split(w, 3, axis=-1)
         return {p: np.ascontiguousarray(part.T).reshape(shape) for p, part in zip(paths, parts)}
@@ -672,6 +674,9 @@ def _load(pairs: list[tuple[TensorSpec, StoredTensor]], target: str) -> dict:
         if not np.isfinite(w).all():
             raise ValueError(f"tensor {t.name!r} in {t.file} holds NaN or infinite values (corrupt checkpoint?)")
         for path, value in spec.convert(w).items():
+            order = OUT_IN_ORDER.get(path[-1])
+            if order is not None:  # the mapping above is to the [out, in] form; the decoder's is [in, out]
+                value = np.ascontiguousarray(value.transpose(order))
             with np.errstate(over="ignore"):  # reported just below, with the tensor's name
                 value = value.astype(target)
             if not np.isfinite(value).all():

@@ -49,8 +49,8 @@ class Attention(nn.Module):
         dtype = jnp.dtype(cfg.dtype)
 
         def project(name, heads):
-            w = self.param(name, fan_in_init(D), (heads, H, D), dtype)
-            y = linear(x, w.reshape(heads * H, D)).reshape(*x.shape[:2], heads, H)
+            w = self.param(name, fan_in_init(D), (D, heads, H), dtype)
+            y = linear(x, w.reshape(D, heads * H)).reshape(*x.shape[:2], heads, H)
             if cfg.qkv_bias:
                 y = y + self.param(name + "_bias", nn.initializers.zeros, (heads, H), dtype)
             return y
@@ -83,8 +83,8 @@ class Attention(nn.Module):
                 attend = sharding.shard_attention(attend, self.mesh)
             out = attend(q, k, v, start, q_offset, scale=1.0 / math.sqrt(H), sliding_window=cfg.sliding_window,
                          k_scale=k_scale, v_scale=v_scale, ring=ring)  # [B, T, N, H]
-        wo = self.param("wo", fan_in_init(N * H), (D, N, H), dtype)
-        y = linear(out.reshape(*out.shape[:2], N * H), wo.reshape(D, N * H))  # [B, T, D]
+        wo = self.param("wo", fan_in_init(N * H), (N, H, D), dtype)
+        y = linear(out.reshape(*out.shape[:2], N * H), wo.reshape(N * H, D))  # [B, T, D]
         if cfg.out_bias:
             y = y + self.param("wo_bias", nn.initializers.zeros, (D,), dtype)
         return y, cache
@@ -228,12 +228,44 @@ def param_shapes(config: Config) -> dict:
     return jax.eval_shape(Decoder(config).init, jax.random.PRNGKey(0), tokens, tokens)["params"]
 
 
+# Parameter leaf name -> the axes of its [out, in] form (PyTorch's Linear layout, and jaxkv's before format 2) in
+# the order of the [in, out] layout the decoder uses: w_new = w_old.transpose(order). Names not listed (embeddings,
+# lm_head [V, D], norms, biases) are the same in both.
+OUT_IN_ORDER = {"wq": (2, 0, 1), "wk": (2, 0, 1), "wv": (2, 0, 1), "wo": (1, 2, 0), "w_gate": (1, 0), "w_up": (1, 0),
+                "w_fc": (1, 0), "w_down": (1, 0)}
+
+
+def from_out_in(params):
+    """A parameter tree in the [out, in] layout (OUT_IN_ORDER) -> the decoder's [in, out] layout (numpy)."""
+    def convert(path, x):
+        order = OUT_IN_ORDER.get(path[-1].key)
+        return x if order is None else np.ascontiguousarray(np.asarray(x).transpose(order))
+
+    return jax.tree_util.tree_map_with_path(convert, params)
+
+
+def to_out_in(params):
+    """The inverse of `from_out_in`: the decoder's parameters in the [out, in] form (numpy), e.g. for PyTorch.
+    `jax.ShapeDtypeStruct` leaves (`param_shapes`) give the shapes of that form."""
+    def convert(path, x):
+        order = OUT_IN_ORDER.get(path[-1].key)
+        if order is None:
+            return x
+        back = tuple(int(i) for i in np.argsort(order))
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(tuple(x.shape[i] for i in back), x.dtype)
+        return np.ascontiguousarray(np.asarray(x).transpose(back))
+
+    return jax.tree_util.tree_map_with_path(convert, params)
+
+
 def init_params(config: Config, seed: int = 0) -> dict:
     """Random parameters for `config` (the Flax "params" dict), drawn with numpy.
 
     Same distributions as the modules' Flax initializers (norm scales 1, biases 0, everything else
     Normal(0, 1/sqrt(fan_in))), but without compiling an init function: a jitted Flax init spends seconds
-    compiling one threefry sampler per parameter on CPU; this takes milliseconds.
+    compiling one threefry sampler per parameter on CPU; this takes milliseconds. Each weight is drawn in its
+    [out, in] form and transposed, so a seed gives the same model as before the [in, out] layout.
     """
     shapes = param_shapes(config)
     rng = np.random.default_rng(seed)
@@ -241,18 +273,20 @@ def init_params(config: Config, seed: int = 0) -> dict:
     def draw(path, leaf):
         name = path[-1].key
         if name == "scale":
-            return jnp.ones(leaf.shape, leaf.dtype)
+            return np.ones(leaf.shape, leaf.dtype)
         if name.endswith("bias"):
-            return jnp.zeros(leaf.shape, leaf.dtype)
-        # Embedding tables are [rows, D]; q/k/v projections [heads, H, D]; wo [D, N, H]; every other weight
-        # [outputs, inputs].
+            return np.zeros(leaf.shape, leaf.dtype)
+        shape = to_out_in({name: leaf})[name].shape
+        # In the [out, in] form: embedding tables are [rows, D]; q/k/v projections [heads, H, D]; wo [D, N, H];
+        # every other weight [outputs, inputs].
         if name in ("embedding", "pos_embedding", "wq", "wk", "wv"):
             fan_in = config.d_model
         else:
-            fan_in = math.prod(leaf.shape[1:])
-        return jnp.asarray(rng.normal(0.0, 1.0 / math.sqrt(fan_in), leaf.shape), leaf.dtype)
+            fan_in = math.prod(shape[1:])
+        return rng.normal(0.0, 1.0 / math.sqrt(fan_in), shape).astype(leaf.dtype)
 
-    return jax.tree_util.tree_map_with_path(draw, shapes)
+    params = from_out_in(jax.tree_util.tree_map_with_path(draw, shapes))
+    return jax.tree_util.tree_map(jnp.asarray, params)
 
 
 @dataclasses.dataclass

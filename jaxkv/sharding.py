@@ -3,9 +3,9 @@
 The layout (Megatron-style tensor parallelism over "model", data parallelism over "data"):
 
   batch           -> "data"   tokens [B, T], start [B], logits [B, V], every cache leaf
-  query heads N   -> "model"  wq [N, H, D] (and its bias [N, H]), wo [D, N, H]
-  KV heads K      -> "model"  wk, wv [K, H, D] (and biases [K, H]); cache keys/values [B, K, S, H], scales [B, K, S]
-  FFN hidden F    -> "model"  w_gate, w_up, w_fc [F, D] (and biases [F]), w_down [D, F]
+  query heads N   -> "model"  wq [D, N, H] (and its bias [N, H]), wo [N, H, D]
+  KV heads K      -> "model"  wk, wv [D, K, H] (and biases [K, H]); cache keys/values [B, K, S, H], scales [B, K, S]
+  FFN hidden F    -> "model"  w_gate, w_up, w_fc [D, F] (and biases [F]), w_down [F, D]
   everything else: replicated (embeddings, lm_head, norms, the output-projection and down-projection biases, which
   are added after the all-reduce)
 
@@ -46,17 +46,17 @@ HEADS, FFN, EMBED, VOCAB = "heads", "ffn", "embed", "vocab"
 # Logical axis -> mesh axis; a logical axis not listed is replicated. The one place the layout is decided.
 RULES = {shapes.BATCH: DATA, HEADS: MODEL, shapes.KV_HEADS: MODEL, FFN: MODEL}
 
-# Parameter leaf name -> logical axes of that array ([out, in] layout). Names not listed are replicated:
+# Parameter leaf name -> logical axes of that array ([in, out] layout). Names not listed are replicated:
 # embeddings, lm_head, norms, and the wo / w_down biases (added after the all-reduce, on every device).
 _PARAM_AXES = {
-    "wq": (HEADS, shapes.HEAD_DIM, EMBED), "wk": (shapes.KV_HEADS, shapes.HEAD_DIM, EMBED),
-    "wv": (shapes.KV_HEADS, shapes.HEAD_DIM, EMBED),
+    "wq": (EMBED, HEADS, shapes.HEAD_DIM), "wk": (EMBED, shapes.KV_HEADS, shapes.HEAD_DIM),
+    "wv": (EMBED, shapes.KV_HEADS, shapes.HEAD_DIM),
     "wq_bias": (HEADS, shapes.HEAD_DIM), "wk_bias": (shapes.KV_HEADS, shapes.HEAD_DIM),
     "wv_bias": (shapes.KV_HEADS, shapes.HEAD_DIM),
-    "wo": (EMBED, HEADS, shapes.HEAD_DIM),
-    "w_gate": (FFN, EMBED), "w_up": (FFN, EMBED), "w_fc": (FFN, EMBED),
+    "wo": (HEADS, shapes.HEAD_DIM, EMBED),
+    "w_gate": (EMBED, FFN), "w_up": (EMBED, FFN), "w_fc": (EMBED, FFN),
     "w_gate_bias": (FFN,), "w_up_bias": (FFN,), "w_fc_bias": (FFN,),
-    "w_down": (EMBED, FFN),
+    "w_down": (FFN, EMBED),
 }
 
 
@@ -163,7 +163,9 @@ def replicate_kv_heads(params, config: Config, kv_heads: int):
         return params
 
     def repeat(path, x):
-        if path[-1].key in ("wk", "wv", "wk_bias", "wv_bias"):
+        if path[-1].key in ("wk", "wv"):  # [D, K, H]
+            return np.repeat(np.asarray(x), r, axis=1)
+        if path[-1].key in ("wk_bias", "wv_bias"):  # [K, H]
             return np.repeat(np.asarray(x), r, axis=0)
         return x
 

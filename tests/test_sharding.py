@@ -97,7 +97,7 @@ def test_replicated_kv_heads_compute_the_same_attention():
     model = model_for(GQA)
     wide = GQA.replace(n_kv_heads=8)
     params = sharding.replicate_kv_heads(model.params, GQA, 8)
-    assert params["layer_0"]["attn"]["wk"].shape == (8, 8, 64)
+    assert params["layer_0"]["attn"]["wk"].shape == (64, 8, 8)  # [D, K, H]
     tokens = np.array([[5, 6, 7, 8, 9]])
     np.testing.assert_allclose(jaxkv.logits(jaxkv.Model(wide, params), tokens), jaxkv.logits(model, tokens),
                                atol=LOGITS_ATOL, rtol=0)
@@ -268,9 +268,9 @@ def test_layout_rules():
     assert sharding.KV_SCALE_SPEC == P("data", "model", None)
     shardings = sharding.param_shardings(model_for(GQA).params, sharding.check_mesh(mesh_of(2, 4)))
     attn, mlp = shardings["layer_0"]["attn"], shardings["layer_0"]["mlp"]
-    assert attn["wq"].spec == P("model", None, None) and attn["wk"].spec == P("model", None, None)
-    assert attn["wo"].spec == P(None, "model", None)
-    assert mlp["w_gate"].spec == P("model", None) and mlp["w_down"].spec == P(None, "model")
+    assert attn["wq"].spec == P(None, "model", None) and attn["wk"].spec == P(None, "model", None)
+    assert attn["wo"].spec == P("model", None, None)
+    assert mlp["w_gate"].spec == P(None, "model") and mlp["w_down"].spec == P("model", None)
     assert shardings["embedding"].is_fully_replicated and shardings["lm_head"].is_fully_replicated
     with pytest.raises(ValueError, match="a mesh axis used twice"):
         sharding.spec((sharding.HEADS, sharding.FFN))
