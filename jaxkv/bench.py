@@ -135,7 +135,7 @@ def to_hf_llama(model: jaxkv.Model):
                          pad_token_id=0, bos_token_id=None, eos_token_id=None)
     hf = LlamaForCausalLM(hf_cfg).eval()
     # Writable float32 copies for torch, in the [out, in] form (torch Linear's layout once flattened).
-    p = jax.tree_util.tree_map(lambda a: np.array(a, np.float32), to_out_in(model.params))
+    p = jax.tree_util.tree_map(lambda a: np.array(a, np.float32), to_out_in(model.params, cfg))
     D = cfg.d_model
 
     def t(a, in_dims=1):  # [out..., in...] -> torch Linear's [out, in]

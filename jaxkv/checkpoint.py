@@ -25,7 +25,7 @@ from jaxkv.model import Model, from_out_in, param_shapes, to_out_in
 CONFIG_FILE = "jaxkv_config.json"
 PARAMS_DIR = "params"
 TOKENIZER_FILE = "tokenizer.json"
-FORMAT_VERSION = 2  # 2: weight matrices [in, out]; 1: [out, in] (read, and converted: `model.from_out_in`)
+FORMAT_VERSION = 2  # 2: weights laid out as `model.in_out_names` says; 1: all [out, in] (converted on read)
 READ_VERSIONS = (1, 2)
 TINY_DIR = pathlib.Path(__file__).parent / "tiny"
 
@@ -125,11 +125,11 @@ def load_saved(directory: str | os.PathLike, *, dtype: str | None = None) -> Mod
         raise ValueError(f"{params_dir}: unreadable orbax checkpoint ({e})") from None
     expected = param_shapes(config)
     if version == 1:  # stored in the [out, in] form
-        expected = to_out_in(expected)
+        expected = to_out_in(expected, config)
     _check_against_config(stored, expected, str(params_dir))
     params = checkpointer.restore(params_dir)
     if version == 1:
-        params = jax.tree_util.tree_map(jnp.asarray, from_out_in(params))
+        params = jax.tree_util.tree_map(jnp.asarray, from_out_in(params, config))
     return cast(Model(config, params, _load_tokenizer(directory)), dtype)
 
 

@@ -13,8 +13,8 @@ run code. The loader works in two phases so that a bad checkpoint fails with a c
 
 Per-architecture name mapping (HF name, after the base-model prefix `model.` / `transformer.`; letters as in
 `jaxkv.shapes`; `{i}` is the layer; paths are into `Model.params`). The table gives each matrix in its [out, in]
-form; the loader then transposes it to the decoder's [in, out] layout (`jaxkv.model.OUT_IN_ORDER`: wq [D, N, H],
-wo [N, H, D], w_gate [D, F], ...; embeddings and lm_head stay [V, D]):
+form; the loader then transposes those the config stores [in, out] (`jaxkv.model.in_out_names`,
+`OUT_IN_ORDER`: wq [D, N, H], wo [N, H, D], w_gate [D, F], ...; embeddings and lm_head stay [V, D]):
 
   Llama / Mistral / Qwen2 (torch nn.Linear weights are [out, in])
     embed_tokens.weight                  [V, D]    -> embedding                      as is
@@ -74,7 +74,7 @@ import safetensors
 from safetensors import safe_open
 
 from jaxkv.config import DTYPES, Config, RopeScaling
-from jaxkv.model import OUT_IN_ORDER, Model
+from jaxkv.model import OUT_IN_ORDER, Model, in_out_names
 
 LLAMA, MISTRAL, QWEN2, GPT2 = "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel"
 ARCHITECTURES = (LLAMA, MISTRAL, QWEN2, GPT2)
@@ -646,7 +646,7 @@ def load_hf(directory: str | os.PathLike, *, dtype: str | None = None) -> Model:
     if tied_head is not None:
         _check_tied_head(tied_head, pairs[0][1])
     target = dtype or FLOAT_DTYPES[pairs[0][1].dtype]
-    params = _load(pairs, target)
+    params = _load(pairs, target, config)
     return Model(config=config.replace(dtype=target), params=params, tokenizer=None)
 
 
@@ -665,18 +665,18 @@ def _check_tied_head(head: StoredTensor, embedding: StoredTensor):
                          f"but config.json sets tie_word_embeddings, so it would be silently dropped")
 
 
-def _load(pairs: list[tuple[TensorSpec, StoredTensor]], target: str) -> dict:
+def _load(pairs: list[tuple[TensorSpec, StoredTensor]], target: str, config: Config) -> dict:
     """Reads, converts and casts each tensor in turn (one host copy at a time) into the nested params dict."""
     params: dict = {}
+    in_out = in_out_names(config)
     for spec, t in pairs:
         w = _read(t)
         # safetensors has no checksum; random bytes in the data region usually decode to some NaN or inf.
         if not np.isfinite(w).all():
             raise ValueError(f"tensor {t.name!r} in {t.file} holds NaN or infinite values (corrupt checkpoint?)")
         for path, value in spec.convert(w).items():
-            order = OUT_IN_ORDER.get(path[-1])
-            if order is not None:  # the mapping above is to the [out, in] form; the decoder's is [in, out]
-                value = np.ascontiguousarray(value.transpose(order))
+            if path[-1] in in_out:  # the mapping above is to the [out, in] form; this weight is stored [in, out]
+                value = np.ascontiguousarray(value.transpose(OUT_IN_ORDER[path[-1]]))
             with np.errstate(over="ignore"):  # reported just below, with the tensor's name
                 value = value.astype(target)
             if not np.isfinite(value).all():

@@ -77,12 +77,21 @@ def apply_rope(x, cos, sin):
     return x * cos + rotated * sin
 
 
-def linear(x, w):
-    """x [B, T, in] times w [in, out] -> [B, T, out]. The layers' weights are [in, out] (Flax's layout, the
-    transpose of PyTorch's Linear): on XLA:CPU (jax 0.10) a "small" decode step took 1-24% less time than with
-    [out, in] at batch 1-16 (BUILD_NOTES.md, "Weight layout"). The lm_head stays [V, D]: [D, V] was slower
-    from 4 rows on."""
-    return jnp.einsum("bti,io->bto", x, w)
+# Weight matrices are stored [in, out] or [out, in], whichever made XLA:CPU's (jax 0.10) decode steps faster,
+# measured on whole models (BUILD_NOTES.md, "Weight layout"): [out, in] (the layout of transformers and of jaxkv
+# format 1) for matrices of 2**21 elements or more (a "medium" FFN's 1,024 x 2,816, and everything in larger
+# models), [in, out] for smaller ones ("small": a batch-1 step 5% faster, batch 2-4 8-24%).
+OUT_IN_ELEMENTS = 1 << 21
+
+
+def stored_out_in(d_in: int, d_out: int) -> bool:
+    """Whether the weight of a d_in -> d_out projection is stored [out, in] (else [in, out])."""
+    return d_in * d_out >= OUT_IN_ELEMENTS
+
+
+def linear(x, w, out_in: bool = False):
+    """x [B, T, in] times w -> [B, T, out]; w is [in, out], or [out, in] with `out_in` (`stored_out_in`)."""
+    return jnp.einsum("bti,oi->bto" if out_in else "bti,io->bto", x, w)
 
 
 class Mlp(nn.Module):
@@ -97,8 +106,9 @@ class Mlp(nn.Module):
         dtype = jnp.dtype(cfg.dtype)
 
         def dense(name, x, d_in, d_out):
-            w = self.param(name, fan_in_init(d_in), (d_in, d_out), dtype)
-            y = linear(x, w)
+            out_in = stored_out_in(d_in, d_out)
+            w = self.param(name, fan_in_init(d_in), (d_out, d_in) if out_in else (d_in, d_out), dtype)
+            y = linear(x, w, out_in)
             if cfg.mlp_bias:
                 y = y + self.param(name + "_bias", nn.initializers.zeros, (d_out,), dtype)
             return y

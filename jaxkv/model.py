@@ -27,7 +27,7 @@ from jaxkv.attention.reference import masks_dead_values
 from jaxkv.cache import KVCache
 from jaxkv.config import Config
 from jaxkv.paged_cache import PagedKVCache
-from jaxkv.layers import Mlp, Norm, apply_rope, fan_in_init, linear, rope_angles
+from jaxkv.layers import Mlp, Norm, apply_rope, fan_in_init, linear, rope_angles, stored_out_in
 
 
 class Attention(nn.Module):
@@ -49,12 +49,18 @@ class Attention(nn.Module):
         dtype = jnp.dtype(cfg.dtype)
 
         def project(name, heads):
-            w = self.param(name, fan_in_init(D), (D, heads, H), dtype)
-            y = linear(x, w.reshape(D, heads * H)).reshape(*x.shape[:2], heads, H)
+            if out_in:
+                w = self.param(name, fan_in_init(D), (heads, H, D), dtype).reshape(heads * H, D)
+            else:
+                w = self.param(name, fan_in_init(D), (D, heads, H), dtype).reshape(D, heads * H)
+            y = linear(x, w, out_in).reshape(*x.shape[:2], heads, H)
             if cfg.qkv_bias:
                 y = y + self.param(name + "_bias", nn.initializers.zeros, (heads, H), dtype)
             return y
 
+        # One layout for all four projections, decided by the query width (KV-head replication on a mesh must not
+        # change it).
+        out_in = stored_out_in(D, N * H)
         q, k, v = project("wq", N), project("wk", K), project("wv", K)  # [B, T, N|K, H]
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
@@ -83,8 +89,11 @@ class Attention(nn.Module):
                 attend = sharding.shard_attention(attend, self.mesh)
             out = attend(q, k, v, start, q_offset, scale=1.0 / math.sqrt(H), sliding_window=cfg.sliding_window,
                          k_scale=k_scale, v_scale=v_scale, ring=ring)  # [B, T, N, H]
-        wo = self.param("wo", fan_in_init(N * H), (N, H, D), dtype)
-        y = linear(out.reshape(*out.shape[:2], N * H), wo.reshape(N * H, D))  # [B, T, D]
+        if out_in:
+            wo = self.param("wo", fan_in_init(N * H), (D, N, H), dtype).reshape(D, N * H)
+        else:
+            wo = self.param("wo", fan_in_init(N * H), (N, H, D), dtype).reshape(N * H, D)
+        y = linear(out.reshape(*out.shape[:2], N * H), wo, out_in)  # [B, T, D]
         if cfg.out_bias:
             y = y + self.param("wo_bias", nn.initializers.zeros, (D,), dtype)
         return y, cache
@@ -228,30 +237,47 @@ def param_shapes(config: Config) -> dict:
     return jax.eval_shape(Decoder(config).init, jax.random.PRNGKey(0), tokens, tokens)["params"]
 
 
-# Parameter leaf name -> the axes of its [out, in] form (PyTorch's Linear layout, and jaxkv's before format 2) in
-# the order of the [in, out] layout the decoder uses: w_new = w_old.transpose(order). Names not listed (embeddings,
-# lm_head [V, D], norms, biases) are the same in both.
+# Parameter leaf name -> the axes of its [out, in] form (PyTorch's Linear layout, and every jaxkv weight before
+# format 2) in the order of its [in, out] layout: w_in_out = w_out_in.transpose(order). Which weights a config
+# stores [in, out] is `in_out_names` (`layers.stored_out_in`); names not listed are the same in both.
 OUT_IN_ORDER = {"wq": (2, 0, 1), "wk": (2, 0, 1), "wv": (2, 0, 1), "wo": (1, 2, 0), "w_gate": (1, 0), "w_up": (1, 0),
                 "w_fc": (1, 0), "w_down": (1, 0)}
 
 
-def from_out_in(params):
-    """A parameter tree in the [out, in] layout (OUT_IN_ORDER) -> the decoder's [in, out] layout (numpy)."""
+def in_out_names(config: Config) -> frozenset[str]:
+    """The parameter names `config` stores [in, out] (the others in OUT_IN_ORDER: [out, in])."""
+    D, F, NH = config.d_model, config.ffn_dim, config.n_heads * config.head_dim
+    names = set()
+    if not stored_out_in(D, NH):
+        names |= {"wq", "wk", "wv", "wo"}
+    if not stored_out_in(D, F):
+        names |= {"w_gate", "w_up", "w_fc"}
+    if not stored_out_in(F, D):
+        names.add("w_down")
+    return frozenset(names)
+
+
+def from_out_in(params, config: Config):
+    """A parameter tree with every weight in the [out, in] form -> `config`'s layout (numpy)."""
+    names = in_out_names(config)
+
     def convert(path, x):
-        order = OUT_IN_ORDER.get(path[-1].key)
-        return x if order is None else np.ascontiguousarray(np.asarray(x).transpose(order))
+        name = path[-1].key
+        return np.ascontiguousarray(np.asarray(x).transpose(OUT_IN_ORDER[name])) if name in names else x
 
     return jax.tree_util.tree_map_with_path(convert, params)
 
 
-def to_out_in(params):
-    """The inverse of `from_out_in`: the decoder's parameters in the [out, in] form (numpy), e.g. for PyTorch.
+def to_out_in(params, config: Config):
+    """The inverse of `from_out_in`: every weight in the [out, in] form (numpy), e.g. for PyTorch.
     `jax.ShapeDtypeStruct` leaves (`param_shapes`) give the shapes of that form."""
+    names = in_out_names(config)
+
     def convert(path, x):
-        order = OUT_IN_ORDER.get(path[-1].key)
-        if order is None:
+        name = path[-1].key
+        if name not in names:
             return x
-        back = tuple(int(i) for i in np.argsort(order))
+        back = tuple(int(i) for i in np.argsort(OUT_IN_ORDER[name]))
         if isinstance(x, jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct(tuple(x.shape[i] for i in back), x.dtype)
         return np.ascontiguousarray(np.asarray(x).transpose(back))
@@ -265,7 +291,7 @@ def init_params(config: Config, seed: int = 0) -> dict:
     Same distributions as the modules' Flax initializers (norm scales 1, biases 0, everything else
     Normal(0, 1/sqrt(fan_in))), but without compiling an init function: a jitted Flax init spends seconds
     compiling one threefry sampler per parameter on CPU; this takes milliseconds. Each weight is drawn in its
-    [out, in] form and transposed, so a seed gives the same model as before the [in, out] layout.
+    [out, in] form and then laid out as the config stores it, so a seed gives the same model whatever the layout.
     """
     shapes = param_shapes(config)
     rng = np.random.default_rng(seed)
@@ -276,7 +302,7 @@ def init_params(config: Config, seed: int = 0) -> dict:
             return np.ones(leaf.shape, leaf.dtype)
         if name.endswith("bias"):
             return np.zeros(leaf.shape, leaf.dtype)
-        shape = to_out_in({name: leaf})[name].shape
+        shape = to_out_in({name: leaf}, config)[name].shape
         # In the [out, in] form: embedding tables are [rows, D]; q/k/v projections [heads, H, D]; wo [D, N, H];
         # every other weight [outputs, inputs].
         if name in ("embedding", "pos_embedding", "wq", "wk", "wv"):
@@ -285,7 +311,7 @@ def init_params(config: Config, seed: int = 0) -> dict:
             fan_in = math.prod(shape[1:])
         return rng.normal(0.0, 1.0 / math.sqrt(fan_in), shape).astype(leaf.dtype)
 
-    params = from_out_in(jax.tree_util.tree_map_with_path(draw, shapes))
+    params = from_out_in(jax.tree_util.tree_map_with_path(draw, shapes), config)
     return jax.tree_util.tree_map(jnp.asarray, params)
 
 

@@ -3,9 +3,10 @@
 The layout (Megatron-style tensor parallelism over "model", data parallelism over "data"):
 
   batch           -> "data"   tokens [B, T], start [B], logits [B, V], every cache leaf
-  query heads N   -> "model"  wq [D, N, H] (and its bias [N, H]), wo [N, H, D]
-  KV heads K      -> "model"  wk, wv [D, K, H] (and biases [K, H]); cache keys/values [B, K, S, H], scales [B, K, S]
-  FFN hidden F    -> "model"  w_gate, w_up, w_fc [D, F] (and biases [F]), w_down [F, D]
+  query heads N   -> "model"  wq [N, H, D] (and its bias [N, H]), wo [D, N, H]
+  KV heads K      -> "model"  wk, wv [K, H, D] (and biases [K, H]); cache keys/values [B, K, S, H], scales [B, K, S]
+  FFN hidden F    -> "model"  w_gate, w_up, w_fc [F, D] (and biases [F]), w_down [D, F]
+  (weights a config stores [in, out] have the same axes transposed: wq [D, N, H], wo [N, H, D], w_down [F, D], ...)
   everything else: replicated (embeddings, lm_head, norms, the output-projection and down-projection biases, which
   are added after the all-reduce)
 
@@ -46,17 +47,23 @@ HEADS, FFN, EMBED, VOCAB = "heads", "ffn", "embed", "vocab"
 # Logical axis -> mesh axis; a logical axis not listed is replicated. The one place the layout is decided.
 RULES = {shapes.BATCH: DATA, HEADS: MODEL, shapes.KV_HEADS: MODEL, FFN: MODEL}
 
-# Parameter leaf name -> logical axes of that array ([in, out] layout). Names not listed are replicated:
-# embeddings, lm_head, norms, and the wo / w_down biases (added after the all-reduce, on every device).
+# Parameter leaf name -> logical axes of that array in the [out, in] form, and in the [in, out] form (which one a
+# config stores: `jaxkv.model.in_out_names`). Names not listed are replicated: embeddings, lm_head, norms, and the
+# wo / w_down biases (added after the all-reduce, on every device).
 _PARAM_AXES = {
-    "wq": (EMBED, HEADS, shapes.HEAD_DIM), "wk": (EMBED, shapes.KV_HEADS, shapes.HEAD_DIM),
-    "wv": (EMBED, shapes.KV_HEADS, shapes.HEAD_DIM),
+    "wq": (HEADS, shapes.HEAD_DIM, EMBED), "wk": (shapes.KV_HEADS, shapes.HEAD_DIM, EMBED),
+    "wv": (shapes.KV_HEADS, shapes.HEAD_DIM, EMBED),
     "wq_bias": (HEADS, shapes.HEAD_DIM), "wk_bias": (shapes.KV_HEADS, shapes.HEAD_DIM),
     "wv_bias": (shapes.KV_HEADS, shapes.HEAD_DIM),
-    "wo": (HEADS, shapes.HEAD_DIM, EMBED),
-    "w_gate": (EMBED, FFN), "w_up": (EMBED, FFN), "w_fc": (EMBED, FFN),
+    "wo": (EMBED, HEADS, shapes.HEAD_DIM),
+    "w_gate": (FFN, EMBED), "w_up": (FFN, EMBED), "w_fc": (FFN, EMBED),
     "w_gate_bias": (FFN,), "w_up_bias": (FFN,), "w_fc_bias": (FFN,),
-    "w_down": (FFN, EMBED),
+    "w_down": (EMBED, FFN),
+}
+_IN_OUT_AXES = {
+    "wq": (EMBED, HEADS, shapes.HEAD_DIM), "wk": (EMBED, shapes.KV_HEADS, shapes.HEAD_DIM),
+    "wv": (EMBED, shapes.KV_HEADS, shapes.HEAD_DIM), "wo": (HEADS, shapes.HEAD_DIM, EMBED),
+    "w_gate": (EMBED, FFN), "w_up": (EMBED, FFN), "w_fc": (EMBED, FFN), "w_down": (FFN, EMBED),
 }
 
 
@@ -114,14 +121,17 @@ def check_config(config: Config, mesh: Mesh) -> Config:
     return config.replace(n_kv_heads=sharded_kv_heads(config, mesh))
 
 
-def param_spec(path) -> P:
-    """The PartitionSpec of the parameter at a pytree `path` (keyed by its leaf name)."""
-    return spec(_PARAM_AXES.get(path[-1].key, ()))
+def param_spec(path, config: Config) -> P:
+    """The PartitionSpec of the parameter at a pytree `path` (keyed by its leaf name) of a model with `config`."""
+    from jaxkv.model import in_out_names
+
+    name = path[-1].key
+    return spec((_IN_OUT_AXES if name in in_out_names(config) else _PARAM_AXES).get(name, ()))
 
 
-def param_shardings(params, mesh: Mesh):
-    """NamedShardings for a params tree (same structure)."""
-    return jax.tree_util.tree_map_with_path(lambda path, _: NamedSharding(mesh, param_spec(path)), params)
+def param_shardings(params, mesh: Mesh, config: Config):
+    """NamedShardings for a params tree (same structure) of a model with `config`."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: NamedSharding(mesh, param_spec(path, config)), params)
 
 
 def cache_shardings(cache, mesh: Mesh):
@@ -162,11 +172,14 @@ def replicate_kv_heads(params, config: Config, kv_heads: int):
     if r == 1:
         return params
 
+    from jaxkv.model import in_out_names
+
+    in_out = in_out_names(config)
+
     def repeat(path, x):
-        if path[-1].key in ("wk", "wv"):  # [D, K, H]
-            return np.repeat(np.asarray(x), r, axis=1)
-        if path[-1].key in ("wk_bias", "wv_bias"):  # [K, H]
-            return np.repeat(np.asarray(x), r, axis=0)
+        name = path[-1].key
+        if name in ("wk", "wv", "wk_bias", "wv_bias"):  # [D, K, H] stored [in, out], else [K, H, D]; biases [K, H]
+            return np.repeat(np.asarray(x), r, axis=1 if name in in_out else 0)
         return x
 
     return jax.tree_util.tree_map_with_path(repeat, params)
@@ -189,7 +202,7 @@ def shard_params(params, config: Config, mesh: Mesh):
     mesh = check_mesh(mesh)
     sharded_config = check_config(config, mesh)
     params = replicate_kv_heads(params, config, sharded_config.n_kv_heads)
-    return jax.tree.map(global_array, params, param_shardings(params, mesh)), sharded_config
+    return jax.tree.map(global_array, params, param_shardings(params, mesh, config)), sharded_config
 
 
 def replicated(x, mesh: Mesh):

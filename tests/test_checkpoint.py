@@ -43,7 +43,7 @@ def test_format_1_checkpoints_load_in_the_in_out_layout(tmp_path):
     directory.mkdir()
     config = json.loads(json.dumps(jaxkv.checkpoint.config_to_dict(model.config)))
     (directory / "jaxkv_config.json").write_text(json.dumps({**config, "format_version": 1}))
-    old = to_out_in(model.params)
+    old = to_out_in(model.params, model.config)
     assert old["layer_0"]["attn"]["wq"].shape == (4, 16, 64) and old["layer_0"]["mlp"]["w_down"].shape == (64, 96)
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(directory / "params", old)

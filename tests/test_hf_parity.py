@@ -41,6 +41,10 @@ CASES = {
         rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
                              high_freq_factor=4.0, original_max_position_embeddings=32))),
     "mistral-window8": ("MistralConfig", dict(LLAMA_LIKE, sliding_window=8)),
+    # attention matrices of 2048 x 2048 >= OUT_IN_ELEMENTS: stored [out, in]; the 2048 x 512 FFN [in, out]
+    "llama-wide-mixed-layout": ("LlamaConfig", dict(LLAMA_LIKE, hidden_size=2048, intermediate_size=512,
+                                                    num_hidden_layers=1, num_attention_heads=8,
+                                                    initializer_range=0.03)),
     "qwen2-bias": ("Qwen2Config", dict(LLAMA_LIKE)),
     "gpt2": ("GPT2Config", dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=128,
                                 initializer_range=0.25, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=BOS)),
@@ -123,6 +127,10 @@ def test_params_have_the_decoder_layout(pair):
     assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(expected)
     assert jax.tree_util.tree_leaves(got) == jax.tree_util.tree_leaves(expected)
     assert model.config.dtype == "float32" and model.config.eos_ids == (EOS,)
+    from jaxkv.model import in_out_names
+
+    wide = model.config.d_model * model.config.n_heads * model.config.head_dim >= jaxkv.layers.OUT_IN_ELEMENTS
+    assert ("wq" in in_out_names(model.config)) == (not wide)
 
 
 def test_sliding_window_matters():

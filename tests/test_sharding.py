@@ -266,11 +266,19 @@ def test_layout_rules():
     """The specs the module docstring promises, derived from logical axes; a mesh axis is never used twice."""
     assert sharding.KV_SPEC == P("data", "model", None, None)
     assert sharding.KV_SCALE_SPEC == P("data", "model", None)
-    shardings = sharding.param_shardings(model_for(GQA).params, sharding.check_mesh(mesh_of(2, 4)))
+    shardings = sharding.param_shardings(model_for(GQA).params, sharding.check_mesh(mesh_of(2, 4)), GQA)
     attn, mlp = shardings["layer_0"]["attn"], shardings["layer_0"]["mlp"]
     assert attn["wq"].spec == P(None, "model", None) and attn["wk"].spec == P(None, "model", None)
     assert attn["wo"].spec == P("model", None, None)
-    assert mlp["w_gate"].spec == P(None, "model") and mlp["w_down"].spec == P("model", None)
+    assert mlp["w_gate"].spec == P(None, "model") and mlp["w_down"].spec == P("model", None)  # [D, F], [F, D]
+    # A config whose matrices reach OUT_IN_ELEMENTS stores them [out, in]: the same axes, transposed.
+    big = GQA.replace(d_model=2048, ffn_dim=1024, n_heads=8, n_kv_heads=2, head_dim=256)
+    params = jaxkv.model.param_shapes(big)
+    shardings = sharding.param_shardings(params, sharding.check_mesh(mesh_of(2, 4)), big)
+    attn, mlp = shardings["layer_0"]["attn"], shardings["layer_0"]["mlp"]
+    assert params["layer_0"]["attn"]["wq"].shape == (8, 256, 2048) and attn["wq"].spec == P("model", None, None)
+    assert attn["wo"].spec == P(None, "model", None)
+    assert mlp["w_gate"].spec == P("model", None) and mlp["w_down"].spec == P(None, "model")
     assert shardings["embedding"].is_fully_replicated and shardings["lm_head"].is_fully_replicated
     with pytest.raises(ValueError, match="a mesh axis used twice"):
         sharding.spec((sharding.HEADS, sharding.FFN))
