@@ -152,7 +152,10 @@ def test_pages_are_shared_bounded_and_all_returned(monkeypatch):
     roomy = jaxkv.beam_search(model, [prompt], num_beams=4, max_new_tokens=NEW, stop_tokens=[], page_size=4)
     tight = jaxkv.beam_search(model, [prompt], num_beams=4, max_new_tokens=NEW, stop_tokens=[], page_size=4,
                               num_pages=plan.pages_needed)
-    assert tight.tokens == roomy.tokens and tight.scores == roomy.scores
+    assert tight.tokens == roomy.tokens
+    # The pool size picks the paged attention's formulation (`paged_reference.prefers_pool`): the same sums in
+    # another order, float32 rounding apart.
+    np.testing.assert_allclose(tight.scores, roomy.scores, rtol=0, atol=1e-5)
     stats = tight.stats
     assert stats["pages_needed"] == plan.pages_needed == 25 + 4 * 3  # 25 prompt pages, 3 own pages per beam
     assert stats["pages_in_use_end"] == 0
