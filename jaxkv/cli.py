@@ -2,7 +2,7 @@
 
   jaxkv generate --prompt TEXT [--model PATH|tiny] [--max-new-tokens N] [--temperature T] [--top-k K]
                  [--top-p P] [--min-p M] [--seed S] [--dtype D] [--max-len N]
-                 [--cache-dtype D] [--n N] [--logprobs K] [--json]
+                 [--cache-dtype D] [--n N] [--logprobs K] [--json] [--no-compile-cache]
   jaxkv generate --prompt TEXT --num-beams K [--length-penalty F] [--early-stopping true|false|never]
                  [--num-return-sequences R] [--model PATH|tiny] [--max-new-tokens N] [--dtype D] [--max-len N]
                  [--cache-dtype D] [--json]
@@ -16,6 +16,9 @@
   jaxkv bench engine [options]    (continuous batching against static batches: jaxkv.bench_engine)
   jaxkv bench beam [options]      (beam search: jaxkv.bench_beam)
   jaxkv --version
+
+Compiled programs are kept on disk between runs (`jaxkv.compile_cache`: ~/.cache/jaxkv/xla, JAXKV_COMPILE_CACHE
+to move or disable it), so a second `jaxkv generate` starts warm; --no-compile-cache opts out for one run.
 
 Every flag is parsed and checked (`jaxkv.checks`, which is JAX-free) before JAX is imported and before anything is
 printed: `--help` and a bad flag answer in a fraction of a second, where importing JAX, Flax and Pallas takes
@@ -84,6 +87,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="with --json: each new token's log-probability (always) and its K most likely "
                           "alternatives per step (0 <= K <= 20)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streamed text")
+    gen.add_argument("--no-compile-cache", action="store_true",
+                     help="do not read or write the persistent compilation cache (jaxkv.compile_cache)")
     beam = gen.add_argument_group("beam search", "deterministic (no --temperature > 0, --top-k, --top-p, --min-p, "
                                   "--n or --logprobs); the options below need --num-beams > 1")
     beam.add_argument("--num-beams", type=int, default=1, metavar="K",
@@ -264,6 +269,12 @@ def _check_beam_flags(args):
 
 def _generate(args, started: float) -> dict:
     prompt = _check_generate(args)
+    if args.no_compile_cache:
+        import os
+
+        from jaxkv import compile_cache
+
+        os.environ[compile_cache.ENV] = "0"  # read when jaxkv.model is first imported, just below
     t0 = time.perf_counter()
     from jaxkv.checkpoint import load  # JAX, Flax and the Pallas kernels: seconds
     from jaxkv.generate import generate

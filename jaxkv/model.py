@@ -21,13 +21,16 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxkv import attention as attention_impls
-from jaxkv import sharding
+from jaxkv import compile_cache, sharding
 from jaxkv.attention import paged_reference
 from jaxkv.attention.reference import masks_dead_values
 from jaxkv.cache import KVCache
 from jaxkv.config import Config
 from jaxkv.paged_cache import PagedKVCache
 from jaxkv.layers import Mlp, Norm, apply_rope, fan_in_init, linear, rope_angles, stored_out_in
+
+
+compile_cache.setup()  # before anything compiles: programs come from / go to the persistent cache
 
 
 class Attention(nn.Module):

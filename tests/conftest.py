@@ -8,6 +8,9 @@ import gc
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# No persistent compilation cache in tests (tests/test_compile_cache.py turns it on in its own processes): compile
+# counts and compile times must not depend on what an earlier run left on disk.
+os.environ.setdefault("JAXKV_COMPILE_CACHE", "0")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
