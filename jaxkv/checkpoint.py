@@ -25,7 +25,7 @@ from jaxkv.model import Model, from_out_in, param_shapes, to_out_in
 CONFIG_FILE = "jaxkv_config.json"
 PARAMS_DIR = "params"
 TOKENIZER_FILE = "tokenizer.json"
-FORMAT_VERSION = 2  # 2: weights laid out as `model.in_out_names` says; 1: all [out, in] (converted on read)
+FORMAT_VERSION = 2  # 2: weights laid out as `layers.in_out_names` says; 1: all [out, in] (converted on read)
 READ_VERSIONS = (1, 2)
 TINY_DIR = pathlib.Path(__file__).parent / "tiny"
 
@@ -131,7 +131,6 @@ def load_saved(directory: str | os.PathLike, *, dtype: str | None = None) -> Mod
     if version == 1:
         params = jax.tree_util.tree_map(jnp.asarray, from_out_in(params, config))
     return cast(Model(config, params, _load_tokenizer(directory)), dtype)
-
 
 
 def _check_against_config(stored, expected, source: str):

@@ -13,7 +13,7 @@ run code. The loader works in two phases so that a bad checkpoint fails with a c
 
 Per-architecture name mapping (HF name, after the base-model prefix `model.` / `transformer.`; letters as in
 `jaxkv.shapes`; `{i}` is the layer; paths are into `Model.params`). The table gives each matrix in its [out, in]
-form; the loader then transposes those the config stores [in, out] (`jaxkv.model.in_out_names`,
+form; the loader then transposes those the config stores [in, out] (`jaxkv.layers.in_out_names`,
 `OUT_IN_ORDER`: wq [D, N, H], wo [N, H, D], w_gate [D, F], ...; embeddings and lm_head stay [V, D]):
 
   Llama / Mistral / Qwen2 (torch nn.Linear weights are [out, in])
@@ -74,7 +74,8 @@ import safetensors
 from safetensors import safe_open
 
 from jaxkv.config import DTYPES, Config, RopeScaling
-from jaxkv.model import OUT_IN_ORDER, Model, in_out_names
+from jaxkv.layers import OUT_IN_ORDER, in_out_names
+from jaxkv.model import Model
 
 LLAMA, MISTRAL, QWEN2, GPT2 = "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel"
 ARCHITECTURES = (LLAMA, MISTRAL, QWEN2, GPT2)

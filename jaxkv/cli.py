@@ -37,6 +37,8 @@ from jaxkv import checks, memory
 from jaxkv.config import DTYPES, Config
 
 EXIT_USAGE = 2
+# `jaxkv bench NAME ...` -> the module whose main() runs it (also scripts/bench_NAME.py)
+BENCH_SCENARIOS = {"sharing": "jaxkv.bench_sharing", "engine": "jaxkv.bench_engine", "beam": "jaxkv.bench_beam"}
 EARLY_STOPPING = {"true": True, "false": False, "never": "never"}  # --early-stopping -> jaxkv.beam_search's value
 VERSION = "0.1.0"  # what --version says when the package metadata is missing (running from a source tree)
 
@@ -596,18 +598,10 @@ def _print_memory(result: dict):
 def main(argv=None) -> int:
     started = time.perf_counter()
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:2] == ["bench", "sharing"]:  # parallel samples and prompt caching (scripts/bench_sharing.py)
-        from jaxkv import bench_sharing
+    if argv[:1] == ["bench"] and argv[1:2] and argv[1] in BENCH_SCENARIOS:  # each has its own options
+        import importlib
 
-        return bench_sharing.main(argv[2:])
-    if argv[:2] == ["bench", "engine"]:  # continuous batching against static batches (scripts/bench_engine.py)
-        from jaxkv import bench_engine
-
-        return bench_engine.main(argv[2:])
-    if argv[:2] == ["bench", "beam"]:  # beam search on the paged cache (jaxkv.bench_beam)
-        from jaxkv import bench_beam
-
-        return bench_beam.main(argv[2:])
+        return importlib.import_module(BENCH_SCENARIOS[argv[1]]).main(argv[2:])
     if argv[:1] == ["bench"]:  # the benchmark has its own options (scripts/bench.py, same code)
         from jaxkv import bench
 

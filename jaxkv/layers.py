@@ -89,6 +89,26 @@ def stored_out_in(d_in: int, d_out: int) -> bool:
     return d_in * d_out >= OUT_IN_ELEMENTS
 
 
+# Parameter leaf name -> the axes of its [out, in] form (PyTorch's Linear layout, and every jaxkv weight before
+# format 2) in the order of its [in, out] layout: w_in_out = w_out_in.transpose(order). Which weights a config
+# stores [in, out] is `in_out_names`; names not listed are the same in both.
+OUT_IN_ORDER = {"wq": (2, 0, 1), "wk": (2, 0, 1), "wv": (2, 0, 1), "wo": (1, 2, 0), "w_gate": (1, 0), "w_up": (1, 0),
+                "w_fc": (1, 0), "w_down": (1, 0)}
+
+
+def in_out_names(config: Config) -> frozenset[str]:
+    """The parameter names `config` stores [in, out] (the others in OUT_IN_ORDER: [out, in])."""
+    D, F, NH = config.d_model, config.ffn_dim, config.n_heads * config.head_dim
+    names = set()
+    if not stored_out_in(D, NH):
+        names |= {"wq", "wk", "wv", "wo"}
+    if not stored_out_in(D, F):
+        names |= {"w_gate", "w_up", "w_fc"}
+    if not stored_out_in(F, D):
+        names.add("w_down")
+    return frozenset(names)
+
+
 def linear(x, w, out_in: bool = False):
     """x [B, T, in] times w -> [B, T, out]; w is [in, out], or [out, in] with `out_in` (`stored_out_in`)."""
     return jnp.einsum("bti,oi->bto" if out_in else "bti,io->bto", x, w)

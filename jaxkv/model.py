@@ -27,8 +27,8 @@ from jaxkv.attention.reference import masks_dead_values
 from jaxkv.cache import KVCache
 from jaxkv.config import Config
 from jaxkv.paged_cache import PagedKVCache
-from jaxkv.layers import Mlp, Norm, apply_rope, fan_in_init, linear, rope_angles, stored_out_in
-
+from jaxkv.layers import (OUT_IN_ORDER, Mlp, Norm, apply_rope, fan_in_init, in_out_names, linear,
+                          rope_angles, stored_out_in)
 
 compile_cache.setup()  # before anything compiles: programs come from / go to the persistent cache
 
@@ -238,26 +238,6 @@ def param_shapes(config: Config) -> dict:
     """The parameter tree as jax.ShapeDtypeStruct leaves: what `config` implies, without allocating anything."""
     tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
     return jax.eval_shape(Decoder(config).init, jax.random.PRNGKey(0), tokens, tokens)["params"]
-
-
-# Parameter leaf name -> the axes of its [out, in] form (PyTorch's Linear layout, and every jaxkv weight before
-# format 2) in the order of its [in, out] layout: w_in_out = w_out_in.transpose(order). Which weights a config
-# stores [in, out] is `in_out_names` (`layers.stored_out_in`); names not listed are the same in both.
-OUT_IN_ORDER = {"wq": (2, 0, 1), "wk": (2, 0, 1), "wv": (2, 0, 1), "wo": (1, 2, 0), "w_gate": (1, 0), "w_up": (1, 0),
-                "w_fc": (1, 0), "w_down": (1, 0)}
-
-
-def in_out_names(config: Config) -> frozenset[str]:
-    """The parameter names `config` stores [in, out] (the others in OUT_IN_ORDER: [out, in])."""
-    D, F, NH = config.d_model, config.ffn_dim, config.n_heads * config.head_dim
-    names = set()
-    if not stored_out_in(D, NH):
-        names |= {"wq", "wk", "wv", "wo"}
-    if not stored_out_in(D, F):
-        names |= {"w_gate", "w_up", "w_fc"}
-    if not stored_out_in(F, D):
-        names.add("w_down")
-    return frozenset(names)
 
 
 def from_out_in(params, config: Config):

@@ -37,6 +37,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jaxkv import shapes
 from jaxkv.config import Config
+from jaxkv.layers import OUT_IN_ORDER, in_out_names
 
 DATA, MODEL = "data", "model"
 AXES = (DATA, MODEL)
@@ -60,11 +61,7 @@ _PARAM_AXES = {
     "w_gate_bias": (FFN,), "w_up_bias": (FFN,), "w_fc_bias": (FFN,),
     "w_down": (EMBED, FFN),
 }
-_IN_OUT_AXES = {
-    "wq": (EMBED, HEADS, shapes.HEAD_DIM), "wk": (EMBED, shapes.KV_HEADS, shapes.HEAD_DIM),
-    "wv": (EMBED, shapes.KV_HEADS, shapes.HEAD_DIM), "wo": (HEADS, shapes.HEAD_DIM, EMBED),
-    "w_gate": (EMBED, FFN), "w_up": (EMBED, FFN), "w_fc": (EMBED, FFN), "w_down": (FFN, EMBED),
-}
+_IN_OUT_AXES = {name: tuple(_PARAM_AXES[name][i] for i in order) for name, order in OUT_IN_ORDER.items()}
 
 
 def spec(logical_axes) -> P:
@@ -123,8 +120,6 @@ def check_config(config: Config, mesh: Mesh) -> Config:
 
 def param_spec(path, config: Config) -> P:
     """The PartitionSpec of the parameter at a pytree `path` (keyed by its leaf name) of a model with `config`."""
-    from jaxkv.model import in_out_names
-
     name = path[-1].key
     return spec((_IN_OUT_AXES if name in in_out_names(config) else _PARAM_AXES).get(name, ()))
 
@@ -172,14 +167,12 @@ def replicate_kv_heads(params, config: Config, kv_heads: int):
     if r == 1:
         return params
 
-    from jaxkv.model import in_out_names
-
     in_out = in_out_names(config)
 
     def repeat(path, x):
         name = path[-1].key
-        if name in ("wk", "wv", "wk_bias", "wv_bias"):  # [D, K, H] stored [in, out], else [K, H, D]; biases [K, H]
-            return np.repeat(np.asarray(x), r, axis=1 if name in in_out else 0)
+        if name in ("wk", "wv", "wk_bias", "wv_bias"):  # KV heads: axis 0 of [K, H, D] and of the biases [K, H]
+            return np.repeat(np.asarray(x), r, axis=OUT_IN_ORDER[name].index(0) if name in in_out else 0)
         return x
 
     return jax.tree_util.tree_map_with_path(repeat, params)
