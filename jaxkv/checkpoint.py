@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv.config import DTYPES, Config, RopeScaling
+from jaxkv.layers import in_out_names
 from jaxkv.model import Model, from_out_in, param_shapes, to_out_in
 
 CONFIG_FILE = "jaxkv_config.json"
@@ -66,8 +67,11 @@ def cast(model: Model, dtype: str | None) -> Model:
     _check_dtype(dtype)
     if dtype is None or dtype == model.config.dtype:
         return model
+    config = model.config.replace(dtype=dtype)
     params = jax.tree_util.tree_map(lambda a: a.astype(jnp.dtype(dtype)), model.params)
-    return Model(model.config.replace(dtype=dtype), params, model.tokenizer)
+    if in_out_names(config) != in_out_names(model.config):  # the layout follows the dtype (`layers.stored_out_in`)
+        params = jax.tree_util.tree_map(jnp.asarray, from_out_in(to_out_in(params, model.config), config))
+    return Model(config, params, model.tokenizer)
 
 
 def _load_tokenizer(directory: pathlib.Path):

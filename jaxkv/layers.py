@@ -84,8 +84,10 @@ def apply_rope(x, cos, sin):
 OUT_IN_ELEMENTS = 1 << 21
 
 
-def stored_out_in(d_in: int, d_out: int) -> bool:
-    """Whether the weight of a d_in -> d_out projection is stored [out, in] (else [in, out])."""
+def stored_out_in(d_in: int, d_out: int, dtype="float32") -> bool:
+    """Whether the weight of a d_in -> d_out projection in `dtype` is stored [out, in] (else [in, out])."""
+    if jnp.dtype(dtype).itemsize < 4:
+        return False
     return d_in * d_out >= OUT_IN_ELEMENTS
 
 
@@ -99,19 +101,22 @@ OUT_IN_ORDER = {"wq": (2, 0, 1), "wk": (2, 0, 1), "wv": (2, 0, 1), "wo": (1, 2, 
 def in_out_names(config: Config) -> frozenset[str]:
     """The parameter names `config` stores [in, out] (the others in OUT_IN_ORDER: [out, in])."""
     D, F, NH = config.d_model, config.ffn_dim, config.n_heads * config.head_dim
-    names = set()
-    if not stored_out_in(D, NH):
+    names, dtype = set(), config.dtype
+    if not stored_out_in(D, NH, dtype):
         names |= {"wq", "wk", "wv", "wo"}
-    if not stored_out_in(D, F):
+    if not stored_out_in(D, F, dtype):
         names |= {"w_gate", "w_up", "w_fc"}
-    if not stored_out_in(F, D):
+    if not stored_out_in(F, D, dtype):
         names.add("w_down")
     return frozenset(names)
 
 
 def linear(x, w, out_in: bool = False):
-    """x [B, T, in] times w -> [B, T, out]; w is [in, out], or [out, in] with `out_in` (`stored_out_in`)."""
-    return jnp.einsum("bti,oi->bto" if out_in else "bti,io->bto", x, w)
+    """x [B, T, in] times w -> [B, T, out]; w is [in, out], or [out, in] with `out_in` (`stored_out_in`).
+
+    Accumulates in float32 and rounds the result to x's dtype, as PyTorch's bfloat16 matmul does."""
+    y = jnp.einsum("bti,oi->bto" if out_in else "bti,io->bto", x, w, preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)
 
 
 class Mlp(nn.Module):
@@ -126,7 +131,7 @@ class Mlp(nn.Module):
         dtype = jnp.dtype(cfg.dtype)
 
         def dense(name, x, d_in, d_out):
-            out_in = stored_out_in(d_in, d_out)
+            out_in = stored_out_in(d_in, d_out, dtype)
             w = self.param(name, fan_in_init(d_in), (d_out, d_in) if out_in else (d_in, d_out), dtype)
             y = linear(x, w, out_in)
             if cfg.mlp_bias:

@@ -63,7 +63,7 @@ class Attention(nn.Module):
 
         # One layout for all four projections, decided by the query width (KV-head replication on a mesh must not
         # change it).
-        out_in = stored_out_in(D, N * H)
+        out_in = stored_out_in(D, N * H, dtype)
         q, k, v = project("wq", N), project("wk", K), project("wv", K)  # [B, T, N|K, H]
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)

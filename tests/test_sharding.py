@@ -280,5 +280,11 @@ def test_layout_rules():
     assert attn["wo"].spec == P(None, "model", None)
     assert mlp["w_gate"].spec == P("model", None) and mlp["w_down"].spec == P(None, "model")
     assert shardings["embedding"].is_fully_replicated and shardings["lm_head"].is_fully_replicated
+    # In bfloat16 every projection is [in, out], however wide (`layers.stored_out_in`), with the [in, out] specs.
+    params = jaxkv.model.param_shapes(big.replace(dtype="bfloat16"))
+    shardings = sharding.param_shardings(params, sharding.check_mesh(mesh_of(2, 4)), big.replace(dtype="bfloat16"))
+    assert params["layer_0"]["attn"]["wq"].shape == (2048, 8, 256)
+    assert shardings["layer_0"]["attn"]["wq"].spec == P(None, "model", None)
+    assert shardings["layer_0"]["mlp"]["w_down"].spec == P("model", None)
     with pytest.raises(ValueError, match="a mesh axis used twice"):
         sharding.spec((sharding.HEADS, sharding.FFN))
