@@ -278,6 +278,14 @@ def bench_decode(name: str, config: Config, dtype: str, batch: int, args, meter)
             # implementations round differently and drift apart at near-ties; float32 ones should not.
             "greedy_first_difference": int(differ[0]) if differ.size else None,
         })
+        if dtype != "float32":
+            # transformers' own reference for a 16-bit row: the same (rounded) weights in float32. Where its
+            # 16-bit run keeps to that for n tokens, ours must keep to its 16-bit run as far (issue 16).
+            exact = HFRunner(model, "float32").generate(prompts, n)
+            own = np.nonzero((hf_tokens[:, :n] != exact).any(axis=0))[0]
+            result["hf_first_difference_from_float32"] = int(own[0]) if own.size else None
+            needed = n if not own.size else int(own[0])
+            result["greedy_tokens_as_far_as_hf_float32"] = not differ.size or int(differ[0]) >= needed
     return result
 
 
@@ -376,7 +384,8 @@ def print_roofline(roof):
 
 
 TABLE_HEAD = (f"{'config':8} {'dtype':9} {'B':>2} {'compile s':>9} {'prefill ms':>10} {'tok/s':>8} {'min-max':>15} "
-              f"{'GB/s':>6} {'of roof':>7} {'roof GB/s':>9} {'HF tok/s':>8} {'x HF':>5} {'HF roof':>7} {'same32':>6} {'RSS MB':>7}")
+              f"{'GB/s':>6} {'of roof':>7} {'roof GB/s':>9} {'HF tok/s':>8} {'x HF':>5} {'HF roof':>7} {'same32':>6}"
+              f" {'diff':>4} {'hf32':>4} {'RSS MB':>7}")
 
 
 def table_row(r) -> str:
@@ -388,7 +397,13 @@ def table_row(r) -> str:
             f"{r['achieved_GBps']:6.1f} {r['fraction_of_roofline']:7.0%} {r['roofline_GBps']['median']:9.1f} "
             f"{hf:8.1f} {ratio:5.2f} "
             f"{r.get('hf_fraction_of_roofline', float('nan')):7.0%} {str(r.get('greedy_first_32_equal', '-')):>6} "
+            f"{_step(r.get('greedy_first_difference')):>4} {_step(r.get('hf_first_difference_from_float32')):>4} "
             f"{r['peak_rss_mb']:7.0f}")
+
+
+def _step(first_difference) -> str:
+    """A table cell for a first-difference step: '-' where the tokens never differ (or were not compared)."""
+    return "-" if first_difference is None else str(first_difference)
 
 
 def plot(curves: dict, out: pathlib.Path) -> list[str]:

@@ -243,3 +243,19 @@ def test_beam_scenario_reports_time_bytes_and_matches(tmp_path, capsys):
         assert row["tokens_equal"] == [True, True]  # float32 on both sides
     assert printed.count("best hypothesis equals transformers' for 2 of 2 prompt(s)") == 2
     assert bench_beam.main(["--beams", "4,x"]) == 2
+
+
+def test_16_bit_rows_compare_with_transformers_float32(tmp_path, capsys):
+    """A bfloat16 row also runs transformers in float32 on the same (rounded) weights, and says how far its own
+    bfloat16 run keeps to that, and whether ours keeps to its bfloat16 run as far (issue 16, target 3)."""
+    import json
+
+    from jaxkv import bench
+
+    assert bench.main(["--configs", "test-tiny", "--dtypes", "bfloat16", "--batches", "1", "--reps", "1",
+                       "--new-tokens", "40", "--no-curves", "--out", str(tmp_path)]) == 0
+    (r,) = json.loads((tmp_path / "bench.json").read_text())["decode"]
+    own, ours = r["hf_first_difference_from_float32"], r["greedy_first_difference"]
+    assert own is None or 0 <= own < 32
+    assert r["greedy_tokens_as_far_as_hf_float32"] == (ours is None or ours >= (32 if own is None else own))
+    assert "hf32" in capsys.readouterr().out
