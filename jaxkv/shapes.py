@@ -16,6 +16,8 @@ Shape letters (docstrings, einsums and shape comments use these and nothing else
   P  pages (paged cache)
   W  beams per prompt (beam search)
   C  candidates per prompt ranked in one beam-search step
+  R  latent width of multi-head latent attention (`kv_lora_rank`)
+  E  rotary key width of multi-head latent attention (`qk_rope_head_dim`), shared by all heads
 
 Logical axis names name the same axes for sharding rules: a rule maps a logical name to a mesh axis, so sharding
 over batch and KV heads never needs to know where those axes sit in a particular array.
