@@ -18,6 +18,11 @@ Shape letters (docstrings, einsums and shape comments use these and nothing else
   C  candidates per prompt ranked in one beam-search step
   R  latent width of multi-head latent attention (`kv_lora_rank`)
   E  rotary key width of multi-head latent attention (`qk_rope_head_dim`), shared by all heads
+  M  token rows of a mixture of experts, B * T flattened
+  X  routed experts
+  A  experts chosen per token (`experts_per_token`)
+  I  one routed expert's hidden width (`moe_ffn_dim`)
+  J  the shared experts' hidden width, n_shared_experts * I
 
 Logical axis names name the same axes for sharding rules: a rule maps a logical name to a mesh axis, so sharding
 over batch and KV heads never needs to know where those axes sit in a particular array.
