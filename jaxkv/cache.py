@@ -1,6 +1,7 @@
 """The KV cache: a registered pytree of preallocated, fixed-shape key and value arrays.
 
-Only keys and values are cached. Queries, attention weights and hidden states of past tokens are never stored:
+Only keys and values are cached (a multi-head latent attention model caches one latent row per token as its
+"key" and no values: `zeroed_buffers`). Queries, attention weights and hidden states of past tokens are never stored:
 no later decode step reads them.
 
 Layout. `keys[l]` and `values[l]` are [B, K, S, H] (axes `shapes.KV_AXES`), one array per layer. Per-layer arrays
@@ -61,13 +62,18 @@ def check_cache_dtype(cache_dtype) -> str:
 def zeroed_buffers(config: Config, shape: tuple[int, ...], dtype=None):
     """(keys, values, key_scales, value_scales): L zeroed K and V buffers of `shape` in the cache dtype (`dtype`,
     default config.dtype), and for int8/fp8 L float32 scale buffers of shape[:3] each (else empty). Every buffer
-    is distinct: all may be donated, and one buffer cannot be donated twice."""
+    is distinct: all may be donated, and one buffer cannot be donated twice.
+
+    An MLA config (`config.mla`) caches keys only: its values are the first R columns of the key row, so values
+    and value_scales are empty and no second buffer is ever allocated."""
     name = check_cache_dtype(dtype or config.dtype)
     L = config.n_layers
     buffers = lambda shape, dt: tuple(jnp.zeros(shape, dt) for _ in range(L))  # noqa: E731
     scales = name in QUANTIZED
-    return (buffers(shape, name), buffers(shape, name), buffers(shape[:3], jnp.float32) if scales else (),
-            buffers(shape[:3], jnp.float32) if scales else ())
+    values = config.mla is None
+    return (buffers(shape, name), buffers(shape, name) if values else (),
+            buffers(shape[:3], jnp.float32) if scales else (),
+            buffers(shape[:3], jnp.float32) if scales and values else ())
 
 
 def quantize(x, cache_dtype: str):
@@ -91,8 +97,8 @@ def quantize(x, cache_dtype: str):
                    meta_fields=["ring"])
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    keys: tuple[jax.Array, ...]  # L x [B, K, S, H]
-    values: tuple[jax.Array, ...]  # L x [B, K, S, H]
+    keys: tuple[jax.Array, ...]  # L x [B, K, S, H]; MLA: L x [B, 1, S, R + E], the latent rows
+    values: tuple[jax.Array, ...]  # L x [B, K, S, H]; MLA: empty (the values are keys[l][..., :R])
     start: jax.Array  # int32[B]
     length: jax.Array  # int32[]
     key_scales: tuple[jax.Array, ...] = ()  # L x float32[B, K, S] for int8/fp8 caches, else empty
@@ -120,10 +126,11 @@ class KVCache:
         return bool(self.key_scales)
 
     def scales(self, layer: int):
-        """(key scales, value scales) of `layer`, or (None, None) for an unquantized cache."""
+        """(key scales, value scales) of `layer`, or (None, None) for an unquantized cache (value scales None for
+        a keys-only MLA cache)."""
         if not self.quantized:
             return None, None
-        return self.key_scales[layer], self.value_scales[layer]
+        return self.key_scales[layer], self.value_scales[layer] if self.value_scales else None
 
     @property
     def batch(self) -> int:
@@ -139,9 +146,10 @@ class KVCache:
         return sum(a.size * a.dtype.itemsize
                    for a in (*self.keys, *self.values, *self.key_scales, *self.value_scales))
 
-    def write(self, layer: int, k: jax.Array, v: jax.Array, *, zero_dead_values: bool = False) -> "KVCache":
+    def write(self, layer: int, k: jax.Array, v: jax.Array | None, *, zero_dead_values: bool = False) -> "KVCache":
         """Returns the cache with k, v ([B, K, T, H]) written to slots [length, length + T) of `layer`
-        (quantized first, for an int8/fp8 cache; at index length mod S in a ring).
+        (quantized first, for an int8/fp8 cache; at index length mod S in a ring). A keys-only (MLA) cache takes
+        v = None.
 
         `length` is not advanced here (every layer writes to the same slots); call `advance` once per forward pass.
 
@@ -169,9 +177,16 @@ class KVCache:
             new = jnp.where(fits, new.astype(buf.dtype), old)
             return lax.dynamic_update_slice_in_dim(buf, new, at, axis=2)
 
+        if (v is None) != (not self.values):
+            raise ValueError("a keys-only (MLA) cache is written with v=None, any other cache with values")
         k_scale, v_scale = self.scales(layer)
         if self.quantized:
             k, new_k_scale = quantize(k, self.dtype)
+        if v is None:
+            with jax.named_scope("cache_update"):
+                cache = self.with_layer(layer, update(self.keys[layer], k), None)
+                return cache.with_layer_scales(layer, update(k_scale, new_k_scale), None) if self.quantized else cache
+        if self.quantized:
             v, new_v_scale = quantize(v, self.dtype)
         values = self.values[layer]
         if zero_dead_values:
@@ -186,25 +201,27 @@ class KVCache:
                 cache = cache.with_layer_scales(layer, update(k_scale, new_k_scale), update(v_scale, new_v_scale))
             return cache
 
-    def write_prompt(self, layer: int, k: jax.Array, v: jax.Array) -> "KVCache":
-        """Writes a whole prompt ([B, K, T, H], slots [0, T)) into an empty cache. Unlike `write`, a ring cache
-        may be shorter than the prompt: then only the last S slots are kept, each at its index slot mod S."""
+    def write_prompt(self, layer: int, k: jax.Array, v: jax.Array | None) -> "KVCache":
+        """Writes a whole prompt ([B, K, T, H], slots [0, T)) into an empty cache (v None: keys only, MLA). Unlike
+        `write`, a ring cache may be shorter than the prompt: then only the last S slots are kept, each at its
+        index slot mod S."""
         T, S = k.shape[2], self.capacity
         if self.ring and T > S:
             # Slots T-S .. T-1 go to indices (T-S) mod S .. : a rotation of the last S slots by T mod S.
-            k, v = (jnp.roll(x[:, :, T - S:], T % S, axis=2) for x in (k, v))
+            k, v = (None if x is None else jnp.roll(x[:, :, T - S:], T % S, axis=2) for x in (k, v))
         return self.write(layer, k, v)
 
-    def with_layer(self, layer: int, k: jax.Array, v: jax.Array) -> "KVCache":
-        """The cache with layer `layer`'s buffers replaced by k, v ([B, K, S, H])."""
+    def with_layer(self, layer: int, k: jax.Array, v: jax.Array | None) -> "KVCache":
+        """The cache with layer `layer`'s buffers replaced by k, v ([B, K, S, H]; v None in a keys-only cache)."""
         keys = self.keys[:layer] + (k,) + self.keys[layer + 1:]
-        values = self.values[:layer] + (v,) + self.values[layer + 1:]
+        values = self.values if v is None else self.values[:layer] + (v,) + self.values[layer + 1:]
         return dataclasses.replace(self, keys=keys, values=values)
 
-    def with_layer_scales(self, layer: int, k_scale: jax.Array, v_scale: jax.Array) -> "KVCache":
-        """The cache with layer `layer`'s quantization scales replaced."""
+    def with_layer_scales(self, layer: int, k_scale: jax.Array, v_scale: jax.Array | None) -> "KVCache":
+        """The cache with layer `layer`'s quantization scales replaced (v_scale None in a keys-only cache)."""
         key_scales = self.key_scales[:layer] + (k_scale,) + self.key_scales[layer + 1:]
-        value_scales = self.value_scales[:layer] + (v_scale,) + self.value_scales[layer + 1:]
+        value_scales = (self.value_scales if v_scale is None
+                        else self.value_scales[:layer] + (v_scale,) + self.value_scales[layer + 1:])
         return dataclasses.replace(self, key_scales=key_scales, value_scales=value_scales)
 
     @property

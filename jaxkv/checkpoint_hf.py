@@ -73,13 +73,16 @@ import numpy as np
 import safetensors
 from safetensors import safe_open
 
-from jaxkv.config import DTYPES, Config, RopeScaling
-from jaxkv.layers import OUT_IN_ORDER, in_out_names
+from jaxkv.config import DTYPES, Config, Mla, RopeScaling, YarnScaling
+from jaxkv.layers import ALL_OUT_IN_ORDER, in_out_names
 from jaxkv.model import Model
 
 LLAMA, MISTRAL, QWEN2, GPT2 = "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel"
-ARCHITECTURES = (LLAMA, MISTRAL, QWEN2, GPT2)
-BASE_PREFIX = {LLAMA: "model.", MISTRAL: "model.", QWEN2: "model.", GPT2: "transformer."}
+DEEPSEEK_V2, DEEPSEEK_V3 = "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"
+DEEPSEEK = (DEEPSEEK_V2, DEEPSEEK_V3)
+ARCHITECTURES = (LLAMA, MISTRAL, QWEN2, GPT2, DEEPSEEK_V2, DEEPSEEK_V3)
+BASE_PREFIX = {LLAMA: "model.", MISTRAL: "model.", QWEN2: "model.", GPT2: "transformer.", DEEPSEEK_V2: "model.",
+               DEEPSEEK_V3: "model."}
 
 # Sanity caps on config values, checked before anything is built from them. Each is well beyond any released
 # model of these families (largest: vocab 256k, hidden 16k, 126 layers), yet small enough that a corrupt or
@@ -106,7 +109,8 @@ INDEX_FILE = "model.safetensors.index.json"
 # learned state.
 _ROTARY_BUFFER = re.compile(r"(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")
 REDUNDANT = {LLAMA: _ROTARY_BUFFER, MISTRAL: _ROTARY_BUFFER, QWEN2: _ROTARY_BUFFER,
-             GPT2: re.compile(r"h\.\d+\.attn\.(bias|masked_bias)")}
+             GPT2: re.compile(r"h\.\d+\.attn\.(bias|masked_bias)"), DEEPSEEK_V2: _ROTARY_BUFFER,
+             DEEPSEEK_V3: _ROTARY_BUFFER}
 
 
 # --- config ---------------------------------------------------------------------------------------------------
@@ -197,7 +201,12 @@ def config_from_hf(hf_config: dict, *, source: str) -> Config:
         raise ValueError(f"{source}: expected a JSON object, got {type(hf_config).__name__}")
     arch = architecture(hf_config, source=source)
     fields = _Fields(hf_config, source)
-    kwargs = _gpt2_fields(fields) if arch == GPT2 else _llama_family_fields(fields, arch)
+    if arch == GPT2:
+        kwargs = _gpt2_fields(fields)
+    elif arch in DEEPSEEK:
+        kwargs = _deepseek_fields(fields, arch)
+    else:
+        kwargs = _llama_family_fields(fields, arch)
     kwargs["eos_ids"] = _eos_ids(fields, kwargs["vocab_size"])
     config = Config(**kwargs)
     if config.param_count() > MAX_PARAMS:
@@ -298,7 +307,7 @@ def _qwen2_window(f: _Fields, n_layers: int) -> int | None:
     return window
 
 
-def _rope(f: _Fields, max_positions: int) -> tuple[float, RopeScaling | None]:
+def _rope(f: _Fields, max_positions: int, *, yarn: bool = False) -> tuple[float, RopeScaling | YarnScaling | None]:
     """(rope_theta, RopeScaling or None), from either transformers 5.x's `rope_parameters` (which holds
     rope_theta and rope_type together) or the 4.x top-level `rope_theta` + `rope_scaling` (type under "type"
     or "rope_type")."""
@@ -320,8 +329,11 @@ def _rope(f: _Fields, max_positions: int) -> tuple[float, RopeScaling | None]:
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         return theta, None
+    if yarn and rope_type == "yarn":
+        return theta, _yarn(f, field, params, max_positions)
     if rope_type != "llama3":
-        f.fail(f"{field}.rope_type", f"= {rope_type!r} is not supported; supported: 'default', 'llama3'")
+        supported = "'default', 'llama3'" + (", 'yarn'" if yarn else "")
+        f.fail(f"{field}.rope_type", f"= {rope_type!r} is not supported; supported: {supported}")
 
     def number(key):
         if params.get(key) is None:
@@ -337,6 +349,91 @@ def _rope(f: _Fields, max_positions: int) -> tuple[float, RopeScaling | None]:
     except ValueError as e:
         raise ValueError(f"{f.source}: field {field!r}: {e}") from None
     return theta, scaling
+
+
+def _yarn(f: _Fields, field: str, params: dict, max_positions: int) -> YarnScaling:
+    """YaRN settings as transformers 5.24 reads them (`_compute_yarn_parameters`, `yarn_apply_mscale`)."""
+    original = params.get("original_max_position_embeddings")
+    if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+        f.fail(f"{field}.original_max_position_embeddings", f"must be a positive integer (required by rope_type "
+                                                            f"'yarn'), got {original!r}")
+
+    def number(key, default=None):
+        value = params.get(key)
+        return default if value is None else f.number(f"{field}.{key}", value)
+
+    # A missing factor is the ratio of the context lengths; a missing (or 0) beta is transformers' default.
+    factor = number("factor", max_positions / original)
+    truncate = params.get("truncate", True)
+    if not isinstance(truncate, bool):
+        f.fail(f"{field}.truncate", f"must be true or false, got {truncate!r}")
+    try:
+        return YarnScaling(factor=factor, original_max_positions=original, beta_fast=number("beta_fast") or 32.0,
+                           beta_slow=number("beta_slow") or 1.0, mscale=number("mscale"),
+                           mscale_all_dim=number("mscale_all_dim"), attention_factor=number("attention_factor"),
+                           truncate=truncate)
+    except ValueError as e:
+        raise ValueError(f"{f.source}: field {field!r}: {e}") from None
+
+
+# transformers' DeepseekV2Config / DeepseekV3Config defaults for fields a config.json may omit.
+_DEEPSEEK_DEFAULTS = {DEEPSEEK_V2: dict(q_lora_rank=1536, first_k_dense_replace=0, max_position_embeddings=2048),
+                      DEEPSEEK_V3: dict(q_lora_rank=1536, first_k_dense_replace=3, max_position_embeddings=4096)}
+
+
+def _deepseek_fields(f: _Fields, arch: str) -> dict:
+    """DeepSeek-V2/V3: multi-head latent attention, RMSNorm, SwiGLU; the first `first_k_dense_replace` layers
+    have a dense FFN of intermediate_size, the rest mixture-of-experts ones."""
+    defaults = _DEEPSEEK_DEFAULTS[arch]
+    act = f.str("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        f.fail("hidden_act", f"= {act!r} is not supported; jaxkv's SwiGLU MLP uses silu")
+    n_layers = f.int("num_hidden_layers", cap=MAX_LAYERS, required=True)
+    n_heads = f.int("num_attention_heads", cap=MAX_HEADS, required=True)
+    # transformers repeats the n_heads expanded keys num_attention_heads / num_key_value_heads times, which only
+    # works when the two are equal (its default).
+    if f.int("num_key_value_heads", n_heads, cap=MAX_HEADS) != n_heads:
+        f.fail("num_key_value_heads", f"must equal num_attention_heads ({n_heads}) for multi-head latent attention")
+    q_lora_rank = f.int("q_lora_rank", cap=MAX_D_MODEL) if "q_lora_rank" in f.hf else defaults["q_lora_rank"]
+    try:
+        mla = Mla(kv_lora_rank=f.int("kv_lora_rank", cap=MAX_D_MODEL, required=True),
+                  qk_nope_head_dim=f.int("qk_nope_head_dim", cap=MAX_HEAD_DIM, required=True),
+                  qk_rope_head_dim=f.int("qk_rope_head_dim", cap=MAX_HEAD_DIM, required=True),
+                  v_head_dim=f.int("v_head_dim", cap=MAX_HEAD_DIM, required=True), q_lora_rank=q_lora_rank)
+    except ValueError as e:
+        raise ValueError(f"{f.source}: {e}") from None
+    dense = f.hf.get("first_k_dense_replace", defaults["first_k_dense_replace"])
+    if isinstance(dense, bool) or not isinstance(dense, int) or dense < 0:
+        f.fail("first_k_dense_replace", f"must be a non-negative integer, got {dense!r}")
+    if dense < n_layers:
+        # TODO(issue 17, MoE): route these layers through jaxkv.moe once it exists.
+        raise NotImplementedError(f"{f.source}: layer {dense} (model.layers.{dense}.mlp) is a mixture-of-experts "
+                                  f"layer (first_k_dense_replace = {dense} < num_hidden_layers = {n_layers}); "
+                                  f"jaxkv loads DeepSeek models with dense FFN layers only so far")
+    kwargs = dict(
+        vocab_size=f.int("vocab_size", cap=MAX_VOCAB, required=True),
+        d_model=f.int("hidden_size", cap=MAX_D_MODEL, required=True),
+        n_layers=n_layers,
+        n_heads=n_heads,
+        ffn_dim=f.int("intermediate_size", cap=MAX_FFN, required=True),
+        ffn_kind="swiglu",
+        norm_kind="rmsnorm",
+        norm_eps=f.float("rms_norm_eps", 1e-6),
+        positions="rope",
+        max_positions=f.int("max_position_embeddings", defaults["max_position_embeddings"]),
+        tie_embeddings=f.bool("tie_word_embeddings", False),
+        mla=mla,
+    )
+    # attention_bias covers q_a_proj and kv_a_proj_with_mqa (jaxkv's qkv_bias) and o_proj.
+    kwargs["qkv_bias"] = kwargs["out_bias"] = f.bool("attention_bias", False)
+    kwargs["rope_theta"], kwargs["rope_scaling"] = _rope(f, kwargs["max_positions"], yarn=True)
+    return kwargs
+
+
+def rope_interleaved(hf: dict, arch: str) -> bool:
+    """Whether a DeepSeek checkpoint's rotary columns come in interleaved pairs (x0, x1), (x2, x3), ...: always
+    for V2 (its complex-number rotary), V3 unless `rope_interleave` is false."""
+    return arch == DEEPSEEK_V2 or hf.get("rope_interleave", True) is not False
 
 
 def _gpt2_fields(f: _Fields) -> dict:
@@ -414,10 +511,16 @@ def _split_qkv(paths, *shape):
     return convert
 
 
-def tensor_specs(arch: str, config: Config) -> list[TensorSpec]:
+def tensor_specs(arch: str, config: Config, *, interleaved: bool = False) -> list[TensorSpec]:
     """Every tensor a checkpoint of `arch` with `config` must hold (base-model prefix stripped, except for
-    `lm_head.weight`, which sits outside the base model)."""
-    specs = _gpt2_specs(config) if arch == GPT2 else _llama_family_specs(config)
+    `lm_head.weight`, which sits outside the base model). `interleaved`: a DeepSeek checkpoint's rotary columns
+    are in pairs (`rope_interleaved`)."""
+    if arch == GPT2:
+        specs = _gpt2_specs(config)
+    elif arch in DEEPSEEK:
+        specs = _deepseek_specs(config, interleaved)
+    else:
+        specs = _llama_family_specs(config)
     if not config.tie_embeddings:
         V, D = config.vocab_size, config.d_model
         specs.append(TensorSpec("lm_head.weight", (V, D), "[V, D]", _as_is(("lm_head",))))
@@ -452,6 +555,76 @@ def _llama_family_specs(cfg: Config) -> list[TensorSpec]:
         if cfg.mlp_bias:
             specs += [TensorSpec(hf + f"mlp.{proj}_proj.bias", (n,), letter, _as_is((jx, "mlp", f"w_{proj}_bias")))
                       for proj, n, letter in (("gate", F, "[F]"), ("up", F, "[F]"), ("down", D, "[D]"))]
+    return specs
+
+
+def _deinterleave(rows: int, rope: int, heads: int = 1) -> np.ndarray:
+    """Row order that turns each head's last `rope` of `rows` output rows from interleaved pairs (x0, x1), (x2,
+    x3), ... into halves (x0, x2, ... ; x1, x3, ...): DeepSeek's pairwise rotation of pair i by frequency i is
+    then `layers.apply_rope`'s rotate-half, bit for bit. Queries and keys are permuted alike, so every score is
+    unchanged."""
+    head = np.arange(rows)
+    head[rows - rope:] = rows - rope + np.concatenate([np.arange(0, rope, 2), np.arange(1, rope, 2)])
+    return (np.arange(heads)[:, None] * rows + head[None]).reshape(-1)
+
+
+def _rows(path, order, *shape):
+    """A weight or bias whose output rows (axis 0) are reordered by `order`, then reshaped to `shape`."""
+    return lambda w: {path: np.ascontiguousarray(w[order]).reshape(shape or w.shape)}
+
+
+def _split_kv_b(paths, N, nope, dv, R):
+    """kv_b_proj [N*(nope+dv), R]: per head, nope key rows then dv value rows -> wk_b [N, nope, R], wv_b [N, dv, R]."""
+    def convert(w):
+        w = w.reshape(N, nope + dv, R)
+        return {paths[0]: np.ascontiguousarray(w[:, :nope]), paths[1]: np.ascontiguousarray(w[:, nope:])}
+    return convert
+
+
+def _deepseek_specs(cfg: Config, interleaved: bool) -> list[TensorSpec]:
+    m = cfg.mla
+    V, D, N, F = cfg.vocab_size, cfg.d_model, cfg.n_heads, cfg.ffn_dim
+    R, E, nope, dv, qk = m.kv_lora_rank, m.qk_rope_head_dim, m.qk_nope_head_dim, m.v_head_dim, m.qk_head_dim
+    q_order = _deinterleave(qk, E if interleaved else 0, N)
+    kv_order = _deinterleave(R + E, E if interleaved else 0)
+    specs = [TensorSpec("embed_tokens.weight", (V, D), "[V, D]", _as_is(("embedding",))),
+             TensorSpec("norm.weight", (D,), "[D]", _as_is(("final_norm", "scale")))]
+    for i in range(cfg.n_layers):
+        hf, jx = f"layers.{i}.", f"layer_{i}"
+        attn = hf + "self_attn."
+        specs += [
+            TensorSpec(hf + "input_layernorm.weight", (D,), "[D]", _as_is((jx, "attn_norm", "scale"))),
+            TensorSpec(hf + "post_attention_layernorm.weight", (D,), "[D]", _as_is((jx, "mlp_norm", "scale"))),
+            TensorSpec(attn + "kv_a_proj_with_mqa.weight", (R + E, D), "[R+E, D]",
+                       _rows((jx, "attn", "wkv_a"), kv_order)),
+            TensorSpec(attn + "kv_a_layernorm.weight", (R,), "[R]", _as_is((jx, "attn", "kv_norm", "scale"))),
+            TensorSpec(attn + "kv_b_proj.weight", (N * (nope + dv), R), "[N*(qk_nope+v), R]",
+                       _split_kv_b([(jx, "attn", "wk_b"), (jx, "attn", "wv_b")], N, nope, dv, R)),
+            TensorSpec(attn + "o_proj.weight", (D, N * dv), "[D, N*v]", _reshape((jx, "attn", "wo"), D, N, dv)),
+            TensorSpec(hf + "mlp.gate_proj.weight", (F, D), "[F, D]", _as_is((jx, "mlp", "w_gate"))),
+            TensorSpec(hf + "mlp.up_proj.weight", (F, D), "[F, D]", _as_is((jx, "mlp", "w_up"))),
+            TensorSpec(hf + "mlp.down_proj.weight", (D, F), "[D, F]", _as_is((jx, "mlp", "w_down"))),
+        ]
+        if m.q_lora_rank is None:
+            specs.append(TensorSpec(attn + "q_proj.weight", (N * qk, D), "[N*qk, D]",
+                                    _rows((jx, "attn", "wq"), q_order, N, qk, D)))
+        else:
+            Q = m.q_lora_rank
+            specs += [
+                TensorSpec(attn + "q_a_proj.weight", (Q, D), "[q_lora_rank, D]", _as_is((jx, "attn", "wq_a"))),
+                TensorSpec(attn + "q_a_layernorm.weight", (Q,), "[q_lora_rank]",
+                           _as_is((jx, "attn", "q_norm", "scale"))),
+                TensorSpec(attn + "q_b_proj.weight", (N * qk, Q), "[N*qk, q_lora_rank]",
+                           _rows((jx, "attn", "wq_b"), q_order, N, qk, Q)),
+            ]
+            if cfg.qkv_bias:
+                specs.append(TensorSpec(attn + "q_a_proj.bias", (Q,), "[q_lora_rank]",
+                                        _as_is((jx, "attn", "wq_a_bias"))))
+        if cfg.qkv_bias:
+            specs.append(TensorSpec(attn + "kv_a_proj_with_mqa.bias", (R + E,), "[R+E]",
+                                    _rows((jx, "attn", "wkv_a_bias"), kv_order)))
+        if cfg.out_bias:
+            specs.append(TensorSpec(attn + "o_proj.bias", (D,), "[D]", _as_is((jx, "attn", "wo_bias"))))
     return specs
 
 
@@ -641,7 +814,7 @@ def load_hf(directory: str | os.PathLike, *, dtype: str | None = None) -> Model:
     source = str(root / CONFIG_FILE)
     arch = architecture(hf, source=source)
     config = config_from_hf(hf, source=source)
-    specs = tensor_specs(arch, config)
+    specs = tensor_specs(arch, config, interleaved=arch in DEEPSEEK and rope_interleaved(hf, arch))
     stored = read_headers(*weight_files(root))
     pairs, tied_head = match(specs, stored, arch=arch, tied=config.tie_embeddings)
     if tied_head is not None:
@@ -677,7 +850,7 @@ def _load(pairs: list[tuple[TensorSpec, StoredTensor]], target: str, config: Con
             raise ValueError(f"tensor {t.name!r} in {t.file} holds NaN or infinite values (corrupt checkpoint?)")
         for path, value in spec.convert(w).items():
             if path[-1] in in_out:  # the mapping above is to the [out, in] form; this weight is stored [in, out]
-                value = np.ascontiguousarray(value.transpose(OUT_IN_ORDER[path[-1]]))
+                value = np.ascontiguousarray(value.transpose(ALL_OUT_IN_ORDER[path[-1]]))
             with np.errstate(over="ignore"):  # reported just below, with the tensor's name
                 value = value.astype(target)
             if not np.isfinite(value).all():

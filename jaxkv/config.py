@@ -43,6 +43,78 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
+class YarnScaling:
+    """YaRN frequency scaling of RoPE (HF `rope_parameters` with `rope_type: yarn`, as DeepSeek-V2/V3 use it).
+
+    Frequencies between the `beta_fast` and `beta_slow` rotation counts (over `original_max_positions`) ramp from
+    kept to divided by `factor`; cos and sin are multiplied by the attention factor (`attention_factor`, else
+    derived from `mscale` / `mscale_all_dim`: `layers.yarn_attention_factor`). An MLA model also multiplies its
+    softmax scale by mscale(factor, mscale_all_dim) squared (`Config.attention_scale`)."""
+
+    factor: float
+    original_max_positions: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    def __post_init__(self):
+        _check(self.factor >= 1.0, f"rope_scaling.factor must be >= 1, got {self.factor}")
+        _check(self.original_max_positions >= 1,
+               f"rope_scaling.original_max_positions must be >= 1, got {self.original_max_positions}")
+        _check(self.beta_fast > 0 and self.beta_slow > 0,
+               f"rope_scaling.beta_fast and beta_slow must be > 0, got {self.beta_fast}, {self.beta_slow}")
+        _check(self.attention_factor is None or self.attention_factor > 0,
+               f"rope_scaling.attention_factor must be > 0, got {self.attention_factor}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Mla:
+    """Multi-head latent attention (DeepSeek-V2/V3). Letters as in `jaxkv.shapes`.
+
+    Attributes:
+      kv_lora_rank: R, the latent width: per token and layer the cache holds the normalized latent (R) and the
+        rotated key every head shares (E = qk_rope_head_dim), one row of R + E.
+      qk_nope_head_dim: per-head query/key width without positions (up-projected from the latent).
+      qk_rope_head_dim: E, per-head query/key width with rotary positions.
+      v_head_dim: per-head value width.
+      q_lora_rank: the query's low-rank width (q = W_qb norm(W_qa x)); None projects the query directly.
+      latent_norm_eps: epsilon of the q and kv latent RMSNorms (transformers fixes it at 1e-6, whatever
+        rms_norm_eps says).
+    """
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+    latent_norm_eps: float = 1e-6
+
+    def __post_init__(self):
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                   f"mla.{name} must be a positive integer, got {value!r}")
+        _check(self.q_lora_rank is None or (isinstance(self.q_lora_rank, int) and not isinstance(
+            self.q_lora_rank, bool) and self.q_lora_rank >= 1),
+               f"mla.q_lora_rank must be None or a positive integer, got {self.q_lora_rank!r}")
+        _check(self.qk_rope_head_dim % 2 == 0, f"RoPE needs an even mla.qk_rope_head_dim, got {self.qk_rope_head_dim}")
+        _check(self.latent_norm_eps > 0 and math.isfinite(self.latent_norm_eps),
+               f"mla.latent_norm_eps must be > 0, got {self.latent_norm_eps}")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def row_dim(self) -> int:
+        """R + E: the width of one cached row."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     """A decoder-only transformer.
 
@@ -64,6 +136,9 @@ class Config:
       max_positions: the largest position id + 1 the model supports.
       sliding_window: if set, a token attends only to the `sliding_window` most recent tokens, itself included.
       eos_ids: default stop tokens for `generate`.
+      mla: multi-head latent attention (`Mla`) instead of grouped-query attention. The cache then holds one row of
+        R + E per token (MQA with one KV head of that width, keys only): n_kv_heads is 1 and head_dim is R + E,
+        the cache's geometry (filled in when omitted); the attention's own widths are the `Mla` fields.
       dtype: parameter and activation dtype; softmax, norms and logits are computed in float32 whatever it is.
       attention: default attention implementation: "auto" (Pallas on GPU/TPU, XLA on CPU), "xla" or "pallas".
     """
@@ -80,7 +155,7 @@ class Config:
     norm_eps: float = 1e-5
     positions: PositionKind = "rope"
     rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScaling | YarnScaling | None = None
     qkv_bias: bool = False
     out_bias: bool = False
     mlp_bias: bool = False
@@ -88,11 +163,17 @@ class Config:
     max_positions: int = 4096
     sliding_window: int | None = None
     eos_ids: tuple[int, ...] = ()
+    mla: Mla | None = None
     dtype: str = "float32"
     attention: str = "auto"
 
     def __post_init__(self):
         # Fill the derived defaults first (frozen: go through object.__setattr__), then validate everything.
+        if isinstance(self.mla, Mla):  # the cache's geometry: one "KV head" holding the latent row
+            if self.n_kv_heads is None:
+                object.__setattr__(self, "n_kv_heads", 1)
+            if self.head_dim is None:
+                object.__setattr__(self, "head_dim", self.mla.row_dim)
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         if self.head_dim is None and self.n_heads > 0 and self.d_model % max(self.n_heads, 1) == 0:
@@ -124,14 +205,23 @@ class Config:
         _check(self.norm_eps > 0 and math.isfinite(self.norm_eps), f"norm_eps must be > 0, got {self.norm_eps}")
         _check(self.positions in ("rope", "learned"),
                f"positions must be 'rope' or 'learned', got {self.positions!r}")
-        if self.positions == "rope":
+        _check(self.mla is None or isinstance(self.mla, Mla),
+               f"mla must be an Mla or None, got {type(self.mla).__name__}")
+        if self.mla is not None:
+            _check(self.n_kv_heads == 1 and self.head_dim == self.mla.row_dim,
+                   f"an MLA config caches one row of kv_lora_rank + qk_rope_head_dim = {self.mla.row_dim} per "
+                   f"token: n_kv_heads must be 1 and head_dim {self.mla.row_dim}, got {self.n_kv_heads} and "
+                   f"{self.head_dim}")
+            _check(self.positions == "rope", "an MLA config needs positions 'rope'")
+        if self.positions == "rope" and self.mla is None:
             _check(self.head_dim % 2 == 0, f"RoPE needs an even head_dim, got {self.head_dim}")
+        if self.positions == "rope":
             _check(self.rope_theta > 0 and math.isfinite(self.rope_theta),
                    f"rope_theta must be > 0, got {self.rope_theta}")
         else:
             _check(self.rope_scaling is None, "rope_scaling is set but positions is 'learned'")
-        _check(self.rope_scaling is None or isinstance(self.rope_scaling, RopeScaling),
-               f"rope_scaling must be a RopeScaling or None, got {type(self.rope_scaling).__name__}")
+        _check(self.rope_scaling is None or isinstance(self.rope_scaling, (RopeScaling, YarnScaling)),
+               f"rope_scaling must be a RopeScaling, a YarnScaling or None, got {type(self.rope_scaling).__name__}")
         _check(self.sliding_window is None or (isinstance(self.sliding_window, int) and self.sliding_window >= 1),
                f"sliding_window must be None or a positive integer, got {self.sliding_window!r}")
         for i in self.eos_ids:
@@ -148,18 +238,48 @@ class Config:
         return self.n_heads // self.n_kv_heads
 
     def kv_bytes_per_token(self, bytes_per_element: int | None = None) -> int:
-        """2 (K and V) x layers x KV heads x head dim x bytes per element."""
+        """2 (K and V) x layers x KV heads x head dim x bytes per element; an MLA cache holds keys only (its
+        values are the first R columns of the same row): layers x (R + E) x bytes per element."""
         if bytes_per_element is None:
             bytes_per_element = 4 if self.dtype == "float32" else 2
-        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * bytes_per_element
+        kinds = 1 if self.mla is not None else 2
+        return kinds * self.n_layers * self.n_kv_heads * self.head_dim * bytes_per_element
+
+    @property
+    def attention_scale(self) -> float:
+        """What multiplies q.k: 1/sqrt(head dim); for MLA, 1/sqrt(qk_nope + qk_rope), times YaRN's
+        mscale(factor, mscale_all_dim) squared when that is set (transformers' `yarn_apply_mscale`)."""
+        if self.mla is None:
+            return 1.0 / math.sqrt(self.head_dim)
+        scale = self.mla.qk_head_dim ** -0.5
+        yarn = self.rope_scaling
+        if isinstance(yarn, YarnScaling) and yarn.mscale_all_dim:
+            mscale = yarn_mscale(yarn.factor, yarn.mscale_all_dim)
+            scale = scale * mscale * mscale
+        return scale
+
+    def _mla_attention_params(self) -> int:
+        m, D, N = self.mla, self.d_model, self.n_heads
+        q = D * N * m.qk_head_dim if m.q_lora_rank is None else (
+            D * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * N * m.qk_head_dim)
+        kv = D * m.row_dim + m.kv_lora_rank + m.kv_lora_rank * N * (m.qk_nope_head_dim + m.v_head_dim)
+        attn = q + kv + N * m.v_head_dim * D
+        if self.qkv_bias:
+            attn += (m.q_lora_rank or 0) + m.row_dim
+        if self.out_bias:
+            attn += D
+        return attn
 
     def param_count(self) -> int:
         D, H, N, K, F, V = self.d_model, self.head_dim, self.n_heads, self.n_kv_heads, self.ffn_dim, self.vocab_size
-        attn = D * N * H + 2 * D * K * H + N * H * D
-        if self.qkv_bias:
-            attn += N * H + 2 * K * H
-        if self.out_bias:
-            attn += D
+        if self.mla is not None:
+            attn = self._mla_attention_params()
+        else:
+            attn = D * N * H + 2 * D * K * H + N * H * D
+            if self.qkv_bias:
+                attn += N * H + 2 * K * H
+            if self.out_bias:
+                attn += D
         ffn = (3 if self.ffn_kind == "swiglu" else 2) * D * F
         if self.mlp_bias:
             ffn += (2 * F if self.ffn_kind == "swiglu" else F) + D
@@ -173,6 +293,11 @@ class Config:
 
     def replace(self, **changes) -> "Config":
         return dataclasses.replace(self, **changes)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 mscale ln(factor) + 1 (1 for factor <= 1), as transformers computes it."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _check(ok: bool, message: str):

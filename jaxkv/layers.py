@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.config import Config, RopeScaling
+from jaxkv.config import Config, RopeScaling, YarnScaling, yarn_mscale
 
 
 def fan_in_init(fan_in: int):
@@ -23,30 +23,35 @@ class Norm(nn.Module):
     squares) and cast back to the input dtype."""
 
     config: Config
+    dim: int | None = None  # the normalized width; default D (MLA's latent norms: their ranks)
+    eps: float | None = None  # default config.norm_eps
 
     @nn.compact
     def __call__(self, x):  # [..., D] -> [..., D]
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
-        scale = self.param("scale", nn.initializers.ones, (cfg.d_model,), dtype)
+        eps = cfg.norm_eps if self.eps is None else self.eps
+        scale = self.param("scale", nn.initializers.ones, (self.dim or cfg.d_model,), dtype)
         xf = x.astype(jnp.float32)
-        if cfg.norm_kind == "rmsnorm":
-            y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + cfg.norm_eps)
+        if cfg.norm_kind == "rmsnorm" or self.dim is not None:
+            y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
             return scale * y.astype(dtype)  # HF order: cast back, then scale
         bias = self.param("bias", nn.initializers.zeros, (cfg.d_model,), dtype)
         mean = jnp.mean(xf, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
-        y = (xf - mean) * jax.lax.rsqrt(var + cfg.norm_eps)
+        y = (xf - mean) * jax.lax.rsqrt(var + eps)
         return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(dtype)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | YarnScaling | None) -> np.ndarray:
     """float32[H/2] inverse frequencies, computed on the host exactly as Hugging Face does (float32 throughout),
     so rotary angles match transformers bit for bit."""
     exponent = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
     inv_freq = (np.float32(1.0) / (np.float32(theta) ** exponent)).astype(np.float32)
     if scaling is None:
         return inv_freq
+    if isinstance(scaling, YarnScaling):
+        return _yarn_inv_freq(head_dim, theta, scaling)
     # Llama 3.1 scaling: long wavelengths are divided by `factor`, short ones kept, a smooth ramp in between.
     low_wavelen = scaling.original_max_positions / scaling.low_freq_factor
     high_wavelen = scaling.original_max_positions / scaling.high_freq_factor
@@ -59,13 +64,50 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> n
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
+def _yarn_inv_freq(dim: int, theta: float, y: YarnScaling) -> np.ndarray:
+    """transformers' `_compute_yarn_parameters` (5.24), float32 where it is: each frequency is a blend of itself
+    (extrapolation) and itself / factor (interpolation), ramping between the dimensions that make `beta_fast` and
+    `beta_slow` rotations over the original context."""
+    def correction_dim(rotations):
+        return dim * math.log(y.original_max_positions / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(y.beta_fast), correction_dim(y.beta_slow)
+    if y.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    pos_freqs = np.float32(theta) ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim))
+    extrapolation = (np.float32(1.0) / pos_freqs).astype(np.float32)
+    interpolation = (np.float32(1.0) / (np.float32(y.factor) * pos_freqs)).astype(np.float32)
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    keep = (np.float32(1.0) - ramp.astype(np.float32)).astype(np.float32)
+    return (interpolation * (np.float32(1.0) - keep) + extrapolation * keep).astype(np.float32)
+
+
+def yarn_attention_factor(y: YarnScaling) -> float:
+    """What YaRN multiplies cos and sin by: `attention_factor` if given, else mscale(factor, mscale) /
+    mscale(factor, mscale_all_dim) when both are set, else mscale(factor) (transformers' rule)."""
+    if y.attention_factor is not None:
+        return y.attention_factor
+    if y.mscale and y.mscale_all_dim:
+        return yarn_mscale(y.factor, y.mscale) / yarn_mscale(y.factor, y.mscale_all_dim)
+    return yarn_mscale(y.factor)
+
+
 def rope_angles(positions, config: Config):
-    """cos, sin: float32[B, T, H] for int32[B, T] positions. Computed from the positions on the fly: no table
-    sized by the config's max_positions is ever allocated."""
-    inv_freq = jnp.asarray(rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling))
+    """cos, sin: float32[B, T, H] for int32[B, T] positions (H: the rotated width, an MLA model's
+    qk_rope_head_dim). Computed from the positions on the fly: no table sized by the config's max_positions is ever
+    allocated. YaRN's attention factor is folded into both."""
+    dim = config.head_dim if config.mla is None else config.mla.qk_rope_head_dim
+    inv_freq = jnp.asarray(rope_inv_freq(dim, config.rope_theta, config.rope_scaling))
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
     angles = jnp.concatenate([angles, angles], axis=-1)  # [B, T, H]
-    return jnp.cos(angles), jnp.sin(angles)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    if isinstance(config.rope_scaling, YarnScaling):
+        factor = jnp.float32(yarn_attention_factor(config.rope_scaling))
+        cos, sin = cos * factor, sin * factor
+    return cos, sin
 
 
 def apply_rope(x, cos, sin):
@@ -96,13 +138,30 @@ def stored_out_in(d_in: int, d_out: int, dtype="float32") -> bool:
 # stores [in, out] is `in_out_names`; names not listed are the same in both.
 OUT_IN_ORDER = {"wq": (2, 0, 1), "wk": (2, 0, 1), "wv": (2, 0, 1), "wo": (1, 2, 0), "w_gate": (1, 0), "w_up": (1, 0),
                 "w_fc": (1, 0), "w_down": (1, 0)}
+# MLA's own projections (`jaxkv.mla_attention`; it shares wq [N, qk, D] and wo [D, N, v] above): wq_a [q_rank, D],
+# wq_b [N, qk, q_rank], wkv_a [R + E, D]. Kept apart because `jaxkv.sharding` derives its axes from OUT_IN_ORDER
+# and MLA does not run on a mesh yet. The per-head up-projections wk_b [N, nope, R] and wv_b [N, v, R] are read by
+# einsums, never by `linear`, and have one layout.
+MLA_OUT_IN_ORDER = {"wq_a": (1, 0), "wq_b": (2, 0, 1), "wkv_a": (1, 0)}
+ALL_OUT_IN_ORDER = {**OUT_IN_ORDER, **MLA_OUT_IN_ORDER}
+
+
+def mla_out_in(config: Config) -> dict[str, bool]:
+    """Each MLA projection's `stored_out_in`, decided by its own size."""
+    m, D, N, dtype = config.mla, config.d_model, config.n_heads, config.dtype
+    sizes = {"wq": (D, N * m.qk_head_dim), "wkv_a": (D, m.row_dim), "wo": (N * m.v_head_dim, D)}
+    if m.q_lora_rank is not None:
+        sizes |= {"wq_a": (D, m.q_lora_rank), "wq_b": (m.q_lora_rank, N * m.qk_head_dim)}
+    return {name: stored_out_in(*size, dtype) for name, size in sizes.items()}
 
 
 def in_out_names(config: Config) -> frozenset[str]:
-    """The parameter names `config` stores [in, out] (the others in OUT_IN_ORDER: [out, in])."""
+    """The parameter names `config` stores [in, out] (the others in ALL_OUT_IN_ORDER: [out, in])."""
     D, F, NH = config.d_model, config.ffn_dim, config.n_heads * config.head_dim
     names, dtype = set(), config.dtype
-    if not stored_out_in(D, NH, dtype):
+    if config.mla is not None:
+        names |= {name for name, out_in in mla_out_in(config).items() if not out_in}
+    elif not stored_out_in(D, NH, dtype):
         names |= {"wq", "wk", "wv", "wo"}
     if not stored_out_in(D, F, dtype):
         names |= {"w_gate", "w_up", "w_fc"}

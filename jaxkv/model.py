@@ -27,8 +27,9 @@ from jaxkv.attention.reference import masks_dead_values
 from jaxkv.cache import KVCache
 from jaxkv.config import Config
 from jaxkv.paged_cache import PagedKVCache
-from jaxkv.layers import (OUT_IN_ORDER, Mlp, Norm, apply_rope, fan_in_init, in_out_names, linear,
+from jaxkv.layers import (ALL_OUT_IN_ORDER, Mlp, Norm, apply_rope, fan_in_init, in_out_names, linear,
                           rope_angles, stored_out_in)
+from jaxkv.mla_attention import MlaAttention, check_mla_supported
 
 compile_cache.setup()  # before anything compiles: programs come from / go to the persistent cache
 
@@ -148,11 +149,20 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, x, rope, cache, start, prefill, attention: str):
-        attn = Attention(self.config, self.layer, self.mesh, name="attn")
+        if self.config.mla is not None:
+            attn = MlaAttention(self.config, self.layer, name="attn")
+        else:
+            attn = Attention(self.config, self.layer, self.mesh, name="attn")
         h, cache = attn(Norm(self.config, name="attn_norm")(x), rope, cache, start, prefill, attention)
         x = x + h
-        x = x + Mlp(self.config, name="mlp")(Norm(self.config, name="mlp_norm")(x))
+        x = x + ffn(self.config, self.layer)(Norm(self.config, name="mlp_norm")(x))
         return x, cache
+
+
+def ffn(config: Config, layer: int) -> nn.Module:
+    """The feed-forward block of `layer` (named "mlp"): where a per-layer rule (DeepSeek's dense first layers, then
+    mixture-of-experts ones) picks the module. Every layer is the dense `Mlp` of ffn_dim so far."""
+    return Mlp(config, name="mlp")
 
 
 class Decoder(nn.Module):
@@ -182,6 +192,7 @@ class Decoder(nn.Module):
           `overflowed` / `check()` report the latter. A chunk longer than the capacity is a ValueError.
         """
         cfg = self.config
+        check_mla_supported(cfg, self.mesh)
         dtype = jnp.dtype(cfg.dtype)
         T = tokens.shape[1]
         attention = attention or cfg.attention
@@ -246,7 +257,7 @@ def from_out_in(params, config: Config):
 
     def convert(path, x):
         name = path[-1].key
-        return np.ascontiguousarray(np.asarray(x).transpose(OUT_IN_ORDER[name])) if name in names else x
+        return np.ascontiguousarray(np.asarray(x).transpose(ALL_OUT_IN_ORDER[name])) if name in names else x
 
     return jax.tree_util.tree_map_with_path(convert, params)
 
@@ -260,7 +271,7 @@ def to_out_in(params, config: Config):
         name = path[-1].key
         if name not in names:
             return x
-        back = tuple(int(i) for i in np.argsort(OUT_IN_ORDER[name]))
+        back = tuple(int(i) for i in np.argsort(ALL_OUT_IN_ORDER[name]))
         if isinstance(x, jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct(tuple(x.shape[i] for i in back), x.dtype)
         return np.ascontiguousarray(np.asarray(x).transpose(back))
@@ -287,9 +298,11 @@ def init_params(config: Config, seed: int = 0) -> dict:
             return np.zeros(leaf.shape, leaf.dtype)
         shape = to_out_in({name: leaf}, config)[name].shape
         # In the [out, in] form: embedding tables are [rows, D]; q/k/v projections [heads, H, D]; wo [D, N, H];
-        # every other weight [outputs, inputs].
+        # MLA's per-head wq_b, wk_b, wv_b [heads, width, rank]; every other weight [outputs, inputs].
         if name in ("embedding", "pos_embedding", "wq", "wk", "wv"):
             fan_in = config.d_model
+        elif name in ("wq_b", "wk_b", "wv_b"):
+            fan_in = shape[-1]
         else:
             fan_in = math.prod(shape[1:])
         return rng.normal(0.0, 1.0 / math.sqrt(fan_in), shape).astype(leaf.dtype)

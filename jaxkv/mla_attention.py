@@ -1,0 +1,144 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) as a decoder layer's attention: projections, latent cache, both forms.
+
+Letters as in `jaxkv.shapes` (R = kv_lora_rank, E = qk_rope_head_dim); nope = qk_nope_head_dim, dv = v_head_dim.
+Per token the layer computes the latent row [c ; k_rope] (c = norm(x W_kva[:R]), k_rope = rope(x W_kva[R:]), one
+for all heads) and caches only that: the `KVCache` of an MLA config has one "KV head" of width R + E and no values
+(`jaxkv.cache.zeroed_buffers`). Head n's key and value would be [c W_kb[n]^T ; k_rope] and c W_vb[n]^T.
+
+Two forms, equal up to float rounding:
+
+  expanded  (no cache, prefill): the fresh rows are up-projected to per-head keys and values and attended over
+            causally, O(T^2) over the prompt as the other families' prefill; the cache only stores the rows.
+  absorbed  (decode over the cache): W_kb is folded into the query (q_lat[n] = W_kb[n] q_nope[n]), the attention
+            runs over the cached rows themselves (`jaxkv.attention.mla`), and W_vb is applied to its latent-space
+            output. A step reads R + E numbers per cached token and forms nothing per head of cache length.
+
+Parameters (the [out, in] form; `jaxkv.layers.ALL_OUT_IN_ORDER` gives the stored layout of the first four):
+  wq [N, nope+E, D]  or  wq_a [q_rank, D], q_norm/scale [q_rank], wq_b [N, nope+E, q_rank]   (q_lora_rank set)
+  wkv_a [R+E, D], kv_norm/scale [R], wk_b [N, nope, R], wv_b [N, dv, R], wo [D, N, dv]
+  with config.qkv_bias: wq_a_bias [q_rank], wkv_a_bias [R+E]; with config.out_bias: wo_bias [D].
+The rotary columns (the last E of each head's query, the last E of wkv_a) use the halves convention
+(`layers.apply_rope`); checkpoints with DeepSeek's interleaved pairs are permuted on load (`checkpoint_hf`).
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from jaxkv.attention import mla
+from jaxkv.attention.reference import MASKED, _softmax, live_mask
+from jaxkv.config import Config
+from jaxkv.layers import Norm, apply_rope, fan_in_init, linear, mla_out_in
+from jaxkv.paged_cache import PagedKVCache
+
+
+def expanded_attention(q_nope, q_rope, c, k_rope, wk_b, wv_b, start, q_offset, *, scale: float,
+                       sliding_window: int | None = None):
+    """Attention with per-head keys and values up-projected from latent rows: the plain MLA formula.
+
+    Args:
+      q_nope: [B, T, N, nope], q_rope: [B, T, N, E] (rotated) queries for slots [q_offset, q_offset + T).
+      c: [B, S, R] normalized latents, k_rope: [B, S, E] rotated shared keys of slots [0, S).
+      wk_b: [N, nope, R], wv_b: [N, dv, R] the up-projections.
+      start: int32[B] first live slot; q_offset: int32[].
+
+    Returns:
+      [B, T, N, dv] in q_nope's dtype.
+    """
+    dtype = q_nope.dtype
+    f32 = jnp.float32
+    k_nope = jnp.einsum("bsr,nkr->bsnk", c, wk_b, preferred_element_type=f32).astype(dtype)  # [B, S, N, nope]
+    v = jnp.einsum("bsr,nvr->bsnv", c, wv_b, preferred_element_type=f32).astype(dtype)  # [B, S, N, dv]
+    scores = (jnp.einsum("btnk,bsnk->bnts", q_nope, k_nope, preferred_element_type=f32)
+              + jnp.einsum("btne,bse->bnts", q_rope, k_rope, preferred_element_type=f32)) * scale  # [B, N, T, S]
+    live = live_mask(start, q_offset, q_nope.shape[1], c.shape[1], sliding_window)  # [B, T, S]
+    weights = _softmax(jnp.where(live[:, None], scores, MASKED))
+    return jnp.einsum("bnts,bsnv->btnv", weights, v.astype(f32)).astype(dtype)
+
+
+def absorbed_attention(q_nope, q_rope, rows, wk_b, wv_b, start, q_offset, *, scale: float, latent_scale=None,
+                       sliding_window: int | None = None, ring: bool = False):
+    """The same attention over cached latent rows [B, S, R + E] without forming per-head keys or values:
+    q_nope, q_rope [B, T, N, nope | E] -> [B, T, N, dv] (see the module docstring)."""
+    dtype = q_nope.dtype
+    R = wk_b.shape[-1]
+    q_lat = jnp.einsum("btnk,nkr->btnr", q_nope, wk_b, preferred_element_type=jnp.float32)  # [B, T, N, R]
+    q = jnp.concatenate([q_lat, q_rope.astype(jnp.float32)], axis=-1)  # [B, T, N, R + E]
+    out = mla.attention(q, rows, start, q_offset, latent_dim=R, scale=scale, latent_scale=latent_scale,
+                        sliding_window=sliding_window, ring=ring)  # [B, T, N, R] float32
+    return jnp.einsum("btnr,nvr->btnv", out.astype(dtype), wv_b, preferred_element_type=jnp.float32).astype(dtype)
+
+
+class MlaAttention(nn.Module):
+    """A decoder layer's attention for a config with `mla`; the interface of `jaxkv.model.Attention`."""
+
+    config: Config
+    layer: int
+
+    @nn.compact
+    def __call__(self, x, rope, cache, start, prefill, attention: str):
+        """x [B, T, D]; rope: (cos, sin) [B, T, E]; start int32[B] -> ([B, T, D], cache). Slots and masking as
+        in `jaxkv.model.Attention`. `attention` is unused: MLA has one (XLA) implementation here so far."""
+        cfg, m = self.config, self.config.mla
+        D, N, R, E = cfg.d_model, cfg.n_heads, m.kv_lora_rank, m.qk_rope_head_dim
+        nope, dv, qk = m.qk_nope_head_dim, m.v_head_dim, m.qk_head_dim
+        dtype = jnp.dtype(cfg.dtype)
+        out_in = mla_out_in(cfg)
+        if isinstance(cache, PagedKVCache):
+            raise NotImplementedError("MLA over a paged cache needs PagedKVCache to store keys only (values "
+                                      "empty); use the contiguous cache (n=1, no prefix cache, no beam search)")
+
+        def dense(name, y, d_in, out_shape, bias=False):  # y [B, T, d_in] -> [B, T, *out_shape]
+            shape = (*out_shape, d_in) if out_in[name] else (d_in, *out_shape)
+            w = self.param(name, fan_in_init(d_in), shape, dtype)
+            w = w.reshape(-1, d_in) if out_in[name] else w.reshape(d_in, -1)
+            y = linear(y, w, out_in[name]).reshape(*y.shape[:2], *out_shape)
+            if bias:
+                y = y + self.param(name + "_bias", nn.initializers.zeros, out_shape, dtype)
+            return y
+
+        if m.q_lora_rank is None:
+            q = dense("wq", x, D, (N, qk))  # [B, T, N, nope + E]
+        else:
+            q_a = dense("wq_a", x, D, (m.q_lora_rank,), cfg.qkv_bias)
+            q_a = Norm(cfg, dim=m.q_lora_rank, eps=m.latent_norm_eps, name="q_norm")(q_a)
+            q = dense("wq_b", q_a, m.q_lora_rank, (N, qk))  # [B, T, N, nope + E]
+        q_nope, q_rope = q[..., :nope], apply_rope(q[..., nope:], *rope)
+        kv_a = dense("wkv_a", x, D, (R + E,), cfg.qkv_bias)  # [B, T, R + E]
+        c = Norm(cfg, dim=R, eps=m.latent_norm_eps, name="kv_norm")(kv_a[..., :R])  # [B, T, R]
+        k_rope = apply_rope(kv_a[:, :, None, R:], *rope)[:, :, 0]  # [B, T, E]
+        wk_b = self.param("wk_b", fan_in_init(R), (N, nope, R), dtype)
+        wv_b = self.param("wv_b", fan_in_init(R), (N, dv, R), dtype)
+        scale = cfg.attention_scale
+
+        if cache is None or prefill:
+            if cache is not None:  # an empty cache: attend over the fresh rows, store them
+                rows = jnp.concatenate([c, k_rope], axis=-1)[:, None]  # [B, 1, T, R + E]
+                cache = cache.write_prompt(self.layer, rows, None)
+            q_offset = jnp.zeros((), jnp.int32)
+            out = expanded_attention(q_nope, q_rope, c, k_rope, wk_b, wv_b, start, q_offset, scale=scale,
+                                     sliding_window=cfg.sliding_window)
+        else:
+            q_offset = cache.length
+            cache = cache.write(self.layer, jnp.concatenate([c, k_rope], axis=-1)[:, None], None)
+            latent_scale = cache.scales(self.layer)[0]
+            out = absorbed_attention(q_nope, q_rope, cache.keys[self.layer][:, 0], wk_b, wv_b, cache.start,
+                                     q_offset, scale=scale,
+                                     latent_scale=None if latent_scale is None else latent_scale[:, 0],
+                                     sliding_window=cfg.sliding_window, ring=cache.ring)  # [B, T, N, dv]
+
+        if out_in["wo"]:
+            wo = self.param("wo", fan_in_init(N * dv), (D, N, dv), dtype).reshape(D, N * dv)
+        else:
+            wo = self.param("wo", fan_in_init(N * dv), (N, dv, D), dtype).reshape(N * dv, D)
+        y = linear(out.reshape(*out.shape[:2], N * dv), wo, out_in["wo"])  # [B, T, D]
+        if cfg.out_bias:
+            y = y + self.param("wo_bias", nn.initializers.zeros, (D,), dtype)
+        return y, cache
+
+
+def check_mla_supported(config: Config, mesh) -> None:
+    """MLA runs unsharded for now: the mesh path replicates KV heads, which an MLA cache does not have."""
+    if config.mla is not None and mesh is not None:
+        raise NotImplementedError("multi-head latent attention does not run on a mesh yet")
