@@ -487,6 +487,11 @@ def _memory(args) -> dict:
             "sequences_fit": None if hbm is None else memory.sequences_that_fit(
                 geometry, tokens=args.tokens, memory_bytes=hbm, weights_bytes=weights, cache_dtype=cache_dtype),
         })
+        if isinstance(model, Config) and model.mla is not None:
+            # What the latent cache saves: full per-head keys and values for the same tokens.
+            per_token = memory.expanded_kv_bytes_per_token(model, cache_dtype)
+            rows[-1]["per_head_kv_bytes_per_token"] = per_token
+            rows[-1]["per_head_kv_total_bytes"] = per_token * args.batch * memory.cache_slots(geometry, args.tokens)
         if args.n is not None:
             new = args.new_tokens or 1  # 1: the first new token is sampled from the prompt's logits, never stored
             rows[-1]["shared_bytes"] = memory.shared_cache_bytes(
@@ -498,6 +503,9 @@ def _memory(args) -> dict:
     result = {
         "model": args.model or args.config,  # None: described by hand
         "n_layers": geometry.n_layers, "n_kv_heads": geometry.n_kv_heads, "head_dim": geometry.head_dim,
+        "mla": None if not isinstance(model, Config) or model.mla is None else {
+            "kv_lora_rank": model.mla.kv_lora_rank, "qk_rope_head_dim": model.mla.qk_rope_head_dim,
+            "n_heads": model.n_heads, "qk_head_dim": model.mla.qk_head_dim, "v_head_dim": model.mla.v_head_dim},
         "dtype": geometry.dtype, "sliding_window": geometry.sliding_window,
         "param_count": model.param_count() if isinstance(model, Config) else None,
         "tokens": args.tokens, "batch": args.batch, "slots": memory.cache_slots(geometry, args.tokens),
@@ -554,8 +562,16 @@ def _print_memory(result: dict):
     window = f", sliding window {result['sliding_window']:,}" if result["sliding_window"] else ""
     params = f", {result['param_count']:,} parameters" if result["param_count"] is not None else ""
     name = f"{result['model']}: " if result["model"] is not None else ""
-    print(f"{name}{result['n_layers']} layers x {result['n_kv_heads']} KV heads x "
-          f"{result['head_dim']} head dim{window}, {result['dtype']}{params}")
+    mla = result["mla"]
+    if mla is None:
+        print(f"{name}{result['n_layers']} layers x {result['n_kv_heads']} KV heads x "
+              f"{result['head_dim']} head dim{window}, {result['dtype']}{params}")
+    else:
+        print(f"{name}{result['n_layers']} layers, multi-head latent attention: one cached row per token and layer of "
+              f"latent {mla['kv_lora_rank']} + rotary key {mla['qk_rope_head_dim']} = {result['head_dim']} values "
+              f"(keys only){window}, {result['dtype']}{params}")
+        print(f"per-head K/V: what {mla['n_heads']} heads' full keys ({mla['qk_head_dim']}) and values "
+              f"({mla['v_head_dim']}) would take instead")
     print(f"{result['tokens']:,} tokens x batch {result['batch']:,} ({result['slots']:,} cache slots per sequence)")
     hbm = result["hbm_bytes"]
     if hbm is not None:
@@ -576,16 +592,20 @@ def _print_memory(result: dict):
               f"with sharing, the prompt's full pages ({result['page_size']} slots each) are held once and each "
               f"sample holds its own last prompt page and new tokens; without, each sample a private cache")
         headers += ["with sharing", "without sharing"]
+    if mla is not None:
+        headers += ["per-head K/V bytes/token", "per-head K/V total bytes"]
     if hbm is not None:
         headers.append("sequences that fit")
     table = [headers]
     for row in result["rows"]:
         cells = [row["cache_dtype"], f"{row['bytes_per_token']:,}", f"{row['bytes_per_sequence']:,}",
                  f"{row['total_bytes']:,}", f"{row['total_gib']:,.4f}", f"{row['allocated_bytes']:,}"]
-        if hbm is not None:
-            cells.append(f"{row['sequences_fit']:,}")
         if "shared_bytes" in row:
             cells += [f"{row['shared_bytes']:,}", f"{row['unshared_bytes']:,}"]
+        if mla is not None:
+            cells += [f"{row['per_head_kv_bytes_per_token']:,}", f"{row['per_head_kv_total_bytes']:,}"]
+        if hbm is not None:
+            cells.append(f"{row['sequences_fit']:,}")
         table.append(cells)
     widths = [max(len(line[i]) for line in table) for i in range(len(headers))]
     print()

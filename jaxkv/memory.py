@@ -12,6 +12,15 @@ tokens (its cache is a ring buffer of W slots: older entries are overwritten). H
   bytes per token = 2 (K and V) x L x K x (H x bytes per element + 4 if quantized)
   cache bytes     = B x S x bytes per token
 
+A multi-head latent attention model (`Config.mla`, DeepSeek-V2/V3) caches keys only: one row per token and layer of
+the latent (R = kv_lora_rank) and the shared rotary key (E = qk_rope_head_dim), its values being the row's first R
+columns (`jaxkv.attention.mla`). Its cache is one "KV head" of H = R + E with no value buffers, so
+
+  bytes per token = L x (R + E) x bytes per element (+ 4 per layer if quantized)
+
+`expanded_kv_bytes_per_token` gives what full per-head K and V would take instead (DeepSeek-V3, bfloat16:
+61 x 576 x 2 = 70,272 bytes per token, against 61 x 128 x (192 + 128) x 2 = 4,997,120).
+
 Only the cached keys and values (and their scales) are counted, not the cache's int32 bookkeeping (`start` [B],
 `length` []): 4 x (B + 1) bytes, whatever the model.
 
@@ -51,6 +60,12 @@ class CacheGeometry:
     head_dim: int
     dtype: str = "float32"
     sliding_window: int | None = None
+    keys_only: bool = False  # an MLA cache: one latent row per token, no value buffers
+
+    @property
+    def kinds(self) -> int:
+        """Buffers per layer and KV head: 2 (keys and values), or 1 for a keys-only (MLA) cache."""
+        return 1 if self.keys_only else 2
 
     def __post_init__(self):
         for name in ("n_layers", "n_kv_heads", "head_dim"):
@@ -66,7 +81,8 @@ class CacheGeometry:
             return config
         if not isinstance(config, Config):
             raise TypeError(f"expected a jaxkv.Config or CacheGeometry, got {type(config).__name__}")
-        return cls(config.n_layers, config.n_kv_heads, config.head_dim, config.dtype, config.sliding_window)
+        return cls(config.n_layers, config.n_kv_heads, config.head_dim, config.dtype, config.sliding_window,
+                   keys_only=config.mla is not None)
 
 
 def _positive_int(name: str, value) -> int:
@@ -99,11 +115,26 @@ def cache_slots(config: Config | CacheGeometry, tokens: int) -> int:
 
 
 def kv_bytes_per_token(config: Config | CacheGeometry, cache_dtype=None) -> int:
-    """Bytes one cached token takes over all layers: 2 x L x K x (H x bytes per element + scale bytes)."""
+    """Bytes one cached token takes over all layers: 2 x L x K x (H x bytes per element + scale bytes); a
+    keys-only (MLA) cache has one buffer per layer instead of 2."""
     geometry = CacheGeometry.of(config)
     dtype = _cache_dtype(geometry, cache_dtype)
     per_head = geometry.head_dim * BYTES_PER_ELEMENT[dtype] + (SCALE_BYTES if dtype in QUANTIZED else 0)
-    return 2 * geometry.n_layers * geometry.n_kv_heads * per_head
+    return geometry.kinds * geometry.n_layers * geometry.n_kv_heads * per_head
+
+
+def expanded_kv_bytes_per_token(config: Config, cache_dtype=None) -> int:
+    """For an MLA config: the bytes per token a cache of full per-head keys and values would take, L x N x
+    (qk_nope + qk_rope + v head dims) x bytes per element (+ 2 scales per head if quantized): what the latent
+    cache saves. For any other config, `kv_bytes_per_token`."""
+    if not isinstance(config, Config):
+        raise TypeError(f"expected a jaxkv.Config, got {type(config).__name__}")
+    if config.mla is None:
+        return kv_bytes_per_token(config, cache_dtype)
+    dtype = _cache_dtype(CacheGeometry.of(config), cache_dtype)
+    m = config.mla
+    scales = 2 * SCALE_BYTES if dtype in QUANTIZED else 0
+    return config.n_layers * config.n_heads * ((m.qk_head_dim + m.v_head_dim) * BYTES_PER_ELEMENT[dtype] + scales)
 
 
 def kv_cache_bytes(config: Config | CacheGeometry, *, tokens: int | None = None, batch: int = 1, cache_dtype=None,

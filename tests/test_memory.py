@@ -329,3 +329,70 @@ def test_console_script_in_a_subprocess():
                          text=True, timeout=120)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert bad.stderr.startswith("jaxkv: error: argument --layers: must be a positive integer")
+
+
+# --- multi-head latent attention (issue 17) ---------------------------------------------------------------------
+
+# DeepSeek-V3's config.json as published (trimmed of fields jaxkv ignores).
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280,
+    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+    "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4,
+    "num_experts_per_tok": 8, "first_k_dense_replace": 3, "norm_topk_prob": True, "hidden_act": "silu",
+    "max_position_embeddings": 163840, "rms_norm_eps": 1e-06, "rope_theta": 10000,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 0, "eos_token_id": 1,
+    "attention_bias": False, "scoring_func": "sigmoid",
+}
+
+
+def test_mla_bytes_per_token(tmp_path, capsys):
+    """The issue's figure: 61 layers x (512 + 64) x 2 bytes = 70,272 per token in bfloat16, beside what 128 heads'
+    full keys (192) and values (128) would take: 61 x 128 x 320 x 2 = 4,997,120."""
+    (tmp_path / "config.json").write_text(json.dumps(DEEPSEEK_V3))
+    result = run_json(capsys, "--model", str(tmp_path), "--tokens", "1000")
+    rows = {r["cache_dtype"]: r for r in result["rows"]}
+    assert rows["bfloat16"]["bytes_per_token"] == 70_272 and rows["float32"]["bytes_per_token"] == 140_544
+    assert rows["int8"]["bytes_per_token"] == 61 * (576 + 4)  # one float32 scale per row
+    assert rows["bfloat16"]["per_head_kv_bytes_per_token"] == 4_997_120
+    assert rows["bfloat16"]["per_head_kv_total_bytes"] == 1000 * 4_997_120
+    assert rows["int8"]["per_head_kv_bytes_per_token"] == 61 * 128 * (320 + 8)
+    assert result["mla"] == {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "n_heads": 128, "qk_head_dim": 192,
+                             "v_head_dim": 128}
+    out = run(capsys, "--model", str(tmp_path), "--tokens", "1000", "--cache-dtype", "bfloat16")
+    assert "latent 512 + rotary key 64 = 576 values (keys only)" in out
+    assert table_row(out, "bfloat16")[-2:] == ["4,997,120", "4,997,120,000"]
+
+
+def test_mla_allocation_equals_the_planner():
+    """A latent cache allocates exactly what the planner says: one [B, 1, S, R + E] buffer per layer (and its
+    scales when quantized), no value buffers."""
+    from jaxkv.cache import KVCache
+    from jaxkv.config import Mla
+
+    config = jaxkv.Config(vocab_size=64, d_model=32, n_layers=3, n_heads=4, ffn_dim=48,
+                          mla=Mla(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8))
+    for cache_dtype in memory.CACHE_DTYPES:
+        cache = KVCache.allocate(config, 2, 40, dtype=cache_dtype)
+        leaves = [x for x in (*cache.keys, *cache.values, *cache.key_scales, *cache.value_scales)]
+        assert sum(x.nbytes for x in leaves) == jaxkv.kv_cache_bytes(config, tokens=40, batch=2,
+                                                                     cache_dtype=cache_dtype)
+        assert all(k.shape == (2, 1, 40, 20) for k in cache.keys)
+    assert memory.kv_bytes_per_token(config, "float32") == 3 * 20 * 4
+    assert memory.expanded_kv_bytes_per_token(config, "float32") == 3 * 4 * (12 + 8) * 4
+
+
+def test_sharing_and_fit_columns_line_up(capsys):
+    """With --n and --hbm-gib together, every cell sits under its own header (the fit column used to come before
+    the sharing columns in the rows but after them in the header)."""
+    out = run(capsys, "--model", "tiny", "--tokens", "40", "--n", "3", "--hbm-gib", "1", "--cache-dtype", "int8")
+    header = next(line for line in out.splitlines() if line.startswith("cache dtype"))
+    assert header.rstrip().endswith("with sharing  without sharing  sequences that fit")
+    result = run_json(capsys, "--model", "tiny", "--tokens", "40", "--n", "3", "--hbm-gib", "1", "--cache-dtype",
+                      "int8")
+    (row,) = result["rows"]
+    assert table_row(out, "int8")[-3:] == [f"{row['shared_bytes']:,}", f"{row['unshared_bytes']:,}",
+                                           f"{row['sequences_fit']:,}"]
