@@ -56,3 +56,27 @@ def attention(q, latent, start, q_offset, *, latent_dim: int, scale: float, late
     # A dead slot's weight is exactly 0, but 0 x NaN is NaN: dead rows are zeroed, so garbage there cannot leak.
     values = jnp.where(live[:, :, :, None].any(axis=1), rows[..., :latent_dim], 0.0)  # [B, S, R]
     return jnp.einsum("bnts,bsr->btnr", weights, values)
+
+
+# --- implementations by name ---------------------------------------------------------------------------------
+
+IMPLEMENTATIONS = {"xla": attention}
+
+try:  # Pallas ships with jaxlib; a build without it simply has no "pallas" implementation.
+    from jaxkv.attention import mla_decode_kernel
+except ImportError:  # pragma: no cover
+    pass
+else:
+    # Decode only (T == 1): T > 1 raises NotImplementedError rather than quietly running the XLA path.
+    IMPLEMENTATIONS["pallas"] = mla_decode_kernel.mla_decode
+
+
+def get(name: str):
+    """The MLA attention function registered under `name`, by `jaxkv.attention.resolve`'s rules: "xla",
+    "pallas", or "auto" (the Pallas kernel on GPU and TPU; the XLA reference on CPU, where Pallas only interprets)."""
+    from jaxkv.attention import resolve  # here, not at the top: the package may come to import this module
+
+    resolved = resolve(name)
+    if resolved not in IMPLEMENTATIONS:
+        raise ValueError(f"MLA attention implementation {resolved!r} is not available in this build")
+    return IMPLEMENTATIONS[resolved]
