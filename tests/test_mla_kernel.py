@@ -115,6 +115,7 @@ CASES = [
     (4, 64, 16, "float32", "float8_e4m3fn", 3, 256, 129, None),
     (16, 64, 16, "float32", "bfloat16", 3, S, 50, 3),  # a bfloat16 cache under float32 queries: f32 matmuls
     (4, 128, 32, "bfloat16", "int8", 3, S, None, None),  # int8 exact in bfloat16: the bf16 matmul path
+    (1, 128, 32, "float32", "float16", 1, 256, None, 1),
 ]
 
 
@@ -268,6 +269,12 @@ def test_dispatch_by_name():
     assert mla.get("auto") is (mla_decode_kernel.mla_decode if on_device else mla.attention)
     with pytest.raises(ValueError, match="unknown"):
         mla.get("triton")
+    # The registered kernel takes the reference's arguments alone (default blocks, splits, platform, interpret).
+    q, latent, latent_scale = _inputs(2, 4, 64, 16, "float32", "int8", num_slots=40)
+    args = (q, latent, jnp.asarray([0, 7], jnp.int32), jnp.int32(30))
+    got, want = (mla.get(name)(*args, latent_dim=64, scale=SCALE, latent_scale=latent_scale, sliding_window=20)
+                 for name in ("pallas", "xla"))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOLERANCES["float32"])
 
 
 # --- lowering for real hardware without the hardware ---------------------------------------------------------
