@@ -135,6 +135,18 @@ def test_matches_reference(platform, N, R, E, dtype, cache_dtype, B, num_slots, 
         assert not check([0, bk + 1, 5], bk)[1]
 
 
+@pytest.mark.skipif("gpu" not in PLATFORMS, reason="the Triton body's knob")
+def test_gpu_head_tiles_match_reference():
+    """40 heads (padded to 64) in tiles of 16 over the Triton body's grid: each tile's rows land in its own place."""
+    q, latent, _ = _inputs(2, 40, 64, 16, "float32")
+    start, q_offset = jnp.asarray([0, 120], jnp.int32), jnp.int32(S - 1)
+    out = mla_decode_kernel.mla_decode(q, latent, start, q_offset, latent_dim=64, scale=SCALE, sliding_window=200,
+                                       block_k=32, splits=3, heads_per_program=16, platform="gpu",
+                                       interpret=INTERPRET)
+    want = mla.attention(q, latent, start, q_offset, latent_dim=64, scale=SCALE, sliding_window=200)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), **TOLERANCES["float32"])
+
+
 @pytest.mark.parametrize("platform", PLATFORMS)
 def test_large_logits_are_stable(platform):
     q, latent, _ = _inputs(3, 4, 64, 16, "float32")
@@ -260,6 +272,10 @@ def test_bad_input_raises():
         decode(jnp.zeros((1, 1, 4, 88)), jnp.zeros((1, 32, 88)), *args, platform="gpu")
     with pytest.raises(ValueError, match="platform"):
         decode(q, latent, *args, latent_scale=latent_scale, platform="cuda")
+    with pytest.raises(ValueError, match="heads_per_program"):
+        decode(q, latent, *args, latent_scale=latent_scale, platform="gpu", heads_per_program=8)
+    with pytest.raises(ValueError, match="GPU knob"):
+        decode(q, latent, *args, latent_scale=latent_scale, platform="tpu", heads_per_program=16)
 
 
 def test_dispatch_by_name():
@@ -285,11 +301,12 @@ def test_dispatch_by_name():
                          [("tpu", "tpu", "tpu_custom_call"), ("gpu", "cuda", "__gpu$xla.gpu.triton")])
 def test_lowers_for_device(platform, lowering_platform, custom_call, cache):
     """Compiled (interpret=False) kernels lower to Mosaic / Triton IR from any host at DeepSeek-V3's shapes (R = 512,
-    E = 64, 16 heads as on one of 8 tensor-parallel devices): the whole Pallas lowering (block-shape rules, every
-    primitive's Mosaic or Triton rule) but not the device compiler (Mosaic's layout passes live in libtpu, ptxas in
-    the CUDA toolchain). Quantized caches come with their scales, as a ring; bfloat16 with a window and splits."""
-    B, N, R, E = 2, 16, 512, 64
+    E = 64; 16 heads as on one of 8 tensor-parallel devices, or all 128, two head tiles on GPU): the whole Pallas
+    lowering (block-shape rules, every primitive's Mosaic or Triton rule) but not the device compiler (Mosaic's
+    layout passes live in libtpu, ptxas in the CUDA toolchain). Quantized caches come with their scales, as a ring;
+    bfloat16 with a window and splits."""
     quantized = cache != "bfloat16"
+    B, N, R, E = 2, 16 if quantized else 128, 512, 64
     num_slots = 256 if quantized else 1000
     shapes = [((B, 1, N, R + E), jnp.bfloat16), ((B, num_slots, R + E), cache), ((B,), jnp.int32), ((), jnp.int32)]
     if quantized:

@@ -23,8 +23,9 @@ block already in VMEM (no DMA) and `pl.when` skips the compute. The block is (bl
 full last dim (legal for any C, e.g. DeepSeek's 576); the step is decode_kernel's `online_softmax_step` with
 k = the row and v = its first R columns (a lane-prefix slice of the VMEM block, 128-aligned for R = 512).
 
-Pallas GPU (Triton), `_mla_kernel_gpu`: grid (B, P); each program gets its sequence's [S, C] latent as a ref (a
-pointer) and loops (`fori_loop`, dynamic trip count) over its live blocks only. Triton tensors have power-of-two
+Pallas GPU (Triton), `_mla_kernel_gpu`: grid (B, head tiles, P); a program holds all heads up to 64
+(`GPU_MAX_HEADS`: its [heads, R] float32 accumulator lives in registers; more heads are tiled over programs, each
+tile reading the latent once). Each program gets its sequence's [S, C] latent as a ref (a pointer) and loops (`fori_loop`, dynamic trip count) over its live blocks only. Triton tensors have power-of-two
 sizes and C = 576 is not one, so each block is loaded as its two column ranges, c = row[:, :R] and
 k_rope = row[:, R:] (together exactly the row, each byte once), and the score is the sum of two dots,
 q[:, :R] . c + q[:, R:] . k_rope. R and E must be powers of two >= 16 (DeepSeek-V2/V3: 512 and 64); other widths
@@ -62,6 +63,11 @@ from jaxkv.attention.pallas import PLATFORMS, default_platform
 # block is 576 KiB, double-buffered about 1.2 MiB of VMEM, and few grid steps amortise the ~0.35 us per-step
 # cost). GPU: 64 (FlashMLA's key block; [64, 512] bf16 is 64 KiB of shared memory for the dot operands).
 DEFAULT_BLOCK_K = types.MappingProxyType({"tpu": 512, "gpu": 64})
+# GPU: query heads per program at most. The [heads, R] float32 accumulator lives in registers: 64 heads x 512 over
+# 8 warps is 128 floats a thread (FlashMLA's tile is 64 heads too). More heads (128 without tensor parallelism) are
+# tiled over programs, each re-reading the latent (mostly from L2). TPU keeps every head in one program: VMEM
+# holds [128, 512] easily and a taller M feeds the MXU better.
+GPU_MAX_HEADS = 64
 
 
 # --- TPU (Mosaic) --------------------------------------------------------------------------------------------
@@ -191,7 +197,7 @@ def _fold_split_scores(m_prev, l_prev, acc_prev, q_lat, q_rope, c, k_rope, live,
 
 def _mla_kernel_gpu(lo_ref, hi_ref, q_lat_ref, q_rope_ref, row_ref, *refs, scale: float, latent_dim: int,
                     block_k: int, splits: int, quantized: bool, ring_slots: int | None):
-    """Grid (B, P). lo_ref, hi_ref [1]; q_lat_ref [M, R], q_rope_ref [M, E]; row_ref [Sp, C] (a pointer: only the
+    """Grid (B, head tiles, P). lo_ref, hi_ref [1]; q_lat_ref [M, R], q_rope_ref [M, E]; row_ref [Sp, C] (a pointer: only the
     loop's blocks are read); for a quantized cache scale_ref [1, Sp]; outputs (acc [M, R], m [M, 1], l [M, 1])."""
     scale_ref, (acc_out, m_out, l_out) = (refs[0], refs[1:]) if quantized else (None, refs)
     lo, hi = lo_ref[0], hi_ref[0]
@@ -200,7 +206,7 @@ def _mla_kernel_gpu(lo_ref, hi_ref, q_lat_ref, q_rope_ref, row_ref, *refs, scale
     q_lat, q_rope = q_lat_ref[...], q_rope_ref[...]  # [M, R], [M, E]
     rows = q_lat.shape[0]
     first, begin, end = gpu_block_range(lo, hi, num_slots=num_slots, block_k=block_k, splits=splits,
-                                        split=pl.program_id(1), ring=ring_slots is not None)
+                                        split=pl.program_id(2), ring=ring_slots is not None)
 
     def body(i, carry):
         floor = (first + i) * block_k  # first slot of live block first + i
@@ -219,37 +225,42 @@ def _mla_kernel_gpu(lo_ref, hi_ref, q_lat_ref, q_rope_ref, row_ref, *refs, scale
 
 
 def _mla_gpu(q, latent, latent_scale, lo, hi, *, scale: float, latent_dim: int, block_k: int, splits: int,
-             ring_slots: int | None, interpret):
-    """q [B, M, C] (M a power of two >= 16); latent [B, Sp, C] with Sp >= 16; latent_scale f32[B, 1, Sp] or None;
-    lo, hi int32[B]; ring_slots: the ring's real S (<= Sp) or None -> per-split (acc f32[B, P, M, R], m, l)."""
+             heads_per_program: int, ring_slots: int | None, interpret):
+    """q [B, M, C] (M a power of two >= 16, a multiple of heads_per_program); latent [B, Sp, C] with Sp >= 16;
+    latent_scale f32[B, 1, Sp] or None; lo, hi int32[B]; ring_slots: the ring's real S (<= Sp) or None
+    -> per-split (acc f32[B, P, M, R], m, l f32[B, P, M, 1])."""
     B, M, C = q.shape
+    Mh = heads_per_program
     S, R = latent.shape[1], latent_dim
     block_k = gpu_block(S, block_k)
     splits = max(1, min(splits, cdiv(S, block_k)))
 
-    def scalar_map(b, split):
+    def scalar_map(b, h, split):
         return (b,)
 
-    def seq_map(b, split):
+    def seq_map(b, h, split):
         return b, 0, 0
 
-    def out_map(b, split):
-        return b, split, 0, 0
+    def head_map(b, h, split):
+        return b, h, 0
+
+    def out_map(b, h, split):
+        return b, split, h, 0
 
     quantized = latent_scale is not None
     kernel = functools.partial(_mla_kernel_gpu, scale=scale, latent_dim=R, block_k=block_k, splits=splits,
                                quantized=quantized, ring_slots=ring_slots)
     scale_specs = [pl.BlockSpec((None, 1, S), seq_map)] if quantized else []  # a pointer, like the latent
-    # acc [M, R] lives in registers: 4 warps hold 16 heads x 512 (64 floats a thread); more heads get 8 warps.
-    num_warps = 4 if M * R <= 16 * 512 else 8
+    # acc [Mh, R] lives in registers: 4 warps hold 16 heads x 512 (64 floats a thread); more heads get 8 warps.
+    num_warps = 4 if Mh * R <= 16 * 512 else 8
     return pl.pallas_call(
         kernel,
-        grid=(B, splits),
+        grid=(B, M // Mh, splits),
         in_specs=[pl.BlockSpec((1,), scalar_map), pl.BlockSpec((1,), scalar_map),
-                  pl.BlockSpec((None, M, R), seq_map), pl.BlockSpec((None, M, C - R), seq_map),
+                  pl.BlockSpec((None, Mh, R), head_map), pl.BlockSpec((None, Mh, C - R), head_map),
                   pl.BlockSpec((None, S, C), seq_map), *scale_specs],  # the whole sequence: a base pointer
-        out_specs=[pl.BlockSpec((None, None, M, R), out_map), pl.BlockSpec((None, None, M, 1), out_map),
-                   pl.BlockSpec((None, None, M, 1), out_map)],
+        out_specs=[pl.BlockSpec((None, None, Mh, R), out_map), pl.BlockSpec((None, None, Mh, 1), out_map),
+                   pl.BlockSpec((None, None, Mh, 1), out_map)],
         out_shape=[jax.ShapeDtypeStruct((B, splits, M, R), jnp.float32),
                    jax.ShapeDtypeStruct((B, splits, M, 1), jnp.float32),
                    jax.ShapeDtypeStruct((B, splits, M, 1), jnp.float32)],
@@ -283,7 +294,8 @@ def _check_inputs(q, latent, start, latent_dim: int, latent_scale, sliding_windo
 
 def mla_decode(q, latent, start, q_offset, *, latent_dim: int, scale: float, latent_scale=None,
                sliding_window: int | None = None, ring: bool = False, block_k: int | None = None,
-               splits: int | None = None, interpret=None, platform: str | None = None):
+               splits: int | None = None, heads_per_program: int | None = None, interpret=None,
+               platform: str | None = None):
     """Absorbed MLA of one query per sequence over the latent cache; `mla.attention`'s contract with T == 1.
 
     Args:
@@ -296,6 +308,8 @@ def mla_decode(q, latent, start, q_offset, *, latent_dim: int, scale: float, lat
       sliding_window, ring: as in `mla.attention`.
       block_k: slots per latent block (TPU: a multiple of 128; GPU: a power of two >= 16); default
         `DEFAULT_BLOCK_K`. splits: parallel programs per sequence; default `decode_kernel.default_splits`.
+      heads_per_program: GPU only, a power of two >= 16: query heads per program (default all of them, padded to
+        a power of two, up to `GPU_MAX_HEADS`); each head tile reads the latent blocks once. TPU: all heads.
       interpret: run in the Pallas interpreter; None means "only on CPU".
       platform: "tpu" (Mosaic) or "gpu" (Triton) body; None picks the default backend's.
 
@@ -320,6 +334,8 @@ def mla_decode(q, latent, start, q_offset, *, latent_dim: int, scale: float, lat
     latent_scale = None if latent_scale is None else latent_scale.astype(jnp.float32)[:, None, :]
     q = q[:, 0].astype(matmul_dtype(q.dtype, latent.dtype))  # [B, N, C], cast once rather than per block
     if platform == "tpu":
+        if heads_per_program is not None:
+            raise ValueError("heads_per_program is a GPU knob; the TPU body holds every head in one program")
         M = cdiv(N, TPU_ROW_MULTIPLE) * TPU_ROW_MULTIPLE  # whole sublane tiles
         splits = splits or default_splits(platform, B, 1, cdiv(S, tpu_block(S, block_k)))
         acc, m, l = _mla_tpu(pad_axis(q, 1, M), latent, latent_scale, lo, hi, scale=scale, latent_dim=R,
@@ -331,12 +347,16 @@ def mla_decode(q, latent, start, q_offset, *, latent_dim: int, scale: float, lat
                 raise NotImplementedError(f"the GPU (Triton) MLA kernel needs R and E powers of two >= "
                                           f"{GPU_MIN_DIM} (DeepSeek: 512 and 64), got {name} = {width}")
         M = max(GPU_MIN_DIM, next_pow2(N))  # tl.dot needs M >= 16; padded rows are zeros, sliced off below
+        Mh = min(M, heads_per_program or GPU_MAX_HEADS)
+        if Mh < GPU_MIN_DIM or Mh & (Mh - 1):
+            raise ValueError(f"heads_per_program must be a power of two >= {GPU_MIN_DIM}, got {Mh}")
         # A cache shorter than 16 slots is padded (copied) so the shifted block fits; only tiny caches are.
         Sp = max(S, GPU_MIN_DIM)
         latent = pad_axis(latent, 1, Sp)  # [B, Sp, C]
         if latent_scale is not None:
             latent_scale = pad_axis(latent_scale, 2, Sp)  # [B, 1, Sp]
-        splits = splits or default_splits(platform, B, 1, cdiv(Sp, gpu_block(Sp, block_k)))
+        splits = splits or default_splits(platform, B * (M // Mh), 1, cdiv(Sp, gpu_block(Sp, block_k)))
         acc, m, l = _mla_gpu(pad_axis(q, 1, M), latent, latent_scale, lo, hi, scale=scale, latent_dim=R,
-                             block_k=block_k, splits=splits, ring_slots=S if ring else None, interpret=interpret)
+                             block_k=block_k, splits=splits, heads_per_program=Mh, ring_slots=S if ring else None,
+                             interpret=interpret)
     return combine_splits(acc, m, l)[:, None, :N]  # [B, 1, N, R] float32
