@@ -38,7 +38,8 @@ from jaxkv.config import DTYPES, Config
 
 EXIT_USAGE = 2
 # `jaxkv bench NAME ...` -> the module whose main() runs it (also scripts/bench_NAME.py)
-BENCH_SCENARIOS = {"sharing": "jaxkv.bench_sharing", "engine": "jaxkv.bench_engine", "beam": "jaxkv.bench_beam"}
+BENCH_SCENARIOS = {"sharing": "jaxkv.bench_sharing", "engine": "jaxkv.bench_engine", "beam": "jaxkv.bench_beam",
+                   "mla": "jaxkv.bench_mla"}
 EARLY_STOPPING = {"true": True, "false": False, "never": "never"}  # --early-stopping -> jaxkv.beam_search's value
 VERSION = "0.1.0"  # what --version says when the package metadata is missing (running from a source tree)
 

@@ -259,3 +259,22 @@ def test_16_bit_rows_compare_with_transformers_float32(tmp_path, capsys):
     assert own is None or 0 <= own < 32
     assert r["greedy_tokens_as_far_as_hf_float32"] == (ours is None or ours >= (32 if own is None else own))
     assert "hf32" in capsys.readouterr().out
+
+
+def test_bench_mla_quick(tmp_path, capsys):
+    """`jaxkv bench mla`: twins of equal size (0.1%), the MLA cache 4x smaller as allocated and as planned."""
+    import json
+
+    from jaxkv import cli
+
+    assert cli.main(["bench", "mla", "--quick", "--contexts", "16,24", "--steps", "2",
+                     "--out", str(tmp_path / "mla.json")]) == 0
+    result = json.loads((tmp_path / "mla.json").read_text())
+    gqa, mla = result["configs"]["gqa"], result["configs"]["mla"]
+    assert abs(mla["params"] - gqa["params"]) <= 1e-3 * gqa["params"]
+    assert gqa["bytes_per_token"] == 2 * 8 * 4 * 64 * 4 and mla["bytes_per_token"] == 8 * (96 + 32) * 4
+    for row in result["contexts"]:
+        for name in ("gqa", "mla"):
+            assert row[name]["cache_bytes_allocated"] == row[name]["cache_bytes_planned"]
+        assert row["bytes_ratio"] == 4.0 and row["gqa"]["step_ms"] > 0 and row["mla"]["step_ms"] > 0
+    assert "bytes ratio" in capsys.readouterr().out
