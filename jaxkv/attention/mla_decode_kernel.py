@@ -7,14 +7,14 @@ C = R + E the cached row, M the query heads padded to a legal row count, P split
 What a program reads
 --------------------
 MLA decode is multi-query attention with one "KV head" of width C whose values are the first R columns of the same
-row (`mla` module docstring). So one program holds all N heads of a sequence: the query block [M, C] is the M
-dimension of both matmuls, and each [block_k, C] latent block is read from HBM once per program and used twice,
-whole for the scores (q . row) and its first R columns for the values. Per head nothing of cache length is read
-or formed. Which blocks are read is `decode_kernel`'s logic with one KV head: row b's query may see cache indices
-[lo, hi] (`live_bounds`: left padding `start`, the sliding window, the ring's wrap), only blocks holding one are
-visited (every block of a ring cache), and selects mask the dead slots of a visited block (`decode_masks`), so
-NaN in dead slots or their scales cannot leak. Optional flash-decoding splits share a row's live blocks out over
-parallel programs and `combine_splits` merges them.
+row (`mla` module docstring). So one program holds all N heads of a sequence (on GPU up to 64, below): the
+query block [M, C] is the M dimension of both matmuls, and each [block_k, C] latent block is read from HBM once
+per program and used twice, whole for the scores (q . row) and its first R columns for the values. Per head
+nothing of cache length is read or formed. Which blocks are read is `decode_kernel`'s logic with one KV head:
+row b's query may see cache indices [lo, hi] (`live_bounds`: left padding `start`, the sliding window, the
+ring's wrap), only blocks holding one are visited (every block of a ring cache), and selects mask the dead slots
+of a visited block (`decode_masks`), so NaN in dead slots or their scales cannot leak. Optional flash-decoding
+splits share a row's live blocks out over parallel programs and `combine_splits` merges them.
 
 Pallas TPU (Mosaic), `_mla_kernel_tpu`: grid (B, P, blocks per split), the last axis sequential ("arbitrary")
 with the softmax state in VMEM scratch. lo, hi are scalar-prefetched and the latent BlockSpec's index map
@@ -25,10 +25,10 @@ k = the row and v = its first R columns (a lane-prefix slice of the VMEM block, 
 
 Pallas GPU (Triton), `_mla_kernel_gpu`: grid (B, head tiles, P); a program holds all heads up to 64
 (`GPU_MAX_HEADS`: its [heads, R] float32 accumulator lives in registers; more heads are tiled over programs, each
-tile reading the latent once). Each program gets its sequence's [S, C] latent as a ref (a pointer) and loops (`fori_loop`, dynamic trip count) over its live blocks only. Triton tensors have power-of-two
-sizes and C = 576 is not one, so each block is loaded as its two column ranges, c = row[:, :R] and
-k_rope = row[:, R:] (together exactly the row, each byte once), and the score is the sum of two dots,
-q[:, :R] . c + q[:, R:] . k_rope. R and E must be powers of two >= 16 (DeepSeek-V2/V3: 512 and 64); other widths
+tile reading the latent once). Each program gets its sequence's [S, C] latent as a ref (a pointer) and loops
+(`fori_loop`, dynamic trip count) over its live blocks only. Triton tensors have power-of-two sizes and C = 576
+is not one, so each block is loaded as its two column ranges, c = row[:, :R] and k_rope = row[:, R:] (together
+exactly the row, each byte once), and the score is the sum of two dots, q[:, :R] . c + q[:, R:] . k_rope. R and E must be powers of two >= 16 (DeepSeek-V2/V3: 512 and 64); other widths
 raise NotImplementedError (padding them would copy the cache every step). As in decode_kernel a block that would
 run past S is loaded shifted back to end at S, its re-read slots masked.
 
@@ -52,11 +52,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
-from jaxkv.attention.decode_kernel import (_NN, _NT, GPU_MIN_DIM, MASKED, TPU_ROW_MULTIPLE, _precision, _tpu_step_block,
-                                           block_range, cdiv, combine_splits, decode_masks, default_splits,
-                                           gpu_block, live_bounds, load_scale, matmul_dtype, next_pow2,
-                                           online_softmax_step, pad_axis, reset_softmax_state, split_share,
-                                           tpu_block)
+from jaxkv.attention.decode_kernel import (_NN, _NT, GPU_MIN_DIM, MASKED, TPU_ROW_MULTIPLE, _precision,
+                                           _tpu_step_block, block_range, cdiv, combine_splits, decode_masks,
+                                           default_splits, gpu_block, live_bounds, load_scale, matmul_dtype,
+                                           next_pow2, online_softmax_step, pad_axis, reset_softmax_state,
+                                           split_share, tpu_block)
 from jaxkv.attention.pallas import PLATFORMS, default_platform
 
 # Slots per latent block. TPU: 512 (a multiple of 128 lanes for the [M, block_k] score tile; a [512, 576] bf16
@@ -197,8 +197,9 @@ def _fold_split_scores(m_prev, l_prev, acc_prev, q_lat, q_rope, c, k_rope, live,
 
 def _mla_kernel_gpu(lo_ref, hi_ref, q_lat_ref, q_rope_ref, row_ref, *refs, scale: float, latent_dim: int,
                     block_k: int, splits: int, quantized: bool, ring_slots: int | None):
-    """Grid (B, head tiles, P). lo_ref, hi_ref [1]; q_lat_ref [M, R], q_rope_ref [M, E]; row_ref [Sp, C] (a pointer: only the
-    loop's blocks are read); for a quantized cache scale_ref [1, Sp]; outputs (acc [M, R], m [M, 1], l [M, 1])."""
+    """Grid (B, head tiles, P). lo_ref, hi_ref [1]; q_lat_ref [M, R], q_rope_ref [M, E] (this tile's heads);
+    row_ref [Sp, C] (a pointer: only the loop's blocks are read); for a quantized cache scale_ref [1, Sp]; outputs
+    (acc [M, R], m [M, 1], l [M, 1])."""
     scale_ref, (acc_out, m_out, l_out) = (refs[0], refs[1:]) if quantized else (None, refs)
     lo, hi = lo_ref[0], hi_ref[0]
     num_slots, width = row_ref.shape
