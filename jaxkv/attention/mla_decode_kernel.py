@@ -28,9 +28,10 @@ Pallas GPU (Triton), `_mla_kernel_gpu`: grid (B, head tiles, P); a program holds
 tile reading the latent once). Each program gets its sequence's [S, C] latent as a ref (a pointer) and loops
 (`fori_loop`, dynamic trip count) over its live blocks only. Triton tensors have power-of-two sizes and C = 576
 is not one, so each block is loaded as its two column ranges, c = row[:, :R] and k_rope = row[:, R:] (together
-exactly the row, each byte once), and the score is the sum of two dots, q[:, :R] . c + q[:, R:] . k_rope. R and E must be powers of two >= 16 (DeepSeek-V2/V3: 512 and 64); other widths
-raise NotImplementedError (padding them would copy the cache every step). As in decode_kernel a block that would
-run past S is loaded shifted back to end at S, its re-read slots masked.
+exactly the row, each byte once), and the score is the sum of two dots, q[:, :R] . c + q[:, R:] . k_rope.
+R and E must be powers of two >= 16 (DeepSeek-V2/V3: 512 and 64); other widths raise NotImplementedError
+(padding them would copy the cache every step). As in decode_kernel a block that would run past S is loaded
+shifted back to end at S, its re-read slots masked.
 
 Quantized caches: an int8 / float8_e4m3fn latent cache comes with float32 scales [B, S], one per slot. Each step
 loads the block's [1, block_k] scales with the block and applies them to the score and probability columns
