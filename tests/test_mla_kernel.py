@@ -253,6 +253,28 @@ def test_ring_visits_every_block_once():
     assert sorted(computed) == [(b, blk) for b in range(2) for blk in range(8)]
 
 
+@pytest.mark.parametrize("platform", ["tpu", "gpu"])
+def test_cache_goes_to_the_kernel_as_stored(platform):
+    """The int8 latent and its scales reach the pallas_call untouched: no dequantized, padded or re-laid-out copy of
+    the cache is made outside the kernel (the only thing done to the scales is a free reshape to [B, 1, S])."""
+    B, C = 2, 80
+    args = [jax.ShapeDtypeStruct((B, 1, 4, C), jnp.bfloat16), jax.ShapeDtypeStruct((B, S, C), jnp.int8),
+            jax.ShapeDtypeStruct((B,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32),
+            jax.ShapeDtypeStruct((B, S), jnp.float32)]
+
+    def decode(q, latent, start, q_offset, latent_scale):
+        return mla_decode_kernel.mla_decode(q, latent, start, q_offset, latent_dim=64, scale=SCALE,
+                                            latent_scale=latent_scale, platform=platform, interpret=False)
+
+    jaxpr = jax.make_jaxpr(decode)(*args).jaxpr
+    latent = jaxpr.invars[1]
+    (call,) = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
+    assert [e.primitive.name for e in jaxpr.eqns if latent in e.invars] == ["pallas_call"]
+    assert latent in call.invars
+    # Nothing outside the kernel is as big as the cache.
+    assert all(v.aval.size < B * S * C for e in jaxpr.eqns if e is not call for v in e.outvars)
+
+
 # --- errors and dispatch -------------------------------------------------------------------------------------
 
 
