@@ -19,7 +19,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 
-from jaxkv.config import DTYPES, Config, RopeScaling
+from jaxkv.config import DTYPES, Config, Mla, RopeScaling, YarnScaling
 from jaxkv.layers import in_out_names
 from jaxkv.model import Model, from_out_in, param_shapes, to_out_in
 
@@ -44,17 +44,28 @@ def config_from_dict(data: dict, *, source: str) -> Config:
     unknown = sorted(set(data) - fields)
     if unknown:
         raise ValueError(f"{source}: unknown config field(s) {unknown}")
-    if data.get("rope_scaling") is not None:
-        scaling = data["rope_scaling"]
-        if not isinstance(scaling, dict):
-            raise ValueError(f"{source}: rope_scaling must be an object, got {scaling!r}")
-        data["rope_scaling"] = RopeScaling(**scaling)
+    # Nested configs are stored as objects; Llama-3 scaling and YaRN are told apart by their fields.
+    scaling = data.get("rope_scaling")
+    if scaling is not None:
+        kind = RopeScaling if isinstance(scaling, dict) and "low_freq_factor" in scaling else YarnScaling
+        data["rope_scaling"] = _nested(kind, scaling, "rope_scaling", source)
+    if data.get("mla") is not None:
+        data["mla"] = _nested(Mla, data["mla"], "mla", source)
     if "eos_ids" in data:
         data["eos_ids"] = tuple(data["eos_ids"])
     try:
         return Config(**data)
     except TypeError as e:  # a missing required field
         raise ValueError(f"{source}: {e}") from None
+
+
+def _nested(kind, value, field: str, source: str):
+    if not isinstance(value, dict):
+        raise ValueError(f"{source}: {field} must be an object, got {value!r}")
+    try:
+        return kind(**value)
+    except TypeError as e:  # a missing or unknown field
+        raise ValueError(f"{source}: {field}: {e}") from None
 
 
 def _check_dtype(dtype):
