@@ -58,15 +58,22 @@ def expanded_attention(q_nope, q_rope, c, k_rope, wk_b, wv_b, start, q_offset, *
 
 
 def absorbed_attention(q_nope, q_rope, rows, wk_b, wv_b, start, q_offset, *, scale: float, latent_scale=None,
-                       sliding_window: int | None = None, ring: bool = False):
+                       sliding_window: int | None = None, ring: bool = False, attention: str = "xla"):
     """The same attention over cached latent rows [B, S, R + E] without forming per-head keys or values:
-    q_nope, q_rope [B, T, N, nope | E] -> [B, T, N, dv] (see the module docstring)."""
+    q_nope, q_rope [B, T, N, nope | E] -> [B, T, N, dv] (see the module docstring). `attention` names the
+    latent-attention implementation (`jaxkv.attention.mla.get`); "auto" falls back to the XLA reference where the
+    Pallas kernel does not apply (more than one query per sequence, or widths the kernel does not take)."""
     dtype = q_nope.dtype
     R = wk_b.shape[-1]
     q_lat = jnp.einsum("btnk,nkr->btnr", q_nope, wk_b, preferred_element_type=jnp.float32)  # [B, T, N, R]
     q = jnp.concatenate([q_lat, q_rope.astype(jnp.float32)], axis=-1)  # [B, T, N, R + E]
-    out = mla.attention(q, rows, start, q_offset, latent_dim=R, scale=scale, latent_scale=latent_scale,
-                        sliding_window=sliding_window, ring=ring)  # [B, T, N, R] float32
+    kwargs = dict(latent_dim=R, scale=scale, latent_scale=latent_scale, sliding_window=sliding_window, ring=ring)
+    try:
+        out = mla.get(attention if q.shape[1] == 1 else "xla")(q, rows, start, q_offset, **kwargs)
+    except NotImplementedError:  # raised while tracing, before any compute
+        if attention != "auto":
+            raise
+        out = mla.attention(q, rows, start, q_offset, **kwargs)  # [B, T, N, R] float32
     return jnp.einsum("btnr,nvr->btnv", out.astype(dtype), wv_b, preferred_element_type=jnp.float32).astype(dtype)
 
 
@@ -79,7 +86,8 @@ class MlaAttention(nn.Module):
     @nn.compact
     def __call__(self, x, rope, cache, start, prefill, attention: str):
         """x [B, T, D]; rope: (cos, sin) [B, T, E]; start int32[B] -> ([B, T, D], cache). Slots and masking as
-        in `jaxkv.model.Attention`. `attention` is unused: MLA has one (XLA) implementation here so far."""
+        in `jaxkv.model.Attention`. `attention` picks the decode step's latent attention (`absorbed_attention`);
+        the expanded form (prefill, no cache) is plain XLA."""
         cfg, m = self.config, self.config.mla
         D, N, R, E = cfg.d_model, cfg.n_heads, m.kv_lora_rank, m.qk_rope_head_dim
         nope, dv, qk = m.qk_nope_head_dim, m.v_head_dim, m.qk_head_dim
@@ -126,7 +134,8 @@ class MlaAttention(nn.Module):
             out = absorbed_attention(q_nope, q_rope, cache.keys[self.layer][:, 0], wk_b, wv_b, cache.start,
                                      q_offset, scale=scale,
                                      latent_scale=None if latent_scale is None else latent_scale[:, 0],
-                                     sliding_window=cfg.sliding_window, ring=cache.ring)  # [B, T, N, dv]
+                                     sliding_window=cfg.sliding_window, ring=cache.ring,
+                                     attention=attention)  # [B, T, N, dv]
 
         if out_in["wo"]:
             wo = self.param("wo", fan_in_init(N * dv), (D, N, dv), dtype).reshape(D, N * dv)

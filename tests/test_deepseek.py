@@ -159,6 +159,22 @@ def test_quantized_latent_caches_stay_close(model, cache_dtype):
     assert [len(row) for row in got] == [8, 8, 8]
 
 
+@pytest.mark.parametrize("cache_dtype", ["float32", "int8"])
+def test_pallas_latent_decode_equals_xla(model, cache_dtype):
+    """The decode step through the Pallas MLA kernel (interpreted on CPU) against the XLA reference."""
+    tokens, start = left_pad(RAGGED)
+    runs = {}
+    for attention in ("xla", "pallas"):
+        logits, cache = jaxkv.prefill(model.params, tokens, start, config=CONFIG, capacity=64, cache_dtype=cache_dtype)
+        out = []
+        for token in (11, 42, 7):
+            logits, cache = jaxkv.decode_step(model.params, jnp.full((3,), token, jnp.int32), cache, config=CONFIG,
+                                              attention=attention)
+            out.append(np.asarray(logits))
+        runs[attention] = np.stack(out)
+    np.testing.assert_allclose(runs["pallas"], runs["xla"], atol=ATOL_ABSORBED, rtol=0)
+
+
 def _per_head_cache_arrays(hlo: str, batch: int, slots: int) -> list[str]:
     """Shapes in compiled HLO that have a dimension of `slots` (the cache length) and more elements than the
     latent rows themselves (batch x slots x (R + E)): per-head keys or values of cache length, however laid out.
