@@ -73,7 +73,8 @@ import numpy as np
 import safetensors
 from safetensors import safe_open
 
-from jaxkv.config import DTYPES, Config, Mla, RopeScaling, YarnScaling
+from jaxkv import moe as moe_lib
+from jaxkv.config import DTYPES, Config, Mla, MoeConfig, RopeScaling, YarnScaling
 from jaxkv.layers import ALL_OUT_IN_ORDER, in_out_names
 from jaxkv.model import Model
 
@@ -95,6 +96,7 @@ MAX_LAYERS = 1024
 MAX_HEADS = 1024
 MAX_HEAD_DIM = 1024
 MAX_FFN = 1 << 20
+MAX_EXPERTS = 1 << 14  # routed experts per layer (DeepSeek-V3: 256)
 MAX_LEARNED_POSITIONS = 1 << 20  # GPT-2's n_positions sizes a table; RoPE's max_position_embeddings sizes nothing
 MAX_PARAMS = 10 ** 12
 
@@ -405,11 +407,7 @@ def _deepseek_fields(f: _Fields, arch: str) -> dict:
     dense = f.hf.get("first_k_dense_replace", defaults["first_k_dense_replace"])
     if isinstance(dense, bool) or not isinstance(dense, int) or dense < 0:
         f.fail("first_k_dense_replace", f"must be a non-negative integer, got {dense!r}")
-    if dense < n_layers:
-        # TODO(issue 17, MoE): route these layers through jaxkv.moe once it exists.
-        raise NotImplementedError(f"{f.source}: layer {dense} (model.layers.{dense}.mlp) is a mixture-of-experts "
-                                  f"layer (first_k_dense_replace = {dense} < num_hidden_layers = {n_layers}); "
-                                  f"jaxkv loads DeepSeek models with dense FFN layers only so far")
+    moe = _deepseek_moe(f, arch, dense) if dense < n_layers else None
     kwargs = dict(
         vocab_size=f.int("vocab_size", cap=MAX_VOCAB, required=True),
         d_model=f.int("hidden_size", cap=MAX_D_MODEL, required=True),
@@ -423,11 +421,54 @@ def _deepseek_fields(f: _Fields, arch: str) -> dict:
         max_positions=f.int("max_position_embeddings", defaults["max_position_embeddings"]),
         tie_embeddings=f.bool("tie_word_embeddings", False),
         mla=mla,
+        moe=moe,
     )
     # attention_bias covers q_a_proj and kv_a_proj_with_mqa (jaxkv's qkv_bias) and o_proj.
     kwargs["qkv_bias"] = kwargs["out_bias"] = f.bool("attention_bias", False)
     kwargs["rope_theta"], kwargs["rope_scaling"] = _rope(f, kwargs["max_positions"], yarn=True)
     return kwargs
+
+
+# transformers' DeepseekV2Config / DeepseekV3Config defaults for the mixture-of-experts fields.
+_DEEPSEEK_MOE_DEFAULTS = {
+    DEEPSEEK_V2: dict(n_routed_experts=64, n_shared_experts=2, moe_intermediate_size=1407, routed_scaling_factor=1.0),
+    DEEPSEEK_V3: dict(n_routed_experts=256, n_shared_experts=1, moe_intermediate_size=2048, routed_scaling_factor=2.5,
+                      num_experts_per_tok=8, n_group=8, topk_group=4, norm_topk_prob=True)}
+
+
+def _deepseek_moe(f: _Fields, arch: str, dense: int) -> MoeConfig:
+    """The mixture of experts of layers >= first_k_dense_replace, as transformers 5.24 runs it: V3 always scores
+    with a sigmoid and picks by "noaux_tc" (it reads neither `scoring_func` nor `topk_method`); V2 always with a
+    softmax, by `topk_method`, and never normalizes the weights (it does not read `norm_topk_prob`)."""
+    d = _DEEPSEEK_MOE_DEFAULTS[arch]
+    freq = f.hf.get("moe_layer_freq", 1)
+    if freq != 1:
+        f.fail("moe_layer_freq", f"= {freq!r} is not supported: transformers puts a mixture of experts in every "
+                                 f"layer from first_k_dense_replace on, DeepSeek's own code in every moe_layer_freq-th")
+    fields = dict(
+        n_routed_experts=f.int("n_routed_experts", d["n_routed_experts"], cap=MAX_EXPERTS),
+        experts_per_token=f.int("num_experts_per_tok", d.get("num_experts_per_tok"), cap=MAX_EXPERTS,
+                                required="num_experts_per_tok" not in d),
+        moe_ffn_dim=f.int("moe_intermediate_size", d["moe_intermediate_size"], cap=MAX_FFN),
+        n_shared_experts=f.int("n_shared_experts", d["n_shared_experts"], cap=MAX_EXPERTS),
+        first_dense_layers=dense,
+        routed_scaling_factor=f.float("routed_scaling_factor", d["routed_scaling_factor"]))
+    if arch == DEEPSEEK_V3:
+        fields |= dict(scoring="sigmoid", topk_method="noaux_tc", n_group=f.int("n_group", d["n_group"]),
+                       topk_group=f.int("topk_group", d["topk_group"]),
+                       norm_topk_prob=f.bool("norm_topk_prob", d["norm_topk_prob"]))
+    else:
+        method = f.str("topk_method", "greedy")
+        if method == "group_limited_greedy":
+            fields |= dict(n_group=f.int("n_group", required=True), topk_group=f.int("topk_group", required=True))
+        elif method != "greedy":  # "greedy" ignores n_group / topk_group, as transformers does
+            f.fail("topk_method", f"= {method!r} is not supported: transformers' DeepSeek-V2 router knows 'greedy' "
+                                  f"and 'group_limited_greedy'")
+        fields |= dict(scoring="softmax", topk_method=method)
+    try:
+        return MoeConfig(**fields)
+    except ValueError as e:
+        raise ValueError(f"{f.source}: {e}") from None
 
 
 def rope_interleaved(hf: dict, arch: str) -> bool:
@@ -511,14 +552,16 @@ def _split_qkv(paths, *shape):
     return convert
 
 
-def tensor_specs(arch: str, config: Config, *, interleaved: bool = False) -> list[TensorSpec]:
+def tensor_specs(arch: str, config: Config, *, interleaved: bool = False,
+                 fused_experts: bool = False) -> list[TensorSpec]:
     """Every tensor a checkpoint of `arch` with `config` must hold (base-model prefix stripped, except for
     `lm_head.weight`, which sits outside the base model). `interleaved`: a DeepSeek checkpoint's rotary columns
-    are in pairs (`rope_interleaved`)."""
+    are in pairs (`rope_interleaved`). `fused_experts`: its experts are stored as transformers 5 holds them in
+    memory, 3D per layer (`fused_experts_stored`), not one tensor per expert."""
     if arch == GPT2:
         specs = _gpt2_specs(config)
     elif arch in DEEPSEEK:
-        specs = _deepseek_specs(config, interleaved)
+        specs = _deepseek_specs(config, interleaved, fused_experts)
     else:
         specs = _llama_family_specs(config)
     if not config.tie_embeddings:
@@ -581,7 +624,7 @@ def _split_kv_b(paths, N, nope, dv, R):
     return convert
 
 
-def _deepseek_specs(cfg: Config, interleaved: bool) -> list[TensorSpec]:
+def _deepseek_specs(cfg: Config, interleaved: bool, fused_experts: bool) -> list[TensorSpec]:
     m = cfg.mla
     V, D, N, F = cfg.vocab_size, cfg.d_model, cfg.n_heads, cfg.ffn_dim
     R, E, nope, dv, qk = m.kv_lora_rank, m.qk_rope_head_dim, m.qk_nope_head_dim, m.v_head_dim, m.qk_head_dim
@@ -601,10 +644,8 @@ def _deepseek_specs(cfg: Config, interleaved: bool) -> list[TensorSpec]:
             TensorSpec(attn + "kv_b_proj.weight", (N * (nope + dv), R), "[N*(qk_nope+v), R]",
                        _split_kv_b([(jx, "attn", "wk_b"), (jx, "attn", "wv_b")], N, nope, dv, R)),
             TensorSpec(attn + "o_proj.weight", (D, N * dv), "[D, N*v]", _reshape((jx, "attn", "wo"), D, N, dv)),
-            TensorSpec(hf + "mlp.gate_proj.weight", (F, D), "[F, D]", _as_is((jx, "mlp", "w_gate"))),
-            TensorSpec(hf + "mlp.up_proj.weight", (F, D), "[F, D]", _as_is((jx, "mlp", "w_up"))),
-            TensorSpec(hf + "mlp.down_proj.weight", (D, F), "[D, F]", _as_is((jx, "mlp", "w_down"))),
         ]
+        specs += _deepseek_ffn_specs(cfg, i, fused_experts)
         if m.q_lora_rank is None:
             specs.append(TensorSpec(attn + "q_proj.weight", (N * qk, D), "[N*qk, D]",
                                     _rows((jx, "attn", "wq"), q_order, N, qk, D)))
@@ -626,6 +667,45 @@ def _deepseek_specs(cfg: Config, interleaved: bool) -> list[TensorSpec]:
         if cfg.out_bias:
             specs.append(TensorSpec(attn + "o_proj.bias", (D,), "[D]", _as_is((jx, "attn", "wo_bias"))))
     return specs
+
+
+def _deepseek_ffn_specs(cfg: Config, i: int, fused_experts: bool) -> list[TensorSpec]:
+    """Layer i's FFN: the dense MLP, or the router, the shared experts and the X routed experts (one [I, D] /
+    [D, I] tensor per expert and projection, loaded under the expert's index and stacked by `_stack_experts`; or
+    transformers' fused gate_up_proj [X, 2*I, D] and down_proj [X, D, I])."""
+    hf, mlp, D, F, m = f"layers.{i}.mlp.", (f"layer_{i}", "mlp"), cfg.d_model, cfg.ffn_dim, cfg.moe
+    if m is None or not m.is_moe_layer(i):
+        return [TensorSpec(hf + "gate_proj.weight", (F, D), "[F, D]", _as_is((*mlp, "w_gate"))),
+                TensorSpec(hf + "up_proj.weight", (F, D), "[F, D]", _as_is((*mlp, "w_up"))),
+                TensorSpec(hf + "down_proj.weight", (D, F), "[D, F]", _as_is((*mlp, "w_down")))]
+    X, I, J = m.n_routed_experts, m.moe_ffn_dim, m.shared_ffn_dim
+    specs = [TensorSpec(hf + "gate.weight", (X, D), "[X, D]", _as_is((*mlp, "router")))]
+    if m.topk_method == "noaux_tc":
+        specs.append(TensorSpec(hf + "gate.e_score_correction_bias", (X,), "[X]", _as_is((*mlp, "router_bias"))))
+    specs += [TensorSpec(hf + "shared_experts.gate_proj.weight", (J, D), "[J, D]", _as_is((*mlp, "ws_gate"))),
+              TensorSpec(hf + "shared_experts.up_proj.weight", (J, D), "[J, D]", _as_is((*mlp, "ws_up"))),
+              TensorSpec(hf + "shared_experts.down_proj.weight", (D, J), "[D, J]", _as_is((*mlp, "ws_down")))]
+    if fused_experts:
+        def split_gate_up(w):  # [X, 2*I, D]: gate rows, then up rows (transformers' chunk(2))
+            return {(*mlp, "we_gate"): np.ascontiguousarray(w[:, :I]), (*mlp, "we_up"): np.ascontiguousarray(w[:, I:])}
+
+        return specs + [TensorSpec(hf + "experts.gate_up_proj", (X, 2 * I, D), "[X, 2*I, D]", split_gate_up),
+                        TensorSpec(hf + "experts.down_proj", (X, D, I), "[X, D, I]", _as_is((*mlp, "we_down")))]
+    for j in range(X):
+        e = f"{hf}experts.{j}."
+        specs += [TensorSpec(e + "gate_proj.weight", (I, D), "[I, D]", _as_is((*mlp, "we_gate", j))),
+                  TensorSpec(e + "up_proj.weight", (I, D), "[I, D]", _as_is((*mlp, "we_up", j))),
+                  TensorSpec(e + "down_proj.weight", (D, I), "[D, I]", _as_is((*mlp, "we_down", j)))]
+    return specs
+
+
+_FUSED_EXPERTS = re.compile(r"(model\.)?layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)")
+
+
+def fused_experts_stored(stored) -> bool:
+    """Whether a checkpoint's experts are 3D per layer (transformers 5's in-memory form, e.g. a state_dict saved
+    as is) rather than one tensor per expert (DeepSeek's releases, and transformers 5.24's save_pretrained)."""
+    return any(_FUSED_EXPERTS.fullmatch(name) for name in stored)
 
 
 def _gpt2_specs(cfg: Config) -> list[TensorSpec]:
@@ -814,8 +894,9 @@ def load_hf(directory: str | os.PathLike, *, dtype: str | None = None) -> Model:
     source = str(root / CONFIG_FILE)
     arch = architecture(hf, source=source)
     config = config_from_hf(hf, source=source)
-    specs = tensor_specs(arch, config, interleaved=arch in DEEPSEEK and rope_interleaved(hf, arch))
     stored = read_headers(*weight_files(root))
+    specs = tensor_specs(arch, config, interleaved=arch in DEEPSEEK and rope_interleaved(hf, arch),
+                         fused_experts=config.moe is not None and fused_experts_stored(stored))
     pairs, tied_head = match(specs, stored, arch=arch, tied=config.tie_embeddings)
     if tied_head is not None:
         _check_tied_head(tied_head, pairs[0][1])
@@ -851,12 +932,31 @@ def _load(pairs: list[tuple[TensorSpec, StoredTensor]], target: str, config: Con
         for path, value in spec.convert(w).items():
             if path[-1] in in_out:  # the mapping above is to the [out, in] form; this weight is stored [in, out]
                 value = np.ascontiguousarray(value.transpose(ALL_OUT_IN_ORDER[path[-1]]))
+            # transformers keeps the router in float32 whatever the model's dtype (`jaxkv.moe.Moe`)
+            dtype = "float32" if path[-1] in ("router", "router_bias") else target
             with np.errstate(over="ignore"):  # reported just below, with the tensor's name
-                value = value.astype(target)
+                value = value.astype(dtype)
             if not np.isfinite(value).all():
-                raise ValueError(f"tensor {t.name!r} in {t.file} overflows {target}; load it with a wider dtype")
+                raise ValueError(f"tensor {t.name!r} in {t.file} overflows {dtype}; load it with a wider dtype")
             node = params
             for key in path[:-1]:
                 node = node.setdefault(key, {})
-            node[path[-1]] = jnp.asarray(value)
+            # one expert of a per-expert checkpoint stays on the host until `_stack_experts`
+            node[path[-1]] = value if isinstance(path[-1], int) else jnp.asarray(value)
+    if config.moe is not None:
+        _stack_experts(params, config, target)
     return params
+
+
+def _stack_experts(params: dict, config: Config, dtype: str):
+    """Each MoE layer's experts as [X, ...] arrays (stacked from per-expert tensors, which `_load` put under the
+    expert's index), then the experts and shared experts laid out as `jaxkv.moe.in_out_names` says for `dtype`."""
+    m = config.moe
+    for i in range(m.first_dense_layers, config.n_layers):
+        node = params[f"layer_{i}"]["mlp"]
+        for name in ("we_gate", "we_up", "we_down"):
+            if isinstance(node[name], dict):
+                node[name] = np.stack([node[name][j] for j in range(m.n_routed_experts)])
+        laid_out = moe_lib.from_out_in({k: node[k] for k in moe_lib.OUT_IN_ORDER if k in node}, m, config.d_model,
+                                       dtype)
+        node.update({k: jnp.asarray(v) for k, v in laid_out.items()})

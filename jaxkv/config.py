@@ -14,6 +14,8 @@ from typing import Literal
 FfnKind = Literal["swiglu", "gelu"]
 NormKind = Literal["rmsnorm", "layernorm"]
 PositionKind = Literal["rope", "learned"]
+MoeScoring = Literal["softmax", "sigmoid"]
+MoeTopkMethod = Literal["greedy", "group_limited_greedy", "noaux_tc"]
 
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_IMPLS = ("auto", "xla", "pallas")
@@ -115,6 +117,90 @@ class Mla:
 
 
 @dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """A DeepSeek mixture of experts (`jaxkv.moe`); letters as in `jaxkv.shapes`.
+
+    Attributes:
+      n_routed_experts: X.
+      experts_per_token: A (HF `num_experts_per_tok`).
+      moe_ffn_dim: I, one expert's hidden width (HF `moe_intermediate_size`).
+      n_shared_experts: experts every token uses, run as one SwiGLU of width n_shared_experts * I (0: none).
+      first_dense_layers: layers [0, first_dense_layers) keep the dense MLP (HF `first_k_dense_replace`).
+      scoring: "softmax" (V2) or "sigmoid" (V3) of the float32 router logits.
+      topk_method: "greedy" (the A best scores), "group_limited_greedy" (V2: experts in n_group groups, a group
+        scored by its best expert, only the topk_group best groups eligible) or "noaux_tc" (V3: the choice uses
+        the scores plus a per-expert correction bias, a group scored by the sum of its two best; the weights are
+        the uncorrected scores).
+      n_group, topk_group: the groups of the group-limited methods (1 and 1 for "greedy").
+      routed_scaling_factor: multiplies the routing weights (after normalization).
+      norm_topk_prob: divide the A weights by their sum (+ 1e-20) before scaling. transformers 5.24 applies this
+        for V3 only; its V2 router ignores the flag (`config_from_hf` maps V2 to False accordingly).
+    """
+
+    n_routed_experts: int
+    experts_per_token: int
+    moe_ffn_dim: int
+    n_shared_experts: int = 0
+    first_dense_layers: int = 0
+    scoring: MoeScoring = "softmax"
+    topk_method: MoeTopkMethod = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = False
+
+    def __post_init__(self):
+        for name in ("n_routed_experts", "experts_per_token", "moe_ffn_dim", "n_group", "topk_group"):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                   f"moe.{name} must be an integer >= 1, got {value!r}")
+        for name in ("n_shared_experts", "first_dense_layers"):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and not isinstance(value, bool) and value >= 0,
+                   f"moe.{name} must be an integer >= 0, got {value!r}")
+        X, A = self.n_routed_experts, self.experts_per_token
+        _check(A <= X, f"moe.experts_per_token ({A}) exceeds moe.n_routed_experts ({X})")
+        _check(self.scoring in ("softmax", "sigmoid"), f"moe.scoring must be 'softmax' or 'sigmoid', got "
+                                                       f"{self.scoring!r}")
+        _check(self.topk_method in ("greedy", "group_limited_greedy", "noaux_tc"),
+               f"moe.topk_method must be 'greedy', 'group_limited_greedy' or 'noaux_tc', got {self.topk_method!r}")
+        _check(isinstance(self.routed_scaling_factor, (int, float)) and math.isfinite(self.routed_scaling_factor)
+               and self.routed_scaling_factor > 0,
+               f"moe.routed_scaling_factor must be a finite number > 0, got {self.routed_scaling_factor!r}")
+        _check(isinstance(self.norm_topk_prob, bool), f"moe.norm_topk_prob must be a bool, got "
+                                                      f"{self.norm_topk_prob!r}")
+        if self.topk_method == "greedy":
+            _check(self.n_group == 1 and self.topk_group == 1,
+                   f"moe.topk_method 'greedy' has no groups: n_group and topk_group must be 1, got "
+                   f"{self.n_group} and {self.topk_group}")
+            return
+        G, Gk = self.n_group, self.topk_group
+        _check(X % G == 0, f"moe.n_routed_experts ({X}) must be a multiple of moe.n_group ({G})")
+        _check(Gk <= G, f"moe.topk_group ({Gk}) exceeds moe.n_group ({G})")
+        # Fewer eligible experts than A would make top-k pick masked ones (score 0 or -inf): ties, routed
+        # arbitrarily. Refused rather than reproduced.
+        _check(Gk * (X // G) >= A, f"moe.topk_group ({Gk}) groups of {X // G} experts hold fewer than "
+                                   f"experts_per_token ({A})")
+        if self.topk_method == "noaux_tc":
+            _check(X // G >= 2, f"moe.topk_method 'noaux_tc' scores a group by its two best experts: groups of "
+                                f"{X // G} expert(s) (n_routed_experts {X}, n_group {G}) are too small")
+
+    @property
+    def shared_ffn_dim(self) -> int:
+        """J, the shared experts' hidden width."""
+        return self.n_shared_experts * self.moe_ffn_dim
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer >= self.first_dense_layers
+
+    def param_count(self, d_model: int) -> int:
+        """One MoE layer's parameters: router (+ correction bias), X experts and the shared experts."""
+        X, D = self.n_routed_experts, d_model
+        router = X * D + (X if self.topk_method == "noaux_tc" else 0)
+        return router + 3 * D * self.moe_ffn_dim * X + 3 * D * self.shared_ffn_dim
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     """A decoder-only transformer.
 
@@ -139,6 +225,8 @@ class Config:
       mla: multi-head latent attention (`Mla`) instead of grouped-query attention. The cache then holds one row of
         R + E per token (MQA with one KV head of that width, keys only): n_kv_heads is 1 and head_dim is R + E,
         the cache's geometry (filled in when omitted); the attention's own widths are the `Mla` fields.
+      moe: a mixture of experts (`MoeConfig`) in place of the dense MLP from layer moe.first_dense_layers on
+        (the dense layers before it keep ffn_dim).
       dtype: parameter and activation dtype; softmax, norms and logits are computed in float32 whatever it is.
       attention: default attention implementation: "auto" (Pallas on GPU/TPU, XLA on CPU), "xla" or "pallas".
     """
@@ -164,6 +252,7 @@ class Config:
     sliding_window: int | None = None
     eos_ids: tuple[int, ...] = ()
     mla: Mla | None = None
+    moe: MoeConfig | None = None
     dtype: str = "float32"
     attention: str = "auto"
 
@@ -207,6 +296,11 @@ class Config:
                f"positions must be 'rope' or 'learned', got {self.positions!r}")
         _check(self.mla is None or isinstance(self.mla, Mla),
                f"mla must be an Mla or None, got {type(self.mla).__name__}")
+        _check(self.moe is None or isinstance(self.moe, MoeConfig),
+               f"moe must be a MoeConfig or None, got {type(self.moe).__name__}")
+        _check(self.moe is None or (self.ffn_kind == "swiglu" and not self.mlp_bias),
+               "a mixture of experts (moe) needs ffn_kind 'swiglu' and no mlp_bias: its experts are bias-free "
+               "SwiGLUs")
         if self.mla is not None:
             _check(self.n_kv_heads == 1 and self.head_dim == self.mla.row_dim,
                    f"an MLA config caches one row of kv_lora_rank + qk_rope_head_dim = {self.mla.row_dim} per "
@@ -285,6 +379,8 @@ class Config:
             ffn += (2 * F if self.ffn_kind == "swiglu" else F) + D
         norm = D if self.norm_kind == "rmsnorm" else 2 * D
         total = self.n_layers * (attn + ffn + 2 * norm) + norm + V * D
+        if self.moe is not None:  # those layers hold experts in place of the dense FFN
+            total += max(0, self.n_layers - self.moe.first_dense_layers) * (self.moe.param_count(D) - ffn)
         if not self.tie_embeddings:
             total += D * V
         if self.positions == "learned":

@@ -30,6 +30,7 @@ from jaxkv.paged_cache import PagedKVCache
 from jaxkv.layers import (ALL_OUT_IN_ORDER, Mlp, Norm, apply_rope, fan_in_init, in_out_names, linear,
                           rope_angles, stored_out_in)
 from jaxkv.mla_attention import MlaAttention, check_mla_supported
+from jaxkv import moe as moe_lib
 
 compile_cache.setup()  # before anything compiles: programs come from / go to the persistent cache
 
@@ -160,8 +161,10 @@ class Block(nn.Module):
 
 
 def ffn(config: Config, layer: int) -> nn.Module:
-    """The feed-forward block of `layer` (named "mlp"): where a per-layer rule (DeepSeek's dense first layers, then
-    mixture-of-experts ones) picks the module. Every layer is the dense `Mlp` of ffn_dim so far."""
+    """The feed-forward block of `layer` (named "mlp"): the dense `Mlp` of ffn_dim, or from layer
+    moe.first_dense_layers on (DeepSeek's `first_k_dense_replace`) the mixture of experts (`jaxkv.moe.Moe`)."""
+    if config.moe is not None and config.moe.is_moe_layer(layer):
+        return moe_lib.Moe(config.moe, config.d_model, config.dtype, name="mlp")
     return Mlp(config, name="mlp")
 
 
@@ -251,13 +254,22 @@ def param_shapes(config: Config) -> dict:
     return jax.eval_shape(Decoder(config).init, jax.random.PRNGKey(0), tokens, tokens)["params"]
 
 
+def _layout(config: Config) -> tuple[frozenset[str], dict]:
+    """(the names `config` stores [in, out], name -> axis order of the [in, out] form): `layers.in_out_names`
+    plus the mixture of experts' own (`jaxkv.moe.in_out_names`)."""
+    if config.moe is None:
+        return in_out_names(config), ALL_OUT_IN_ORDER
+    return (in_out_names(config) | moe_lib.in_out_names(config.moe, config.d_model, config.dtype),
+            {**ALL_OUT_IN_ORDER, **moe_lib.OUT_IN_ORDER})
+
+
 def from_out_in(params, config: Config):
     """A parameter tree with every weight in the [out, in] form -> `config`'s layout (numpy)."""
-    names = in_out_names(config)
+    names, orders = _layout(config)
 
     def convert(path, x):
         name = path[-1].key
-        return np.ascontiguousarray(np.asarray(x).transpose(ALL_OUT_IN_ORDER[name])) if name in names else x
+        return np.ascontiguousarray(np.asarray(x).transpose(orders[name])) if name in names else x
 
     return jax.tree_util.tree_map_with_path(convert, params)
 
@@ -265,13 +277,13 @@ def from_out_in(params, config: Config):
 def to_out_in(params, config: Config):
     """The inverse of `from_out_in`: every weight in the [out, in] form (numpy), e.g. for PyTorch.
     `jax.ShapeDtypeStruct` leaves (`param_shapes`) give the shapes of that form."""
-    names = in_out_names(config)
+    names, orders = _layout(config)
 
     def convert(path, x):
         name = path[-1].key
         if name not in names:
             return x
-        back = tuple(int(i) for i in np.argsort(ALL_OUT_IN_ORDER[name]))
+        back = tuple(int(i) for i in np.argsort(orders[name]))
         if isinstance(x, jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct(tuple(x.shape[i] for i in back), x.dtype)
         return np.ascontiguousarray(np.asarray(x).transpose(back))
@@ -298,10 +310,11 @@ def init_params(config: Config, seed: int = 0) -> dict:
             return np.zeros(leaf.shape, leaf.dtype)
         shape = to_out_in({name: leaf}, config)[name].shape
         # In the [out, in] form: embedding tables are [rows, D]; q/k/v projections [heads, H, D]; wo [D, N, H];
-        # MLA's per-head wq_b, wk_b, wv_b [heads, width, rank]; every other weight [outputs, inputs].
+        # MLA's per-head wq_b, wk_b, wv_b [heads, width, rank]; experts [X, outputs, inputs]; every other weight
+        # [outputs, inputs].
         if name in ("embedding", "pos_embedding", "wq", "wk", "wv"):
             fan_in = config.d_model
-        elif name in ("wq_b", "wk_b", "wv_b"):
+        elif name in ("wq_b", "wk_b", "wv_b", "we_gate", "we_up", "we_down"):
             fan_in = shape[-1]
         else:
             fan_in = math.prod(shape[1:])

@@ -30,105 +30,17 @@ tie has probability zero, and assert the gap between the A-th and (A+1)-th choic
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from typing import Literal
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv.config import MoeConfig
 from jaxkv.layers import fan_in_init, stored_out_in
 
-Scoring = Literal["softmax", "sigmoid"]
-TopkMethod = Literal["greedy", "group_limited_greedy", "noaux_tc"]
+__all__ = ["MoeConfig", "Moe", "route", "in_out_names", "from_out_in", "OUT_IN_ORDER", "DISPATCHES"]
+
 DISPATCHES = ("auto", "dense", "sorted", "gather")
-
-
-@dataclasses.dataclass(frozen=True)
-class MoeConfig:
-    """A DeepSeek mixture of experts; frozen and hashable (a static jit argument, part of `Config`).
-
-    Attributes:
-      n_routed_experts: X.
-      experts_per_token: A (HF `num_experts_per_tok`).
-      moe_ffn_dim: I, one expert's hidden width (HF `moe_intermediate_size`).
-      n_shared_experts: experts every token uses, run as one SwiGLU of width n_shared_experts * I (0: none).
-      first_dense_layers: layers [0, first_dense_layers) keep the dense MLP (HF `first_k_dense_replace`).
-      scoring: "softmax" (V2) or "sigmoid" (V3) of the float32 router logits.
-      topk_method: "greedy" (the A best scores), "group_limited_greedy" (V2: experts in n_group groups, a group
-        scored by its best expert, only the topk_group best groups eligible) or "noaux_tc" (V3: the choice uses
-        the scores plus a per-expert correction bias, a group scored by the sum of its two best; the weights are
-        the uncorrected scores).
-      n_group, topk_group: the groups of the group-limited methods (1 and 1 for "greedy").
-      routed_scaling_factor: multiplies the routing weights (after normalization).
-      norm_topk_prob: divide the A weights by their sum (+ 1e-20) before scaling. transformers 5.24 applies this
-        for V3 only; its V2 router ignores the flag (`config_from_hf` maps V2 to False accordingly).
-    """
-
-    n_routed_experts: int
-    experts_per_token: int
-    moe_ffn_dim: int
-    n_shared_experts: int = 0
-    first_dense_layers: int = 0
-    scoring: Scoring = "softmax"
-    topk_method: TopkMethod = "greedy"
-    n_group: int = 1
-    topk_group: int = 1
-    routed_scaling_factor: float = 1.0
-    norm_topk_prob: bool = False
-
-    def __post_init__(self):
-        for name in ("n_routed_experts", "experts_per_token", "moe_ffn_dim", "n_group", "topk_group"):
-            value = getattr(self, name)
-            _check(_is_int(value) and value >= 1, f"moe.{name} must be an integer >= 1, got {value!r}")
-        for name in ("n_shared_experts", "first_dense_layers"):
-            value = getattr(self, name)
-            _check(_is_int(value) and value >= 0, f"moe.{name} must be an integer >= 0, got {value!r}")
-        X, A = self.n_routed_experts, self.experts_per_token
-        _check(A <= X, f"moe.experts_per_token ({A}) exceeds moe.n_routed_experts ({X})")
-        _check(self.scoring in ("softmax", "sigmoid"), f"moe.scoring must be 'softmax' or 'sigmoid', got "
-                                                       f"{self.scoring!r}")
-        _check(self.topk_method in ("greedy", "group_limited_greedy", "noaux_tc"),
-               f"moe.topk_method must be 'greedy', 'group_limited_greedy' or 'noaux_tc', got {self.topk_method!r}")
-        _check(isinstance(self.routed_scaling_factor, (int, float)) and math.isfinite(self.routed_scaling_factor)
-               and self.routed_scaling_factor > 0,
-               f"moe.routed_scaling_factor must be a finite number > 0, got {self.routed_scaling_factor!r}")
-        _check(isinstance(self.norm_topk_prob, bool), f"moe.norm_topk_prob must be a bool, got "
-                                                      f"{self.norm_topk_prob!r}")
-        if self.topk_method == "greedy":
-            _check(self.n_group == 1 and self.topk_group == 1,
-                   f"moe.topk_method 'greedy' has no groups: n_group and topk_group must be 1, got "
-                   f"{self.n_group} and {self.topk_group}")
-            return
-        G, Gk = self.n_group, self.topk_group
-        _check(X % G == 0, f"moe.n_routed_experts ({X}) must be a multiple of moe.n_group ({G})")
-        _check(Gk <= G, f"moe.topk_group ({Gk}) exceeds moe.n_group ({G})")
-        # Fewer eligible experts than A would make top-k pick masked ones (score 0 or -inf): ties, routed
-        # arbitrarily. Refused rather than reproduced.
-        _check(Gk * (X // G) >= A, f"moe.topk_group ({Gk}) groups of {X // G} experts hold fewer than "
-                                   f"experts_per_token ({A})")
-        if self.topk_method == "noaux_tc":
-            _check(X // G >= 2, f"moe.topk_method 'noaux_tc' scores a group by its two best experts: groups of "
-                                f"{X // G} expert(s) (n_routed_experts {X}, n_group {G}) are too small")
-
-    @property
-    def shared_ffn_dim(self) -> int:
-        """J, the shared experts' hidden width."""
-        return self.n_shared_experts * self.moe_ffn_dim
-
-    def is_moe_layer(self, layer: int) -> bool:
-        return layer >= self.first_dense_layers
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check(ok: bool, message: str):
-    if not ok:
-        raise ValueError(f"invalid config: {message}")
 
 
 # Parameter leaf name -> the axes of its [out, in] form in the order of its [in, out] layout (as
@@ -211,8 +123,11 @@ class Moe(nn.Module):
 
     Parameters: router float32[X, D] (+ router_bias float32[X] for "noaux_tc"); we_gate, we_up [X, D, I] or
     [X, I, D] and we_down [X, I, D] or [X, D, I] (`in_out_names`); ws_gate, ws_up, ws_down the shared experts
-    (when n_shared_experts > 0), laid out as a dense MLP of width J. `__call__(x, return_routing=True)` also
-    returns (weights float32[B, T, A], ids int32[B, T, A])."""
+    (when n_shared_experts > 0), laid out as a dense MLP of width J.
+
+    The routing is sown into the "intermediates" collection as `expert_ids` int32[B, T, A] and `expert_weights`
+    float32[B, T, A] (best first): `apply(..., mutable=["intermediates"])` returns it (padding tokens included);
+    otherwise the sow is a no-op."""
 
     moe: MoeConfig
     d_model: int
@@ -220,7 +135,7 @@ class Moe(nn.Module):
     dispatch: str = "auto"
 
     @nn.compact
-    def __call__(self, x, return_routing: bool = False):
+    def __call__(self, x):
         cfg, D = self.moe, self.d_model
         X, A, I, J = cfg.n_routed_experts, cfg.experts_per_token, cfg.moe_ffn_dim, cfg.shared_ffn_dim
         dtype = jnp.dtype(self.dtype)
@@ -252,8 +167,8 @@ class Moe(nn.Module):
         y = y.astype(dtype).reshape(B, T, D)
         if J:
             y = y + self._shared(x, in_out)
-        if return_routing:
-            return y, (weights.reshape(B, T, A), ids.reshape(B, T, A))
+        self.sow("intermediates", "expert_ids", ids.reshape(B, T, A))
+        self.sow("intermediates", "expert_weights", weights.reshape(B, T, A))
         return y
 
     def _shared(self, x, in_out):  # [B, T, D] -> [B, T, D]

@@ -44,10 +44,10 @@ CASES = {
 }
 
 
-def moe_config(version: str, hf: dict) -> MoeConfig:
+def moe_config(version: str, hf: dict, ffn: int = 16) -> MoeConfig:
     greedy = version == "v2" and hf["topk_method"] == "greedy"
     return MoeConfig(
-        n_routed_experts=hf["n_routed_experts"], experts_per_token=hf["num_experts_per_tok"], moe_ffn_dim=16,
+        n_routed_experts=hf["n_routed_experts"], experts_per_token=hf["num_experts_per_tok"], moe_ffn_dim=ffn,
         n_shared_experts=hf["n_shared_experts"], scoring="sigmoid" if version == "v3" else "softmax",
         topk_method="noaux_tc" if version == "v3" else hf["topk_method"],
         n_group=1 if greedy else hf["n_group"], topk_group=1 if greedy else hf["topk_group"],
@@ -56,13 +56,13 @@ def moe_config(version: str, hf: dict) -> MoeConfig:
         norm_topk_prob=hf.get("norm_topk_prob", False) if version == "v3" else False)
 
 
-def hf_module(version: str, hf: dict, seed: int = 0):
+def hf_module(version: str, hf: dict, seed: int = 0, ffn: int = 16):
     """A transformers MoE block with random weights (and a random correction bias for V3)."""
     if version == "v3":
-        config = transformers.DeepseekV3Config(hidden_size=D, moe_intermediate_size=16, **hf)
+        config = transformers.DeepseekV3Config(hidden_size=D, moe_intermediate_size=ffn, **hf)
         module = DeepseekV3MoE(config)
     else:
-        config = transformers.DeepseekV2Config(hidden_size=D, moe_intermediate_size=16, **hf)
+        config = transformers.DeepseekV2Config(hidden_size=D, moe_intermediate_size=ffn, **hf)
         module = DeepseekV2Moe(config)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -160,6 +160,24 @@ def test_one_token_decode_shape_matches_transformers(name):
     np.testing.assert_allclose(out, expected, atol=OUT_TOL, rtol=0)
 
 
+def test_out_in_experts_match_transformers():
+    """Experts of D x I >= 2**21 elements are stored [out, in] (`stored_out_in`), the shared ones too."""
+    hf = dict(n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, norm_topk_prob=True,
+              routed_scaling_factor=2.5, n_shared_experts=1)
+    I = (1 << 21) // D
+    moe = moe_config("v3", hf, ffn=I)
+    assert moe_lib.in_out_names(moe, D, "float32") == frozenset()
+    module = hf_module("v3", hf, ffn=I)
+    x = hidden(T=3)
+    with torch.no_grad():
+        expected = module(torch.from_numpy(x)).numpy()
+    params = jax_params(module, moe)
+    assert params["we_gate"].shape == (4, I, D) and params["we_down"].shape == (4, D, I)
+    for dispatch in ("dense", "sorted", "gather"):
+        out = Moe(moe, D, dispatch=dispatch).apply({"params": params}, jnp.asarray(x))
+        np.testing.assert_allclose(out, expected, atol=OUT_TOL, rtol=0, err_msg=dispatch)
+
+
 def test_wrong_routing_is_caught():
     """The comparison can fail: a router that drops the correction bias picks other experts for some token."""
     version, hf = CASES["v3-grouped-norm"]
@@ -223,7 +241,8 @@ def test_return_routing_matches_route():
     moe = moe_config(version, hf)
     params = jax_params(hf_module(version, hf), moe)
     x = jnp.asarray(hidden())
-    _, (weights, ids) = Moe(moe, D).apply({"params": params}, x, return_routing=True)
+    _, state = Moe(moe, D).apply({"params": params}, x, mutable=["intermediates"])
+    ids, weights = state["intermediates"]["expert_ids"][0], state["intermediates"]["expert_weights"][0]
     w, i = route(jnp.einsum("md,xd->mx", x.reshape(-1, D), params["router"]), moe)
     np.testing.assert_array_equal(ids.reshape(-1, moe.experts_per_token), i)
     np.testing.assert_array_equal(weights.reshape(-1, moe.experts_per_token), w)

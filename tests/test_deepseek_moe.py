@@ -1,0 +1,242 @@
+"""DeepSeek-V2/V3 mixture-of-experts models against transformers: tiny random DeepseekV3ForCausalLM /
+DeepseekV2ForCausalLM with a dense first layer and MoE layers after it, saved and loaded with `load_hf`: logits
+(float32, atol 1e-4), 32 greedy tokens (single prompt and a left-padded ragged batch of 3), and the experts every
+token of a prompt is routed to in every MoE layer (transformers' routers captured with forward hooks, ours sown by
+`jaxkv.moe.Moe`). Both on-disk expert layouts load: one tensor per expert (DeepSeek's releases and transformers
+5.24's save_pretrained) and transformers 5's fused 3D tensors (its state_dict as is).
+
+Ties: as in tests/test_moe.py, every token's choice is checked to be decided by a margin well above rounding.
+"""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+import jaxkv  # noqa: E402
+from jaxkv.checkpoint_hf import config_from_hf, load_hf  # noqa: E402
+from jaxkv.config import MoeConfig  # noqa: E402
+from jaxkv.model import Decoder  # noqa: E402
+from test_hf_parity import BOS, EOS, NEW_TOKENS, PAD, RAGGED, SINGLE, VOCAB, hf_greedy, hf_logits  # noqa: E402
+from test_moe import _assert_no_near_ties  # noqa: E402
+
+ATOL = 1e-4  # float32 logits after 3 layers, as tests/test_hf_parity.py
+
+MLA = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+           num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16,
+           qk_nope_head_dim=16, max_position_embeddings=256, initializer_range=0.25, rms_norm_eps=1e-6,
+           first_k_dense_replace=1, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=BOS)
+# name -> (config class, fields, fused experts on disk). Layer 0 dense, layers 1-2 MoE in each.
+CASES = {
+    # sigmoid + correction bias, 4 groups of 2 experts, 2 groups kept, normalized, scaled by 2.5
+    "v3": ("DeepseekV3Config", dict(MLA, q_lora_rank=48, n_routed_experts=8, num_experts_per_tok=3, n_group=4,
+                                    topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
+                                    n_shared_experts=1), False),
+    "v3-fused-unnormed": ("DeepseekV3Config", dict(MLA, q_lora_rank=None, n_routed_experts=6, num_experts_per_tok=2,
+                                                   n_group=1, topk_group=1, norm_topk_prob=False,
+                                                   routed_scaling_factor=1.5, n_shared_experts=2), True),
+    "v2-group-limited": ("DeepseekV2Config", dict(MLA, q_lora_rank=None, n_routed_experts=8, num_experts_per_tok=3,
+                                                  topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                                                  routed_scaling_factor=2.0, n_shared_experts=2), False),
+    "v2-greedy": ("DeepseekV2Config", dict(MLA, q_lora_rank=48, n_routed_experts=6, num_experts_per_tok=2,
+                                           topk_method="greedy", routed_scaling_factor=1.0, n_shared_experts=1),
+                  True),
+}
+MOE_LAYERS = (1, 2)
+
+
+def build_hf(config_class: str, fields: dict, seed: int = 0):
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_class)(**fields)
+    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    hf.generation_config.eos_token_id = None  # never stop early (tests/test_hf_parity.py's build_hf)
+    if config_class == "DeepseekV3Config":
+        with torch.no_grad():  # transformers initializes it to zero, which would hide a bias left out
+            for i in MOE_LAYERS:
+                bias = hf.model.layers[i].mlp.gate.e_score_correction_bias
+                bias.copy_(torch.randn(bias.shape) * 0.1)
+    return hf
+
+
+def save(hf, directory, fused: bool):
+    if fused:  # the in-memory (fused) parameter names, as a state_dict saved as is would have them
+        directory.mkdir(parents=True, exist_ok=True)
+        hf.config.architectures = [type(hf).__name__]  # what save_pretrained records
+        hf.config.to_json_file(directory / "config.json")
+        state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+        assert "model.layers.1.mlp.experts.gate_up_proj" in state
+        safetensors_torch.save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
+    else:
+        hf.save_pretrained(directory, safe_serialization=True)
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def pair(request, tmp_path_factory):
+    config_class, fields, fused = CASES[request.param]
+    hf = build_hf(config_class, fields)
+    directory = tmp_path_factory.mktemp(request.param)
+    save(hf, directory, fused)
+    return request.param, hf, load_hf(directory)
+
+
+def test_config_maps_the_moe(pair):
+    name, hf, model = pair
+    moe, c = model.config.moe, hf.config
+    assert (moe.n_routed_experts, moe.experts_per_token, moe.moe_ffn_dim, moe.n_shared_experts,
+            moe.first_dense_layers, moe.routed_scaling_factor) == (
+        c.n_routed_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.n_shared_experts,
+        c.first_k_dense_replace, c.routed_scaling_factor)
+    v3 = name.startswith("v3")
+    assert (moe.scoring, moe.norm_topk_prob) == (("sigmoid", c.norm_topk_prob) if v3 else ("softmax", False))
+    assert moe.topk_method == ("noaux_tc" if v3 else c.topk_method)
+    assert "w_gate" in model.params["layer_0"]["mlp"] and "router" in model.params["layer_1"]["mlp"]
+
+
+def test_logits_match(pair):
+    name, hf, model = pair
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 24))
+    np.testing.assert_allclose(jaxkv.logits(model, tokens), hf_logits(hf, tokens), atol=ATOL, rtol=0, err_msg=name)
+
+
+@pytest.mark.parametrize("prompts", [SINGLE, RAGGED], ids=["single", "ragged"])
+def test_greedy_generation_is_token_identical(pair, prompts):
+    name, hf, model = pair
+    expected = hf_greedy(hf, prompts)
+    got = jaxkv.generate(model, prompts, max_new_tokens=NEW_TOKENS, stop_tokens=[]).tokens
+    for b, row in enumerate(expected):
+        assert len(set(row)) >= 8, f"{name}: HF output too repetitive to test anything: {row}"
+        assert got[b] == row, f"{name}, prompt {b}"
+
+
+def hf_routing(hf, tokens) -> dict[int, tuple]:
+    """layer -> (router logits [M, X], expert ids [M, A]) of transformers' routers on `tokens` [B, T]."""
+    captured, hooks = {}, []
+    for i in MOE_LAYERS:
+        def hook(module, args, out, i=i):
+            captured[i] = (out[0].detach().numpy(), out[2].detach().numpy())
+        hooks.append(hf.model.layers[i].mlp.gate.register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            hf(torch.tensor(np.asarray(tokens)))
+    finally:
+        for h in hooks:
+            h.remove()
+    return captured
+
+
+def jaxkv_routing(model, tokens) -> dict[int, np.ndarray]:
+    """layer -> expert ids int32[B, T, A], sown by each Moe block during a no-cache forward pass."""
+    tokens = np.asarray(tokens, np.int32)
+    positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
+    _, state = Decoder(model.config).apply({"params": model.params}, tokens, positions, None,
+                                           mutable=["intermediates"])
+    return {i: np.asarray(state["intermediates"][f"layer_{i}"]["mlp"]["expert_ids"][0]) for i in MOE_LAYERS}
+
+
+def test_every_token_is_routed_to_the_same_experts(pair):
+    name, hf, model = pair
+    tokens = np.array(SINGLE + [list(reversed(SINGLE[0]))])  # [2, 12]
+    theirs, ours = hf_routing(hf, tokens), jaxkv_routing(model, tokens)
+    A = model.config.moe.experts_per_token
+    for i in MOE_LAYERS:
+        logits, ids = theirs[i]
+        bias = model.params[f"layer_{i}"]["mlp"].get("router_bias")
+        _assert_no_near_ties(logits, model.config.moe, None if bias is None else np.asarray(bias))
+        # transformers' order within a token is unspecified (topk sorted=False): compare as sets
+        np.testing.assert_array_equal(np.sort(ours[i].reshape(-1, A), -1), np.sort(ids, -1),
+                                      err_msg=f"{name}, layer {i}")
+    # different tokens do pick different experts here, or the comparison would prove little
+    assert len({tuple(sorted(row)) for row in ours[1].reshape(-1, A)}) > 2
+
+
+def test_a_wrong_correction_bias_changes_the_routing(tmp_path):
+    """The routing comparison can fail: dropping V3's correction bias routes some token differently."""
+    config_class, fields, fused = CASES["v3"]
+    hf = build_hf(config_class, fields)
+    save(hf, tmp_path, fused)
+    model = load_hf(tmp_path)
+    tokens = np.array(SINGLE)
+    for i in MOE_LAYERS:
+        model.params[f"layer_{i}"]["mlp"]["router_bias"] = model.params[f"layer_{i}"]["mlp"]["router_bias"] * 0
+    theirs, ours = hf_routing(hf, tokens), jaxkv_routing(model, tokens)
+    assert not np.array_equal(np.sort(ours[1].reshape(len(theirs[1][1]), -1), -1), np.sort(theirs[1][1], -1))
+
+
+def _rewrite(directory, edit):
+    """Applies `edit` to the tensors of directory/model.safetensors (a dict, edited in place)."""
+    path = directory / "model.safetensors"
+    tensors = safetensors_torch.load_file(path)
+    edit(tensors)
+    safetensors_torch.save_file(tensors, path, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("case, edit, message", [
+    ("v3", lambda t: t.pop("model.layers.2.mlp.experts.5.up_proj.weight"),
+     r"'model\.layers\.2\.mlp\.experts\.5\.up_proj\.weight' is missing"),
+    ("v3", lambda t: t.pop("model.layers.1.mlp.gate.e_score_correction_bias"),
+     r"'model\.layers\.1\.mlp\.gate\.e_score_correction_bias' is missing"),
+    ("v3", lambda t: t.update({"model.layers.1.mlp.experts.0.down_proj.weight": torch.zeros(64, 16)}),
+     r"'model\.layers\.1\.mlp\.experts\.0\.down_proj\.weight'.*\[D, I\] = \[64, 32\]"),
+    ("v3-fused-unnormed", lambda t: t.update({"model.layers.2.mlp.experts.gate_up_proj": torch.zeros(64, 64)}),
+     r"'model\.layers\.2\.mlp\.experts\.gate_up_proj'.*\[X, 2\*I, D\] = \[6, 64, 64\]"),
+    ("v3-fused-unnormed", lambda t: t.pop("model.layers.1.mlp.experts.down_proj"),
+     r"'model\.layers\.1\.mlp\.experts\.down_proj' is missing"),
+    ("v2-group-limited", lambda t: t.pop("model.layers.1.mlp.shared_experts.down_proj.weight"),
+     r"'model\.layers\.1\.mlp\.shared_experts\.down_proj\.weight' is missing"),
+])
+def test_bad_expert_tensors_are_named(case, edit, message, tmp_path):
+    config_class, fields, fused = CASES[case]
+    save(build_hf(config_class, fields), tmp_path, fused)
+    _rewrite(tmp_path, edit)
+    with pytest.raises(ValueError, match=message):
+        load_hf(tmp_path)
+
+
+@pytest.mark.parametrize("case, changes, message", [
+    ("v3", dict(moe_layer_freq=2), "'moe_layer_freq'"),
+    ("v3", dict(topk_group=5), r"topk_group \(5\) exceeds moe.n_group \(4\)"),
+    ("v3", dict(n_group=3), r"multiple of moe.n_group \(3\)"),
+    ("v3", dict(num_experts_per_tok=9), r"experts_per_token \(9\) exceeds"),
+    ("v2-greedy", dict(topk_method="noaux_tc"), "'topk_method'"),
+    ("v2-greedy", dict(num_experts_per_tok=None), "'num_experts_per_tok' is missing"),
+    ("v2-group-limited", dict(n_group=None), "'n_group' is missing"),
+])
+def test_bad_moe_config_is_a_clear_error(case, changes, message):
+    config_class, fields, _ = CASES[case]
+    hf = json.loads(getattr(transformers, config_class)(**fields).to_json_string())
+    hf["architectures"] = [config_class.replace("Config", "ForCausalLM")]
+    hf.update(changes)
+    with pytest.raises(ValueError, match=message):
+        config_from_hf(hf, source="config.json")
+
+
+def test_v2_greedy_ignores_groups_and_norm_as_transformers_does():
+    """transformers' V2 router reads neither n_group / topk_group under "greedy" nor norm_topk_prob at all."""
+    config_class, fields, _ = CASES["v2-greedy"]
+    hf = json.loads(getattr(transformers, config_class)(**fields).to_json_string())
+    hf.update(architectures=["DeepseekV2ForCausalLM"], n_group=8, topk_group=3, norm_topk_prob=True)
+    moe = config_from_hf(hf, source="config.json").moe
+    assert (moe.topk_method, moe.n_group, moe.topk_group, moe.norm_topk_prob) == ("greedy", 1, 1, False)
+
+
+def test_random_moe_model_cached_decoding_equals_recompute():
+    """A random MoE model (no checkpoint): `init_params` draws the experts with their fan-in, the parameter count
+    is the config's, and cached greedy decoding (ragged batch) picks the recompute's argmax at every step."""
+    moe = MoeConfig(n_routed_experts=8, experts_per_token=2, moe_ffn_dim=32, n_shared_experts=1,
+                    first_dense_layers=1, scoring="sigmoid", topk_method="noaux_tc", n_group=2, topk_group=1,
+                    routed_scaling_factor=2.0, norm_topk_prob=True)
+    config = jaxkv.Config(vocab_size=VOCAB, d_model=64, n_layers=3, n_heads=4, ffn_dim=96, moe=moe)
+    model = jaxkv.Model.random(config, seed=0)
+    experts = model.params["layer_1"]["mlp"]
+    assert experts["we_gate"].shape == (8, 64, 32) and abs(float(np.std(experts["we_gate"])) - 64 ** -0.5) < 0.01
+    assert sum(np.size(a) for a in jax.tree_util.tree_leaves(model.params)) == config.param_count()
+    prompts = [p[:n] for p, n in zip(RAGGED, (5, 9, 3))]
+    out = jaxkv.generate(model, prompts, max_new_tokens=12, stop_tokens=[]).tokens
+    for prompt, new in zip(prompts, out):
+        logits = jaxkv.logits(model, [prompt + new])[0]
+        assert logits[len(prompt) - 1:-1].argmax(-1).tolist() == new
