@@ -225,8 +225,9 @@ def test_v2_greedy_ignores_groups_and_norm_as_transformers_does():
 
 
 def test_random_moe_model_cached_decoding_equals_recompute():
-    """A random MoE model (no checkpoint): `init_params` draws the experts with their fan-in, the parameter count
-    is the config's, and cached greedy decoding (ragged batch) picks the recompute's argmax at every step."""
+    """A random MoE model (grouped-query attention, no checkpoint): `init_params` draws the experts with their
+    fan-in, the parameter count is the config's, and cached greedy decoding (ragged batch; contiguous and paged
+    caches) picks the recompute's argmax at every step."""
     moe = MoeConfig(n_routed_experts=8, experts_per_token=2, moe_ffn_dim=32, n_shared_experts=1,
                     first_dense_layers=1, scoring="sigmoid", topk_method="noaux_tc", n_group=2, topk_group=1,
                     routed_scaling_factor=2.0, norm_topk_prob=True)
@@ -240,3 +241,6 @@ def test_random_moe_model_cached_decoding_equals_recompute():
     for prompt, new in zip(prompts, out):
         logits = jaxkv.logits(model, [prompt + new])[0]
         assert logits[len(prompt) - 1:-1].argmax(-1).tolist() == new
+    # the paged cache (n samples forked from one prefill) runs the same MoE blocks
+    paged = jaxkv.generate(model, prompts, max_new_tokens=12, stop_tokens=[], n=2, page_size=4).tokens
+    assert paged == [row for row in out for _ in range(2)]
