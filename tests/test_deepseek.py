@@ -129,6 +129,19 @@ def test_absorbed_decode_equals_the_expanded_recompute(model):
     assert len(set(fed[1].tolist())) >= 8  # varied tokens: the positions really differ
 
 
+def test_sampling_and_stop_tokens(model):
+    """generate's settings act on an MLA model as on any other: a stop token ends its row, a seed fixes samples."""
+    greedy = jaxkv.generate(model, RAGGED, max_new_tokens=12, stop_tokens=[]).tokens
+    stop = greedy[1][3]
+    stopped = jaxkv.generate(model, RAGGED, max_new_tokens=12, stop_tokens=[stop])
+    assert stopped.tokens[1] == greedy[1][: greedy[1].index(stop) + 1]
+    assert stopped.finish_reasons[1] == "stop"
+    sampled = [jaxkv.generate(model, RAGGED, max_new_tokens=12, temperature=1.0, top_p=0.9, seed=seed,
+                              stop_tokens=[]).tokens for seed in (7, 7, 8)]
+    assert sampled[0] == sampled[1] != sampled[2]
+    assert sampled[0] != greedy
+
+
 def test_cache_leaves_are_latent_rows_and_no_values(model):
     tokens, start = left_pad(RAGGED)
     for cache_dtype, scales in (("float32", False), ("int8", True)):
