@@ -111,22 +111,30 @@ def model():
     return jaxkv.Model.random(CONFIG, seed=3)
 
 
-def test_absorbed_decode_equals_the_expanded_recompute(model):
+@pytest.mark.parametrize("window", [None, 8], ids=["plain", "ring-window8"])
+def test_absorbed_decode_equals_the_expanded_recompute(model, window):
     """33 cached steps over a left-padded ragged batch (prefill expands, each step reads only the latent rows)
-    against the no-cache recompute of each row alone, which expands per-head keys and values."""
+    against the no-cache recompute of each row alone, which expands per-head keys and values. With a sliding
+    window of 8 the cache is a ring of 8 latent rows, shorter than one prompt, wrapped 5 times."""
     prompts, steps = [[5, 17, 99, 3, 42], [8, 140, 23, 64, 5, 77, 120, 31, 9]], 33
+    config = CONFIG.replace(sliding_window=window)
+    model = jaxkv.Model(config, model.params)
     tokens, start = left_pad(prompts)
-    logits, cache = jaxkv.prefill(model.params, tokens, start, config=CONFIG, capacity=64)
+    logits, cache = jaxkv.prefill(model.params, tokens, start, config=config, capacity=window or 64,
+                                  ring=window is not None)
     cached, fed = [np.asarray(logits)], []
     for _ in range(steps):
         fed.append(np.argmax(cached[-1], axis=-1).astype(np.int32))
-        logits, cache = jaxkv.decode_step(model.params, jnp.asarray(fed[-1]), cache, config=CONFIG)
+        logits, cache = jaxkv.decode_step(model.params, jnp.asarray(fed[-1]), cache, config=config)
         cached.append(np.asarray(logits))
     cached, fed = np.stack(cached, axis=1), np.stack(fed, axis=1)  # [B, steps + 1, V], [B, steps]
     for b, prompt in enumerate(prompts):
         full = jaxkv.logits(model, [prompt + fed[b].tolist()])[0]  # [len + steps, V]
         np.testing.assert_allclose(cached[b], full[len(prompt) - 1:], atol=ATOL_ABSORBED, rtol=0, err_msg=f"row {b}")
     assert len(set(fed[1].tolist())) >= 8  # varied tokens: the positions really differ
+    if window is not None:  # the window matters: without it the same tokens give other logits
+        unwindowed = jaxkv.logits(jaxkv.Model(CONFIG, model.params), [prompts[1] + fed[1].tolist()])[0]
+        assert np.abs(unwindowed - full).max() > 0.1
 
 
 def test_sampling_and_stop_tokens(model):
