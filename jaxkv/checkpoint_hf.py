@@ -48,6 +48,20 @@ form; the loader then transposes those the config stores [in, out] (`jaxkv.layer
     ln_f.{weight,bias}                   [D]       -> final_norm/{scale,bias}
     lm_head.weight (no prefix)           [V, D]    -> lm_head                        as is (untied only)
 
+  DeepSeek-V2 / V3 (multi-head latent attention, `jaxkv.mla_attention`; qk = qk_nope + E; norms, embeddings,
+  lm_head and dense MLPs as for Llama; mixture-of-experts layers: `_deepseek_ffn_specs`)
+    layers.{i}.self_attn.q_proj.weight   [N*qk, D]        -> layer_{i}/attn/wq [N, qk, D]       reshape, rope rows*
+    layers.{i}.self_attn.q_a_proj.weight [q_lora_rank, D] -> layer_{i}/attn/wq_a                as is (q_lora_rank)
+    layers.{i}.self_attn.q_a_layernorm.weight              -> layer_{i}/attn/q_norm/scale        as is (q_lora_rank)
+    layers.{i}.self_attn.q_b_proj.weight [N*qk, q_lora_rank] -> layer_{i}/attn/wq_b [N, qk, q_lora_rank]  rope rows*
+    layers.{i}.self_attn.kv_a_proj_with_mqa.weight [R+E, D] -> layer_{i}/attn/wkv_a             rope rows*
+    layers.{i}.self_attn.kv_a_layernorm.weight [R]         -> layer_{i}/attn/kv_norm/scale       as is
+    layers.{i}.self_attn.kv_b_proj.weight [N*(qk_nope+v), R] -> layer_{i}/attn/wk_b [N, qk_nope, R], wv_b [N, v, R]
+    layers.{i}.self_attn.o_proj.weight   [D, N*v]         -> layer_{i}/attn/wo [D, N, v]        reshape
+    with attention_bias: q_a_proj.bias, kv_a_proj_with_mqa.bias (rope rows*), o_proj.bias -> wq_a_bias, wkv_a_bias,
+    wo_bias.  * DeepSeek rotates interleaved pairs (V2 always, V3 unless rope_interleave is false): each head's E
+    rotary output rows are reordered evens-then-odds on load, which turns that rotation into jaxkv's rotate-half.
+
 Redundant tensors that are dropped: `lm_head.weight` of a tied model (only after checking that it equals the
 embedding), rotary `inv_freq` buffers of the Llama family (jaxkv computes RoPE on the fly), and GPT-2's
 `attn.bias` / `attn.masked_bias` causal-mask buffers. Any other unused tensor is an error: it most likely means

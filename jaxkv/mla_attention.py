@@ -9,7 +9,7 @@ Two forms, equal up to float rounding:
 
   expanded  (no cache, prefill): the fresh rows are up-projected to per-head keys and values and attended over
             causally, O(T^2) over the prompt as the other families' prefill; the cache only stores the rows.
-  absorbed  (decode over the cache): W_kb is folded into the query (q_lat[n] = W_kb[n] q_nope[n]), the attention
+  absorbed  (decode over the cache): W_kb is folded into the query (q_lat[n] = W_kb[n]^T q_nope[n]), the attention
             runs over the cached rows themselves (`jaxkv.attention.mla`), and W_vb is applied to its latent-space
             output. A step reads R + E numbers per cached token and forms nothing per head of cache length.
 
