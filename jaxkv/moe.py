@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.config import MoeConfig
-from jaxkv.layers import fan_in_init, stored_out_in
+from jaxkv.layers import fan_in_init, linear, stored_out_in
 
 __all__ = ["MoeConfig", "Moe", "route", "in_out_names", "from_out_in", "OUT_IN_ORDER", "DISPATCHES"]
 
@@ -176,11 +176,17 @@ class Moe(nn.Module):
 
         def dense(name, v, d_in, d_out):
             out_in = name not in in_out
-            w = self.param(name, fan_in_init(d_in), (d_out, d_in) if out_in else (d_in, d_out), dtype)
-            y = jnp.einsum("bti,oi->bto" if out_in else "bti,io->bto", v, w, preferred_element_type=jnp.float32)
-            return y.astype(dtype)
+            return linear(v, self.param(name, fan_in_init(d_in), (d_out, d_in) if out_in else (d_in, d_out), dtype),
+                          out_in)
 
         return dense("ws_down", nn.silu(dense("ws_gate", x, D, J)) * dense("ws_up", x, D, J), J, D)
+
+
+def _f32(a):
+    """XLA:CPU (jax 0.10) has no batched or ragged bfloat16 x bfloat16 -> float32 dot ("Unsupported element type
+    for DotThunk"); 16-bit products are exact in float32, so upcasting the operands gives the same float32-
+    accumulated result."""
+    return a.astype(jnp.float32)
 
 
 def _expert_ffn(rows, gate, up, down, layouts, spec):
@@ -199,7 +205,7 @@ def _dense(h, weights, ids, gate, up, down, layouts):
 
     def spec(rows, w, in_out):  # rows [M, in] or [X, M, in] -> [X, M, out]
         sub = "xmi" if rows.ndim == 3 else "mi"
-        return jnp.einsum(f"{sub},{'xio' if in_out else 'xoi'}->xmo", rows, w, preferred_element_type=jnp.float32)
+        return jnp.einsum(f"{sub},{'xio' if in_out else 'xoi'}->xmo", _f32(rows), _f32(w))
 
     y = _expert_ffn(h, gate, up, down, layouts, spec)  # [X, M, D]
     combine = jnp.zeros((M, X), jnp.float32).at[jnp.arange(M)[:, None], ids].add(weights)  # [M, X]
@@ -216,8 +222,7 @@ def _sorted(h, weights, ids, gate, up, down, layouts):
     sizes = jnp.bincount(flat, length=X).astype(jnp.int32)  # [X], rows per expert, summing to M * A
 
     def spec(rows, w, in_out):  # rows [M * A, in] sorted -> [M * A, out]
-        return jax.lax.ragged_dot(rows, w if in_out else jnp.swapaxes(w, 1, 2), sizes,
-                                  preferred_element_type=jnp.float32)
+        return jax.lax.ragged_dot(_f32(rows), _f32(w if in_out else jnp.swapaxes(w, 1, 2)), sizes)
 
     y = _expert_ffn(h[token], gate, up, down, layouts, spec)  # [M * A, D]
     y = y.astype(jnp.float32) * weights.reshape(M * A)[order][:, None]
@@ -229,8 +234,7 @@ def _gather(h, weights, ids, gate, up, down, layouts):
 
     def spec(rows, w, in_out):  # rows [M, in] or [M, A, in] -> [M, A, out]
         sub = "mai" if rows.ndim == 3 else "mi"
-        return jnp.einsum(f"{sub},{'maio' if in_out else 'maoi'}->mao", rows, w[ids],
-                          preferred_element_type=jnp.float32)
+        return jnp.einsum(f"{sub},{'maio' if in_out else 'maoi'}->mao", _f32(rows), _f32(w[ids]))
 
     y = _expert_ffn(h, gate, up, down, layouts, spec)  # [M, A, D]
     return jnp.einsum("mad,ma->md", y.astype(jnp.float32), weights)

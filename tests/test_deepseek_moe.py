@@ -113,6 +113,30 @@ def test_greedy_generation_is_token_identical(pair, prompts):
         assert got[b] == row, f"{name}, prompt {b}"
 
 
+def test_bfloat16_load_keeps_the_router_float32(tmp_path):
+    """load_hf(dtype="bfloat16"): experts and shared experts bfloat16, the router and its bias float32 (as
+    transformers keeps them); the logits are no farther from the float32 model's than transformers' own bfloat16
+    model is, and decoding runs."""
+    config_class, fields, fused = CASES["v3"]
+    save(build_hf(config_class, fields), tmp_path, fused)
+    full, half = load_hf(tmp_path), load_hf(tmp_path, dtype="bfloat16")
+    mlp = half.params["layer_1"]["mlp"]
+    assert mlp["router"].dtype == mlp["router_bias"].dtype == np.float32
+    assert mlp["we_gate"].dtype == mlp["ws_down"].dtype == jax.numpy.bfloat16
+    np.testing.assert_array_equal(mlp["router"], full.params["layer_1"]["mlp"]["router"])
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 24))
+    expected = jaxkv.logits(full, tokens)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16,
+                                                               attn_implementation="eager").eval()
+    assert theirs.model.layers[1].mlp.gate.weight.dtype == torch.float32
+    with torch.no_grad():
+        their_logits = theirs(torch.tensor(tokens)).logits.float().numpy()
+    their_error = np.abs(their_logits - expected).mean()
+    # mean, not max: one token routed differently in 16 bits moves its logits a lot, in either implementation
+    assert np.abs(jaxkv.logits(half, tokens) - expected).mean() <= 1.5 * their_error
+    assert len(jaxkv.generate(half, SINGLE, max_new_tokens=4, stop_tokens=[]).tokens[0]) == 4
+
+
 def hf_routing(hf, tokens) -> dict[int, tuple]:
     """layer -> (router logits [M, X], expert ids [M, A]) of transformers' routers on `tokens` [B, T]."""
     captured, hooks = {}, []

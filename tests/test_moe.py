@@ -178,6 +178,26 @@ def test_out_in_experts_match_transformers():
         np.testing.assert_allclose(out, expected, atol=OUT_TOL, rtol=0, err_msg=dispatch)
 
 
+@pytest.mark.parametrize("name", ["v3-grouped-norm", "v2-group-limited"])
+def test_bfloat16_block_is_as_close_to_float32_as_transformers_bfloat16(name):
+    """bfloat16 experts (the router stays float32, as transformers keeps it) run on every dispatch (XLA:CPU has no
+    batched bf16 x bf16 -> f32 dot: `moe._f32`) and land no farther from the float32 block than transformers'
+    own bfloat16 run does (x1.5: different rounding orders)."""
+    version, hf = CASES[name]
+    moe = moe_config(version, hf)
+    module = hf_module(version, hf)
+    params = {k: v if k.startswith("router") else v.astype(jnp.bfloat16) for k, v in jax_params(module, moe).items()}
+    x = hidden()
+    with torch.no_grad():
+        reference = module(torch.from_numpy(x)).numpy()
+        theirs = module.to(torch.bfloat16)(torch.from_numpy(x).to(torch.bfloat16)).float().numpy()
+    their_error = np.abs(theirs - reference).max()
+    for dispatch in ("dense", "sorted", "gather"):
+        out = Moe(moe, D, dtype="bfloat16", dispatch=dispatch).apply({"params": params}, jnp.asarray(x, jnp.bfloat16))
+        assert out.dtype == jnp.bfloat16
+        assert np.abs(np.asarray(out, np.float32) - reference).max() <= 1.5 * their_error, dispatch
+
+
 def test_wrong_routing_is_caught():
     """The comparison can fail: a router that drops the correction bias picks other experts for some token."""
     version, hf = CASES["v3-grouped-norm"]
