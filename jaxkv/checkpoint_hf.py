@@ -61,6 +61,14 @@ form; the loader then transposes those the config stores [in, out] (`jaxkv.layer
     with attention_bias: q_a_proj.bias, kv_a_proj_with_mqa.bias (rope rows*), o_proj.bias -> wq_a_bias, wkv_a_bias,
     wo_bias.  * DeepSeek rotates interleaved pairs (V2 always, V3 unless rope_interleave is false): each head's E
     rotary output rows are reordered evens-then-odds on load, which turns that rotation into jaxkv's rotate-half.
+  their mixture-of-experts layers (i >= first_k_dense_replace; `jaxkv.moe`; X experts of width I, J = n_shared * I)
+    layers.{i}.mlp.gate.weight           [X, D]    -> layer_{i}/mlp/router            as is, kept float32
+    layers.{i}.mlp.gate.e_score_correction_bias [X] -> layer_{i}/mlp/router_bias     as is, kept float32 (V3)
+    layers.{i}.mlp.shared_experts.{gate,up,down}_proj.weight [J, D], [J, D], [D, J] -> layer_{i}/mlp/ws_{gate,up,down}
+    layers.{i}.mlp.experts.{j}.{gate,up}_proj.weight [I, D], down_proj.weight [D, I]  (DeepSeek's releases and
+        transformers 5.24's save_pretrained) -> layer_{i}/mlp/we_{gate,up} [X, I, D], we_down [X, D, I]  stacked
+    or layers.{i}.mlp.experts.gate_up_proj [X, 2*I, D], down_proj [X, D, I] (transformers 5's in-memory form)
+        -> the same                                                               gate rows, then up rows
 
 Redundant tensors that are dropped: `lm_head.weight` of a tied model (only after checking that it equals the
 embedding), rotary `inv_freq` buffers of the Llama family (jaxkv computes RoPE on the fly), and GPT-2's
