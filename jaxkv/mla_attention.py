@@ -65,7 +65,9 @@ def absorbed_attention(q_nope, q_rope, rows, wk_b, wv_b, start, q_offset, *, sca
     Pallas kernel does not apply (more than one query per sequence, or widths the kernel does not take)."""
     dtype = q_nope.dtype
     R = wk_b.shape[-1]
-    q_lat = jnp.einsum("btnk,nkr->btnr", q_nope, wk_b, preferred_element_type=jnp.float32)  # [B, T, N, R]
+    # 16-bit weights: a 16-bit product, as PyTorch rounds one (XLA:CPU has no unfused batched bf16 x bf16 -> f32 dot).
+    q_lat = jnp.einsum("btnk,nkr->btnr", q_nope, wk_b,
+                       preferred_element_type=jnp.float32 if dtype == jnp.float32 else None)  # [B, T, N, R]
     q = jnp.concatenate([q_lat, q_rope.astype(jnp.float32)], axis=-1)  # [B, T, N, R + E]
     kwargs = dict(latent_dim=R, scale=scale, latent_scale=latent_scale, sliding_window=sliding_window, ring=ring)
     try:
