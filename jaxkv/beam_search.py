@@ -42,11 +42,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxkv import attention as attention_impls
 from jaxkv import checks, memory
 from jaxkv.cache import check_cache_dtype
 from jaxkv.config import Config
 from jaxkv.generate import _forward, _Phase, _prefill_paged, _stop_ids, _token_lists
+from jaxkv.mla_attention import paged_attention_name
 from jaxkv.model import Model
 from jaxkv.paged_cache import PagedKVCache
 
@@ -293,7 +293,7 @@ def beam_search(model: Model, prompts, *, num_beams: int, max_new_tokens: int, l
     token_lists = _token_lists(prompts, config.vocab_size, model.tokenizer)
     stop_ids = _stop_ids(stop_tokens, config)
     cache_dtype = check_cache_dtype(config.dtype if cache_dtype is None else cache_dtype)
-    attention = attention_impls.resolve(attention or config.attention)
+    attention = paged_attention_name(attention or config.attention, config)  # MLA: "xla" (no paged kernel)
     if max_len is not None:
         max_len = checks.check_int("max_len", max_len, 1)
     page_size = checks.check_int("page_size", page_size, 1)

@@ -49,12 +49,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv import attention as attention_impls
 from jaxkv import checks, memory, sharding
 from jaxkv.cache import check_cache_dtype
 from jaxkv.engine_programs import (FINISH_REASONS, MAX_LOGPROBS, STOP_SLOTS, _admit, _allocate, _decode, _prefill,
                                    _refs, _release, _State)
 from jaxkv.generate import _key, _stop_ids, _token_lists
+from jaxkv.mla_attention import paged_attention_name
 from jaxkv.model import Model
 from jaxkv.paged_cache import NO_PAGE
 from jaxkv.sampling import Sampler
@@ -200,7 +200,7 @@ class Engine:
         self.prefill_chunk = checks.check_int("prefill_chunk", prefill_chunk, 1)
         self.prefill_rows = checks.check_int("prefill_rows", prefill_rows, 1)
         self.steps_per_dispatch = checks.check_int("steps_per_dispatch", steps_per_dispatch, 1)
-        self.attention = attention_impls.resolve(attention or config.attention)
+        self.attention = paged_attention_name(attention or config.attention, config)  # MLA: "xla" (no paged kernel)
         self.prefix_cache = prefix_cache
         self._state: _State | None = None  # allocated on first use
         self._free = self.num_pages  # free pages as of the last dispatch

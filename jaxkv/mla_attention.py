@@ -26,7 +26,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax.numpy as jnp
 
-from jaxkv.attention import mla
+from jaxkv.attention import mla, paged_mla
 from jaxkv.attention.reference import MASKED, _softmax, live_mask
 from jaxkv.config import Config
 from jaxkv.layers import Norm, apply_rope, fan_in_init, linear, mla_out_in
@@ -79,6 +79,39 @@ def absorbed_attention(q_nope, q_rope, rows, wk_b, wv_b, start, q_offset, *, sca
     return jnp.einsum("btnr,nvr->btnv", out.astype(dtype), wv_b, preferred_element_type=jnp.float32).astype(dtype)
 
 
+def paged_absorbed_attention(q_nope, q_rope, cache: PagedKVCache, layer: int, wk_b, wv_b, valid, *, scale: float,
+                             sliding_window: int | None = None):
+    """`absorbed_attention` over a keys-only `PagedKVCache` (after this chunk's rows are written): the queries of
+    the `valid` tokens (bool[B, T]) sit in each row's slots [lengths[b], lengths[b] + T). Plain XLA
+    (`jaxkv.attention.paged_mla`): there is no Pallas paged latent kernel yet. -> [B, T, N, dv]"""
+    dtype = q_nope.dtype
+    R = wk_b.shape[-1]
+    # 16-bit weights: a 16-bit product, as PyTorch rounds one (XLA:CPU has no unfused batched bf16 x bf16 -> f32 dot).
+    q_lat = jnp.einsum("btnk,nkr->btnr", q_nope, wk_b,
+                       preferred_element_type=jnp.float32 if dtype == jnp.float32 else None)  # [B, T, N, R]
+    q = jnp.concatenate([q_lat, q_rope.astype(jnp.float32)], axis=-1)  # [B, T, N, R + E]
+    lengths = cache.lengths + jnp.sum(valid, axis=1, dtype=jnp.int32)  # this chunk's own rows included
+    out = paged_mla.live_paged_mla_attention(
+        q, cache.keys[layer], cache.page_table, lengths, cache.positions(q.shape[1]), latent_dim=R, scale=scale,
+        sliding_window=sliding_window, latent_scale=cache.scales(layer)[0])  # [B, T, N, R] float32
+    return jnp.einsum("btnr,nvr->btnv", out.astype(dtype), wv_b, preferred_element_type=jnp.float32).astype(dtype)
+
+
+def paged_attention_name(requested: str, config: Config) -> str:
+    """The attention implementation a loop over a `PagedKVCache` passes the model: `jaxkv.attention.resolve`'s,
+    except that an MLA config gets "xla" for "auto" (there is no Pallas paged latent kernel yet) and a
+    NotImplementedError for "pallas" by name, before anything is compiled."""
+    from jaxkv.attention import resolve
+
+    name = resolve(requested)
+    if config.mla is None:
+        return name
+    if requested == "pallas":
+        raise NotImplementedError("there is no Pallas kernel for MLA over a paged cache yet: use attention='xla' "
+                                  "or 'auto' (n=1 without a prefix cache uses the contiguous cache's kernel)")
+    return "xla"
+
+
 class MlaAttention(nn.Module):
     """A decoder layer's attention for a config with `mla`; the interface of `jaxkv.model.Attention`."""
 
@@ -95,9 +128,10 @@ class MlaAttention(nn.Module):
         nope, dv, qk = m.qk_nope_head_dim, m.v_head_dim, m.qk_head_dim
         dtype = jnp.dtype(cfg.dtype)
         out_in = mla_out_in(cfg)
-        if isinstance(cache, PagedKVCache):
-            raise NotImplementedError("MLA over a paged cache needs PagedKVCache to store keys only (values "
-                                      "empty); use the contiguous cache (n=1, no prefix cache, no beam search)")
+        paged = isinstance(cache, PagedKVCache)
+        if paged and attention == "pallas":  # asked for by name: never quietly run the XLA path instead
+            raise NotImplementedError("there is no Pallas kernel for MLA over a paged cache yet: use attention='xla' "
+                                      "or 'auto' (n=1 without a prefix cache uses the contiguous cache's kernel)")
 
         def dense(name, y, d_in, out_shape, bias=False):  # y [B, T, d_in] -> [B, T, *out_shape]
             shape = (*out_shape, d_in) if out_in[name] else (d_in, *out_shape)
@@ -125,10 +159,18 @@ class MlaAttention(nn.Module):
         if cache is None or prefill:
             if cache is not None:  # an empty cache: attend over the fresh rows, store them
                 rows = jnp.concatenate([c, k_rope], axis=-1)[:, None]  # [B, 1, T, R + E]
-                cache = cache.write_prompt(self.layer, rows, None)
+                if paged:  # right-padded prompts: `start` is bool[B, T], the real tokens (padding not stored)
+                    cache = cache.write(self.layer, rows, None, start)
+                    start = jnp.zeros((x.shape[0],), jnp.int32)  # every row starts at slot 0; padding comes last
+                else:
+                    cache = cache.write_prompt(self.layer, rows, None)
             q_offset = jnp.zeros((), jnp.int32)
             out = expanded_attention(q_nope, q_rope, c, k_rope, wk_b, wv_b, start, q_offset, scale=scale,
                                      sliding_window=cfg.sliding_window)
+        elif paged:  # decode, or a chunk continuing cached pages (the engine): the queries read their pages
+            cache = cache.write(self.layer, jnp.concatenate([c, k_rope], axis=-1)[:, None], None, start)
+            out = paged_absorbed_attention(q_nope, q_rope, cache, self.layer, wk_b, wv_b, start, scale=scale,
+                                           sliding_window=cfg.sliding_window)  # [B, T, N, dv]
         else:
             q_offset = cache.length
             cache = cache.write(self.layer, jnp.concatenate([c, k_rope], axis=-1)[:, None], None)

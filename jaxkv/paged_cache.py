@@ -28,6 +28,13 @@ Running out of pages. The host refuses a call whose need it knows before any com
 compiled loop, a row that needs a page when none is free gets none: its writes are dropped (a scatter to an
 out-of-range page), `overflowed[b]` turns true and the decoder gives that row NaN logits. Other rows' pages are never
 touched.
+
+Keys only (multi-head latent attention, `Config.mla`). An MLA model caches one latent row [c ; k_rope] of R + E
+per token and layer and no values (its values are the row's first R columns, `jaxkv.attention.mla`): the pools are
+`keys` L x [P, 1, page_size, R + E] (scales L x float32[P, 1, page_size]) and `values` / `value_scales` are empty,
+as in the contiguous `KVCache`. `write` then takes v=None. The page bookkeeping (reserve, fork and its
+copy-on-write, release) only ever touches the page table, the counts and whatever pools there are, so it is the
+same for both.
 """
 
 from __future__ import annotations
@@ -51,13 +58,13 @@ NO_PAGE = -1
 @dataclasses.dataclass(frozen=True)
 class PagedKVCache:
     keys: tuple[jax.Array, ...]  # L x [P, K, page_size, H]
-    values: tuple[jax.Array, ...]  # L x [P, K, page_size, H]
+    values: tuple[jax.Array, ...]  # L x [P, K, page_size, H]; MLA: empty (keys only, module docstring)
     page_table: jax.Array  # int32[B, M]
     lengths: jax.Array  # int32[B]
     refcounts: jax.Array  # int32[P]
     overflowed: jax.Array  # bool[B]
     key_scales: tuple[jax.Array, ...] = ()  # L x float32[P, K, page_size] for int8/fp8 pools, else empty
-    value_scales: tuple[jax.Array, ...] = ()
+    value_scales: tuple[jax.Array, ...] = ()  # empty for int8/fp8 keys-only (MLA) pools too
     page_size: int = 16  # static
 
     @classmethod
@@ -65,7 +72,7 @@ class PagedKVCache:
                  dtype=None) -> "PagedKVCache":
         """An empty cache: `num_pages` free pages of `page_size` slots per layer, `batch` empty sequences of at most
         `max_len` slots each (M = ceil(max_len / page_size) table entries); `dtype` one of CACHE_DTYPES (default
-        config.dtype)."""
+        config.dtype). An MLA config gets key pools only (`jaxkv.cache.zeroed_buffers`)."""
         keys, values, key_scales, value_scales = zeroed_buffers(
             config, (num_pages, config.n_kv_heads, page_size, config.head_dim), dtype)
         M = -(-max_len // page_size)
@@ -85,6 +92,11 @@ class PagedKVCache:
         return bool(self.key_scales)
 
     @property
+    def keys_only(self) -> bool:
+        """A multi-head latent attention pool: latent rows as keys, no value pools."""
+        return not self.values
+
+    @property
     def batch(self) -> int:
         return self.page_table.shape[0]
 
@@ -98,9 +110,11 @@ class PagedKVCache:
         return self.page_table.shape[1] * self.page_size
 
     def scales(self, layer: int):
+        """(key scales, value scales) of `layer`, or (None, None) for an unquantized pool (value scales None for a
+        keys-only pool)."""
         if not self.quantized:
             return None, None
-        return self.key_scales[layer], self.value_scales[layer]
+        return self.key_scales[layer], self.value_scales[layer] if self.value_scales else None
 
     def nbytes(self) -> int:
         """Bytes of the pools (keys, values and scales): what `jaxkv.memory` predicts for a paged pool."""
@@ -157,10 +171,14 @@ class PagedKVCache:
         ok = valid & (entry < M) & (page >= 0)
         return jnp.where(ok, page, self.num_pages), slot % self.page_size
 
-    def write(self, layer: int, k: jax.Array, v: jax.Array, valid=None) -> "PagedKVCache":
+    def write(self, layer: int, k: jax.Array, v: jax.Array | None, valid=None) -> "PagedKVCache":
         """k, v [B, K, T, H] into slots [lengths[b], lengths[b] + T) of each row (quantized first for an int8/fp8
-        pool); `valid` bool[B, T] marks the tokens to store (prefill's right padding is not stored). `reserve`
-        first; `advance` once per forward pass."""
+        pool); `valid` bool[B, T] marks the tokens to store (prefill's right padding is not stored). A keys-only
+        (MLA) pool takes v=None and k the latent rows [B, 1, T, R + E]. `reserve` first; `advance` once per
+        forward pass."""
+        if (v is None) != self.keys_only:
+            raise ValueError("a keys-only (MLA) paged cache takes v=None, any other cache takes values"
+                             if self.keys_only else "this paged cache stores values: v must not be None")
         T = k.shape[2]
         valid = jnp.ones(k.shape[:1] + (T,), bool) if valid is None else valid
         page, offset = self._slots(T, valid)  # [B, T]
@@ -172,11 +190,12 @@ class PagedKVCache:
         k_scale, v_scale = self.scales(layer)
         if self.quantized:
             k, new_k_scale = quantize(k, self.dtype)
-            v, new_v_scale = quantize(v, self.dtype)
+            v, new_v_scale = (None, None) if v is None else quantize(v, self.dtype)
         with jax.named_scope("paged_cache_update"):
-            cache = self._with_layer(layer, put(self.keys[layer], k), put(self.values[layer], v))
+            cache = self._with_layer(layer, put(self.keys[layer], k), None if v is None else put(self.values[layer], v))
             if self.quantized:
-                cache = cache._with_layer_scales(layer, put(k_scale, new_k_scale), put(v_scale, new_v_scale))
+                cache = cache._with_layer_scales(layer, put(k_scale, new_k_scale),
+                                                 None if v is None else put(v_scale, new_v_scale))
         return cache
 
     def fork(self, parents) -> "PagedKVCache":
@@ -237,15 +256,18 @@ class PagedKVCache:
 
     # --- layer buffers ------------------------------------------------------------------------------------------
 
+    @staticmethod
+    def _replaced(buffers: tuple, layer: int, new) -> tuple:
+        """`buffers` with layer `layer` replaced by `new`; None (a keys-only pool's values) leaves them as they are."""
+        return buffers if new is None else buffers[:layer] + (new,) + buffers[layer + 1:]
+
     def _with_layer(self, layer: int, k, v) -> "PagedKVCache":
-        keys = self.keys[:layer] + (k,) + self.keys[layer + 1:]
-        values = self.values[:layer] + (v,) + self.values[layer + 1:]
-        return dataclasses.replace(self, keys=keys, values=values)
+        return dataclasses.replace(self, keys=self._replaced(self.keys, layer, k),
+                                   values=self._replaced(self.values, layer, v))
 
     def _with_layer_scales(self, layer: int, k_scale, v_scale) -> "PagedKVCache":
-        key_scales = self.key_scales[:layer] + (k_scale,) + self.key_scales[layer + 1:]
-        value_scales = self.value_scales[:layer] + (v_scale,) + self.value_scales[layer + 1:]
-        return dataclasses.replace(self, key_scales=key_scales, value_scales=value_scales)
+        return dataclasses.replace(self, key_scales=self._replaced(self.key_scales, layer, k_scale),
+                                   value_scales=self._replaced(self.value_scales, layer, v_scale))
 
 
 def fork(cache: PagedKVCache, parents) -> PagedKVCache:
