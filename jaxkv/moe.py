@@ -10,25 +10,33 @@ shared experts (one SwiGLU of width J) run on every token and are added. Routing
 
 Dispatch (how the A chosen experts run without a per-token Python loop, at a fixed shape; `dispatch=`):
 
+- "grouped" (what "auto" picks): the M * A (token, expert) assignments sorted by expert, each expert's rows
+  padded to whole tiles of t rows (t: about M * A / X, a power of two in [8, 128]), then a `fori_loop` over the
+  tiles in use (a dynamic trip count; the buffers have the static bound ceil((M * A + X * (t - 1)) / t) tiles)
+  multiplies each tile by its one expert's weights, indexed in place, and the rows are scattered back
+  (`segment_sum`). The routed FLOPs plus the padding (at most t - 1 rows per expert), each used expert's weights
+  read once per tile; a loop over tiles, never over tokens.
 - "dense": every expert on every row, then a [M, X] combine matrix holding the routing weights (zero elsewhere).
   X / A times the routed FLOPs and [X, M, I] + [X, M, D] intermediates, but a handful of plain batched matmuls.
-- "sorted": the M * A (token, expert) assignments sorted by expert, the rows gathered in that order, one grouped
-  matmul per projection (`jax.lax.ragged_dot` with the per-expert counts as group sizes), the outputs scattered
-  back (`segment_sum`). The routed FLOPs only where XLA has a grouped-matmul kernel; XLA:CPU (jax 0.10) lowers
-  ragged_dot to a masked dense dot over all X groups of all M * A rows (A times "dense"'s FLOPs).
-- "gather": each assignment gathers its expert's weights ([M, A, D, I]) and runs a batched matvec: only the
-  chosen experts' weights are read, the least memory traffic when M * A is much smaller than X (a decode step),
-  and much the most when it is not (the weights are copied once per assignment).
-- "auto" (default): "gather" when 4 * M * A <= X, else "dense". Measured on XLA:CPU (X 64, A 6, D 512, I 256,
-  float32, 2 shared cores): one row: gather 2.6 ms, dense 6.1, sorted 14.4; 4 rows: dense 10.2, gather 24.4,
-  sorted 24.9; 64 rows: dense 34, sorted 198, gather 421; 512 rows: dense 309, sorted 1,441.
+- "sorted": the sorted assignments through one grouped matmul per projection (`jax.lax.ragged_dot`, the
+  per-expert counts as group sizes). The routed FLOPs where XLA has a grouped-matmul kernel; XLA:CPU (jax 0.10)
+  lowers ragged_dot to a masked dense dot over all X groups of all M * A rows (A times "dense"'s FLOPs).
+- "gather": each assignment gathers its expert's weights ([M, A, D, I]) for a batched matvec: only the chosen
+  experts' weights are read, but copied once per assignment.
+
+Measured on XLA:CPU (X 64, A 6, D 512, I 256, float32, one layer's routed experts, 2 shared cores, so +-30%),
+ms for M rows: M=1: grouped 3.0, dense 3.8, gather 4.5, sorted 26.9; M=4: grouped 8.6, dense 20.7, gather 22.9;
+M=16: dense 15.0, grouped 22.3; M=64: grouped 15.6, dense 73, sorted 329, gather 545; M=512: grouped 110,
+dense 636 (`scripts` has no MoE benchmark yet; the figures came from timing `_DISPATCH` directly).
 
 Ties in the router: `jax.lax.top_k` puts the lower index first among equal values; torch.topk (sorted=False)
 makes no promise, so exact ties could route differently. The parity tests use continuous random weights, where a
-tie has probability zero, and assert the gap between the A-th and (A+1)-th choice scores is positive.
+tie has probability zero, and assert the gap between the A-th and (A+1)-th choice scores exceeds 1e-5.
 """
 
 from __future__ import annotations
+
+import math
 
 import flax.linen as nn
 import jax
@@ -40,7 +48,7 @@ from jaxkv.layers import fan_in_init, linear, stored_out_in
 
 __all__ = ["MoeConfig", "Moe", "route", "in_out_names", "from_out_in", "OUT_IN_ORDER", "DISPATCHES"]
 
-DISPATCHES = ("auto", "dense", "sorted", "gather")
+DISPATCHES = ("auto", "dense", "sorted", "gather", "grouped")
 
 
 # Parameter leaf name -> the axes of its [out, in] form in the order of its [in, out] layout (as
@@ -161,7 +169,7 @@ class Moe(nn.Module):
         weights, ids = route(logits, cfg, bias)  # [M, A]
         dispatch = self.dispatch
         if dispatch == "auto":
-            dispatch = "gather" if 4 * B * T * A <= X else "dense"
+            dispatch = "grouped"
         layouts = ("we_gate" in in_out, "we_down" in in_out)
         y = _DISPATCH[dispatch](h, weights, ids, w_gate, w_up, w_down, layouts)  # float32 [M, D]
         y = y.astype(dtype).reshape(B, T, D)
@@ -240,4 +248,44 @@ def _gather(h, weights, ids, gate, up, down, layouts):
     return jnp.einsum("mad,ma->md", y.astype(jnp.float32), weights)
 
 
-_DISPATCH = {"dense": _dense, "sorted": _sorted, "gather": _gather}
+def _tile_rows(assignments: int, experts: int) -> int:
+    """Rows per tile of "grouped": about one expert's average share of the assignments, a power of two in
+    [8, 128] (each expert pads its rows to whole tiles, so smaller tiles waste less and loop more)."""
+    return min(128, max(8, 1 << max(0, math.ceil(math.log2(max(1, assignments // experts))))))
+
+
+def _grouped(h, weights, ids, gate, up, down, layouts):
+    """Assignments sorted by expert, each expert's rows padded to whole tiles; a loop over the tiles in use (a
+    dynamic count under the static bound ceil((M * A + X * (t - 1)) / t)) multiplies each tile by its one
+    expert's weights, read in place."""
+    M, A = ids.shape
+    X, D = gate.shape[0], h.shape[1]
+    tile = _tile_rows(M * A, X)
+    flat = ids.reshape(M * A)
+    order = jnp.argsort(flat, stable=True)  # [M * A], grouped by expert
+    sizes = jnp.bincount(flat, length=X)  # [X]
+    padded = (sizes + tile - 1) // tile * tile  # [X], each expert's rows in whole tiles
+    ends = jnp.cumsum(padded)  # [X], where each expert's tiles end
+    expert_of = flat[order]  # [M * A]
+    slot = ends[expert_of] - padded[expert_of] + jnp.arange(M * A) - (jnp.cumsum(sizes) - sizes)[expert_of]
+    n_tiles = -(-(M * A + X * (tile - 1)) // tile)
+    rows = n_tiles * tile
+    token = jnp.full((rows,), M, jnp.int32).at[slot].set(order // A)  # M: an empty slot (reads a zero row)
+    scale = jnp.zeros((rows,), jnp.float32).at[slot].set(weights.reshape(M * A)[order])
+    tile_expert = jnp.minimum(jnp.searchsorted(ends, jnp.arange(n_tiles) * tile, side="right"), X - 1)
+    x = jnp.concatenate([h, jnp.zeros((1, D), h.dtype)])[token].reshape(n_tiles, tile, D)
+
+    def spec(r, w, in_out):  # r [tile, in], w one expert's -> [tile, out]
+        return jnp.einsum("ti,io->to" if in_out else "ti,oi->to", _f32(r), _f32(w))
+
+    def body(j, out):
+        e = tile_expert[j]
+        y = _expert_ffn(x[j], gate[e], up[e], down[e], layouts, spec)  # [tile, D]
+        return out.at[j].set(y.astype(jnp.float32))
+
+    y = jax.lax.fori_loop(0, ends[-1] // tile, body, jnp.zeros((n_tiles, tile, D), jnp.float32))
+    y = y.reshape(rows, D) * scale[:, None]
+    return jax.ops.segment_sum(y, token, num_segments=M + 1)[:M]
+
+
+_DISPATCH = {"dense": _dense, "sorted": _sorted, "gather": _gather, "grouped": _grouped}

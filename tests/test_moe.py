@@ -134,7 +134,7 @@ def test_routing_matches_transformers(name):
                                np.take_along_axis(weights_t, theirs, -1) / scale, atol=WEIGHT_TOL, rtol=0)
 
 
-@pytest.mark.parametrize("dispatch", ["dense", "sorted", "gather", "auto"])
+@pytest.mark.parametrize("dispatch", ["grouped", "dense", "sorted", "gather", "auto"])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_moe_block_matches_transformers(name, dispatch):
     version, hf = CASES[name]
@@ -149,7 +149,7 @@ def test_moe_block_matches_transformers(name, dispatch):
 
 @pytest.mark.parametrize("name", ["v3-grouped-norm", "v2-greedy"])
 def test_one_token_decode_shape_matches_transformers(name):
-    """One row (the decode step: "auto" gathers the chosen experts' weights)."""
+    """One row (the decode step: A tiles of one real row each)."""
     version, hf = CASES[name]
     moe = moe_config(version, hf)
     module = hf_module(version, hf, seed=3)
@@ -173,7 +173,7 @@ def test_out_in_experts_match_transformers():
         expected = module(torch.from_numpy(x)).numpy()
     params = jax_params(module, moe)
     assert params["we_gate"].shape == (4, I, D) and params["we_down"].shape == (4, D, I)
-    for dispatch in ("dense", "sorted", "gather"):
+    for dispatch in ("grouped", "dense", "sorted", "gather"):
         out = Moe(moe, D, dispatch=dispatch).apply({"params": params}, jnp.asarray(x))
         np.testing.assert_allclose(out, expected, atol=OUT_TOL, rtol=0, err_msg=dispatch)
 
@@ -192,7 +192,7 @@ def test_bfloat16_block_is_as_close_to_float32_as_transformers_bfloat16(name):
         reference = module(torch.from_numpy(x)).numpy()
         theirs = module.to(torch.bfloat16)(torch.from_numpy(x).to(torch.bfloat16)).float().numpy()
     their_error = np.abs(theirs - reference).max()
-    for dispatch in ("dense", "sorted", "gather"):
+    for dispatch in ("grouped", "dense", "sorted", "gather"):
         out = Moe(moe, D, dtype="bfloat16", dispatch=dispatch).apply({"params": params}, jnp.asarray(x, jnp.bfloat16))
         assert out.dtype == jnp.bfloat16
         assert np.abs(np.asarray(out, np.float32) - reference).max() <= 1.5 * their_error, dispatch
@@ -225,7 +225,7 @@ def test_in_out_layouts_agree():
     expected = Moe(small, 16).apply({"params": params}, x[None])[0]
     weights, ids = route(jnp.einsum("md,xd->mx", x, params["router"]), small)
     gate, up, down = (jnp.swapaxes(params[k], 1, 2) for k in ("we_gate", "we_up", "we_down"))  # [out, in]
-    for dispatch in ("dense", "sorted", "gather"):
+    for dispatch in ("grouped", "dense", "sorted", "gather"):
         y = moe_lib._DISPATCH[dispatch](x, weights, ids, gate, up, down, (False, False))
         np.testing.assert_allclose(y, expected, atol=1e-6, rtol=0)
 
@@ -239,7 +239,7 @@ def _count_eqns(jaxpr) -> int:
     return n
 
 
-@pytest.mark.parametrize("dispatch", ["dense", "sorted", "gather"])
+@pytest.mark.parametrize("dispatch", ["grouped", "dense", "sorted", "gather"])
 def test_no_loop_over_tokens_and_one_compile(dispatch):
     """The traced program does not grow with the token count (no Python loop over tokens), and a fixed shape
     compiles once whatever the routing."""
