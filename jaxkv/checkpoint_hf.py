@@ -923,8 +923,9 @@ def load_hf(directory: str | os.PathLike, *, dtype: str | None = None) -> Model:
     if tied_head is not None:
         _check_tied_head(tied_head, pairs[0][1])
     target = dtype or FLOAT_DTYPES[pairs[0][1].dtype]
+    config = config.replace(dtype=target)  # the weight layout follows the dtype (`layers.stored_out_in`)
     params = _load(pairs, target, config)
-    return Model(config=config.replace(dtype=target), params=params, tokenizer=None)
+    return Model(config=config, params=params, tokenizer=None)
 
 
 def _read(t: StoredTensor) -> np.ndarray:

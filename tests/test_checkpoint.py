@@ -173,3 +173,18 @@ def test_16_bit_weight_products_accumulate_in_float32():
              and e.invars[1].aval.shape != (H, H)]
     assert len(found) >= 7 * half.config.n_layers
     assert all(e.params["preferred_element_type"] == jax.numpy.float32 for e in found)
+
+
+def test_hugging_face_load_in_bfloat16_lays_out_for_bfloat16(tmp_path):
+    """A wide Llama saved by transformers in float32 loads with dtype="bfloat16" in the bfloat16 layout (every
+    projection [in, out]), equal to loading in float32 and casting."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=2048, intermediate_size=64, num_hidden_layers=1, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=256, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+    hf.save_pretrained(tmp_path / "wide")
+    half = jaxkv.load(tmp_path / "wide", dtype="bfloat16")
+    assert half.params["layer_0"]["attn"]["wq"].shape == (2048, 8, 256)
+    assert leaves_equal(half.params, jaxkv.checkpoint.cast(jaxkv.load(tmp_path / "wide"), "bfloat16").params)
