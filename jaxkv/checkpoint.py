@@ -19,9 +19,8 @@ import pathlib
 import jax
 import jax.numpy as jnp
 
-from jaxkv.config import DTYPES, Config, Mla, RopeScaling, YarnScaling
-from jaxkv.layers import in_out_names
-from jaxkv.model import Model, from_out_in, param_shapes, to_out_in
+from jaxkv.config import DTYPES, Config, Mla, MoeConfig, RopeScaling, YarnScaling
+from jaxkv.model import Model, _layout, from_out_in, param_shapes, to_out_in
 
 CONFIG_FILE = "jaxkv_config.json"
 PARAMS_DIR = "params"
@@ -51,6 +50,8 @@ def config_from_dict(data: dict, *, source: str) -> Config:
         data["rope_scaling"] = _nested(kind, scaling, "rope_scaling", source)
     if data.get("mla") is not None:
         data["mla"] = _nested(Mla, data["mla"], "mla", source)
+    if data.get("moe") is not None:
+        data["moe"] = _nested(MoeConfig, data["moe"], "moe", source)
     if "eos_ids" in data:
         data["eos_ids"] = tuple(data["eos_ids"])
     try:
@@ -79,8 +80,12 @@ def cast(model: Model, dtype: str | None) -> Model:
     if dtype is None or dtype == model.config.dtype:
         return model
     config = model.config.replace(dtype=dtype)
-    params = jax.tree_util.tree_map(lambda a: a.astype(jnp.dtype(dtype)), model.params)
-    if in_out_names(config) != in_out_names(model.config):  # the layout follows the dtype (`layers.stored_out_in`)
+
+    def convert(path, a):  # a mixture of experts' router stays float32, as transformers keeps it (`jaxkv.moe.Moe`)
+        return a if path[-1].key in ("router", "router_bias") else a.astype(jnp.dtype(dtype))
+
+    params = jax.tree_util.tree_map_with_path(convert, model.params)
+    if _layout(config)[0] != _layout(model.config)[0]:  # the layout follows the dtype (`layers.stored_out_in`)
         params = jax.tree_util.tree_map(jnp.asarray, from_out_in(to_out_in(params, model.config), config))
     return Model(config, params, model.tokenizer)
 

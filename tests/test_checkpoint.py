@@ -188,3 +188,30 @@ def test_hugging_face_load_in_bfloat16_lays_out_for_bfloat16(tmp_path):
     half = jaxkv.load(tmp_path / "wide", dtype="bfloat16")
     assert half.params["layer_0"]["attn"]["wq"].shape == (2048, 8, 256)
     assert leaves_equal(half.params, jaxkv.checkpoint.cast(jaxkv.load(tmp_path / "wide"), "bfloat16").params)
+
+
+def test_mla_moe_model_saves_loads_and_casts(tmp_path):
+    """An MLA + mixture-of-experts model round-trips through jaxkv.save/load bit-exactly (its nested Mla and
+    MoeConfig included), and a cast to bfloat16 keeps the router in float32 (as transformers does) and lays the
+    experts out for the new dtype."""
+    from jaxkv.config import Mla, MoeConfig
+    from jaxkv.model import _layout
+
+    config = jaxkv.Config(vocab_size=64, d_model=32, n_layers=2, n_heads=4, ffn_dim=48,
+                          mla=Mla(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8),
+                          moe=MoeConfig(n_routed_experts=4, experts_per_token=2, moe_ffn_dim=16, n_shared_experts=1,
+                                        first_dense_layers=1, scoring="sigmoid", topk_method="noaux_tc"))
+    model = jaxkv.Model.random(config, seed=0)
+    jaxkv.save(model, tmp_path / "m")
+    loaded = jaxkv.load(tmp_path / "m")
+    assert loaded.config == config and leaves_equal(loaded.params, model.params)
+    prompts = [[3, 4, 5]]
+    assert jaxkv.generate(loaded, prompts, max_new_tokens=4).tokens == jaxkv.generate(model, prompts,
+                                                                                       max_new_tokens=4).tokens
+    half = jaxkv.checkpoint.cast(model, "bfloat16")
+    mlp = half.params["layer_1"]["mlp"]
+    assert mlp["router"].dtype == jax.numpy.float32 and mlp["we_gate"].dtype == jax.numpy.bfloat16
+    assert _layout(half.config)[0] >= {"we_gate", "we_up", "we_down"}
+    back = jaxkv.checkpoint.cast(half, "float32")
+    assert jax.tree_util.tree_map(lambda a: a.shape, back.params) == jax.tree_util.tree_map(lambda a: a.shape,
+                                                                                             model.params)
