@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import flax.linen as nn
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
+from jaxkv import sharding
 from jaxkv.attention import mla, paged_mla
 from jaxkv.attention.reference import MASKED, _softmax, live_mask
 from jaxkv.config import Config
@@ -58,11 +60,13 @@ def expanded_attention(q_nope, q_rope, c, k_rope, wk_b, wv_b, start, q_offset, *
 
 
 def absorbed_attention(q_nope, q_rope, rows, wk_b, wv_b, start, q_offset, *, scale: float, latent_scale=None,
-                       sliding_window: int | None = None, ring: bool = False, attention: str = "xla"):
+                       sliding_window: int | None = None, ring: bool = False, attention: str = "xla",
+                       mesh: Mesh | None = None):
     """The same attention over cached latent rows [B, S, R + E] without forming per-head keys or values:
     q_nope, q_rope [B, T, N, nope | E] -> [B, T, N, dv] (see the module docstring). `attention` names the
     latent-attention implementation (`jaxkv.attention.mla.get`); "auto" falls back to the XLA reference where the
-    Pallas kernel does not apply (more than one query per sequence, or widths the kernel does not take)."""
+    Pallas kernel does not apply (more than one query per sequence, or widths the kernel does not take). With a
+    `mesh`, a Pallas kernel runs per shard (`jaxkv.sharding.shard_latent_attention`): it cannot be partitioned."""
     dtype = q_nope.dtype
     R = wk_b.shape[-1]
     # 16-bit weights: a 16-bit product, as PyTorch rounds one (XLA:CPU has no unfused batched bf16 x bf16 -> f32 dot).
@@ -71,7 +75,10 @@ def absorbed_attention(q_nope, q_rope, rows, wk_b, wv_b, start, q_offset, *, sca
     q = jnp.concatenate([q_lat, q_rope.astype(jnp.float32)], axis=-1)  # [B, T, N, R + E]
     kwargs = dict(latent_dim=R, scale=scale, latent_scale=latent_scale, sliding_window=sliding_window, ring=ring)
     try:
-        out = mla.get(attention if q.shape[1] == 1 else "xla")(q, rows, start, q_offset, **kwargs)
+        attend = mla.get(attention if q.shape[1] == 1 else "xla")
+        if mesh is not None and attend is not mla.attention:
+            attend = sharding.shard_latent_attention(attend, mesh)
+        out = attend(q, rows, start, q_offset, **kwargs)
     except NotImplementedError:  # raised while tracing, before any compute
         if attention != "auto":
             raise
@@ -117,6 +124,7 @@ class MlaAttention(nn.Module):
 
     config: Config
     layer: int
+    mesh: Mesh | None = None  # with a mesh, a Pallas kernel runs per shard (`jaxkv.sharding`'s MLA layout)
 
     @nn.compact
     def __call__(self, x, rope, cache, start, prefill, attention: str):
@@ -179,7 +187,7 @@ class MlaAttention(nn.Module):
                                      q_offset, scale=scale,
                                      latent_scale=None if latent_scale is None else latent_scale[:, 0],
                                      sliding_window=cfg.sliding_window, ring=cache.ring,
-                                     attention=attention)  # [B, T, N, dv]
+                                     attention=attention, mesh=self.mesh)  # [B, T, N, dv]
 
         if out_in["wo"]:
             wo = self.param("wo", fan_in_init(N * dv), (D, N, dv), dtype).reshape(D, N * dv)
@@ -189,9 +197,3 @@ class MlaAttention(nn.Module):
         if cfg.out_bias:
             y = y + self.param("wo_bias", nn.initializers.zeros, (D,), dtype)
         return y, cache
-
-
-def check_mla_supported(config: Config, mesh) -> None:
-    """MLA runs unsharded for now: the mesh path replicates KV heads, which an MLA cache does not have."""
-    if config.mla is not None and mesh is not None:
-        raise NotImplementedError("multi-head latent attention does not run on a mesh yet")

@@ -29,7 +29,7 @@ from jaxkv.config import Config
 from jaxkv.paged_cache import PagedKVCache
 from jaxkv.layers import (ALL_OUT_IN_ORDER, Mlp, Norm, apply_rope, fan_in_init, in_out_names, linear,
                           rope_angles, stored_out_in)
-from jaxkv.mla_attention import MlaAttention, check_mla_supported
+from jaxkv.mla_attention import MlaAttention
 from jaxkv import moe as moe_lib
 
 compile_cache.setup()  # before anything compiles: programs come from / go to the persistent cache
@@ -151,7 +151,7 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x, rope, cache, start, prefill, attention: str):
         if self.config.mla is not None:
-            attn = MlaAttention(self.config, self.layer, name="attn")
+            attn = MlaAttention(self.config, self.layer, self.mesh, name="attn")
         else:
             attn = Attention(self.config, self.layer, self.mesh, name="attn")
         h, cache = attn(Norm(self.config, name="attn_norm")(x), rope, cache, start, prefill, attention)
@@ -195,7 +195,6 @@ class Decoder(nn.Module):
           `overflowed` / `check()` report the latter. A chunk longer than the capacity is a ValueError.
         """
         cfg = self.config
-        check_mla_supported(cfg, self.mesh)
         dtype = jnp.dtype(cfg.dtype)
         T = tokens.shape[1]
         attention = attention or cfg.attention

@@ -17,6 +17,29 @@ So each device computes its own heads' attention over its own slice of the cache
 layer are two all-reduces (sum over "model") of [B, T, D] partial outputs: after the attention output projection
 wo and after the FFN down projection. The cache never moves.
 
+Multi-head latent attention (config.mla). The cache row [c ; k_rope] (R + E numbers per token and layer) is shared
+by every head, so the latent cache [B, 1, S, R + E] (and its int8/fp8 scales [B, 1, S]) is split over "data" only
+and replicated over "model": each model shard holds its batch rows' whole rows. The per-head weights are split by
+heads like wq/wo: wq [N, nope + E, D] or wq_b [N, nope + E, q_rank], the absorbed up-projections wk_b [N, nope, R]
+and wv_b [N, dv, R], and wo [D, N, dv]; the down-projections wq_a [q_rank, D] and wkv_a [R + E, D], their norms
+and biases are replicated (every model shard computes the same new latent row, D x (R + E) multiply-adds per
+token, instead of an all-reduce of it). So device j forms its heads' latent-space queries, reads the full latent
+once, and applies its heads' slices of wv_b and wo; the collectives per layer stay the two all-reduces of
+[B, T, D]. The cost: per-device cache bytes are total / data, not total / (data x M). Splitting the row's R axis
+over "model" instead would divide them by M, but then every head's score is a partial sum over R / M columns,
+so each layer and step needs an all-reduce of the [B, N, T, S] scores (proportional to the cache length: N x 4
+bytes per cached token against R + E cached numbers) before the softmax, plus the rope columns E to place; and
+the heads could no longer be split over "model". Not built.
+
+Mixture of experts (config.moe). Each expert is split like the dense FFN, over its hidden width I: we_gate and
+we_up [X, I, D] split I, we_down [X, D, I] split I, the shared experts ws_gate/ws_up [J, D] and ws_down [D, J]
+split J; the router [X, D] (and its bias) is replicated, so every model shard routes every token identically
+(the same float32 logits from the same replicated inputs) and runs every chosen expert on its I / M columns; the
+down projection's partial sums are all-reduced with the rest. Splitting the experts X over "model" (expert
+parallelism) would keep each expert whole on one device but needs tokens sent to their experts' devices
+(all-to-all) and lets the per-token expert gathers cross devices; splitting I keeps every dispatch ("dense",
+"gather", "sorted") a plain partitioned einsum.
+
 KV-head replication. Sharding KV heads over M "model" devices needs K % M == 0. When it does not hold (MQA/GQA with
 fewer KV heads than devices, or a K that does not divide M), the KV projections are repeated along the KV-head
 axis to K' = lcm(K, M) heads (`replicate_kv_heads`), and the model runs with a config of n_kv_heads = K'. Each
@@ -37,15 +60,19 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jaxkv import shapes
 from jaxkv.config import Config
-from jaxkv.layers import OUT_IN_ORDER, in_out_names
+from jaxkv import moe as moe_lib
+from jaxkv.layers import ALL_OUT_IN_ORDER, OUT_IN_ORDER, in_out_names
 
 DATA, MODEL = "data", "model"
 AXES = (DATA, MODEL)
 
-# Logical axes beyond those of the cache (`jaxkv.shapes`): query heads N, FFN hidden F, model dim D, vocabulary V.
+# Logical axes beyond those of the cache (`jaxkv.shapes`): query heads N, FFN hidden F, model dim D, vocabulary V;
+# MLA's low ranks (q_rank, R) and its one latent "KV head"; the routed experts X.
 HEADS, FFN, EMBED, VOCAB = "heads", "ffn", "embed", "vocab"
+RANK, LATENT, EXPERTS = "rank", "latent", "experts"
 
-# Logical axis -> mesh axis; a logical axis not listed is replicated. The one place the layout is decided.
+# Logical axis -> mesh axis; a logical axis not listed is replicated. The one place the layout is decided. An
+# expert's hidden width I is an FFN axis (split as the dense FFN's F).
 RULES = {shapes.BATCH: DATA, HEADS: MODEL, shapes.KV_HEADS: MODEL, FFN: MODEL}
 
 # Parameter leaf name -> logical axes of that array in the [out, in] form, and in the [in, out] form (which one a
@@ -60,8 +87,15 @@ _PARAM_AXES = {
     "w_gate": (FFN, EMBED), "w_up": (FFN, EMBED), "w_fc": (FFN, EMBED),
     "w_gate_bias": (FFN,), "w_up_bias": (FFN,), "w_fc_bias": (FFN,),
     "w_down": (EMBED, FFN),
+    # MLA (wq and wo as above): the per-head up-projections; wq_a, wkv_a, the norms and biases are replicated.
+    "wq_b": (HEADS, shapes.HEAD_DIM, RANK), "wk_b": (HEADS, shapes.HEAD_DIM, RANK),
+    "wv_b": (HEADS, shapes.HEAD_DIM, RANK),
+    # Mixture of experts: routed experts over their hidden width, the shared experts as a dense FFN.
+    "we_gate": (EXPERTS, FFN, EMBED), "we_up": (EXPERTS, FFN, EMBED), "we_down": (EXPERTS, EMBED, FFN),
+    "ws_gate": (FFN, EMBED), "ws_up": (FFN, EMBED), "ws_down": (EMBED, FFN),
 }
-_IN_OUT_AXES = {name: tuple(_PARAM_AXES[name][i] for i in order) for name, order in OUT_IN_ORDER.items()}
+_IN_OUT_AXES = {name: tuple(_PARAM_AXES[name][i] for i in order)
+                for name, order in {**ALL_OUT_IN_ORDER, **moe_lib.OUT_IN_ORDER}.items() if name in _PARAM_AXES}
 
 
 def spec(logical_axes) -> P:
@@ -77,6 +111,9 @@ def spec(logical_axes) -> P:
 KV_SPEC = spec(shapes.KV_AXES)  # cache keys/values [B, K, S, H]: P("data", "model", None, None)
 KV_SCALE_SPEC = spec(shapes.KV_AXES[:3])  # int8/fp8 scales [B, K, S]
 BATCH_SPEC = spec((shapes.BATCH,))  # the leading (batch) axis of tokens, start, logits
+# An MLA cache [B, 1, S, R + E] and its scales [B, 1, S]: over "data" only, the row replicated over "model".
+LATENT_SPEC = spec((shapes.BATCH, LATENT, shapes.SEQUENCE, RANK))  # P("data", None, None, None)
+LATENT_SCALE_SPEC = spec((shapes.BATCH, LATENT, shapes.SEQUENCE))
 
 
 def check_mesh(mesh) -> Mesh:
@@ -102,26 +139,41 @@ def data_size(mesh: Mesh) -> int:
 
 
 def sharded_kv_heads(config: Config, mesh: Mesh) -> int:
-    """K' = the KV heads the model runs with on `mesh`: K if the model axis divides it, else lcm(K, M)."""
+    """K' = the KV heads the model runs with on `mesh`: K if the model axis divides it, else lcm(K, M). An MLA
+    model keeps its one latent row (replicated over "model", not repeated: module docstring)."""
     K, M = config.n_kv_heads, model_size(mesh)
-    return K if K % M == 0 else math.lcm(K, M)
+    return K if K % M == 0 or config.mla is not None else math.lcm(K, M)
 
 
 def check_config(config: Config, mesh: Mesh) -> Config:
     """The config to run with on `mesh` (n_kv_heads = `sharded_kv_heads`), or ValueError when the query heads or
-    the FFN hidden width do not divide over the model axis."""
+    an FFN hidden width (the dense FFN's where a layer has one, each expert's) do not divide over the model
+    axis."""
     M = model_size(mesh)
-    if config.n_heads % M:
-        raise ValueError(f"n_heads ({config.n_heads}) must be divisible by the mesh's 'model' axis ({M})")
-    if config.ffn_dim % M:
-        raise ValueError(f"ffn_dim ({config.ffn_dim}) must be divisible by the mesh's 'model' axis ({M})")
+    widths = {"n_heads": config.n_heads}
+    moe = config.moe
+    if moe is None or moe.first_dense_layers > 0:  # an all-MoE model never reads ffn_dim
+        widths["ffn_dim"] = config.ffn_dim
+    if moe is not None and any(moe.is_moe_layer(layer) for layer in range(config.n_layers)):
+        widths["moe.moe_ffn_dim"] = moe.moe_ffn_dim  # the shared experts' J = n_shared_experts x I divides too
+    for name, width in widths.items():
+        if width % M:
+            raise ValueError(f"{name} ({width}) must be divisible by the mesh's 'model' axis ({M})")
     return config.replace(n_kv_heads=sharded_kv_heads(config, mesh))
+
+
+def _in_out_names(config: Config) -> frozenset[str]:
+    """The names `config` stores [in, out]: `layers.in_out_names` plus the mixture of experts' own."""
+    names = in_out_names(config)
+    if config.moe is not None:
+        names |= moe_lib.in_out_names(config.moe, config.d_model, config.dtype)
+    return names
 
 
 def param_spec(path, config: Config) -> P:
     """The PartitionSpec of the parameter at a pytree `path` (keyed by its leaf name) of a model with `config`."""
     name = path[-1].key
-    return spec((_IN_OUT_AXES if name in in_out_names(config) else _PARAM_AXES).get(name, ()))
+    return spec((_IN_OUT_AXES if name in _in_out_names(config) else _PARAM_AXES).get(name, ()))
 
 
 def param_shardings(params, mesh: Mesh, config: Config):
@@ -129,10 +181,19 @@ def param_shardings(params, mesh: Mesh, config: Config):
     return jax.tree_util.tree_map_with_path(lambda path, _: NamedSharding(mesh, param_spec(path, config)), params)
 
 
+def is_latent(cache) -> bool:
+    """Whether a KVCache is an MLA latent cache: keys only, the values being the keys' first R columns
+    (`jaxkv.cache.zeroed_buffers`)."""
+    return bool(cache.keys) and not cache.values
+
+
 def cache_shardings(cache, mesh: Mesh):
     """NamedShardings for a KVCache (same pytree structure): K/V and scales over (data, model), start over data,
-    length replicated."""
-    kv, scale = NamedSharding(mesh, KV_SPEC), NamedSharding(mesh, KV_SCALE_SPEC)
+    length replicated; an MLA latent cache over data only (module docstring)."""
+    if is_latent(cache):
+        kv, scale = NamedSharding(mesh, LATENT_SPEC), NamedSharding(mesh, LATENT_SCALE_SPEC)
+    else:
+        kv, scale = NamedSharding(mesh, KV_SPEC), NamedSharding(mesh, KV_SCALE_SPEC)
     return type(cache)(keys=tuple(kv for _ in cache.keys), values=tuple(kv for _ in cache.values),
                        start=NamedSharding(mesh, BATCH_SPEC), length=NamedSharding(mesh, P()),
                        key_scales=tuple(scale for _ in cache.key_scales),
@@ -212,7 +273,8 @@ def to_host(x) -> np.ndarray:
 
 def cache_bytes_per_device(cache) -> int:
     """Bytes of a cache's keys, values and scales held on one device (the first addressable device), read from the
-    arrays' shards, so it reflects the actual sharding: on a mesh, `cache.nbytes()` / (data x KV-head shards)."""
+    arrays' shards, so it reflects the actual sharding: on a mesh, `cache.nbytes()` / (data x KV-head shards);
+    an MLA latent cache `cache.nbytes()` / data."""
     leaves = [*cache.keys, *cache.values, *cache.key_scales, *cache.value_scales]
     if not leaves:
         return 0
@@ -239,5 +301,26 @@ def shard_attention(fn, mesh: Mesh):
         in_specs = (q_spec, KV_SPEC, KV_SPEC, BATCH_SPEC, P()) + (KV_SCALE_SPEC,) * len(scales)
         return jax.shard_map(per_shard, mesh=mesh, in_specs=in_specs, out_specs=q_spec, check_vma=False)(
             q, k, v, start, q_offset, *scales)
+
+    return sharded
+
+
+def shard_latent_attention(fn, mesh: Mesh):
+    """Wraps an MLA latent attention (the `jaxkv.attention.mla.attention` signature) so it runs per shard through
+    `jax.shard_map`, as `shard_attention` does for the other families: each device sees its batch rows and its
+    heads' queries ([B/dp, T, N/M, R + E]) over its batch rows' whole latent ([B/dp, S, R + E], replicated over
+    "model"), and returns its heads' latent-space outputs [B/dp, T, N/M, R]."""
+    q_spec = P(DATA, None, MODEL, None)
+    latent_spec, latent_scale_spec = P(DATA, None, None), P(DATA, None)
+
+    def sharded(q, latent, start, q_offset, *, latent_scale=None, **kwargs):
+        scales = () if latent_scale is None else (latent_scale,)
+
+        def per_shard(q, latent, start, q_offset, *scales):
+            return fn(q, latent, start, q_offset, latent_scale=scales[0] if scales else None, **kwargs)
+
+        in_specs = (q_spec, latent_spec, BATCH_SPEC, P()) + (latent_scale_spec,) * len(scales)
+        return jax.shard_map(per_shard, mesh=mesh, in_specs=in_specs, out_specs=q_spec, check_vma=False)(
+            q, latent, start, q_offset, *scales)
 
     return sharded
