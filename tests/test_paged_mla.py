@@ -128,6 +128,20 @@ def _paged_rows(rng, lengths, ps, P, C, shared: int = 0):
     return pool, table, rows
 
 
+def test_reference_by_hand():
+    """One head, rows [c ; k_rope] of width 2 (R = E = 1) with k_rope = 0, slots 0..2 holding c = 1, 2, 3 on pages
+    3 then 1 (page_size 2; slot 3 unwritten, NaN). The query [ln 2 ; 0] scores slot s at c_s ln 2, so its weights
+    are proportional to 2, 4, 8: from slot 2, out = (2*1 + 4*2 + 8*3) / 14 = 17/7; from slot 1 (slot 2 in its
+    future), (2*1 + 4*2) / 6 = 5/3."""
+    pool = np.full((4, 1, 2, 2), np.nan, np.float32)
+    pool[3, 0] = [[1, 0], [2, 0]]
+    pool[1, 0, 0] = [3, 0]
+    q = np.array([[[[math.log(2), 0.0]], [[math.log(2), 0.0]]]], np.float32)  # [B=1, T=2, N=1, 2]
+    got = paged_mla.paged_mla_attention(q, pool, np.array([[3, 1]], np.int32), np.array([3], np.int32),
+                                        np.array([[2, 1]], np.int32), latent_dim=1, scale=1.0)
+    np.testing.assert_allclose(np.asarray(got).reshape(2), [17 / 7, 5 / 3], rtol=1e-6)
+
+
 @pytest.mark.parametrize("T", [1, 3])
 @pytest.mark.parametrize("window", [None, 4])
 def test_reference_equals_contiguous_latent_attention(T, window):
