@@ -217,13 +217,26 @@ def test_16_bit_weights_decode_close_to_float32(model, dtype):
     assert 0 < diff < ATOL_16_BIT[dtype], diff
 
 
+def _materialized(hlo: str) -> str:
+    """The compiled HLO without the bodies of fusions: what a fusion computes element by element inside one loop
+    (the decode's broadcast product of the query with each row, summed at once) is never stored as an array."""
+    fused = set(re.findall(r"fusion\(.*?calls=(%[\w.-]+)", hlo))
+    kept, keep = [], True
+    for line in hlo.splitlines():
+        if line and not line.startswith(" "):  # a computation's header
+            keep = line.split()[0] not in fused
+        if keep:
+            kept.append(line)
+    return "\n".join(kept)
+
+
 def _per_head_cache_arrays(hlo: str, batch: int, slots: int) -> list[str]:
     """Shapes in compiled HLO that have a dimension of `slots` (the cache length) and more elements than the
     latent rows themselves (batch x slots x (R + E)): per-head keys or values of cache length, however laid out.
     The scores [B, N, 1, S] are smaller."""
     limit = batch * slots * (RANK + ROPE)
     found = set()
-    for dims in re.findall(r"\b(?:f32|bf16|f16|s8|f8e4m3fn)\[([\d,]+)\]", hlo):
+    for dims in re.findall(r"\b(?:f32|bf16|f16|s8|f8e4m3fn)\[([\d,]+)\]", _materialized(hlo)):
         shape = tuple(int(d) for d in dims.split(","))
         if slots in shape and math.prod(shape) > limit:
             found.add(shape)
@@ -241,7 +254,7 @@ def test_compiled_decode_step_holds_nothing_per_head_of_cache_length(model):
     # The check does find per-head keys and values: the expanded recompute over `slots` tokens has them.
     full = jaxkv.model._full_forward.lower(model.params, jnp.ones((batch, slots), jnp.int32), config=CONFIG,
                                            attention="xla").compile().as_text()
-    assert (batch, slots, HEADS, NOPE) in _per_head_cache_arrays(full, batch, slots)
+    assert any(HEADS in shape and NOPE in shape for shape in _per_head_cache_arrays(full, batch, slots))
 
 
 def test_save_and_load_round_trip(model, tmp_path):

@@ -75,3 +75,51 @@ def test_bad_shapes():
     with pytest.raises(ValueError, match="does not fit"):
         mla.attention(jnp.zeros((1, 1, N, R + E)), jnp.zeros((1, S, R)), jnp.zeros(1, jnp.int32), jnp.int32(0),
                       latent_dim=R, scale=1.0)
+
+
+def test_decode_prefix_path_equals_the_full_formula():
+    """Decode (T == 1) reads a live prefix in the reduce form; it equals the plain formula (min_prefix=None), with
+    NaN in dead rows, a window, a ring and int8 rows with scales."""
+    rng = np.random.default_rng(3)
+    S_long = 700  # several prefix lengths (256, 384, 512, all)
+    q = jnp.asarray(rng.normal(size=(2, 1, N, R + E)), jnp.float32)
+    rows = rng.normal(size=(2, S_long, R + E)).astype(np.float32)
+    for q_offset, start, window, ring in [(300, [0, 40], None, False), (650, [3, 0], 100, False),
+                                          (2000, [0, 0], S_long, True), (10, [0, 2], None, False)]:
+        poisoned = rows.copy()
+        if not ring:
+            poisoned[:, q_offset + 1:] = np.nan
+        args = (jnp.asarray(start, jnp.int32), jnp.int32(q_offset))
+        kw = dict(latent_dim=R, scale=0.2, sliding_window=window, ring=ring)
+        got = mla.attention(q, jnp.asarray(poisoned), *args, **kw)
+        want = mla.attention(q, jnp.asarray(rows), *args, min_prefix=None, **kw)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    scales = np.abs(rows).max(-1) / 127
+    stored = jnp.asarray(np.round(rows / scales[..., None]).astype(np.int8))
+    args = (jnp.zeros(2, jnp.int32), jnp.int32(500))
+    got = mla.attention(q, stored, *args, latent_dim=R, scale=0.2, latent_scale=jnp.asarray(scales))
+    want = mla.attention(q, stored, *args, latent_dim=R, scale=0.2, latent_scale=jnp.asarray(scales), min_prefix=None)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("batch, cache_dtype", [(1, "float32"), (3, "float32"), (1, "int8")])
+def test_compiled_mla_decode_updates_the_latent_cache_in_place(batch, cache_dtype):
+    """No copy (or transposing copy fusion) of a whole latent buffer [B, 1, S, R + E] in the compiled decode loop:
+    the einsum form of the attention made XLA:CPU copy float32 buffers several times per layer and step."""
+    import jax
+
+    import jaxkv
+    from jaxkv.config import Mla
+    from test_cache import _is_whole_buffer_copy
+
+    config = jaxkv.Config(vocab_size=64, d_model=32, n_layers=2, n_heads=4, ffn_dim=48,
+                          mla=Mla(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8))
+    model = jaxkv.Model.random(config, seed=0)
+    logits, cache = jaxkv.prefill(model.params, jnp.ones((batch, 4), jnp.int32), jnp.zeros(batch, jnp.int32),
+                                  config=config, capacity=48, attention="xla", cache_dtype=cache_dtype)
+    args = (model.params, cache, logits, jax.random.PRNGKey(0), jaxkv.Sampler.make(), jnp.full((8,), -1))
+    text = jaxkv.decode.lower(*args, config=config, steps=5, attention="xla").compile().as_text()
+    short = {"float32": "f32", "int8": "s8"}[cache_dtype]
+    assert f"= {short}[{batch},1,48,24]" in text  # the check below looks for the right shape
+    copies = [ln.strip()[:120] for ln in text.splitlines() if _is_whole_buffer_copy(ln, batch * 48 * 24)]
+    assert not copies, copies[:3]

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxkv.attention.reference import MASKED, _softmax, live_mask
+from jaxkv.attention.reference import MASKED, MIN_PREFIX, _decode_prefix, _softmax, live_mask, prefix_lengths
 
 
 def attention(q, latent, start, q_offset, *, latent_dim: int, scale: float, latent_scale=None,
-              sliding_window: int | None = None, ring: bool = False):
+              sliding_window: int | None = None, ring: bool = False, min_prefix: int | None = MIN_PREFIX):
     """Absorbed multi-head latent attention of T queries over S cached latent rows.
 
     Args:
@@ -38,7 +38,11 @@ def attention(q, latent, start, q_offset, *, latent_dim: int, scale: float, late
       latent_dim: R (the values are latent[..., :R]).
       scale: multiplies the scores (DeepSeek: qk_head_dim ** -0.5, times the YaRN mscale squared).
       latent_scale: float32[B, S] dequantization scales of an int8/fp8 cache (one per slot), else None.
-      sliding_window, ring: as in `jaxkv.attention.reference.attention`.
+      sliding_window, ring, min_prefix: as in `jaxkv.attention.reference.attention`. Decode (T == 1) reads the
+        shortest cache prefix holding every live slot, as there, in the same broadcast-and-reduce form (which
+        reads the just-updated cache buffer in place: the einsum form below made XLA:CPU copy a float32 latent
+        buffer several times per layer and step); min_prefix=None, T > 1 or a bfloat16/float16 cache is the plain
+        formula (`full_attention`).
 
     Returns:
       [B, T, N, R] float32: each head's attention output in latent space, before the value up-projection.
@@ -47,6 +51,25 @@ def attention(q, latent, start, q_offset, *, latent_dim: int, scale: float, late
     S = latent.shape[1]
     if latent.shape != (B, S, C) or not 0 < latent_dim < C:
         raise ValueError(f"latent {latent.shape} does not fit queries {q.shape} with latent_dim {latent_dim}")
+    # A 16-bit cache keeps the plain formula: the reduce form multiplies in the cache's dtype (as the GQA reference
+    # does for 16-bit K/V), which would round the float32 latent-space query to 16 bits first.
+    sixteen_bit = latent_scale is None and latent.dtype != jnp.float32
+    if T == 1 and min_prefix is not None and not sixteen_bit:
+        # Multi-query attention with one KV head of width R + E whose values are its first R columns.
+        rows = latent[:, None]  # [B, 1, S, R + E]
+        row_scale = None if latent_scale is None else latent_scale[:, None]  # [B, 1, S]
+        out = _decode_prefix(q.reshape(B, 1, N, C), rows, rows[..., :latent_dim], start, q_offset, scale,
+                             sliding_window, row_scale, row_scale, ring, prefix_lengths(S, min_prefix))
+        return out.reshape(B, 1, N, latent_dim).astype(jnp.float32)
+    return full_attention(q, latent, start, q_offset, latent_dim=latent_dim, scale=scale, latent_scale=latent_scale,
+                          sliding_window=sliding_window, ring=ring)
+
+
+def full_attention(q, latent, start, q_offset, *, latent_dim: int, scale: float, latent_scale=None,
+                   sliding_window: int | None = None, ring: bool = False):
+    """`attention` over every one of the S slots, dead ones masked: the plain formula, whatever T."""
+    B, T, N, C = q.shape
+    S = latent.shape[1]
     rows = latent.astype(jnp.float32)
     if latent_scale is not None:
         rows = rows * latent_scale[..., None].astype(jnp.float32)
