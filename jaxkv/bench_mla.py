@@ -4,7 +4,7 @@
     python scripts/bench_mla.py ...            (the same)
 
 Two models with random weights (seed 0), float32, built from the "small" preset (8 layers, d_model 512, 8 query
-heads, vocabulary 32,000):
+heads, vocabulary 32,000; max positions raised to 16,384, which costs nothing with rotary positions):
 
   gqa   the preset: 4 KV heads of 64 dims, so 2 x 4 x 64 = 512 cached values per token and layer;
   mla   the same model with multi-head latent attention: latent R = 96, shared rotary key E = 32 (one cached row of
@@ -62,7 +62,7 @@ def twins():
     from jaxkv.config import Mla
     from jaxkv.config import PRESETS
 
-    gqa = PRESETS["small"]
+    gqa = PRESETS["small"].replace(max_positions=16384)  # rotary positions: room for long contexts, no table
     mla = Mla(kv_lora_rank=96, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64)
     base = dataclasses.replace(gqa, n_kv_heads=None, head_dim=None, mla=mla)
     # The FFN width that brings the MLA model's parameter count closest to the twin's.
