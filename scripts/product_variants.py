@@ -73,9 +73,9 @@ def main(argv=None) -> int:
         product = variants[name][1]
 
         def step(h, _):
-            total = jnp.zeros_like(h)
+            total, start = jnp.zeros_like(h), h  # independent: every product reads the step's input `start`
             for w in ws:
-                y = product(h if chain else x, w)
+                y = product(h if chain else start, w)
                 # Every column feeds the next input: a product cannot be cut down to the columns a slice keeps.
                 nxt = jnp.tanh(y[:, :d_in] + 1e-6 * jnp.sum(y, axis=-1, keepdims=True))
                 h, total = (nxt, total) if chain else (h, total + nxt)
