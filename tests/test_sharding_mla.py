@@ -91,6 +91,30 @@ def test_sampled_tokens_equal_single_device(name, shape):
     assert got.tokens != reference(name).tokens  # really sampled
 
 
+def test_stop_tokens_on_a_mesh():
+    """A stop token ends its row on a mesh as on one device (same tokens, same finish reasons)."""
+    stop = reference("mla").tokens[1][3]
+    kwargs = dict(max_new_tokens=NEW, stop_tokens=[stop])
+    want = jaxkv.generate(model_for("mla"), PROMPTS, **kwargs)
+    got = jaxkv.generate(model_for("mla"), PROMPTS, mesh=mesh_of(2, 4), **kwargs)
+    assert (got.tokens, got.finish_reasons) == (want.tokens, want.finish_reasons)
+    assert got.finish_reasons[1] == "stop"
+
+
+def test_ring_latent_cache_on_a_mesh():
+    """A sliding window of 8: the latent cache is a ring of 8 rows, shorter than the 20-token prompt, split over
+    "data" like the plain one; tokens equal one device's."""
+    # A new params tree: generate remembers the last sharded (params, mesh) by identity, config not included, so
+    # the same tree under another config would run with the remembered config.
+    model = jaxkv.Model(MLA.replace(sliding_window=8), jax.tree.map(lambda w: w, model_for("mla").params))
+    prompts = [list(range(1, 21)), [5, 6, 7]]
+    want = jaxkv.generate(model, prompts, max_new_tokens=NEW, stop_tokens=[])
+    got = jaxkv.generate(model, prompts, max_new_tokens=NEW, stop_tokens=[], mesh=mesh_of(2, 4))
+    assert got.tokens == want.tokens
+    assert got.stats["cache_ring"] and got.stats["cache_capacity"] == 8
+    assert got.stats["kv_cache_bytes_per_device"] == got.stats["kv_cache_bytes"] // 2
+
+
 @pytest.mark.parametrize("name, shape", [("mla-moe", (2, 4))])
 def test_int8_latent_cache(name, shape):
     """An int8 latent cache on a mesh: the cache leaves (rows and their scales) carry the latent layout, hold
