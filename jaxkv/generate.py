@@ -44,6 +44,7 @@ from jaxkv import checks, memory, roofline, sharding
 from jaxkv.cache import KVCache, check_cache_dtype
 from jaxkv.config import Config
 from jaxkv.model import Decoder, Model
+from jaxkv.mla_attention import paged_attention_name
 from jaxkv.paged_cache import PagedKVCache
 from jaxkv.sampling import Sampler, token_logprobs
 
@@ -840,7 +841,7 @@ def _generate_paged(model: Model, prompts, *, n, page_size, max_new_tokens, temp
     max_new_tokens = checks.check_int("max_new_tokens", max_new_tokens, 1)
     stop_ids, key = _stop_ids(stop_tokens, config), _key(seed)
     cache_dtype = check_cache_dtype(config.dtype if cache_dtype is None else cache_dtype)
-    attention = attention_impls.resolve(attention or config.attention)
+    attention = paged_attention_name(attention or config.attention, config)  # MLA: "xla" (no paged kernel)
     if max_len is not None:
         max_len = checks.check_int("max_len", max_len, 1)
     pages = memory.plan_pages(config, [len(p) for p in token_lists], max_new_tokens, n=n, page_size=page_size,
@@ -928,16 +929,18 @@ def _generate_paged(model: Model, prompts, *, n, page_size, max_new_tokens, temp
     return result
 
 
-_sharded_cache: list = []  # [(params, mesh, sharded params, config)]: the last model sharded, reused by identity
+_sharded_cache: list = []  # [(params, config, mesh, sharded params, sharded config)]: the last model sharded
 
 
 def _sharded_params(model: Model, mesh: Mesh):
-    """`sharding.shard_params` of the model, remembered for the last (params, mesh) so that repeated calls do
-    not re-copy the weights."""
-    if _sharded_cache and _sharded_cache[0][0] is model.params and _sharded_cache[0][1] == mesh:
-        return _sharded_cache[0][2:]
+    """`sharding.shard_params` of the model, remembered for the last (params, config, mesh) so that repeated
+    calls do not re-copy the weights. The config is part of the key: the same params under another config (a
+    `dataclasses.replace`d model) may shard or lay out differently."""
+    if (_sharded_cache and _sharded_cache[0][0] is model.params and _sharded_cache[0][1] == model.config
+            and _sharded_cache[0][2] == mesh):
+        return _sharded_cache[0][3:]
     params, config = sharding.shard_params(model.params, model.config, mesh)
-    _sharded_cache[:] = [(model.params, mesh, params, config)]
+    _sharded_cache[:] = [(model.params, model.config, mesh, params, config)]
     return params, config
 
 

@@ -139,8 +139,8 @@ def stored_out_in(d_in: int, d_out: int, dtype="float32") -> bool:
 OUT_IN_ORDER = {"wq": (2, 0, 1), "wk": (2, 0, 1), "wv": (2, 0, 1), "wo": (1, 2, 0), "w_gate": (1, 0), "w_up": (1, 0),
                 "w_fc": (1, 0), "w_down": (1, 0)}
 # MLA's own projections (`jaxkv.mla_attention`; it shares wq [N, qk, D] and wo [D, N, v] above): wq_a [q_rank, D],
-# wq_b [N, qk, q_rank], wkv_a [R + E, D]. Kept apart because `jaxkv.sharding` derives its axes from OUT_IN_ORDER
-# and MLA does not run on a mesh yet. The per-head up-projections wk_b [N, nope, R] and wv_b [N, v, R] are read by
+# wq_b [N, qk, q_rank], wkv_a [R + E, D]. Kept apart because only MLA configs have them (`jaxkv.sharding` reads
+# ALL_OUT_IN_ORDER for its axes). The per-head up-projections wk_b [N, nope, R] and wv_b [N, v, R] are read by
 # einsums, never by `linear`, and have one layout.
 MLA_OUT_IN_ORDER = {"wq_a": (1, 0), "wq_b": (2, 0, 1), "wkv_a": (1, 0)}
 ALL_OUT_IN_ORDER = {**OUT_IN_ORDER, **MLA_OUT_IN_ORDER}

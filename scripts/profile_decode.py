@@ -1,6 +1,6 @@
 """Where a decode step's time goes: per-op times of the compiled decode loop, from `jax.profiler`.
 
-    python scripts/profile_decode.py [--config small] [--batch 1] [--live 256] [--capacity 384] [--steps 64]
+    python scripts/profile_decode.py [--config small|mla-twin|gqa-twin] [--batch 1] [--live 256] [--capacity 384] [--steps 64]
                                      [--dtype float32] [--cache-dtype D] [--top 15] [--json FILE]
 
 Runs `jaxkv.generate.decode` (the compiled `lax.scan` decode loop, cache donated) for `--steps` steps on a random
@@ -40,7 +40,8 @@ _HLO_DEF = re.compile(r"\s*(?:ROOT )?%(\S+) = (\S+) (\S+?)\((.*)")
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", default="small", choices=sorted(PRESETS))
+    p.add_argument("--config", default="small", choices=sorted(PRESETS) + ["mla-twin", "gqa-twin"],
+                   help="a preset, or `jaxkv bench mla`'s pair: the MLA model and its GQA twin")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--live", type=int, default=256, help="tokens already in the cache")
     p.add_argument("--capacity", type=int, default=384, help="cache slots (max_len)")
@@ -65,7 +66,12 @@ def parse_args(argv=None):
 
 
 def profile(args) -> dict:
-    config = PRESETS[args.config]
+    if args.config in ("mla-twin", "gqa-twin"):
+        from jaxkv.bench_mla import twins
+
+        config = twins()[args.config == "mla-twin"]
+    else:
+        config = PRESETS[args.config]
     model = cast(jaxkv.Model.random(config, seed=0), args.dtype)
     config = model.config
     cache_dtype = args.cache_dtype or args.dtype

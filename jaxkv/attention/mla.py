@@ -58,9 +58,13 @@ def attention(q, latent, start, q_offset, *, latent_dim: int, scale: float, late
         # Multi-query attention with one KV head of width R + E whose values are its first R columns.
         rows = latent[:, None]  # [B, 1, S, R + E]
         row_scale = None if latent_scale is None else latent_scale[:, None]  # [B, 1, S]
-        out = _decode_prefix(q.reshape(B, 1, N, C), rows, rows[..., :latent_dim], start, q_offset, scale,
+        # The values are the whole rows and the output's last E columns are dropped: slicing the values out
+        # of the buffer (rows[..., :R]) made XLA:CPU copy that slice of every layer's cache each step (~1 ms of
+        # a 16 ms step at 4k slots, scripts/profile_decode.py --config mla-twin); E / (R + E) more multiply-adds
+        # in the weighted sum cost less than that copy.
+        out = _decode_prefix(q.reshape(B, 1, N, C), rows, rows, start, q_offset, scale,
                              sliding_window, row_scale, row_scale, ring, prefix_lengths(S, min_prefix))
-        return out.reshape(B, 1, N, latent_dim).astype(jnp.float32)
+        return out.reshape(B, 1, N, C)[..., :latent_dim].astype(jnp.float32)
     return full_attention(q, latent, start, q_offset, latent_dim=latent_dim, scale=scale, latent_scale=latent_scale,
                           sliding_window=sliding_window, ring=ring)
 
