@@ -24,10 +24,15 @@ maximum over the head dimension maps to the format's largest value), kept beside
 `value_scales` ([B, K, S] per layer); attention dequantizes as it reads. `jaxkv.kv_cache_bytes` counts exactly
 these leaves.
 
-Ring buffers (`ring=True`): a sliding-window model only ever attends to the last `window` slots, so its cache needs
-only S = window slots. Absolute slot s (what `start`, `length` and positions count) is stored at index s mod S and
+Ring buffers: a sliding-window layer only ever attends to the last `window` slots, so its cache needs only
+S = window slots. Absolute slot s (what `start`, `length` and positions count) is stored at index s mod S and
 overwrites slot s - S; memory is O(window), not O(sequence). Attention maps indices back to absolute slots
 (`attention.reference.live_mask`).
+
+Per-layer geometry. Each layer has its own buffer, so each has its own length and layout (`rings`): a model that
+mixes sliding-window and full-attention layers (Gemma 2/3, `Config.layer_types`) gets, with `ring=True`, a ring of
+min(window, S) slots on each sliding layer and S plain slots on each full layer. `capacity` is then the full
+layers' S (what bounds the sequence), and `ring` is true only when every layer is a ring (nothing bounds it).
 """
 
 from __future__ import annotations
@@ -59,21 +64,22 @@ def check_cache_dtype(cache_dtype) -> str:
     return name
 
 
-def zeroed_buffers(config: Config, shape: tuple[int, ...], dtype=None):
-    """(keys, values, key_scales, value_scales): L zeroed K and V buffers of `shape` in the cache dtype (`dtype`,
-    default config.dtype), and for int8/fp8 L float32 scale buffers of shape[:3] each (else empty). Every buffer
-    is distinct: all may be donated, and one buffer cannot be donated twice.
+def zeroed_buffers(config: Config, shape, dtype=None):
+    """(keys, values, key_scales, value_scales): L zeroed K and V buffers in the cache dtype (`dtype`, default
+    config.dtype), and for int8/fp8 L float32 scale buffers of shape[:3] each (else empty). `shape` is one shape
+    for every layer, or a list of L shapes (per-layer geometry). Every buffer is distinct: all may be donated,
+    and one buffer cannot be donated twice.
 
     An MLA config (`config.mla`) caches keys only: its values are the first R columns of the key row, so values
     and value_scales are empty and no second buffer is ever allocated."""
     name = check_cache_dtype(dtype or config.dtype)
-    L = config.n_layers
-    buffers = lambda shape, dt: tuple(jnp.zeros(shape, dt) for _ in range(L))  # noqa: E731
+    shapes = [tuple(shape)] * config.n_layers if isinstance(shape, tuple) else [tuple(s) for s in shape]
+    buffers = lambda dt, cut=None: tuple(jnp.zeros(s[:cut], dt) for s in shapes)  # noqa: E731
     scales = name in QUANTIZED
     values = config.mla is None
-    return (buffers(shape, name), buffers(shape, name) if values else (),
-            buffers(shape[:3], jnp.float32) if scales else (),
-            buffers(shape[:3], jnp.float32) if scales and values else ())
+    return (buffers(name), buffers(name) if values else (),
+            buffers(jnp.float32, 3) if scales else (),
+            buffers(jnp.float32, 3) if scales and values else ())
 
 
 def quantize(x, cache_dtype: str):
@@ -92,9 +98,17 @@ def quantize(x, cache_dtype: str):
     return stored, scale
 
 
+def layer_slots(config: Config, max_len: int, ring: bool) -> tuple[tuple[int, bool], ...]:
+    """(slots, is a ring) of each layer of a cache of `max_len` slots: with `ring`, a layer with a sliding window
+    gets a ring of min(window, max_len) slots; every other layer max_len plain slots. The planner
+    (`jaxkv.memory`) and `KVCache.allocate` both use this."""
+    return tuple((min(w, max_len), True) if ring and w is not None else (max_len, False)
+                 for w in config.layer_windows)
+
+
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["keys", "values", "start", "length", "key_scales", "value_scales"],
-                   meta_fields=["ring"])
+                   meta_fields=["rings"])
 @dataclasses.dataclass(frozen=True)
 class KVCache:
     keys: tuple[jax.Array, ...]  # L x [B, K, S, H]; MLA: L x [B, 1, S, R + E], the latent rows
@@ -103,18 +117,42 @@ class KVCache:
     length: jax.Array  # int32[]
     key_scales: tuple[jax.Array, ...] = ()  # L x float32[B, K, S] for int8/fp8 caches, else empty
     value_scales: tuple[jax.Array, ...] = ()
-    ring: bool = False  # static: S is a ring of the most recent S slots (module docstring)
+    # static, per layer: that layer's S slots are a ring of the most recent S (module docstring). A bool is
+    # taken for every layer.
+    rings: tuple[bool, ...] | bool = False
+
+    def __post_init__(self):
+        if isinstance(self.rings, bool):
+            object.__setattr__(self, "rings", (self.rings,) * len(self.keys))
+        elif len(self.rings) != len(self.keys):
+            raise ValueError(f"rings has {len(self.rings)} entries for {len(self.keys)} layers")
 
     @classmethod
     def allocate(cls, config: Config, batch: int, max_len: int, *, dtype=None, start=None,
                  ring: bool = False) -> "KVCache":
-        """A zeroed cache for `batch` sequences of `max_len` slots each (a ring of `max_len` slots with `ring`);
-        `dtype` is one of CACHE_DTYPES (default config.dtype); `start` defaults to all zeros."""
+        """A zeroed cache for `batch` sequences of `max_len` slots each; with `ring`, each sliding-window layer
+        holds a ring of min(window, max_len) slots instead (`layer_slots`; a model without per-layer kinds and a
+        window: every layer). `dtype` is one of CACHE_DTYPES (default config.dtype); `start` defaults to zeros."""
+        slots = layer_slots(config, max_len, ring)
+        if not ring or config.every_layer_sliding:  # one geometry (a config's every layer, or none, is a ring)
+            slots = tuple((max_len, bool(ring)) for _ in slots)
         keys, values, key_scales, value_scales = zeroed_buffers(
-            config, (batch, config.n_kv_heads, max_len, config.head_dim), dtype)
+            config, [(batch, config.n_kv_heads, S, config.head_dim) for S, _ in slots], dtype)
         start = jnp.zeros((batch,), jnp.int32) if start is None else jnp.asarray(start, jnp.int32)
         return cls(keys=keys, values=values, start=start, length=jnp.zeros((), jnp.int32),
-                   key_scales=key_scales, value_scales=value_scales, ring=ring)
+                   key_scales=key_scales, value_scales=value_scales, rings=tuple(r for _, r in slots))
+
+    @property
+    def ring(self) -> bool:
+        """Every layer is a ring: no slot count bounds the sequence (only the model's max positions)."""
+        return all(self.rings)
+
+    def layer_ring(self, layer: int) -> bool:
+        return self.rings[layer]
+
+    def layer_capacity(self, layer: int) -> int:
+        """S of `layer`: its slots (a ring's window, or the full length)."""
+        return self.keys[layer].shape[2]
 
     @property
     def dtype(self) -> str:
@@ -138,8 +176,10 @@ class KVCache:
 
     @property
     def capacity(self) -> int:
-        """S, the number of slots per sequence."""
-        return self.keys[0].shape[2]
+        """S, the slots per sequence: the full (non-ring) layers' when there are any (they bound the sequence),
+        else the rings'."""
+        plain = [k.shape[2] for k, ring in zip(self.keys, self.rings) if not ring]
+        return max(plain) if plain else max(k.shape[2] for k in self.keys)
 
     def nbytes(self) -> int:
         """Bytes of keys, values and (quantized caches) their scales: what `jaxkv.kv_cache_bytes` predicts."""
@@ -166,13 +206,17 @@ class KVCache:
         `jaxkv.model.Decoder`) and `check()` fails under `checkify`. In a ring every single-token write fits; a multi-token write
         must not wrap around the end.
         """
-        T = k.shape[2]
-        if T > self.capacity:  # known at trace time: refuse before compute
-            raise ValueError(f"cannot write {T} tokens into a cache of {self.capacity} slots")
-        at = self.length % self.capacity if self.ring else self.length
-        fits = at + T <= self.capacity
+        T, S, ring = k.shape[2], self.layer_capacity(layer), self.rings[layer]
+        if T > S:  # known at trace time: refuse before compute
+            raise ValueError(f"cannot write {T} tokens into a cache of {S} slots")
+        at = self.length % S if ring else self.length
+        fits = at + T <= S
 
         def update(buf, new):
+            if ring and T > 1:
+                # A chunk may wrap past the ring's end: each token to its own index (a scatter), in place.
+                index = (self.length + jnp.arange(T)) % S
+                return buf.at[:, :, index].set(new.astype(buf.dtype), unique_indices=True)
             old = lax.dynamic_slice_in_dim(buf, at, T, axis=2)
             new = jnp.where(fits, new.astype(buf.dtype), old)
             return lax.dynamic_update_slice_in_dim(buf, new, at, axis=2)
@@ -191,7 +235,7 @@ class KVCache:
         values = self.values[layer]
         if zero_dead_values:
             # What the next query (slot `length`) can see, before this write; the written slots are replaced below.
-            kept = live_mask(self.start, self.length, 1, self.capacity, ring=self.ring)[:, 0]  # [B, S]
+            kept = live_mask(self.start, self.length, 1, S, ring=ring)[:, 0]  # [B, S]
             values = jnp.where(kept[:, None, :, None], values, jnp.zeros((), values.dtype))
             if self.quantized:  # a float8 value can itself be NaN: zero both the value and its scale
                 v_scale = jnp.where(kept[:, None, :], v_scale, 0.0)
@@ -205,8 +249,8 @@ class KVCache:
         """Writes a whole prompt ([B, K, T, H], slots [0, T)) into an empty cache (v None: keys only, MLA). Unlike
         `write`, a ring cache may be shorter than the prompt: then only the last S slots are kept, each at its
         index slot mod S."""
-        T, S = k.shape[2], self.capacity
-        if self.ring and T > S:
+        T, S = k.shape[2], self.layer_capacity(layer)
+        if self.rings[layer] and T > S:
             # Slots T-S .. T-1 go to indices (T-S) mod S .. : a rotation of the last S slots by T mod S.
             k, v = (None if x is None else jnp.roll(x[:, :, T - S:], T % S, axis=2) for x in (k, v))
         return self.write(layer, k, v)

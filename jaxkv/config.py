@@ -11,8 +11,10 @@ import dataclasses
 import math
 from typing import Literal
 
-FfnKind = Literal["swiglu", "gelu"]
-NormKind = Literal["rmsnorm", "layernorm"]
+FfnKind = Literal["swiglu", "geglu", "gelu"]
+NormKind = Literal["rmsnorm", "gemma_rmsnorm", "layernorm"]
+LayerType = Literal["full_attention", "sliding_attention"]
+LAYER_TYPES = ("full_attention", "sliding_attention")
 PositionKind = Literal["rope", "learned"]
 MoeScoring = Literal["softmax", "sigmoid"]
 MoeTopkMethod = Literal["greedy", "group_limited_greedy", "noaux_tc"]
@@ -42,6 +44,18 @@ class RopeScaling:
             self.original_max_positions >= 1,
             f"rope_scaling.original_max_positions must be >= 1, got {self.original_max_positions}",
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearScaling:
+    """Linear position interpolation (HF `rope_type: linear`, Gemma 3's global layers): every inverse frequency
+    divided by `factor`."""
+
+    factor: float
+
+    def __post_init__(self):
+        _check(isinstance(self.factor, (int, float)) and math.isfinite(self.factor) and self.factor > 0,
+               f"rope_scaling.factor must be a finite number > 0, got {self.factor!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,15 +226,31 @@ class Config:
       n_kv_heads: K, key/value heads. N == K is MHA, K == 1 is MQA, anything between that divides N is GQA.
       head_dim: H; defaults to d_model // n_heads but may differ (then the attention width N*H != D).
       ffn_dim: F, hidden width of the feed-forward block.
-      ffn_kind: "swiglu" (Llama family: down(silu(gate x) * up x)) or "gelu" (GPT-2: proj(gelu_tanh(fc x))).
-      norm_kind: "rmsnorm" or "layernorm"; norm_eps its epsilon.
+      ffn_kind: "swiglu" (Llama family: down(silu(gate x) * up x)), "geglu" (Gemma: down(gelu_tanh(gate x) *
+        up x)) or "gelu" (GPT-2: proj(gelu_tanh(fc x))).
+      norm_kind: "rmsnorm" (x / rms(x) cast back, then times w), "gemma_rmsnorm" (Gemma: in float32 times
+        (1 + w), then cast back; w is stored as the checkpoint holds it, zero-centred) or "layernorm"; norm_eps
+        its epsilon. The q/k norms (`qk_norm`) follow the same kind.
       positions: "rope" (rotary, `rope_theta`, optional `rope_scaling`) or "learned" (an absolute position table
         of `max_positions` rows).
       qkv_bias: bias on the q, k and v projections (Qwen2, GPT-2). out_bias / mlp_bias: on the attention output
         projection / the FFN linears (GPT-2).
       tie_embeddings: the output head reuses the token embedding.
       max_positions: the largest position id + 1 the model supports.
-      sliding_window: if set, a token attends only to the `sliding_window` most recent tokens, itself included.
+      sliding_window: if set, a token attends only to the `sliding_window` most recent tokens, itself included:
+        on every layer, or with `layer_types` on the "sliding_attention" layers only.
+      layer_types: per layer "full_attention" or "sliding_attention" (Hugging Face's `layer_types`), or None
+        (every layer sliding when sliding_window is set, else full). Each layer's cache is sized by its kind
+        (`layer_window`): a ring of the window for a sliding layer, full length for a full one.
+      rope_local_theta: the rotary base of the sliding layers (Gemma 3's rope_local_base_freq), which then take
+        no rope_scaling; None: every layer uses rope_theta and rope_scaling.
+      embed_scale: the token embeddings are multiplied by this (Gemma: sqrt(d_model), rounded to the dtype).
+      qk_norm: an RMS norm (of norm_kind) over each query and key head before the rotation (Gemma 3, Qwen3).
+      post_norms: Gemma 2/3's sandwich norms: the attention output and the FFN output are normalized before
+        each is added to the residual stream.
+      query_pre_attn_scalar: the scores are scaled by query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5.
+      attn_logit_softcap: scores become cap * tanh(scores / cap) before masking and softmax (Gemma 2).
+      final_logit_softcap: the output logits become cap * tanh(logits / cap) (Gemma 2).
       eos_ids: default stop tokens for `generate`.
       mla: multi-head latent attention (`Mla`) instead of grouped-query attention. The cache then holds one row of
         R + E per token (MQA with one KV head of that width, keys only): n_kv_heads is 1 and head_dim is R + E,
@@ -250,6 +280,14 @@ class Config:
     tie_embeddings: bool = False
     max_positions: int = 4096
     sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    rope_local_theta: float | None = None
+    embed_scale: float | None = None
+    qk_norm: bool = False
+    post_norms: bool = False
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
     eos_ids: tuple[int, ...] = ()
     mla: Mla | None = None
     moe: MoeConfig | None = None
@@ -269,6 +307,8 @@ class Config:
             object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
         if self.ffn_dim is None:
             object.__setattr__(self, "ffn_dim", 4 * self.d_model)
+        if self.layer_types is not None and not isinstance(self.layer_types, tuple):
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
         if isinstance(self.eos_ids, int):
             object.__setattr__(self, "eos_ids", (self.eos_ids,))
         else:
@@ -288,9 +328,10 @@ class Config:
                f"n_kv_heads ({self.n_kv_heads}) must not exceed n_heads ({self.n_heads})")
         _check(self.n_heads % self.n_kv_heads == 0,
                f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads})")
-        _check(self.ffn_kind in ("swiglu", "gelu"), f"ffn_kind must be 'swiglu' or 'gelu', got {self.ffn_kind!r}")
-        _check(self.norm_kind in ("rmsnorm", "layernorm"),
-               f"norm_kind must be 'rmsnorm' or 'layernorm', got {self.norm_kind!r}")
+        _check(self.ffn_kind in ("swiglu", "geglu", "gelu"),
+               f"ffn_kind must be 'swiglu', 'geglu' or 'gelu', got {self.ffn_kind!r}")
+        _check(self.norm_kind in ("rmsnorm", "gemma_rmsnorm", "layernorm"),
+               f"norm_kind must be 'rmsnorm', 'gemma_rmsnorm' or 'layernorm', got {self.norm_kind!r}")
         _check(self.norm_eps > 0 and math.isfinite(self.norm_eps), f"norm_eps must be > 0, got {self.norm_eps}")
         _check(self.positions in ("rope", "learned"),
                f"positions must be 'rope' or 'learned', got {self.positions!r}")
@@ -314,15 +355,60 @@ class Config:
                    f"rope_theta must be > 0, got {self.rope_theta}")
         else:
             _check(self.rope_scaling is None, "rope_scaling is set but positions is 'learned'")
-        _check(self.rope_scaling is None or isinstance(self.rope_scaling, (RopeScaling, YarnScaling)),
-               f"rope_scaling must be a RopeScaling, a YarnScaling or None, got {type(self.rope_scaling).__name__}")
-        _check(self.sliding_window is None or (isinstance(self.sliding_window, int) and self.sliding_window >= 1),
+        _check(self.rope_scaling is None or isinstance(self.rope_scaling, (RopeScaling, LinearScaling, YarnScaling)),
+               f"rope_scaling must be a RopeScaling, LinearScaling, YarnScaling or None, got "
+               f"{type(self.rope_scaling).__name__}")
+        _check(self.sliding_window is None or (isinstance(self.sliding_window, int)
+                                               and not isinstance(self.sliding_window, bool)
+                                               and self.sliding_window >= 1),
                f"sliding_window must be None or a positive integer, got {self.sliding_window!r}")
+        if self.layer_types is not None:
+            _check(len(self.layer_types) == self.n_layers,
+                   f"layer_types has {len(self.layer_types)} entries for {self.n_layers} layers")
+            bad = [t for t in self.layer_types if t not in LAYER_TYPES]
+            _check(not bad, f"layer_types entries must be one of {LAYER_TYPES}, got {bad[0]!r}" if bad else "")
+            _check(self.sliding_window is not None or "sliding_attention" not in self.layer_types,
+                   "layer_types has sliding_attention layers but sliding_window is None")
+            _check(self.mla is None, "layer_types is not supported with mla")
+        _check(self.rope_local_theta is None or (self.positions == "rope" and self.rope_local_theta > 0
+                                                 and math.isfinite(self.rope_local_theta)),
+               f"rope_local_theta must be None or > 0 with rotary positions, got {self.rope_local_theta!r}")
+        for name in ("embed_scale", "query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                     and math.isfinite(value) and value > 0),
+                   f"{name} must be None or a finite number > 0, got {value!r}")
+        for name in ("qk_norm", "post_norms"):
+            _check(isinstance(getattr(self, name), bool), f"{name} must be a bool, got {getattr(self, name)!r}")
+        _check(not (self.qk_norm and self.mla is not None), "qk_norm is not supported with mla")
         for i in self.eos_ids:
             _check(0 <= i < self.vocab_size, f"eos id {i} is outside the vocabulary [0, {self.vocab_size})")
         _check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         _check(self.attention in ATTENTION_IMPLS,
                f"attention must be one of {ATTENTION_IMPLS}, got {self.attention!r}")
+
+    # Per-layer attention -------------------------------------------------------------------------------------
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of `layer` (None: it sees the whole context)."""
+        if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        return tuple(self.layer_window(layer) for layer in range(self.n_layers))
+
+    @property
+    def every_layer_sliding(self) -> bool:
+        """Every layer has a window: a cache that is a ring on every layer needs no bound on the length."""
+        return all(w is not None for w in self.layer_windows)
+
+    def layer_rope(self, layer: int) -> tuple[float, RopeScaling | LinearScaling | YarnScaling | None]:
+        """(rope base, scaling) of `layer`: the sliding layers' own base (unscaled) when rope_local_theta is set."""
+        if self.rope_local_theta is not None and self.layer_window(layer) is not None:
+            return self.rope_local_theta, None
+        return self.rope_theta, self.rope_scaling
 
     # Derived sizes --------------------------------------------------------------------------------------------
 
@@ -341,9 +427,11 @@ class Config:
 
     @property
     def attention_scale(self) -> float:
-        """What multiplies q.k: 1/sqrt(head dim); for MLA, 1/sqrt(qk_nope + qk_rope), times YaRN's
+        """What multiplies q.k: 1/sqrt(head dim), or query_pre_attn_scalar ** -0.5 when that is set; for MLA, 1/sqrt(qk_nope + qk_rope), times YaRN's
         mscale(factor, mscale_all_dim) squared when that is set (transformers' `yarn_apply_mscale`)."""
         if self.mla is None:
+            if self.query_pre_attn_scalar is not None:
+                return self.query_pre_attn_scalar ** -0.5
             return 1.0 / math.sqrt(self.head_dim)
         scale = self.mla.qk_head_dim ** -0.5
         yarn = self.rope_scaling
@@ -374,11 +462,15 @@ class Config:
                 attn += N * H + 2 * K * H
             if self.out_bias:
                 attn += D
-        ffn = (3 if self.ffn_kind == "swiglu" else 2) * D * F
+        gated = self.ffn_kind in ("swiglu", "geglu")
+        ffn = (3 if gated else 2) * D * F
         if self.mlp_bias:
-            ffn += (2 * F if self.ffn_kind == "swiglu" else F) + D
-        norm = D if self.norm_kind == "rmsnorm" else 2 * D
-        total = self.n_layers * (attn + ffn + 2 * norm) + norm + V * D
+            ffn += (2 * F if gated else F) + D
+        norm = 2 * D if self.norm_kind == "layernorm" else D
+        if self.qk_norm:
+            attn += 2 * H
+        norms = 4 if self.post_norms else 2
+        total = self.n_layers * (attn + ffn + norms * norm) + norm + V * D
         if self.moe is not None:  # those layers hold experts in place of the dense FFN
             total += max(0, self.n_layers - self.moe.first_dense_layers) * (self.moe.param_count(D) - ffn)
         if not self.tie_embeddings:

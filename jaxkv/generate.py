@@ -154,7 +154,7 @@ def _prefill_args(params, tokens, start, *, config, capacity, attention="auto", 
     B, T = tokens.shape
     start = _check_batch_ids("start", start, B)
     capacity = checks.check_int("capacity", capacity, 1, config.max_positions)
-    if T > capacity and not ring:
+    if T > capacity and not (ring and config.every_layer_sliding):  # full-attention layers keep every slot
         raise ValueError(f"the prompts take {T} slots, more than the cache's capacity of {capacity}")
     kwargs = dict(config=config, capacity=capacity, attention=attention_impls.resolve(attention),
                   cache_dtype=check_cache_dtype(config.dtype if cache_dtype is None else cache_dtype),
@@ -802,7 +802,8 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top
             params, cache, logits, put(req.key, replicated), put(req.sampler, replicated),
             put(req.stop_ids, replicated), put(req.done, sharding.BATCH_SPEC),
             put(np.int32(req.max_new_tokens), replicated), config=config,
-            max_steps=_steps_bound(plan.capacity, plan.ring, req.max_new_tokens), rows=req.rows, attention=req.attention,
+            max_steps=_steps_bound(plan.capacity, plan.ring and config.every_layer_sliding, req.max_new_tokens),
+            rows=req.rows, attention=req.attention,
             stream=on_step, mesh=mesh, logprobs=logprobs)
         loop = _on_host(loop, sharding.to_host)
     return _generation(model, req, loop, prefill_time, decode_time)
@@ -971,7 +972,7 @@ def generate_pmap(model: Model, prompts, *, max_new_tokens: int, temperature=0.0
                    cache_dtype=cache_dtype, attention=attention, batch_multiple=n)
     plan = req.plan
     batch, T = req.tokens.shape
-    max_steps = _steps_bound(plan.capacity, plan.ring, req.max_new_tokens)
+    max_steps = _steps_bound(plan.capacity, plan.ring and model.config.every_layer_sliding, req.max_new_tokens)
     run = _pmapped(model.config, plan.capacity, req.attention, plan.cache_dtype, plan.ring, max_steps, n, logprobs)
     keys = jax.random.split(jnp.asarray(req.key), n)
     per_device = lambda x: x.reshape(n, batch // n, *x.shape[1:])  # noqa: E731

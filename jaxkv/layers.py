@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.config import Config, RopeScaling, YarnScaling, yarn_mscale
+from jaxkv.config import Config, LinearScaling, RopeScaling, YarnScaling, yarn_mscale
 
 
 def fan_in_init(fan_in: int):
@@ -20,10 +20,11 @@ def fan_in_init(fan_in: int):
 
 class Norm(nn.Module):
     """RMSNorm or LayerNorm over the last axis, computed in float32 (bfloat16 loses too much in the mean of
-    squares) and cast back to the input dtype."""
+    squares) and cast back to the input dtype. config.norm_kind picks the kind; a norm of its own width (`dim`:
+    MLA's latent norms, the q/k norms over a head) is never a LayerNorm."""
 
     config: Config
-    dim: int | None = None  # the normalized width; default D (MLA's latent norms: their ranks)
+    dim: int | None = None  # the normalized width; default D
     eps: float | None = None  # default config.norm_eps
 
     @nn.compact
@@ -31,11 +32,16 @@ class Norm(nn.Module):
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
         eps = cfg.norm_eps if self.eps is None else self.eps
-        scale = self.param("scale", nn.initializers.ones, (self.dim or cfg.d_model,), dtype)
+        gemma = cfg.norm_kind == "gemma_rmsnorm"
+        # Gemma's weight is zero-centred (it multiplies by 1 + w): initialized to 0, as transformers does.
+        init = nn.initializers.zeros if gemma else nn.initializers.ones
+        scale = self.param("scale", init, (self.dim or cfg.d_model,), dtype)
         xf = x.astype(jnp.float32)
-        if cfg.norm_kind == "rmsnorm" or self.dim is not None:
+        if cfg.norm_kind != "layernorm" or self.dim is not None:
             y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-            return scale * y.astype(dtype)  # HF order: cast back, then scale
+            if gemma:  # transformers' Gemma order: (1 + w) in float32, then cast back
+                return (y * (1.0 + scale.astype(jnp.float32))).astype(dtype)
+            return scale * y.astype(dtype)  # HF (Llama) order: cast back, then scale
         bias = self.param("bias", nn.initializers.zeros, (cfg.d_model,), dtype)
         mean = jnp.mean(xf, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
@@ -43,7 +49,8 @@ class Norm(nn.Module):
         return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(dtype)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | YarnScaling | None) -> np.ndarray:
+def rope_inv_freq(head_dim: int, theta: float,
+                  scaling: RopeScaling | LinearScaling | YarnScaling | None) -> np.ndarray:
     """float32[H/2] inverse frequencies, computed on the host exactly as Hugging Face does (float32 throughout),
     so rotary angles match transformers bit for bit."""
     exponent = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
@@ -52,6 +59,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | YarnScalin
         return inv_freq
     if isinstance(scaling, YarnScaling):
         return _yarn_inv_freq(head_dim, theta, scaling)
+    if isinstance(scaling, LinearScaling):  # transformers: inv_freq /= factor, in float32
+        return (inv_freq / np.float32(scaling.factor)).astype(np.float32)
     # Llama 3.1 scaling: long wavelengths are divided by `factor`, short ones kept, a smooth ramp in between.
     low_wavelen = scaling.original_max_positions / scaling.low_freq_factor
     high_wavelen = scaling.original_max_positions / scaling.high_freq_factor
@@ -95,17 +104,19 @@ def yarn_attention_factor(y: YarnScaling) -> float:
     return yarn_mscale(y.factor)
 
 
-def rope_angles(positions, config: Config):
+def rope_angles(positions, config: Config, layer: int = 0):
     """cos, sin: float32[B, T, H] for int32[B, T] positions (H: the rotated width, an MLA model's
-    qk_rope_head_dim). Computed from the positions on the fly: no table sized by the config's max_positions is ever
+    qk_rope_head_dim), with `layer`'s rope base and scaling (`Config.layer_rope`: Gemma 3's sliding layers have
+    their own). Computed from the positions on the fly: no table sized by the config's max_positions is ever
     allocated. YaRN's attention factor is folded into both."""
     dim = config.head_dim if config.mla is None else config.mla.qk_rope_head_dim
-    inv_freq = jnp.asarray(rope_inv_freq(dim, config.rope_theta, config.rope_scaling))
+    theta, scaling = config.layer_rope(layer)
+    inv_freq = jnp.asarray(rope_inv_freq(dim, theta, scaling))
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
     angles = jnp.concatenate([angles, angles], axis=-1)  # [B, T, H]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
-    if isinstance(config.rope_scaling, YarnScaling):
-        factor = jnp.float32(yarn_attention_factor(config.rope_scaling))
+    if isinstance(scaling, YarnScaling):
+        factor = jnp.float32(yarn_attention_factor(scaling))
         cos, sin = cos * factor, sin * factor
     return cos, sin
 
@@ -179,7 +190,8 @@ def linear(x, w, out_in: bool = False):
 
 
 class Mlp(nn.Module):
-    """SwiGLU (down(silu(x W_gate) * x W_up)) or GELU MLP (proj(gelu_tanh(x W_fc)))."""
+    """SwiGLU (down(silu(x W_gate) * x W_up)), GeGLU (down(gelu_tanh(x W_gate) * x W_up)) or GELU MLP
+    (proj(gelu_tanh(x W_fc)))."""
 
     config: Config
 
@@ -199,6 +211,8 @@ class Mlp(nn.Module):
 
         if cfg.ffn_kind == "swiglu":
             h = nn.silu(dense("w_gate", x, D, F)) * dense("w_up", x, D, F)  # [B, T, F]
+        elif cfg.ffn_kind == "geglu":  # Gemma: gelu_pytorch_tanh on the gate
+            h = nn.gelu(dense("w_gate", x, D, F), approximate=True) * dense("w_up", x, D, F)
         else:
             h = nn.gelu(dense("w_fc", x, D, F), approximate=True)  # [B, T, F]
         return dense("w_down", h, F, D)

@@ -61,6 +61,9 @@ class CacheGeometry:
     dtype: str = "float32"
     sliding_window: int | None = None
     keys_only: bool = False  # an MLA cache: one latent row per token, no value buffers
+    # Per-layer windows (None entries: full-attention layers), for models that mix layer kinds (Gemma 2/3,
+    # `Config.layer_types`); None: every layer has `sliding_window`.
+    layer_windows: tuple[int | None, ...] | None = None
 
     @property
     def kinds(self) -> int:
@@ -74,6 +77,17 @@ class CacheGeometry:
             _positive_int("sliding_window", self.sliding_window)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.layer_windows is not None:
+            if len(self.layer_windows) != self.n_layers:
+                raise ValueError(f"layer_windows has {len(self.layer_windows)} entries for {self.n_layers} layers")
+            for w in self.layer_windows:
+                if w is not None:
+                    _positive_int("a layer window", w)
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None: the layer keeps every token)."""
+        return self.layer_windows if self.layer_windows is not None else (self.sliding_window,) * self.n_layers
 
     @classmethod
     def of(cls, config: Config | CacheGeometry) -> CacheGeometry:
@@ -82,7 +96,8 @@ class CacheGeometry:
         if not isinstance(config, Config):
             raise TypeError(f"expected a jaxkv.Config or CacheGeometry, got {type(config).__name__}")
         return cls(config.n_layers, config.n_kv_heads, config.head_dim, config.dtype, config.sliding_window,
-                   keys_only=config.mla is not None)
+                   keys_only=config.mla is not None,
+                   layer_windows=None if config.layer_types is None else config.layer_windows)
 
 
 def _positive_int(name: str, value) -> int:
@@ -107,11 +122,23 @@ def _cache_dtype(geometry: CacheGeometry, cache_dtype) -> str:
 
 
 def cache_slots(config: Config | CacheGeometry, tokens: int) -> int:
-    """S, the slots a sequence of `tokens` tokens occupies: all of them, or at most the sliding window."""
+    """S, the slots a sequence of `tokens` tokens occupies, summed over the layers and divided by their number:
+    all of them, or at most the sliding window (per layer, for a model mixing layer kinds; the mean is then
+    rounded up, so prefer `layer_cache_slots` there)."""
+    slots = layer_cache_slots(config, tokens)
+    return -(-sum(slots) // len(slots))
+
+
+def layer_cache_slots(config: Config | CacheGeometry, tokens: int) -> tuple[int, ...]:
+    """Each layer's slots for a sequence of `tokens` tokens: tokens, or at most that layer's window (a ring)."""
     geometry = CacheGeometry.of(config)
     _positive_int("tokens", tokens)
-    window = geometry.sliding_window
-    return tokens if window is None else min(tokens, window)
+    return tuple(tokens if w is None else min(tokens, w) for w in geometry.windows)
+
+
+def _layer_bytes_per_slot(geometry: CacheGeometry, cache_dtype) -> int:
+    """Bytes of one slot of one layer: kinds x K x (H x bytes per element + scale bytes)."""
+    return kv_bytes_per_token(geometry, cache_dtype) // geometry.n_layers
 
 
 def kv_bytes_per_token(config: Config | CacheGeometry, cache_dtype=None) -> int:
@@ -168,7 +195,16 @@ def kv_cache_bytes(config: Config | CacheGeometry, *, tokens: int | None = None,
     if page_size is not None:
         pages = -(-_positive_int("tokens", tokens) // _positive_int("page_size", page_size))
         return batch * pages * page_bytes(config, page_size, cache_dtype)
-    return batch * cache_slots(config, tokens) * kv_bytes_per_token(config, cache_dtype)
+    geometry = CacheGeometry.of(config)
+    return batch * sum(layer_cache_slots(geometry, tokens)) * _layer_bytes_per_slot(geometry, cache_dtype)
+
+
+def full_length_cache_bytes(config: Config | CacheGeometry, *, tokens: int, batch: int = 1,
+                            cache_dtype=None) -> int:
+    """What `kv_cache_bytes` would be if every layer kept all `tokens` (no sliding-window rings): the cost of a
+    cache that ignores the per-layer kinds."""
+    _positive_int("batch", batch)
+    return batch * _positive_int("tokens", tokens) * kv_bytes_per_token(config, cache_dtype)
 
 
 def allocated_bytes(config: Config | CacheGeometry, *, tokens: int, batch: int = 1, cache_dtype=None) -> int:
@@ -225,8 +261,9 @@ class CachePlan:
     prompt_len:      T, the padded prompt length: prompts are left-padded to it, all writing at the same slot.
     capacity:        S, cache slots per row: max_len if given, else a power of two >= T + max_new_tokens (at
                      least MIN_CAPACITY, at most the model's max positions); a sliding-window model's ring holds
-                     at most `window` slots.
-    ring:            the cache is a ring buffer of `capacity` slots.
+                     at most `window` slots. A model mixing layer kinds: the full layers' slots.
+    ring:            the cache is a ring buffer of `capacity` slots; a model mixing layer kinds: its sliding
+                     layers are rings of min(window, capacity) slots (`jaxkv.cache.layer_slots`).
     requested_bytes: `kv_cache_bytes` for `batch` sequences of the longest prompt plus max_new_tokens: what the
                      call needs.
     allocated_bytes: padded_batch x capacity slots: what the cache arrays hold (`Generation.stats`
@@ -280,7 +317,15 @@ def plan_cache(config: Config, prompt_lengths, max_new_tokens: int, *, max_len: 
     bucket = max(MIN_PROMPT_BUCKET, _next_pow2(longest))
     default = min(max(MIN_CAPACITY, _next_pow2(bucket + max_new_tokens)), limit)
     window = config.sliding_window
-    if window is not None and (max_len is None or max_len >= window):
+    if window is not None and not config.every_layer_sliding:
+        # Mixed layer kinds (Gemma 2/3): the full layers bound the sequence as a plain cache does; each sliding
+        # layer holds a ring of min(window, capacity) slots (`jaxkv.cache.layer_slots`).
+        if max_len is not None and longest + max_new_tokens > max_len:
+            raise ValueError(f"the longest prompt has {longest} tokens; prompt_len + max_new_tokens = "
+                             f"{longest} + {max_new_tokens} = {longest + max_new_tokens} exceeds max_len={max_len}")
+        ring, capacity = True, default if max_len is None else max_len
+        prompt_len = min(bucket, capacity - max_new_tokens)
+    elif window is not None and (max_len is None or max_len >= window):
         # A ring of at most `window` slots: memory O(window), not O(sequence). A ring that never wraps
         # (capacity < window) is just a plain cache. The padded prompt may be longer than the ring.
         ring, capacity, prompt_len = True, min(default, window), bucket
@@ -292,12 +337,16 @@ def plan_cache(config: Config, prompt_lengths, max_new_tokens: int, *, max_len: 
         # The padded prompt and the new tokens must fit: shrink the bucket (never below the longest prompt).
         prompt_len = min(bucket, capacity - max_new_tokens)
     padded_batch = -(-_next_pow2(len(lengths)) // batch_multiple) * batch_multiple
-    per_token = kv_bytes_per_token(config, cache_dtype)
+    from jaxkv.cache import layer_slots  # here: jaxkv.cache imports this module
+
+    slots = sum(S for S, _ in layer_slots(config, capacity, ring)) if ring and not config.every_layer_sliding \
+        else config.n_layers * capacity
     return CachePlan(batch=len(lengths), padded_batch=padded_batch, prompt_len=prompt_len, capacity=capacity,
                      ring=ring, cache_dtype=cache_dtype,
                      requested_bytes=kv_cache_bytes(config, tokens=longest + max_new_tokens, batch=len(lengths),
                                                     cache_dtype=cache_dtype),
-                     allocated_bytes=padded_batch * capacity * per_token)
+                     allocated_bytes=padded_batch * slots * _layer_bytes_per_slot(CacheGeometry.of(config),
+                                                                                 cache_dtype))
 
 
 # --- paged pools ------------------------------------------------------------------------------------------------

@@ -174,11 +174,11 @@ class MlaAttention(nn.Module):
                     cache = cache.write_prompt(self.layer, rows, None)
             q_offset = jnp.zeros((), jnp.int32)
             out = expanded_attention(q_nope, q_rope, c, k_rope, wk_b, wv_b, start, q_offset, scale=scale,
-                                     sliding_window=cfg.sliding_window)
+                                     sliding_window=cfg.layer_window(self.layer))
         elif paged:  # decode, or a chunk continuing cached pages (the engine): the queries read their pages
             cache = cache.write(self.layer, jnp.concatenate([c, k_rope], axis=-1)[:, None], None, start)
             out = paged_absorbed_attention(q_nope, q_rope, cache, self.layer, wk_b, wv_b, start, scale=scale,
-                                           sliding_window=cfg.sliding_window)  # [B, T, N, dv]
+                                           sliding_window=cfg.layer_window(self.layer))  # [B, T, N, dv]
         else:
             q_offset = cache.length
             cache = cache.write(self.layer, jnp.concatenate([c, k_rope], axis=-1)[:, None], None)
@@ -186,7 +186,7 @@ class MlaAttention(nn.Module):
             out = absorbed_attention(q_nope, q_rope, cache.keys[self.layer][:, 0], wk_b, wv_b, cache.start,
                                      q_offset, scale=scale,
                                      latent_scale=None if latent_scale is None else latent_scale[:, 0],
-                                     sliding_window=cfg.sliding_window, ring=cache.ring,
+                                     sliding_window=cfg.layer_window(self.layer), ring=cache.layer_ring(self.layer),
                                      attention=attention, mesh=self.mesh)  # [B, T, N, dv]
 
         if out_in["wo"]:

@@ -67,10 +67,13 @@ class Attention(nn.Module):
         # change it).
         out_in = stored_out_in(D, N * H, dtype)
         q, k, v = project("wq", N), project("wk", K), project("wv", K)  # [B, T, N|K, H]
+        if cfg.qk_norm:  # Gemma 3, Qwen3: each head's query and key normalized before the rotation
+            q, k = Norm(cfg, dim=H, name="q_norm")(q), Norm(cfg, dim=H, name="k_norm")(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, H], the cache layout
         q_offset, k_scale, v_scale, ring = jnp.zeros((), jnp.int32), None, None, False
+        window = cfg.layer_window(self.layer)
         if isinstance(cache, PagedKVCache):
             out, cache = self._paged(q, k, v, cache, start, prefill, attention)
         elif cache is not None:
@@ -84,16 +87,16 @@ class Attention(nn.Module):
                 # The XLA path needs dead value slots finite (0 x NaN is NaN): zeroed by the write, unless the
                 # attention masks them itself (its live-prefix switch does).
                 zero = (attention_impls.resolve(attention) == "xla"
-                        and not masks_dead_values(cache.capacity, k.shape[2]))
+                        and not masks_dead_values(cache.layer_capacity(self.layer), k.shape[2]))
                 cache = cache.write(self.layer, k, v, zero_dead_values=zero)
                 k, v = cache.keys[self.layer], cache.values[self.layer]
-                (k_scale, v_scale), ring = cache.scales(self.layer), cache.ring
+                (k_scale, v_scale), ring = cache.scales(self.layer), cache.layer_ring(self.layer)
         if not isinstance(cache, PagedKVCache):
             attend = attention_impls.get(attention)
             if self.mesh is not None and attention_impls.resolve(attention) == "pallas":
                 attend = sharding.shard_attention(attend, self.mesh)
-            out = attend(q, k, v, start, q_offset, scale=1.0 / math.sqrt(H), sliding_window=cfg.sliding_window,
-                         k_scale=k_scale, v_scale=v_scale, ring=ring)  # [B, T, N, H]
+            out = attend(q, k, v, start, q_offset, scale=cfg.attention_scale, sliding_window=window,
+                         k_scale=k_scale, v_scale=v_scale, ring=ring, **_softcap(cfg))  # [B, T, N, H]
         if out_in:
             wo = self.param("wo", fan_in_init(N * H), (D, N, H), dtype).reshape(D, N * H)
         else:
@@ -110,7 +113,7 @@ class Attention(nn.Module):
         for the contiguous cache; padding comes after every real token, so no real token sees it. Otherwise the
         queries attend over their rows' pages, their own K/V included."""
         cfg = self.config
-        scale = 1.0 / math.sqrt(cfg.head_dim)
+        scale, window = cfg.attention_scale, cfg.layer_window(self.layer)
         cache = cache.write(self.layer, k, v, valid)
         name = attention_impls.resolve(attention)
         if self.mesh is not None and name == "pallas":
@@ -118,7 +121,7 @@ class Attention(nn.Module):
         if prefill:
             zero = jnp.zeros((q.shape[0],), jnp.int32)
             out = attention_impls.get(name)(q, k, v, zero, jnp.zeros((), jnp.int32), scale=scale,
-                                            sliding_window=cfg.sliding_window)
+                                            sliding_window=window, **_softcap(cfg))
             return out, cache
         lengths = cache.lengths + jnp.sum(valid, axis=1, dtype=jnp.int32)  # this chunk's own slots included
         k_scale, v_scale = cache.scales(self.layer)
@@ -129,8 +132,8 @@ class Attention(nn.Module):
                                           "over a paged cache needs attention='xla'")
             from jaxkv.attention import pallas
 
-            out = pallas.paged_attention(q, *pools, cache.positions(1), scale=scale, sliding_window=cfg.sliding_window,
-                                         k_scale=k_scale, v_scale=v_scale)
+            out = pallas.paged_attention(q, *pools, cache.positions(1), scale=scale, sliding_window=window,
+                                         k_scale=k_scale, v_scale=v_scale, **_softcap(cfg))
         else:
             # Whichever XLA formulation reads less: the whole pool once (shared pages read once per step) or each
             # sequence's own pages (shared ones read once per sequence): for one query per sequence only the pages
@@ -138,9 +141,14 @@ class Attention(nn.Module):
             fn = (paged_reference.pool_attention if paged_reference.prefers_pool(cache.num_pages, *cache.page_table.shape)
                   else paged_reference.ragged_paged_attention if q.shape[1] == 1
                   else paged_reference.live_paged_attention)
-            out = fn(q, *pools, cache.positions(q.shape[1]), scale=scale, sliding_window=cfg.sliding_window,
-                     k_scale=k_scale, v_scale=v_scale)
+            out = fn(q, *pools, cache.positions(q.shape[1]), scale=scale, sliding_window=window,
+                     k_scale=k_scale, v_scale=v_scale, **_softcap(cfg))
         return out, cache
+
+
+def _softcap(cfg: Config) -> dict:
+    """The attention functions' `softcap` keyword, passed only when the model caps its scores (Gemma 2)."""
+    return {} if cfg.attn_logit_softcap is None else {"softcap": float(cfg.attn_logit_softcap)}
 
 
 class Block(nn.Module):
@@ -155,9 +163,13 @@ class Block(nn.Module):
         else:
             attn = Attention(self.config, self.layer, self.mesh, name="attn")
         h, cache = attn(Norm(self.config, name="attn_norm")(x), rope, cache, start, prefill, attention)
+        if self.config.post_norms:  # Gemma 2/3: each branch's output normalized before the residual add
+            h = Norm(self.config, name="post_attn_norm")(h)
         x = x + h
-        x = x + ffn(self.config, self.layer)(Norm(self.config, name="mlp_norm")(x))
-        return x, cache
+        h = ffn(self.config, self.layer)(Norm(self.config, name="mlp_norm")(x))
+        if self.config.post_norms:
+            h = Norm(self.config, name="post_mlp_norm")(h)
+        return x + h, cache
 
 
 def ffn(config: Config, layer: int) -> nn.Module:
@@ -200,6 +212,8 @@ class Decoder(nn.Module):
         attention = attention or cfg.attention
         embedding = self.param("embedding", fan_in_init(cfg.d_model), (cfg.vocab_size, cfg.d_model), dtype)
         x = jnp.take(embedding, tokens, axis=0)  # [B, T, D]
+        if cfg.embed_scale is not None:  # Gemma: sqrt(D), rounded to the dtype first as transformers does
+            x = x * jnp.asarray(cfg.embed_scale, dtype)
         real = positions >= 0  # [B, T]
         rope = None
         if cfg.positions == "learned":
@@ -207,7 +221,11 @@ class Decoder(nn.Module):
             # Padding tokens have negative positions; read row 0 for them (their state is zeroed just below).
             x = x + jnp.take(table, jnp.maximum(positions, 0), axis=0)
         else:
-            rope = rope_angles(positions, cfg)
+            # One (cos, sin) per distinct (base, scaling) among the layers (Gemma 3: local and global).
+            rope = {}
+            for layer in range(cfg.n_layers):
+                if cfg.layer_rope(layer) not in rope:
+                    rope[cfg.layer_rope(layer)] = rope_angles(positions, cfg, layer)
         x = jnp.where(real[..., None], x, jnp.zeros((), x.dtype))
 
         paged = isinstance(cache, PagedKVCache)
@@ -228,7 +246,9 @@ class Decoder(nn.Module):
         elif cache is not None and not cache.ring:
             poisoned |= cache.length + T > cache.capacity
         for layer in range(cfg.n_layers):
-            x, cache = Block(cfg, layer, self.mesh, name=f"layer_{layer}")(x, rope, cache, start, prefill, attention)
+            layer_rope = None if rope is None else rope[cfg.layer_rope(layer)]
+            x, cache = Block(cfg, layer, self.mesh, name=f"layer_{layer}")(x, layer_rope, cache, start, prefill,
+                                                                          attention)
         if cache is not None:
             cache = cache.advance(jnp.sum(real, axis=1, dtype=jnp.int32) if paged else T)
 
@@ -243,6 +263,9 @@ class Decoder(nn.Module):
         else:
             head = self.param("lm_head", fan_in_init(cfg.d_model), (cfg.vocab_size, cfg.d_model), dtype)
             logits = jnp.einsum("btd,vd->btv", x, head, preferred_element_type=jnp.float32)
+        if cfg.final_logit_softcap is not None:  # Gemma 2: cap * tanh(logits / cap), in float32
+            cap = jnp.float32(cfg.final_logit_softcap)
+            logits = jnp.tanh(logits / cap) * cap
         logits = jnp.where(poisoned[:, None, None], jnp.nan, logits)
         return logits, cache
 
@@ -303,8 +326,8 @@ def init_params(config: Config, seed: int = 0) -> dict:
 
     def draw(path, leaf):
         name = path[-1].key
-        if name == "scale":
-            return np.ones(leaf.shape, leaf.dtype)
+        if name == "scale":  # a Gemma norm multiplies by (1 + scale)
+            return np.full(leaf.shape, 0 if config.norm_kind == "gemma_rmsnorm" else 1, leaf.dtype)
         if name.endswith("bias"):
             return np.zeros(leaf.shape, leaf.dtype)
         shape = to_out_in({name: leaf}, config)[name].shape

@@ -197,7 +197,7 @@ def cache_shardings(cache, mesh: Mesh):
     return type(cache)(keys=tuple(kv for _ in cache.keys), values=tuple(kv for _ in cache.values),
                        start=NamedSharding(mesh, BATCH_SPEC), length=NamedSharding(mesh, P()),
                        key_scales=tuple(scale for _ in cache.key_scales),
-                       value_scales=tuple(scale for _ in cache.value_scales), ring=cache.ring)
+                       value_scales=tuple(scale for _ in cache.value_scales), rings=cache.rings)
 
 
 def paged_cache_shardings(cache, mesh: Mesh):
