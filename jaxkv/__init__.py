@@ -27,6 +27,7 @@ _EXPORTS = {
     "PagedKVCache": "jaxkv.paged_cache",
     "PrefixCache": "jaxkv.prefix_cache",
     "RopeScaling": "jaxkv.config",
+    "LinearScaling": "jaxkv.config",
     "YarnScaling": "jaxkv.config",
     "Sampler": "jaxkv.sampling",
     "decode": "jaxkv.generate",

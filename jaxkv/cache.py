@@ -203,20 +203,26 @@ class KVCache:
         Callers check capacity on the host before any compute; as a second line of defence, a write that does not
         fit writes the existing contents back (a no-op) instead, and `advance` still moves `length` past
         `capacity`, so the overflow stays visible: `overflowed` is then true, the decoder returns NaN logits (see
-        `jaxkv.model.Decoder`) and `check()` fails under `checkify`. In a ring every single-token write fits; a multi-token write
-        must not wrap around the end.
+        `jaxkv.model.Decoder`) and `check()` fails under `checkify`. A ring layer takes one token per write (every
+        such write fits); a chunk of more is a ValueError at trace time (its attention could not be right once the
+        ring is full), except through `write_prompt` into an empty cache.
         """
+        return self._write(layer, k, v, zero_dead_values=zero_dead_values, prompt=False)
+
+    def _write(self, layer: int, k, v, *, zero_dead_values: bool, prompt: bool) -> "KVCache":
         T, S, ring = k.shape[2], self.layer_capacity(layer), self.rings[layer]
         if T > S:  # known at trace time: refuse before compute
             raise ValueError(f"cannot write {T} tokens into a cache of {S} slots")
+        if ring and T > 1 and not prompt:
+            # The chunk's later tokens would overwrite slots its earlier queries still see once the ring is full
+            # (a window of W in W slots has no room for more than one new token), so its attention would be
+            # wrong; refused rather than computed. Prefill (`write_prompt`) attends over the fresh K/V instead.
+            raise ValueError(f"a ring cache layer ({S} slots) takes one token per step after prefill, got a chunk "
+                             f"of {T}: decode token by token, or allocate the cache without ring=True")
         at = self.length % S if ring else self.length
         fits = at + T <= S
 
         def update(buf, new):
-            if ring and T > 1:
-                # A chunk may wrap past the ring's end: each token to its own index (a scatter), in place.
-                index = (self.length + jnp.arange(T)) % S
-                return buf.at[:, :, index].set(new.astype(buf.dtype), unique_indices=True)
             old = lax.dynamic_slice_in_dim(buf, at, T, axis=2)
             new = jnp.where(fits, new.astype(buf.dtype), old)
             return lax.dynamic_update_slice_in_dim(buf, new, at, axis=2)
@@ -253,7 +259,7 @@ class KVCache:
         if self.rings[layer] and T > S:
             # Slots T-S .. T-1 go to indices (T-S) mod S .. : a rotation of the last S slots by T mod S.
             k, v = (None if x is None else jnp.roll(x[:, :, T - S:], T % S, axis=2) for x in (k, v))
-        return self.write(layer, k, v)
+        return self._write(layer, k, v, zero_dead_values=False, prompt=True)
 
     def with_layer(self, layer: int, k: jax.Array, v: jax.Array | None) -> "KVCache":
         """The cache with layer `layer`'s buffers replaced by k, v ([B, K, S, H]; v None in a keys-only cache)."""

@@ -493,6 +493,10 @@ def _memory(args) -> dict:
             per_token = memory.expanded_kv_bytes_per_token(model, cache_dtype)
             rows[-1]["per_head_kv_bytes_per_token"] = per_token
             rows[-1]["per_head_kv_total_bytes"] = per_token * args.batch * memory.cache_slots(geometry, args.tokens)
+        if geometry.layer_windows is not None:
+            # Per-layer rings (local layers) against a cache that keeps every token on every layer.
+            rows[-1]["full_length_bytes"] = memory.full_length_cache_bytes(
+                geometry, tokens=args.tokens, batch=args.batch, cache_dtype=cache_dtype)
         if args.n is not None:
             new = args.new_tokens or 1  # 1: the first new token is sampled from the prompt's logits, never stored
             rows[-1]["shared_bytes"] = memory.shared_cache_bytes(
@@ -508,6 +512,7 @@ def _memory(args) -> dict:
             "kv_lora_rank": model.mla.kv_lora_rank, "qk_rope_head_dim": model.mla.qk_rope_head_dim,
             "n_heads": model.n_heads, "qk_head_dim": model.mla.qk_head_dim, "v_head_dim": model.mla.v_head_dim},
         "dtype": geometry.dtype, "sliding_window": geometry.sliding_window,
+        "local_layers": None if geometry.layer_windows is None else sum(w is not None for w in geometry.layer_windows),
         "param_count": model.param_count() if isinstance(model, Config) else None,
         "tokens": args.tokens, "batch": args.batch, "slots": memory.cache_slots(geometry, args.tokens),
         "padded_batch": memory._next_pow2(args.batch),
@@ -561,6 +566,10 @@ def _gib(n: int) -> str:
 
 def _print_memory(result: dict):
     window = f", sliding window {result['sliding_window']:,}" if result["sliding_window"] else ""
+    local = result["local_layers"]
+    if local is not None:
+        window = (f" ({local} local layers with a sliding window of {result['sliding_window']:,}, "
+                  f"{result['n_layers'] - local} global)") if local else " (every layer global)"
     params = f", {result['param_count']:,} parameters" if result["param_count"] is not None else ""
     name = f"{result['model']}: " if result["model"] is not None else ""
     mla = result["mla"]
@@ -573,7 +582,13 @@ def _print_memory(result: dict):
               f"(keys only){window}, {result['dtype']}{params}")
         print(f"per-head K/V: what {mla['n_heads']} heads' full keys ({mla['qk_head_dim']}) and values "
               f"({mla['v_head_dim']}) would take instead")
-    print(f"{result['tokens']:,} tokens x batch {result['batch']:,} ({result['slots']:,} cache slots per sequence)")
+    if local:
+        print(f"{result['tokens']:,} tokens x batch {result['batch']:,} (per sequence: {result['tokens']:,} cache "
+              f"slots on each global layer, {min(result['tokens'], result['sliding_window']):,} in each local "
+              f"layer's ring; 'all layers full length': every layer keeping every token)")
+    else:
+        print(f"{result['tokens']:,} tokens x batch {result['batch']:,} ({result['slots']:,} cache slots per "
+              f"sequence)")
     hbm = result["hbm_bytes"]
     if hbm is not None:
         weights = result["weights_bytes"]
@@ -595,6 +610,8 @@ def _print_memory(result: dict):
         headers += ["with sharing", "without sharing"]
     if mla is not None:
         headers += ["per-head K/V bytes/token", "per-head K/V total bytes"]
+    if local is not None:
+        headers.append("all layers full length")
     if hbm is not None:
         headers.append("sequences that fit")
     table = [headers]
@@ -605,6 +622,8 @@ def _print_memory(result: dict):
             cells += [f"{row['shared_bytes']:,}", f"{row['unshared_bytes']:,}"]
         if mla is not None:
             cells += [f"{row['per_head_kv_bytes_per_token']:,}", f"{row['per_head_kv_total_bytes']:,}"]
+        if local is not None:
+            cells.append(f"{row['full_length_bytes']:,}")
         if hbm is not None:
             cells.append(f"{row['sequences_fit']:,}")
         table.append(cells)
