@@ -15,6 +15,8 @@
   jaxkv bench sharing [options]   (parallel samples and prompt caching: jaxkv.bench_sharing)
   jaxkv bench engine [options]    (continuous batching against static batches: jaxkv.bench_engine)
   jaxkv bench beam [options]      (beam search: jaxkv.bench_beam)
+  jaxkv bench mla [options]       (multi-head latent attention against its GQA twin: jaxkv.bench_mla)
+  jaxkv bench layers [options]    (per-layer rings against full-length caches: jaxkv.bench_layers)
   jaxkv --version
 
 Compiled programs are kept on disk between runs (`jaxkv.compile_cache`: ~/.cache/jaxkv/xla, JAXKV_COMPILE_CACHE
@@ -39,7 +41,7 @@ from jaxkv.config import DTYPES, Config
 EXIT_USAGE = 2
 # `jaxkv bench NAME ...` -> the module whose main() runs it (also scripts/bench_NAME.py)
 BENCH_SCENARIOS = {"sharing": "jaxkv.bench_sharing", "engine": "jaxkv.bench_engine", "beam": "jaxkv.bench_beam",
-                   "mla": "jaxkv.bench_mla"}
+                   "mla": "jaxkv.bench_mla", "layers": "jaxkv.bench_layers"}
 EARLY_STOPPING = {"true": True, "false": False, "never": "never"}  # --early-stopping -> jaxkv.beam_search's value
 VERSION = "0.1.0"  # what --version says when the package metadata is missing (running from a source tree)
 

@@ -278,3 +278,21 @@ def test_bench_mla_quick(tmp_path, capsys):
             assert row[name]["cache_bytes_allocated"] == row[name]["cache_bytes_planned"]
         assert row["bytes_ratio"] == 4.0 and row["gqa"]["step_ms"] > 0 and row["mla"]["step_ms"] > 0
     assert "bytes ratio" in capsys.readouterr().out
+
+
+def test_bench_layers_quick(tmp_path, capsys):
+    """`jaxkv bench layers`: past the window the rings allocate what the planner says, less than full length."""
+    import json
+
+    from jaxkv import cli
+
+    assert cli.main(["bench", "layers", "--quick", "--contexts", "600", "--steps", "2", "--reps", "1",
+                     "--out", str(tmp_path / "layers.json")]) == 0
+    result = json.loads((tmp_path / "layers.json").read_text())
+    (row,) = result["contexts"]
+    for name in ("rings", "full"):
+        assert row[name]["cache_bytes_allocated"] == row[name]["cache_bytes_planned"] and row[name]["step_ms"] > 0
+    slot = 2 * 4 * 64 * 4  # K and V, 4 KV heads of 64, float32
+    assert row["rings"]["cache_bytes_allocated"] == (2 * 602 + 10 * 512) * slot
+    assert row["full"]["cache_bytes_allocated"] == 12 * 602 * slot
+    assert "bytes ratio" in capsys.readouterr().out

@@ -1,0 +1,170 @@
+"""The per-layer cache benchmark: a Gemma-3-shaped model whose local layers keep rings of their window, against
+the same model with a full-length cache on every layer.
+
+    jaxkv bench layers [--contexts 4096,16384] [--batch 1] [--steps 32] [--reps 5] [--quick] [--out F]
+    python scripts/bench_layers.py ...          (the same)
+
+One model with random weights (seed 0), float32, Gemma 3's layout scaled down to run on a CPU: 12 layers, five
+local (sliding window 512, rope base 10,000) for every global one (rope base 1,000,000), d_model 512, 8 query
+heads and 4 KV heads of 64, GeGLU of 1,408, q/k norms, sandwich norms, vocabulary 32,000. Two caches:
+
+  rings   what `jaxkv.generate` allocates for it: each local layer a ring of 512 slots, each global layer full
+          length (`KVCache.allocate(..., ring=True)`);
+  full    every layer full length (`ring=False`): the local layers' windows are still masked, but every token is
+          kept, as a cache with one geometry for the whole model would.
+
+For each context C: the bytes each cache of C + steps slots allocates (summed over its arrays, and the planner's
+figure beside it), and the decode step time with C tokens cached (the compiled decode loop,
+`jaxkv.generate.decode`, XLA attention; --steps steps per call, median of --reps calls, the two alternating).
+Targets (issue 18): the rings' cache at least 3.5x smaller at 16,384 tokens, and its decode not slower.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+TARGETS = {"bytes_ratio_at_longest": 3.5, "speed_ratio_at_longest": 1.0}
+QUICK = {"contexts": "64,128", "steps": 4, "reps": 1}
+WINDOW = 512
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="jaxkv bench layers", description=__doc__.split("\n\n")[0])
+    p.add_argument("--contexts", default="4096,16384", help="comma-separated cached tokens (default 4096,16384)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--steps", type=int, default=32, help="decode steps per timed call (default 32)")
+    p.add_argument("--reps", type=int, default=5, help="timed calls per cache and context (default 5)")
+    p.add_argument("--out", default=None, help="write the figures as JSON to this file")
+    as_if = ", ".join(f"--{k} {v}" for k, v in QUICK.items())
+    p.add_argument("--quick", action="store_true", help=f"a small run, as if given {as_if} (explicit options win)")
+    quick = argparse.ArgumentParser(add_help=False)
+    quick.add_argument("--quick", action="store_true")
+    if quick.parse_known_args(argv)[0].quick:
+        p.set_defaults(**QUICK)
+    args = p.parse_args(argv)
+    try:
+        args.contexts = [int(c) for c in args.contexts.split(",")]
+    except ValueError:
+        p.error(f"--contexts must be comma-separated integers, got {args.contexts!r}")
+    for name, value in (("--batch", args.batch), ("--steps", args.steps), ("--reps", args.reps),
+                        ("--contexts", min(args.contexts))):
+        if value < 1:
+            p.error(f"{name} must be positive, got {value}")
+    if max(args.contexts) + args.steps > config().max_positions:
+        p.error(f"--contexts: at most {config().max_positions - args.steps} tokens with --steps {args.steps}")
+    return args
+
+
+def config():
+    """The Gemma-3-shaped model (module docstring)."""
+    from jaxkv.config import Config
+
+    types = tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(12))
+    return Config(vocab_size=32000, d_model=512, n_layers=12, n_heads=8, n_kv_heads=4, head_dim=64, ffn_dim=1408,
+                  ffn_kind="geglu", norm_kind="gemma_rmsnorm", norm_eps=1e-6, qk_norm=True, post_norms=True,
+                  embed_scale=512 ** 0.5, query_pre_attn_scalar=64.0, sliding_window=WINDOW, layer_types=types,
+                  rope_theta=1_000_000.0, rope_local_theta=10_000.0, tie_embeddings=True, max_positions=32768)
+
+
+def decode_inputs(cfg, batch: int, live: int, capacity: int, ring: bool):
+    """`jaxkv.bench.decode_inputs` with the cache's per-layer layout chosen by `ring`."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxkv.cache import KVCache
+    from jaxkv.sampling import Sampler
+
+    cache = dataclasses.replace(KVCache.allocate(cfg, batch, capacity, ring=ring), length=jnp.int32(live))
+    return (cache, jnp.zeros((batch, cfg.vocab_size), jnp.float32), jax.random.PRNGKey(0), Sampler.make(),
+            jnp.full((8,), -1, jnp.int32))
+
+
+def step_seconds(model, batch: int, live: int, capacity: int, steps: int, ring: bool) -> float:
+    import jax
+
+    from jaxkv.generate import decode
+
+    inputs = decode_inputs(model.config, batch, live, capacity, ring)
+    t0 = time.perf_counter()
+    jax.block_until_ready(decode(model.params, *inputs, config=model.config, steps=steps, attention="xla"))
+    return (time.perf_counter() - t0) / steps
+
+
+def cache_bytes(cfg, batch: int, slots: int, ring: bool) -> int:
+    from jaxkv.cache import KVCache
+
+    return KVCache.allocate(cfg, batch, slots, ring=ring).nbytes()
+
+
+def run(args) -> dict:
+    import jax
+
+    import jaxkv
+    from jaxkv import memory
+
+    model = jaxkv.Model.random(config(), seed=0)
+    cfg = model.config
+    caches = {"rings": True, "full": False}
+    result = {"jax": jax.__version__, "batch": args.batch, "steps": args.steps, "reps": args.reps,
+              "params": cfg.param_count(), "config": repr(cfg), "contexts": []}
+    for context in args.contexts:
+        capacity = context + args.steps
+        row = {"context": context, "capacity": capacity}
+        times = {name: [] for name in caches}
+        for name, ring in caches.items():  # compile and warm up
+            step_seconds(model, args.batch, context, capacity, args.steps, ring)
+        for _ in range(args.reps):  # alternating, so drift in the machine's speed hits both alike
+            for name, ring in caches.items():
+                times[name].append(step_seconds(model, args.batch, context, capacity, args.steps, ring))
+        planned = {"rings": memory.kv_cache_bytes(cfg, tokens=capacity, batch=args.batch),
+                   "full": memory.full_length_cache_bytes(cfg, tokens=capacity, batch=args.batch)}
+        for name, ring in caches.items():
+            ms = statistics.median(times[name]) * 1e3
+            row[name] = {"step_ms": ms, "tokens_per_s": args.batch * 1e3 / ms,
+                         "cache_bytes_allocated": cache_bytes(cfg, args.batch, capacity, ring),
+                         "cache_bytes_planned": planned[name]}
+        row["bytes_ratio"] = row["full"]["cache_bytes_allocated"] / row["rings"]["cache_bytes_allocated"]
+        row["speed_ratio"] = row["rings"]["tokens_per_s"] / row["full"]["tokens_per_s"]
+        result["contexts"].append(row)
+    last = result["contexts"][-1]
+    result["targets"] = TARGETS
+    result["met"] = {"bytes_ratio_at_longest": last["bytes_ratio"] >= TARGETS["bytes_ratio_at_longest"],
+                     "speed_ratio_at_longest": last["speed_ratio"] >= TARGETS["speed_ratio_at_longest"]}
+    return result
+
+
+def report(result: dict):
+    print(f"Gemma-3-shaped model: {result['params']:,} parameters, 12 layers (10 local with a window of {WINDOW}, "
+          f"2 global)")
+    print(f"batch {result['batch']}, float32, XLA attention, {result['steps']} steps per call, median of "
+          f"{result['reps']}")
+    print(f"{'context':>8} {'rings ms':>9} {'full ms':>8} {'rings/full speed':>16} {'rings cache B':>14} "
+          f"{'full cache B':>14} {'bytes ratio':>11}")
+    for r in result["contexts"]:
+        print(f"{r['context']:>8,} {r['rings']['step_ms']:9.2f} {r['full']['step_ms']:8.2f} "
+              f"{r['speed_ratio']:15.2f}x {r['rings']['cache_bytes_allocated']:14,} "
+              f"{r['full']['cache_bytes_allocated']:14,} {r['bytes_ratio']:10.2f}x")
+    last, met = result["contexts"][-1], result["met"]
+    print(f"targets at {last['context']:,} tokens: cache >= {TARGETS['bytes_ratio_at_longest']}x smaller: "
+          f"{last['bytes_ratio']:.2f}x, {'met' if met['bytes_ratio_at_longest'] else 'NOT met'}; decode not slower: "
+          f"{last['speed_ratio']:.2f}x, {'met' if met['speed_ratio_at_longest'] else 'NOT met'}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    result = run(args)
+    report(result)
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
