@@ -34,6 +34,23 @@ form; the loader then transposes those the config stores [in, out] (`jaxkv.layer
     norm.weight                          [D]       -> final_norm/scale               as is
     lm_head.weight (no prefix)           [V, D]    -> lm_head                        as is (untied only)
 
+  Qwen3: Llama's table (attention_bias: q, k, v and o biases, as Llama's), plus each head's query and key norm
+    layers.{i}.self_attn.q_norm.weight   [H]       -> layer_{i}/attn/q_norm/scale    as is
+    layers.{i}.self_attn.k_norm.weight   [H]       -> layer_{i}/attn/k_norm/scale    as is
+
+  Gemma 2 / Gemma 3: Llama's table for embeddings, attention (attention_bias as Llama's), MLP (GeGLU), final norm
+  and head, but four zero-centred norms per layer (stored as is: the model scales by 1 + w), and Gemma 3's q/k
+  norms as Qwen3's
+    layers.{i}.input_layernorm.weight            [D] -> layer_{i}/attn_norm/scale
+    layers.{i}.post_attention_layernorm.weight   [D] -> layer_{i}/post_attn_norm/scale   (the attention output's)
+    layers.{i}.pre_feedforward_layernorm.weight  [D] -> layer_{i}/mlp_norm/scale
+    layers.{i}.post_feedforward_layernorm.weight [D] -> layer_{i}/post_mlp_norm/scale    (the MLP output's)
+  Gemma3ForConditionalGeneration: the same names under `language_model.model.` (Google's releases, and what
+  transformers 5.24's save_pretrained writes; untied head `language_model.lm_head.weight`) or
+  `model.language_model.` (transformers 5's module names; head `lm_head.weight`). Its vision tower and multimodal
+  projector (`vision_tower.*`, `multi_modal_projector.*`, with or without `model.`) are skipped by name: jaxkv
+  runs the language model only, on token ids.
+
   GPT-2 (Conv1D weights are [in, out]: every matrix is transposed to the [out, in] form, then back)
     wte.weight                           [V, D]    -> embedding                      as is
     wpe.weight                   [n_positions, D]  -> pos_embedding                  as is
@@ -72,11 +89,29 @@ form; the loader then transposes those the config stores [in, out] (`jaxkv.layer
 
 Redundant tensors that are dropped: `lm_head.weight` of a tied model (only after checking that it equals the
 embedding), rotary `inv_freq` buffers of the Llama family (jaxkv computes RoPE on the fly), and GPT-2's
-`attn.bias` / `attn.masked_bias` causal-mask buffers. Any other unused tensor is an error: it most likely means
-the architecture is mis-mapped.
+`attn.bias` / `attn.masked_bias` causal-mask buffers; skipped by design: Gemma 3's vision tower and projector
+(above). Any other unused tensor is an error: it most likely means the architecture is mis-mapped.
 
 Also from config.json: `eos_token_id` (int or list) becomes Config.eos_ids. Weights keep the checkpoint's dtype
 unless `load_hf(..., dtype=...)` casts them; Config.dtype always records the params' dtype.
+
+Gemma and Qwen3 configs are read as transformers 5.24 reads them (`_gemma_fields`, `_llama_family_fields`):
+  - per-layer attention: `layer_types` ("sliding_attention" / "full_attention"), else transformers' default:
+    Gemma 2 alternates (sliding first), Gemma 3 has every `sliding_window_pattern`-th (6) layer full, Qwen3 slides
+    the layers >= max_window_layers when use_sliding_window is set. All-alike layers map to Config.layer_types
+    None; `sliding_window` maps unchanged (see the Mistral note in `_llama_family_fields`).
+  - Gemma 3's rope per layer type (`rope_parameters.full_attention` / `.sliding_attention`, or 4.x's rope_theta,
+    rope_local_base_freq and rope_scaling, the last for the full layers only): the full layers' base and scaling
+    become rope_theta / rope_scaling (rope types default, linear, llama3, yarn), the sliding layers' base
+    rope_local_theta (their rope type must be default).
+  - Gemma's omitted fields take Gemma2Config / Gemma3TextConfig's defaults (Google's Gemma 3 configs rely on them);
+    Gemma3ForConditionalGeneration reads `text_config`, with tie_word_embeddings and eos_token_id (when set) from
+    the outer config.
+  - transformers 5.24 ignores two Gemma 3 fields, and so does the mapping (parity is with transformers):
+    attn_logit_softcapping (Gemma3Attention never passes it on; Gemma 2's is Config.attn_logit_softcap) and, for
+    Gemma3ForConditionalGeneration only, final_logit_softcapping (Gemma3ForCausalLM applies it).
+  - refused: use_bidirectional_attention, a hidden_activation other than gelu_pytorch_tanh (or gelu_new, the same
+    tanh approximation), rope types other than the above, a null sliding_window with sliding layers.
 """
 
 from __future__ import annotations
@@ -96,16 +131,27 @@ import safetensors
 from safetensors import safe_open
 
 from jaxkv import moe as moe_lib
-from jaxkv.config import DTYPES, Config, Mla, MoeConfig, RopeScaling, YarnScaling
+from jaxkv.config import DTYPES, Config, LinearScaling, Mla, MoeConfig, RopeScaling, YarnScaling
 from jaxkv.layers import ALL_OUT_IN_ORDER, in_out_names
 from jaxkv.model import Model
 
 LLAMA, MISTRAL, QWEN2, GPT2 = "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel"
 DEEPSEEK_V2, DEEPSEEK_V3 = "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"
 DEEPSEEK = (DEEPSEEK_V2, DEEPSEEK_V3)
-ARCHITECTURES = (LLAMA, MISTRAL, QWEN2, GPT2, DEEPSEEK_V2, DEEPSEEK_V3)
-BASE_PREFIX = {LLAMA: "model.", MISTRAL: "model.", QWEN2: "model.", GPT2: "transformer.", DEEPSEEK_V2: "model.",
-               DEEPSEEK_V3: "model."}
+QWEN3 = "Qwen3ForCausalLM"
+# model_type gemma2, gemma3_text, and gemma3 (the multimodal model: its language model only)
+GEMMA2, GEMMA3_TEXT, GEMMA3 = "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"
+GEMMA = (GEMMA2, GEMMA3_TEXT, GEMMA3)
+ARCHITECTURES = (LLAMA, MISTRAL, QWEN2, QWEN3, GPT2, DEEPSEEK_V2, DEEPSEEK_V3, GEMMA2, GEMMA3_TEXT, GEMMA3)
+BASE_PREFIX = {LLAMA: "model.", MISTRAL: "model.", QWEN2: "model.", QWEN3: "model.", GPT2: "transformer.",
+               DEEPSEEK_V2: "model.", DEEPSEEK_V3: "model.", GEMMA2: "model.", GEMMA3_TEXT: "model."}
+# Gemma3ForConditionalGeneration holds its language model under one of two prefixes, each with its own lm_head name
+# (when untied): Google's releases and transformers 5.24's save_pretrained (which converts back to that layout)
+# write the first; transformers 5's in-memory module names (a state_dict saved as is) are the second.
+GEMMA3_PREFIXES = {"language_model.model.": "language_model.lm_head.weight", "model.language_model.": "lm_head.weight"}
+# ... and its vision tower and multimodal projector, which jaxkv (text only) skips by name, explicitly: any other
+# tensor outside the language model is refused as for every architecture.
+GEMMA3_SKIPPED = re.compile(r"(model\.)?(vision_tower|multi_modal_projector)\..+")
 
 # Sanity caps on config values, checked before anything is built from them. Each is well beyond any released
 # model of these families (largest: vocab 256k, hidden 16k, 126 layers), yet small enough that a corrupt or
@@ -132,9 +178,10 @@ INDEX_FILE = "model.safetensors.index.json"
 # Buffers that older exports saved next to the weights (names without the base-model prefix); they carry no
 # learned state.
 _ROTARY_BUFFER = re.compile(r"(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")
-REDUNDANT = {LLAMA: _ROTARY_BUFFER, MISTRAL: _ROTARY_BUFFER, QWEN2: _ROTARY_BUFFER,
+REDUNDANT = {LLAMA: _ROTARY_BUFFER, MISTRAL: _ROTARY_BUFFER, QWEN2: _ROTARY_BUFFER, QWEN3: _ROTARY_BUFFER,
              GPT2: re.compile(r"h\.\d+\.attn\.(bias|masked_bias)"), DEEPSEEK_V2: _ROTARY_BUFFER,
-             DEEPSEEK_V3: _ROTARY_BUFFER}
+             DEEPSEEK_V3: _ROTARY_BUFFER, GEMMA2: _ROTARY_BUFFER, GEMMA3_TEXT: _ROTARY_BUFFER,
+             GEMMA3: _ROTARY_BUFFER}
 
 
 # --- config ---------------------------------------------------------------------------------------------------
@@ -169,11 +216,13 @@ def architecture(hf: dict, *, source: str) -> str:
 class _Fields:
     """Typed, capped reads of config.json fields; every error names the source file and the field."""
 
-    def __init__(self, hf: dict, source: str):
-        self.hf, self.source = hf, source
+    def __init__(self, hf: dict, source: str, prefix: str = ""):
+        # prefix: where `hf` sits in the file, e.g. "text_config." for a nested config; error messages name
+        # fields with it
+        self.hf, self.source, self.prefix = hf, source, prefix
 
     def fail(self, field: str, message: str):
-        raise ValueError(f"{self.source}: field {field!r} {message}")
+        raise ValueError(f"{self.source}: field {self.prefix + field!r} {message}")
 
     def int(self, field: str, default=None, *, cap: int | None = None, required: bool = False) -> int | None:
         value = self.hf.get(field)
@@ -225,13 +274,23 @@ def config_from_hf(hf_config: dict, *, source: str) -> Config:
         raise ValueError(f"{source}: expected a JSON object, got {type(hf_config).__name__}")
     arch = architecture(hf_config, source=source)
     fields = _Fields(hf_config, source)
+    eos_fields = fields
     if arch == GPT2:
         kwargs = _gpt2_fields(fields)
     elif arch in DEEPSEEK:
         kwargs = _deepseek_fields(fields, arch)
+    elif arch == GEMMA3:
+        text = _text_config(fields)
+        kwargs = _gemma_fields(text, arch)
+        # the head's tying is the outer config's; transformers' generation config takes eos from the outer config,
+        # then from text_config
+        kwargs["tie_embeddings"] = fields.bool("tie_word_embeddings", True)
+        eos_fields = fields if fields.hf.get("eos_token_id") is not None else text
+    elif arch in GEMMA:
+        kwargs = _gemma_fields(fields, arch)
     else:
         kwargs = _llama_family_fields(fields, arch)
-    kwargs["eos_ids"] = _eos_ids(fields, kwargs["vocab_size"])
+    kwargs["eos_ids"] = _eos_ids(eos_fields, kwargs["vocab_size"])
     config = Config(**kwargs)
     if config.param_count() > MAX_PARAMS:
         raise ValueError(f"{source}: the config implies {config.param_count():,} parameters, beyond the supported "
@@ -258,31 +317,40 @@ def _head_dim(fields: _Fields, d_model: int, n_heads: int, field: str = "head_di
     return head_dim
 
 
+# transformers' own default max_position_embeddings, for a file that omits the field.
+_DEFAULT_MAX_POSITIONS = {LLAMA: 2048, MISTRAL: 131072, QWEN2: 32768, QWEN3: 32768}
+
+# The rope types (`rope_type`) each family may use: those `jaxkv.layers.rope_inv_freq` reproduces. Llama, Mistral
+# and Qwen2 keep the set they were parity-tested with; DeepSeek adds yarn (`_deepseek_fields`).
+_ROPE_TYPES = ("default", "llama3")
+_NEWER_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # Qwen3, Gemma 2, Gemma 3's full-attention layers
+
+
 def _llama_family_fields(f: _Fields, arch: str) -> dict:
     d_model = f.int("hidden_size", cap=MAX_D_MODEL, required=True)
     n_heads = f.int("num_attention_heads", cap=MAX_HEADS, required=True)
     act = f.str("hidden_act", "silu")
     if act not in ("silu", "swish"):
         f.fail("hidden_act", f"= {act!r} is not supported; jaxkv's SwiGLU MLP uses silu")
-    # transformers' own default, for a file that omits the field.
-    default_max_positions = {LLAMA: 2048, MISTRAL: 131072, QWEN2: 32768}[arch]
     kwargs = dict(
         vocab_size=f.int("vocab_size", cap=MAX_VOCAB, required=True),
         d_model=d_model,
         n_layers=f.int("num_hidden_layers", cap=MAX_LAYERS, required=True),
         n_heads=n_heads,
         n_kv_heads=f.int("num_key_value_heads", n_heads, cap=MAX_HEADS),
-        head_dim=_head_dim(f, d_model, n_heads),
+        # Qwen3Config's head_dim defaults to 128 whatever the hidden size; the others fall back to D / N
+        head_dim=f.int("head_dim", 128, cap=MAX_HEAD_DIM) if arch == QWEN3 else _head_dim(f, d_model, n_heads),
         ffn_dim=f.int("intermediate_size", cap=MAX_FFN, required=True),
         ffn_kind="swiglu",
         norm_kind="rmsnorm",
         norm_eps=f.float("rms_norm_eps", 1e-6),
         positions="rope",
         # RoPE is computed on the fly from position ids, so this only bounds generation; it sizes no allocation.
-        max_positions=f.int("max_position_embeddings", default_max_positions),
+        max_positions=f.int("max_position_embeddings", _DEFAULT_MAX_POSITIONS[arch]),
         tie_embeddings=f.bool("tie_word_embeddings", False),
     )
-    kwargs["rope_theta"], kwargs["rope_scaling"] = _rope(f, kwargs["max_positions"])
+    kwargs["rope_theta"], kwargs["rope_scaling"] = _rope(
+        f, kwargs["max_positions"], types=_NEWER_ROPE_TYPES if arch == QWEN3 else _ROPE_TYPES)
     if arch == LLAMA:
         # Llama's attention_bias covers q, k, v and o; mlp_bias covers gate, up and down.
         kwargs["qkv_bias"] = kwargs["out_bias"] = f.bool("attention_bias", False)
@@ -290,6 +358,12 @@ def _llama_family_fields(f: _Fields, arch: str) -> dict:
     elif arch == QWEN2:
         kwargs["qkv_bias"] = True  # Qwen2 always has q/k/v biases and never an o_proj bias
         kwargs["sliding_window"] = _qwen2_window(f, kwargs["n_layers"])
+    elif arch == QWEN3:
+        # Qwen3: Llama plus an RMS norm over each query and key head (q_norm / k_norm, before the rotation);
+        # attention_bias covers q, k, v and o. Its sliding layers (use_sliding_window) may mix with full ones.
+        kwargs["qkv_bias"] = kwargs["out_bias"] = f.bool("attention_bias", False)
+        kwargs["qk_norm"] = True
+        kwargs["layer_types"], kwargs["sliding_window"] = _jaxkv_layer_types(*_qwen_layer_types(f, kwargs["n_layers"]))
     else:
         # transformers' mask keeps key j for query i when j > i - sliding_window (masking_utils.
         # sliding_window_overlay, transformers 5.24): the `sliding_window` most recent tokens, the query itself
@@ -302,11 +376,10 @@ def _llama_family_fields(f: _Fields, arch: str) -> dict:
     return kwargs
 
 
-def _qwen2_window(f: _Fields, n_layers: int) -> int | None:
-    """Qwen2's sliding window: one window for every layer or none; per-layer mixes are refused.
-
-    transformers: the window applies only with use_sliding_window, and then to the layers whose `layer_types`
-    entry is "sliding_attention" (by default the layers i >= max_window_layers)."""
+def _qwen_layer_types(f: _Fields, n_layers: int) -> tuple[list[str], int | None]:
+    """Qwen2 / Qwen3's (layer types, sliding window) as transformers 5.24 builds them: the window applies only with
+    use_sliding_window, and then to the layers whose `layer_types` entry is "sliding_attention" (by default the
+    layers i >= max_window_layers)."""
     window = f.int("sliding_window", None) if f.bool("use_sliding_window", False) else None
     types = f.hf.get("layer_types")
     if types is None:
@@ -315,26 +388,45 @@ def _qwen2_window(f: _Fields, n_layers: int) -> int | None:
             f.fail("max_window_layers", f"must be a non-negative integer, got {first_sliding!r}")
         types = ["sliding_attention" if window is not None and i >= first_sliding else "full_attention"
                  for i in range(n_layers)]
+    _check_layer_types(f, types, n_layers)
+    if window is None and "sliding_attention" in types:
+        f.fail("layer_types", "has sliding_attention layers but use_sliding_window is false or sliding_window "
+                              "is unset")
+    return types, window
+
+
+def _check_layer_types(f: _Fields, types, n_layers: int):
     if not isinstance(types, list) or len(types) != n_layers or \
             not set(types) <= {"full_attention", "sliding_attention"}:
         f.fail("layer_types", f"must list 'full_attention' or 'sliding_attention' for each of the {n_layers} "
                               f"layers, got {types!r}")
+
+
+def _jaxkv_layer_types(types: list[str], window: int | None) -> tuple[tuple[str, ...] | None, int | None]:
+    """(Config.layer_types, Config.sliding_window) of Hugging Face's per-layer types: no layer_types when every
+    layer is alike (one window on all of them, or none)."""
     sliding = {t == "sliding_attention" for t in types}
     if sliding == {False}:
-        return None
-    if window is None:
-        f.fail("layer_types", "has sliding_attention layers but use_sliding_window is false or sliding_window "
-                              "is unset")
-    if sliding == {True, False}:
+        return None, None
+    if sliding == {True}:
+        return None, window
+    return tuple(types), window
+
+
+def _qwen2_window(f: _Fields, n_layers: int) -> int | None:
+    """Qwen2's sliding window: one window for every layer or none; per-layer mixes are refused."""
+    types, window = _qwen_layer_types(f, n_layers)
+    if {t == "sliding_attention" for t in types} == {True, False}:
         f.fail("layer_types", "mixes sliding and full attention layers (see max_window_layers); jaxkv supports "
                               "one sliding window for all layers only")
-    return window
+    return _jaxkv_layer_types(types, window)[1]
 
 
-def _rope(f: _Fields, max_positions: int, *, yarn: bool = False) -> tuple[float, RopeScaling | YarnScaling | None]:
-    """(rope_theta, RopeScaling or None), from either transformers 5.x's `rope_parameters` (which holds
-    rope_theta and rope_type together) or the 4.x top-level `rope_theta` + `rope_scaling` (type under "type"
-    or "rope_type")."""
+def _rope(f: _Fields, max_positions: int, *,
+          types: tuple[str, ...] = _ROPE_TYPES) -> tuple[float, RopeScaling | LinearScaling | YarnScaling | None]:
+    """(rope_theta, scaling or None), from either transformers 5.x's `rope_parameters` (which holds rope_theta and
+    rope_type together) or the 4.x top-level `rope_theta` + `rope_scaling` (type under "type" or "rope_type").
+    `types`: the rope types accepted."""
     params = f.hf.get("rope_parameters")
     field = "rope_parameters"
     if params is None:
@@ -343,7 +435,13 @@ def _rope(f: _Fields, max_positions: int, *, yarn: bool = False) -> tuple[float,
         f.fail(field, f"must be an object, got {params!r}")
     if any(isinstance(v, dict) for v in params.values()):
         f.fail(field, "holds per-layer-type RoPE settings, which jaxkv does not support")
-    theta = params.get("rope_theta", f.hf.get("rope_theta"))
+    return _rope_entry(f, field, params, max_positions, types, f.hf.get("rope_theta"))
+
+
+def _rope_entry(f: _Fields, field: str, params: dict, max_positions: int, types: tuple[str, ...],
+                default_theta=None) -> tuple[float, RopeScaling | LinearScaling | YarnScaling | None]:
+    """One rope settings object (`field` names it in errors): (theta, scaling or None)."""
+    theta = params.get("rope_theta", default_theta)
     theta = 10000.0 if theta is None else f.number(f"{field}.rope_theta", theta)
     if theta <= 0:
         f.fail(f"{field}.rope_theta", f"must be > 0, got {theta}")
@@ -351,28 +449,163 @@ def _rope(f: _Fields, max_positions: int, *, yarn: bool = False) -> tuple[float,
     if partial != 1.0:
         f.fail("partial_rotary_factor", f"= {partial!r} is not supported (jaxkv rotates the whole head)")
     rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in types:
+        f.fail(f"{field}.rope_type", f"= {rope_type!r} is not supported; supported: "
+                                     f"{', '.join(repr(t) for t in types)}")
     if rope_type == "default":
         return theta, None
-    if yarn and rope_type == "yarn":
+    if rope_type == "yarn":
         return theta, _yarn(f, field, params, max_positions)
-    if rope_type != "llama3":
-        supported = "'default', 'llama3'" + (", 'yarn'" if yarn else "")
-        f.fail(f"{field}.rope_type", f"= {rope_type!r} is not supported; supported: {supported}")
 
     def number(key):
         if params.get(key) is None:
-            f.fail(f"{field}.{key}", "is missing (required by rope_type 'llama3')")
+            f.fail(f"{field}.{key}", f"is missing (required by rope_type {rope_type!r})")
         return f.number(f"{field}.{key}", params[key])
 
-    original = params.get("original_max_position_embeddings", max_positions)  # transformers' fallback
-    if isinstance(original, bool) or not isinstance(original, int) or original < 1:
-        f.fail(f"{field}.original_max_position_embeddings", f"must be a positive integer, got {original!r}")
     try:
-        scaling = RopeScaling(factor=number("factor"), low_freq_factor=number("low_freq_factor"),
-                              high_freq_factor=number("high_freq_factor"), original_max_positions=original)
+        if rope_type == "linear":  # transformers: every inverse frequency divided by factor
+            return theta, LinearScaling(factor=number("factor"))
+        original = params.get("original_max_position_embeddings", max_positions)  # transformers' fallback
+        if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+            f.fail(f"{field}.original_max_position_embeddings", f"must be a positive integer, got {original!r}")
+        return theta, RopeScaling(factor=number("factor"), low_freq_factor=number("low_freq_factor"),
+                                  high_freq_factor=number("high_freq_factor"), original_max_positions=original)
     except ValueError as e:
-        raise ValueError(f"{f.source}: field {field!r}: {e}") from None
-    return theta, scaling
+        if str(e).startswith(f.source):  # already names the field
+            raise
+        raise ValueError(f"{f.source}: field {f.prefix + field!r}: {e}") from None
+
+
+# transformers 5.24's Gemma2Config / Gemma3TextConfig defaults, for fields a config.json omits: Google's Gemma 3
+# releases spell out only a few fields of their text_config (hidden_size, intermediate_size, num_hidden_layers,
+# sliding_window, rope_scaling) and rely on these for the rest. The tensors then check the sizes.
+_GEMMA_DEFAULTS = {
+    GEMMA2: dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                 num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=8192,
+                 query_pre_attn_scalar=256, sliding_window=4096, final_logit_softcapping=30.0,
+                 attn_logit_softcapping=50.0),
+    GEMMA3_TEXT: dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                      num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131072,
+                      query_pre_attn_scalar=256, sliding_window=4096, final_logit_softcapping=None,
+                      attn_logit_softcapping=None),
+}
+_GEMMA_DEFAULTS[GEMMA3] = _GEMMA_DEFAULTS[GEMMA3_TEXT]
+_GEMMA3_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}  # Gemma3TextConfig.default_theta
+
+
+def _text_config(f: _Fields) -> _Fields:
+    """The language model's config nested in a multimodal one (Gemma 3: `text_config`)."""
+    text = f.hf.get("text_config")
+    if not isinstance(text, dict):
+        f.fail("text_config", f"must be an object holding the language model's config, got {text!r}")
+    return _Fields(text, f.source, prefix=f.prefix + "text_config.")
+
+
+def _gemma_fields(f: _Fields, arch: str) -> dict:
+    """Gemma 2 / Gemma 3 (its language model): GeGLU, zero-centred RMS norms (x * (1 + w)) before and after both
+    the attention and the MLP, embeddings times sqrt(D), scores scaled by query_pre_attn_scalar ** -0.5, sliding and
+    full attention layers (`layer_types`). Gemma 2: tanh soft caps on the scores and the logits. Gemma 3: q/k norms,
+    a rotary base per layer type."""
+    d = _GEMMA_DEFAULTS[arch]
+    act = f.str("hidden_activation", "gelu_pytorch_tanh")
+    # gelu_new is the same tanh approximation (GPT-2's name for it); jaxkv's GeGLU computes that one
+    if act not in ("gelu_pytorch_tanh", "gelu_new"):
+        f.fail("hidden_activation", f"= {act!r} is not supported; jaxkv's GeGLU MLP uses gelu_pytorch_tanh")
+    if f.bool("use_bidirectional_attention", False):
+        f.fail("use_bidirectional_attention", "= true is not supported (jaxkv decodes with causal attention)")
+    d_model = f.int("hidden_size", d["hidden_size"], cap=MAX_D_MODEL)
+    n_layers = f.int("num_hidden_layers", d["num_hidden_layers"], cap=MAX_LAYERS)
+    gemma3 = arch != GEMMA2
+    kwargs = dict(
+        vocab_size=f.int("vocab_size", d["vocab_size"], cap=MAX_VOCAB),
+        d_model=d_model,
+        n_layers=n_layers,
+        n_heads=f.int("num_attention_heads", d["num_attention_heads"], cap=MAX_HEADS),
+        n_kv_heads=f.int("num_key_value_heads", d["num_key_value_heads"], cap=MAX_HEADS),
+        head_dim=f.int("head_dim", d["head_dim"], cap=MAX_HEAD_DIM),
+        ffn_dim=f.int("intermediate_size", d["intermediate_size"], cap=MAX_FFN),
+        ffn_kind="geglu",
+        norm_kind="gemma_rmsnorm",
+        norm_eps=f.float("rms_norm_eps", 1e-6),
+        positions="rope",
+        max_positions=f.int("max_position_embeddings", d["max_position_embeddings"]),
+        tie_embeddings=f.bool("tie_word_embeddings", True),
+        embed_scale=d_model ** 0.5,  # transformers: hidden_size ** 0.5, rounded to the weights' dtype (the model)
+        post_norms=True,
+        qk_norm=gemma3,
+        query_pre_attn_scalar=_positive(f, "query_pre_attn_scalar", d["query_pre_attn_scalar"]),
+    )
+    # attention_bias covers q, k, v and o
+    kwargs["qkv_bias"] = kwargs["out_bias"] = f.bool("attention_bias", False)
+
+    types = f.hf.get("layer_types")
+    if types is None:
+        # transformers' defaults: Gemma 2 alternates sliding (even layers) and full; Gemma 3 has every
+        # sliding_window_pattern-th layer full (the pattern is a constructor argument, not a stored field)
+        pattern = 2 if arch == GEMMA2 else f.int("sliding_window_pattern", 6)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
+    _check_layer_types(f, types, n_layers)
+    window = f.int("sliding_window", None) if "sliding_window" in f.hf else d["sliding_window"]
+    if window is None and "sliding_attention" in types:
+        f.fail("sliding_window", "is null but layer_types has sliding_attention layers")
+    kwargs["layer_types"], kwargs["sliding_window"] = _jaxkv_layer_types(types, window)
+
+    if gemma3:
+        kwargs["rope_theta"], kwargs["rope_scaling"], kwargs["rope_local_theta"] = _gemma3_rope(
+            f, kwargs["max_positions"])
+    else:
+        kwargs["rope_theta"], kwargs["rope_scaling"] = _rope(f, kwargs["max_positions"], types=_NEWER_ROPE_TYPES)
+    # transformers 5.24 applies attn_logit_softcapping in Gemma 2 only: Gemma3Attention never passes it to the
+    # attention function, so a Gemma 3 config's value changes nothing there, nor here. Likewise
+    # final_logit_softcapping: Gemma3ForCausalLM applies it, Gemma3ForConditionalGeneration does not.
+    if arch == GEMMA2:
+        kwargs["attn_logit_softcap"] = _positive(f, "attn_logit_softcapping", d["attn_logit_softcapping"])
+    if arch != GEMMA3:
+        kwargs["final_logit_softcap"] = _positive(f, "final_logit_softcapping", d["final_logit_softcapping"])
+    return kwargs
+
+
+def _positive(f: _Fields, field: str, default: float | None) -> float | None:
+    """A number > 0, or None where the field is null; `default` where it is absent."""
+    value = f.hf[field] if field in f.hf else default
+    if value is None:
+        return None
+    value = f.number(field, value)
+    if value <= 0:
+        f.fail(field, f"must be > 0 (or null), got {value}")
+    return value
+
+
+def _gemma3_rope(f: _Fields, max_positions: int) -> tuple[float, LinearScaling | RopeScaling | YarnScaling | None,
+                                                           float]:
+    """(full layers' rope_theta, their scaling, sliding layers' rope_theta), as Gemma3TextConfig 5.24 reads them:
+    `rope_parameters` per layer type, or the 4.x fields rope_theta (full layers; default 1e6), rope_local_base_freq
+    (sliding layers; default 1e4) and rope_scaling (full layers only). The sliding layers take no scaling."""
+    params = f.hf.get("rope_parameters")
+    if params is None:
+        params = {}
+    if not isinstance(params, dict) or not set(params) <= set(_GEMMA3_THETA):
+        f.fail("rope_parameters", f"must be an object with 'full_attention' and 'sliding_attention' settings (Gemma "
+                                  f"3 has a rotary base per layer type), got {params!r}")
+    legacy_scaling = f.hf.get("rope_scaling")
+    if legacy_scaling is not None and not isinstance(legacy_scaling, dict):
+        f.fail("rope_scaling", f"must be an object, got {legacy_scaling!r}")
+    entries = {}
+    for kind, legacy in (("full_attention", "rope_theta"), ("sliding_attention", "rope_local_base_freq")):
+        entry = params.get(kind) or {"rope_type": "default"}
+        if not isinstance(entry, dict):
+            f.fail(f"rope_parameters.{kind}", f"must be an object, got {entry!r}")
+        entry = dict(entry)
+        if kind == "full_attention" and legacy_scaling:  # transformers: rope_scaling updates the full layers' only
+            entry.update(legacy_scaling)
+        if entry.get("rope_theta") is None:
+            entry["rope_theta"] = f.hf[legacy] if f.hf.get(legacy) is not None else _GEMMA3_THETA[kind]
+        entries[kind] = entry
+    theta, scaling = _rope_entry(f, "rope_parameters.full_attention", entries["full_attention"], max_positions,
+                                 _NEWER_ROPE_TYPES)
+    local, _ = _rope_entry(f, "rope_parameters.sliding_attention", entries["sliding_attention"], max_positions,
+                           ("default",))  # jaxkv's sliding layers take no scaling (`Config.layer_rope`)
+    return theta, scaling, local
 
 
 def _yarn(f: _Fields, field: str, params: dict, max_positions: int) -> YarnScaling:
@@ -397,7 +630,7 @@ def _yarn(f: _Fields, field: str, params: dict, max_positions: int) -> YarnScali
                            mscale_all_dim=number("mscale_all_dim"), attention_factor=number("attention_factor"),
                            truncate=truncate)
     except ValueError as e:
-        raise ValueError(f"{f.source}: field {field!r}: {e}") from None
+        raise ValueError(f"{f.source}: field {f.prefix + field!r}: {e}") from None
 
 
 # transformers' DeepseekV2Config / DeepseekV3Config defaults for fields a config.json may omit.
@@ -447,7 +680,8 @@ def _deepseek_fields(f: _Fields, arch: str) -> dict:
     )
     # attention_bias covers q_a_proj and kv_a_proj_with_mqa (jaxkv's qkv_bias) and o_proj.
     kwargs["qkv_bias"] = kwargs["out_bias"] = f.bool("attention_bias", False)
-    kwargs["rope_theta"], kwargs["rope_scaling"] = _rope(f, kwargs["max_positions"], yarn=True)
+    kwargs["rope_theta"], kwargs["rope_scaling"] = _rope(f, kwargs["max_positions"],
+                                                         types=("default", "llama3", "yarn"))
     return kwargs
 
 
@@ -596,11 +830,19 @@ def _llama_family_specs(cfg: Config) -> list[TensorSpec]:
     V, D, N, K, H, F = cfg.vocab_size, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn_dim
     specs = [TensorSpec("embed_tokens.weight", (V, D), "[V, D]", _as_is(("embedding",))),
              TensorSpec("norm.weight", (D,), "[D]", _as_is(("final_norm", "scale")))]
+    # HF norm name -> jaxkv norm. Gemma's sandwich norms (post_norms): post_attention_layernorm is the attention
+    # output's norm there, and the MLP's input norm is pre_feedforward_layernorm.
+    norms = ({"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attn_norm",
+              "pre_feedforward_layernorm": "mlp_norm", "post_feedforward_layernorm": "post_mlp_norm"}
+             if cfg.post_norms else {"input_layernorm": "attn_norm", "post_attention_layernorm": "mlp_norm"})
     for i in range(cfg.n_layers):
         hf, jx = f"layers.{i}.", f"layer_{i}"
+        specs += [TensorSpec(f"{hf}{name}.weight", (D,), "[D]", _as_is((jx, norm, "scale")))
+                  for name, norm in norms.items()]
+        if cfg.qk_norm:  # Qwen3, Gemma 3: over each head's H
+            specs += [TensorSpec(hf + "self_attn.q_norm.weight", (H,), "[H]", _as_is((jx, "attn", "q_norm", "scale"))),
+                      TensorSpec(hf + "self_attn.k_norm.weight", (H,), "[H]", _as_is((jx, "attn", "k_norm", "scale")))]
         specs += [
-            TensorSpec(hf + "input_layernorm.weight", (D,), "[D]", _as_is((jx, "attn_norm", "scale"))),
-            TensorSpec(hf + "post_attention_layernorm.weight", (D,), "[D]", _as_is((jx, "mlp_norm", "scale"))),
             TensorSpec(hf + "self_attn.q_proj.weight", (N * H, D), "[N*H, D]", _reshape((jx, "attn", "wq"), N, H, D)),
             TensorSpec(hf + "self_attn.k_proj.weight", (K * H, D), "[K*H, D]", _reshape((jx, "attn", "wk"), K, H, D)),
             TensorSpec(hf + "self_attn.v_proj.weight", (K * H, D), "[K*H, D]", _reshape((jx, "attn", "wv"), K, H, D)),
@@ -855,6 +1097,32 @@ def _strip_prefix(stored: dict[str, StoredTensor], prefix: str) -> dict[str, Sto
     return {name.removeprefix(prefix): t for name, t in stored.items()}
 
 
+def _checkpoint_names(stored: dict[str, StoredTensor],
+                      arch: str) -> tuple[dict[str, StoredTensor], Callable[[str], str]]:
+    """(the stored tensors keyed by the names `tensor_specs` uses, how the checkpoint would spell such a name).
+
+    Gemma3ForConditionalGeneration: its language model's tensors under either prefix of GEMMA3_PREFIXES (one per
+    checkpoint) and the head under its name there; the vision tower and multimodal projector (GEMMA3_SKIPPED) are
+    left out here, the only tensors of any checkpoint skipped by design."""
+    if arch != GEMMA3:
+        prefix = BASE_PREFIX[arch]
+        return _strip_prefix(stored, prefix), lambda name: name if name == "lm_head.weight" else prefix + name
+    used = [p for p in GEMMA3_PREFIXES if any(name.startswith(p) for name in stored)]
+    if len(used) > 1:
+        raise ValueError(f"the checkpoint holds language-model tensors under both {used[0]!r} and {used[1]!r}; "
+                         f"expected one of the two naming schemes")
+    prefix = used[0] if used else next(iter(GEMMA3_PREFIXES))
+    by_name: dict[str, StoredTensor] = {}
+    for name, t in stored.items():
+        if GEMMA3_SKIPPED.fullmatch(name):
+            continue
+        key = "lm_head.weight" if name in GEMMA3_PREFIXES.values() else name.removeprefix(prefix)
+        if key in by_name:
+            raise ValueError(f"tensors {by_name[key].name!r} and {name!r} are both the language model's {key!r}")
+        by_name[key] = t
+    return by_name, lambda name: GEMMA3_PREFIXES[prefix] if name == "lm_head.weight" else prefix + name
+
+
 def match(specs: list[TensorSpec], stored: dict[str, StoredTensor], *, arch: str,
           tied: bool) -> tuple[list[tuple[TensorSpec, StoredTensor]], StoredTensor | None]:
     """Pairs every expected tensor with its stored one, checking names, shapes and dtypes; refuses leftovers.
@@ -862,14 +1130,12 @@ def match(specs: list[TensorSpec], stored: dict[str, StoredTensor], *, arch: str
     Returns (pairs, the stored lm_head of a tied model, to be compared with the embedding, or None). The first
     pair is the embedding.
     """
-    prefix = BASE_PREFIX[arch]
-    by_name = _strip_prefix(stored, prefix)
+    by_name, stored_name = _checkpoint_names(stored, arch)
     pairs = []
     for spec in specs:
         t = by_name.pop(spec.name, None)
         if t is None:
-            full = spec.name if spec.name == "lm_head.weight" else prefix + spec.name
-            raise ValueError(f"tensor {full!r} is missing from the checkpoint")
+            raise ValueError(f"tensor {stored_name(spec.name)!r} is missing from the checkpoint")
         if t.shape != spec.shape:
             raise ValueError(f"tensor {t.name!r} in {t.file} has shape {list(t.shape)}, but config.json implies "
                              f"{spec.letters} = {list(spec.shape)}")

@@ -420,3 +420,152 @@ def test_cast_overflow(tmp_path):
     tensors["model.layers.0.mlp.up_proj.weight"][0, 0] = 1e6
     with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.up_proj\.weight'.*overflows float16"):
         load_hf(write(tmp_path, tensors=tensors), dtype="float16")
+
+
+# --- Qwen3, Gemma 2 / 3 ---------------------------------------------------------------------------------------------
+
+QWEN3_CONFIG = dict(LLAMA_CONFIG, architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=H)
+GEMMA3_TEXT = dict(model_type="gemma3_text", vocab_size=V, hidden_size=D, num_hidden_layers=L, num_attention_heads=N,
+                   num_key_value_heads=K, head_dim=H, intermediate_size=F, sliding_window=4,
+                   layer_types=["sliding_attention", "full_attention"])
+GEMMA3_CONFIG = dict(architectures=["Gemma3ForConditionalGeneration"], model_type="gemma3", text_config=GEMMA3_TEXT,
+                     eos_token_id=[1, 2], vision_config=dict(model_type="siglip_vision_model"))
+GEMMA2_CONFIG = dict(GEMMA3_TEXT, architectures=["Gemma2ForCausalLM"], model_type="gemma2")
+
+
+def qwen3_tensors(seed: int = 0) -> dict:
+    """A tiny untied Qwen3: Llama's tensors plus each layer's q_norm / k_norm [H]."""
+    rng = np.random.default_rng(seed)
+    t = llama_tensors(seed)
+    for i in range(L):
+        t[f"model.layers.{i}.self_attn.q_norm.weight"] = rng.normal(1, 0.1, H).astype(np.float32)
+        t[f"model.layers.{i}.self_attn.k_norm.weight"] = rng.normal(1, 0.1, H).astype(np.float32)
+    return t
+
+
+def gemma_tensors(prefix: str = "language_model.model.", qk_norm: bool = True, vision: bool = True) -> dict:
+    """A tiny tied Gemma 3 multimodal checkpoint as transformers 5.24 saves it (the language model under
+    `language_model.model.`, SigLIP under `vision_tower.`, the projector); Gemma 2 without q/k norms or vision."""
+    t = {}
+    for name, w in llama_tensors().items():
+        if name != "lm_head.weight":
+            t[prefix + name.removeprefix("model.")] = w
+    for i in range(L):
+        p = f"{prefix}layers.{i}."
+        t[p + "pre_feedforward_layernorm.weight"] = np.zeros(D, np.float32)
+        t[p + "post_feedforward_layernorm.weight"] = np.zeros(D, np.float32)
+        if qk_norm:
+            t[p + "self_attn.q_norm.weight"] = np.zeros(H, np.float32)
+            t[p + "self_attn.k_norm.weight"] = np.zeros(H, np.float32)
+    if vision:
+        t["vision_tower.vision_model.embeddings.patch_embedding.weight"] = np.zeros((4, 3, 2, 2), np.float32)
+        t["vision_tower.vision_model.post_layernorm.weight"] = np.ones(4, np.float32)
+        t["multi_modal_projector.mm_input_projection_weight"] = np.zeros((4, D), np.float32)
+        t["multi_modal_projector.mm_soft_emb_norm.weight"] = np.zeros(4, np.float32)
+    return t
+
+
+def test_new_families_load(tmp_path):
+    """The baselines of the cases below: Qwen3, Gemma 3 multimodal (vision tower skipped) and Gemma 2."""
+    qwen3 = load_hf(write(tmp_path / "qwen3", QWEN3_CONFIG, qwen3_tensors()))
+    assert qwen3.config.qk_norm and qwen3.params["layer_1"]["attn"]["k_norm"]["scale"].shape == (H,)
+    gemma3 = load_hf(write(tmp_path / "gemma3", GEMMA3_CONFIG, gemma_tensors()))
+    assert gemma3.config.tie_embeddings and gemma3.config.eos_ids == (1, 2) and gemma3.config.qk_norm
+    assert gemma3.config.layer_types == ("sliding_attention", "full_attention")
+    assert not any("vision" in str(path) for path, _ in jax.tree_util.tree_leaves_with_path(gemma3.params))
+    gemma2 = load_hf(write(tmp_path / "gemma2", GEMMA2_CONFIG, gemma_tensors("model.", qk_norm=False, vision=False)))
+    assert gemma2.config.post_norms and not gemma2.config.qk_norm and gemma2.config.attn_logit_softcap == 50.0
+    # transformers 5's in-memory names: model.language_model.*, model.vision_tower.*, lm_head
+    memory = gemma_tensors("model.language_model.", vision=False)
+    memory["model.vision_tower.vision_model.post_layernorm.weight"] = np.ones(4, np.float32)
+    load_hf(write(tmp_path / "memory", GEMMA3_CONFIG, memory))
+
+
+def test_qwen3_missing_q_norm(tmp_path, no_tensor_reads):
+    tensors = qwen3_tensors()
+    del tensors["model.layers.1.self_attn.q_norm.weight"]
+    with pytest.raises(ValueError, match=r"'model\.layers\.1\.self_attn\.q_norm\.weight' is missing"):
+        load_hf(write(tmp_path, QWEN3_CONFIG, tensors))
+
+
+def test_gemma3_missing_q_norm(tmp_path, no_tensor_reads):
+    """Named as the checkpoint spells it, under its multimodal prefix."""
+    tensors = gemma_tensors()
+    del tensors["language_model.model.layers.0.self_attn.q_norm.weight"]
+    with pytest.raises(ValueError, match=r"'language_model\.model\.layers\.0\.self_attn\.q_norm\.weight' is missing"):
+        load_hf(write(tmp_path, GEMMA3_CONFIG, tensors))
+
+
+def test_qwen3_k_norm_wrong_shape(tmp_path, no_tensor_reads):
+    tensors = qwen3_tensors()
+    tensors["model.layers.0.self_attn.k_norm.weight"] = np.ones(D, np.float32)  # over the model width, not a head
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.k_norm\.weight'.*shape \[16\].*"
+                                         r"\[H\] = \[8\]"):
+        load_hf(write(tmp_path, QWEN3_CONFIG, tensors))
+
+
+def test_gemma_norm_wrong_shape(tmp_path, no_tensor_reads):
+    tensors = gemma_tensors()
+    tensors["language_model.model.layers.1.pre_feedforward_layernorm.weight"] = np.zeros(D + 2, np.float32)
+    with pytest.raises(ValueError, match=r"'language_model\.model\.layers\.1\.pre_feedforward_layernorm\.weight'"
+                                         r".*shape \[18\].*\[D\] = \[16\]"):
+        load_hf(write(tmp_path, GEMMA3_CONFIG, tensors))
+
+
+def test_gemma3_untied_head_under_its_prefix(tmp_path, no_tensor_reads):
+    with pytest.raises(ValueError, match=r"'language_model\.lm_head\.weight' is missing"):
+        load_hf(write(tmp_path, dict(GEMMA3_CONFIG, tie_word_embeddings=False), gemma_tensors()))
+
+
+@pytest.mark.parametrize("extra", ["audio_tower.conv.weight", "language_model.model.layers.0.self_attn.q_proj.bias",
+                                   "model.multi_modal_projector_v2.weight", "vision_tower_extra.weight"])
+def test_gemma3_only_vision_and_projector_are_skipped(tmp_path, no_tensor_reads, extra):
+    tensors = gemma_tensors()
+    tensors[extra] = np.zeros(4, np.float32)
+    with pytest.raises(ValueError, match=rf"'{extra}'.*not used"):
+        load_hf(write(tmp_path, GEMMA3_CONFIG, tensors))
+
+
+def test_gemma3_mixed_naming_refused(tmp_path, no_tensor_reads):
+    tensors = gemma_tensors()
+    tensors["model.language_model.norm.weight"] = tensors.pop("language_model.model.norm.weight")
+    with pytest.raises(ValueError, match="under both 'language_model.model.' and 'model.language_model.'"):
+        load_hf(write(tmp_path, GEMMA3_CONFIG, tensors))
+
+
+def test_gemma2_with_q_norm_is_unexpected(tmp_path, no_tensor_reads):
+    """Gemma 2 has no q/k norms: a checkpoint holding them is not a Gemma 2 one."""
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.k_norm\.weight'.*not used"):
+        load_hf(write(tmp_path, GEMMA2_CONFIG, gemma_tensors("model.", vision=False)))
+
+
+def gemma3_text(**changes):
+    return dict(GEMMA3_CONFIG, text_config=dict(GEMMA3_TEXT, **changes))
+
+
+@pytest.mark.parametrize("config,field", [
+    (gemma3_text(use_bidirectional_attention=True), "text_config.use_bidirectional_attention"),
+    (gemma3_text(hidden_activation="gelu"), "text_config.hidden_activation"),
+    (gemma3_text(rope_parameters=dict(full_attention=dict(rope_type="default", rope_theta=1e6),
+                                      sliding_attention=dict(rope_type="linear", factor=2.0, rope_theta=1e4))),
+     r"text_config.rope_parameters.sliding_attention.rope_type"),
+    (gemma3_text(rope_parameters=dict(rope_type="default", rope_theta=1e6)), "text_config.rope_parameters"),
+    (gemma3_text(rope_scaling=dict(rope_type="dynamic", factor=2.0)),
+     "text_config.rope_parameters.full_attention.rope_type"),
+    (gemma3_text(rope_scaling=dict(rope_type="linear")), "text_config.rope_parameters.full_attention.factor"),
+    (gemma3_text(sliding_window=None), "text_config.sliding_window"),
+    (gemma3_text(layer_types=["sliding_attention"]), "text_config.layer_types"),
+    (gemma3_text(num_hidden_layers=10 ** 6), "text_config.num_hidden_layers"),
+    (dict(GEMMA3_CONFIG, text_config=None), "text_config"),
+    (dict(GEMMA2_CONFIG, attn_logit_softcapping=-1.0), "attn_logit_softcapping"),
+    (dict(GEMMA2_CONFIG, query_pre_attn_scalar="big"), "query_pre_attn_scalar"),
+    (dict(QWEN3_CONFIG, rope_parameters=dict(rope_type="dynamic", rope_theta=1e4, factor=2.0)),
+     "rope_parameters.rope_type"),
+    (dict(QWEN3_CONFIG, use_sliding_window=False, sliding_window=4,
+          layer_types=["full_attention", "sliding_attention"]), "layer_types"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_new_family_config_errors(config, field):
+    """Options jaxkv cannot reproduce, and malformed fields, are refused naming the field (nested ones with their
+    text_config. path)."""
+    with pytest.raises(ValueError, match=rf"config\.json: field '{field}'"):
+        config_from_hf(config, source="config.json")

@@ -92,6 +92,18 @@ def hf_greedy(hf, prompts, new_tokens: int = NEW_TOKENS) -> list[list[int]]:
     return out[:, T:].tolist()
 
 
+def assert_clear_margins(hf, prompts, generated, name, min_margin):
+    """Every greedy choice of the reference beats the runner-up by `min_margin` (transformers' own full forward
+    over prompt + tokens so far), and the output is varied: token equality is then meaningful, not luck."""
+    for p, row in zip(prompts, generated):
+        assert len(set(row)) >= 8, f"{name}: HF output too repetitive to test anything: {row}"
+        logits = hf_logits(hf, [p + row[:-1]])[0, len(p) - 1:]
+        top2 = np.sort(logits, axis=-1)[:, -2:]
+        assert (logits.argmax(-1) == row).all()
+        margin = (top2[:, 1] - top2[:, 0]).min()
+        assert margin > min_margin, f"{name}: a near-tie ({margin:.2e}) in the reference output; change the seed"
+
+
 def test_logits_match(pair):
     name, hf, model, _ = pair
     tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 24))

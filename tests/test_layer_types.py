@@ -187,3 +187,31 @@ def test_config_round_trips_through_save_and_load(tmp_path):
 def test_bad_configs_are_refused(changes, message):
     with pytest.raises(ValueError, match=message):
         mixed_config(**changes)
+
+
+@pytest.mark.parametrize("changes", [
+    dict(),  # Gemma-3-shaped: q/k norms, per-layer rope bases
+    dict(attn_logit_softcap=2.0, final_logit_softcap=5.0, qk_norm=False, rope_local_theta=None,
+         rope_scaling=None),  # Gemma-2-shaped: capped scores (a small cap, so capping changes them)
+])
+def test_pallas_kernels_equal_xla_on_mixed_windows(changes):
+    """The Pallas prefill and decode kernels (interpreted on CPU) on local rings and global full-length layers in
+    one model, a prompt longer than the window and decode past several wraps: the same greedy tokens and logits."""
+    model = random_model(mixed_config(**changes))
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    kwargs = dict(max_new_tokens=10, stop_tokens=[])
+    xla = jaxkv.generate(model, prompts, attention="xla", **kwargs)
+    pallas = jaxkv.generate(model, prompts, attention="pallas", **kwargs)
+    assert pallas.tokens == xla.tokens
+    np.testing.assert_allclose(np.asarray(pallas.logprobs), np.asarray(xla.logprobs), rtol=1e-4, atol=1e-4)
+
+
+def test_soft_capping_is_applied():
+    """Capped scores and logits change the model (a cap of 2 on scores of a few units): the caps are not dropped
+    on the way to the attention, and the logits are within (-cap, cap)."""
+    model = random_model(mixed_config(attn_logit_softcap=2.0, final_logit_softcap=5.0))
+    seq = [PROMPTS[0]]
+    capped = jaxkv.logits(model, seq)
+    assert np.abs(capped).max() < 5.0
+    uncapped = jaxkv.logits(jaxkv.Model(model.config.replace(attn_logit_softcap=None), model.params), seq)
+    assert np.abs(np.arctanh(uncapped.clip(-4.999, 4.999) / 5.0) * 5.0 - np.arctanh(capped / 5.0) * 5.0).max() > 1e-2

@@ -68,6 +68,13 @@ Both bodies mask with `jnp.where` (scores to a large finite negative, probabilit
 values of dead slots to 0 so that 0 * NaN cannot occur), so garbage or NaN in a dead slot inside a read block
 cannot leak (nor can a garbage scale: a dead slot's probability is zeroed after its value scale is applied), and
 a row with no live slot ends with l = 0 and returns 0 instead of NaN.
+
+Soft-capping
+------------
+With `softcap` (Gemma 2), each block's scaled float32 score tile becomes softcap * tanh(s / softcap) inside
+`online_softmax_step`, after the key scales and `scale` and before the live mask, as `reference.soft_cap` does; a
+static Python float baked into the kernel like `scale` (None traces exactly the uncapped kernel). Capping is
+elementwise on the [R, block_k] score tile: no memory traffic, R * block_k tanh per block.
 """
 
 from __future__ import annotations
@@ -82,7 +89,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
-from jaxkv.attention.reference import MASKED
+from jaxkv.attention.reference import MASKED, check_softcap, soft_cap
 
 # Triton's dot (tl.dot) needs every matmul dimension >= 16, and every loaded tensor a power-of-two size.
 GPU_MIN_DIM = 16
@@ -167,7 +174,7 @@ def reset_softmax_state(m_scr, l_scr, acc_scr):
 
 
 def online_softmax_step(m_prev, l_prev, acc_prev, q, k, v, live, v_live, *, scale: float, k_scale=None,
-                        v_scale=None):
+                        v_scale=None, softcap: float | None = None):
     """Folds one key block into the online softmax state.
 
     Args:
@@ -177,6 +184,8 @@ def online_softmax_step(m_prev, l_prev, acc_prev, q, k, v, live, v_live, *, scal
       live: bool[R, C], which (row, key) pairs may attend.
       v_live: bool[C, H], value slots that any row may see (the others are zeroed: 0 * NaN is NaN).
       k_scale, v_scale: f32[1, C] the block's dequantization scales (quantized caches), else None.
+      softcap: a static float: scores become softcap * tanh(s / softcap) before masking (`reference.soft_cap`);
+        None: uncapped.
 
     Returns:
       (m, l, acc) after the block.
@@ -187,7 +196,8 @@ def online_softmax_step(m_prev, l_prev, acc_prev, q, k, v, live, v_live, *, scal
     s = lax.dot_general(q, k, _NT, precision=precision, preferred_element_type=jnp.float32)  # [R, C]
     if k_scale is not None:
         s = s * k_scale  # q.(k * ks) = (q.k) * ks: the keys dequantized, per column
-    s = jnp.where(live, s * scale, MASKED)
+    # Capped before the mask, so a dead slot gets MASKED itself (and a NaN key's NaN score is selected away).
+    s = jnp.where(live, soft_cap(s * scale, softcap), MASKED)
     m = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # [R, 1]
     alpha = jnp.exp(m_prev - m)  # [R, 1]; 0 when the first live score arrives after a masked-only history
     # Explicitly 0 for dead pairs: a row with nothing live so far keeps l = 0 (exp(MASKED - MASKED) would be 1).
@@ -315,7 +325,7 @@ def _tpu_step_block(b, split, j, lo_ref, hi_ref, *, block_k: int, splits: int, n
 
 
 def _decode_kernel_tpu(lo_ref, hi_ref, q_ref, k_ref, v_ref, *refs, scale: float, block_k: int, splits: int,
-                       num_blocks: int, quantized: bool, ring_slots: int | None):
+                       num_blocks: int, quantized: bool, ring_slots: int | None, softcap: float | None = None):
     """Grid (B, K, splits, blocks per split). q_ref [R, H]; k_ref, v_ref [block_k, H]; then, for a quantized cache,
     ks_ref, vs_ref [1, block_k]; outputs are this split's (acc [R, H], m [R, 1], l [R, 1]), written at its last
     step; scratch m, l, acc."""
@@ -333,7 +343,7 @@ def _decode_kernel_tpu(lo_ref, hi_ref, q_ref, k_ref, v_ref, *refs, scale: float,
                                     head_dim, wrap=ring_slots)
         m, l, acc = online_softmax_step(m_scr[...], l_scr[...], acc_scr[...], q_ref[...], k_ref[...], v_ref[...],
                                         live, v_live, scale=scale, k_scale=load_scale(ks_ref),
-                                        v_scale=load_scale(vs_ref))
+                                        v_scale=load_scale(vs_ref), softcap=softcap)
         m_scr[...], l_scr[...], acc_scr[...] = m, l, acc
 
     @pl.when(j == pl.num_programs(3) - 1)
@@ -342,7 +352,7 @@ def _decode_kernel_tpu(lo_ref, hi_ref, q_ref, k_ref, v_ref, *refs, scale: float,
 
 
 def _decode_tpu(q, k, v, k_scale, v_scale, lo, hi, *, scale: float, block_k: int, splits: int, ring: bool,
-                interpret):
+                interpret, softcap: float | None = None):
     """q [B, K, R, H] (R = G padded to a multiple of 8); k, v [B, K, S, H]; k_scale, v_scale f32[B, K, 1, S] or
     None; lo, hi int32[B] -> per-split (acc f32[B, K, P, R, H], m, l f32[B, K, P, R, 1])."""
     B, K, R, H = q.shape
@@ -379,7 +389,8 @@ def _decode_tpu(q, k, v, k_scale, v_scale, lo, hi, *, scale: float, block_k: int
                         pltpu.VMEM((R, H), jnp.float32)],
     )
     kernel = functools.partial(_decode_kernel_tpu, scale=scale, block_k=block_k, splits=splits,
-                               num_blocks=num_blocks, quantized=quantized, ring_slots=S if ring else None)
+                               num_blocks=num_blocks, quantized=quantized, ring_slots=S if ring else None,
+                               softcap=softcap)
     return pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
@@ -396,7 +407,7 @@ def _decode_tpu(q, k, v, k_scale, v_scale, lo, hi, *, scale: float, block_k: int
 
 
 def _decode_kernel_gpu(lo_ref, hi_ref, q_ref, k_ref, v_ref, *refs, scale: float, block_k: int, splits: int,
-                       quantized: bool, ring_slots: int | None):
+                       quantized: bool, ring_slots: int | None, softcap: float | None = None):
     """Grid (B, K, splits). lo_ref, hi_ref [1]; q_ref [R, H]; k_ref, v_ref [Sp, H] (a pointer: only the loop's
     slices are read); then, for a quantized cache, ks_ref, vs_ref [1, Sp]; outputs this split's (acc [R, H],
     m [R, 1], l [R, 1])."""
@@ -419,7 +430,8 @@ def _decode_kernel_gpu(lo_ref, hi_ref, q_ref, k_ref, v_ref, *refs, scale: float,
         k_scale = load_scale(ks_ref, slice(None), pl.ds(offset, block_k))  # [1, block_k] or None
         v_scale = load_scale(vs_ref, slice(None), pl.ds(offset, block_k))
         live, v_live = decode_masks(offset, floor, lo, hi, rows, block_k, head_dim, wrap=ring_slots)
-        return online_softmax_step(*carry, q, k, v, live, v_live, scale=scale, k_scale=k_scale, v_scale=v_scale)
+        return online_softmax_step(*carry, q, k, v, live, v_live, scale=scale, k_scale=k_scale, v_scale=v_scale,
+                                   softcap=softcap)
 
     init = (jnp.full((rows, 1), MASKED, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
             jnp.zeros((rows, head_dim), jnp.float32))
@@ -428,7 +440,7 @@ def _decode_kernel_gpu(lo_ref, hi_ref, q_ref, k_ref, v_ref, *refs, scale: float,
 
 
 def _decode_gpu(q, k, v, k_scale, v_scale, lo, hi, *, scale: float, block_k: int, splits: int,
-                ring_slots: int | None, interpret):
+                ring_slots: int | None, interpret, softcap: float | None = None):
     """q [B, K, R, H] (R, H powers of two >= 16); k, v [B, K, S, H] with S >= 16; k_scale, v_scale f32[B, K, 1, S]
     or None; lo, hi int32[B]; ring_slots: the ring's real S (<= S, the rest padding) or None
     -> per-split (acc f32[B, K, P, R, H], m, l f32[B, K, P, R, 1])."""
@@ -448,7 +460,7 @@ def _decode_gpu(q, k, v, k_scale, v_scale, lo, hi, *, scale: float, block_k: int
 
     quantized = k_scale is not None
     kernel = functools.partial(_decode_kernel_gpu, scale=scale, block_k=block_k, splits=splits,
-                               quantized=quantized, ring_slots=ring_slots)
+                               quantized=quantized, ring_slots=ring_slots, softcap=softcap)
     scale_specs = [pl.BlockSpec((None, None, 1, S), row_map)] * 2 if quantized else []  # pointers, like K and V
     return pl.pallas_call(
         kernel,
@@ -485,7 +497,7 @@ def default_splits(platform: str, batch: int, kv_heads: int, num_blocks: int) ->
 
 def decode_attention(q, k, v, start, q_offset, *, scale: float, sliding_window: int | None = None, k_scale=None,
                      v_scale=None, ring: bool = False, platform: str = "tpu", block_k: int | None = None,
-                     splits: int | None = None, interpret=False):
+                     splits: int | None = None, interpret=False, softcap: float | None = None):
     """Attention of one query per sequence over the cache; same contract as `reference.attention` with T == 1.
 
     Args:
@@ -497,6 +509,7 @@ def decode_attention(q, k, v, start, q_offset, *, scale: float, sliding_window: 
       block_k: slots per key block (TPU: a multiple of 128; GPU: a power of two >= 16).
       splits: parallel programs per (sequence, KV head); default `default_splits`.
       interpret: run the kernel in the Pallas interpreter (any truthy value pallas_call accepts).
+      softcap: Gemma 2's attention-logit soft-capping (`reference.soft_cap`), a static float; None: off.
 
     Returns:
       [B, 1, N, H] in q's dtype.
@@ -506,6 +519,7 @@ def decode_attention(q, k, v, start, q_offset, *, scale: float, sliding_window: 
     if T != 1:
         raise ValueError(f"decode_attention takes one query per sequence, got T={T}")
     check_scales(k, k_scale, v_scale)
+    softcap = check_softcap(softcap)
     G, dtype = N // K, q.dtype
     block_k = block_k or DEFAULT_BLOCK_K.get(platform, 0)
     lo, hi = live_bounds(start, q_offset, S, sliding_window, ring)  # int32[B] each
@@ -516,7 +530,7 @@ def decode_attention(q, k, v, start, q_offset, *, scale: float, sliding_window: 
         R = -(-G // TPU_ROW_MULTIPLE) * TPU_ROW_MULTIPLE  # whole sublane tiles: G = 1..7 has no legal layout
         splits = splits or default_splits(platform, B, K, cdiv(S, tpu_block(S, block_k)))
         acc, m, l = _decode_tpu(pad_axis(q, 2, R), k, v, k_scale, v_scale, lo, hi, scale=scale, block_k=block_k,
-                                splits=splits, ring=ring, interpret=interpret)
+                                splits=splits, ring=ring, interpret=interpret, softcap=softcap)
     elif platform == "gpu":
         R = max(GPU_MIN_DIM, next_pow2(G))  # tl.dot needs M >= 16; the padded rows are zeros, sliced off below
         Hp = max(GPU_MIN_DIM, next_pow2(H))
@@ -530,7 +544,7 @@ def decode_attention(q, k, v, start, q_offset, *, scale: float, sliding_window: 
             k_scale, v_scale = pad_axis(k_scale, 3, Sp), pad_axis(v_scale, 3, Sp)  # [B, K, 1, Sp]
         splits = splits or default_splits(platform, B, K, cdiv(Sp, gpu_block(Sp, block_k)))
         acc, m, l = _decode_gpu(q, k, v, k_scale, v_scale, lo, hi, scale=scale, block_k=block_k, splits=splits,
-                                ring_slots=S if ring else None, interpret=interpret)
+                                ring_slots=S if ring else None, interpret=interpret, softcap=softcap)
     else:
         raise ValueError(f"platform must be 'tpu' or 'gpu', got {platform!r}")
     out = combine_splits(acc, m, l)[:, :, :G, :H]  # [B, K, G, H] float32

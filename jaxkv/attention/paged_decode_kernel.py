@@ -2,7 +2,8 @@
 
 The spec is `paged_reference.paged_attention` with T == 1. Pools are [P, K, page_size, H]; sequence b's slot s
 lives in page `page_table[b, s // page_size]` at offset `s % page_size`. The math (online softmax in float32,
-masks, in-kernel dequantization) is `decode_kernel`'s; this file only decides which pages each program reads.
+masks, in-kernel dequantization, `softcap`'s capping of each score tile before its mask) is `decode_kernel`'s;
+this file only decides which pages each program reads.
 
 What a program reads
 --------------------
@@ -53,6 +54,7 @@ from jaxkv.attention.decode_kernel import (GPU_MIN_DIM, MASKED, TPU_ROW_MULTIPLE
                                            cdiv, decode_masks, live_bounds, load_scale, matmul_dtype, next_pow2,
                                            normalize, online_softmax_step, pad_axis, reset_softmax_state,
                                            scale_rows, split_scale_refs)
+from jaxkv.attention.reference import check_softcap
 
 # Slots per step a page group aims for when `pages_per_block` is not given. TPU: 128 slots (a lane-dense row of
 # scores), at most 8 pages (each page is its own BlockSpec'd input and DMA). GPU: 64 slots, as the contiguous
@@ -104,7 +106,7 @@ def _tpu_page(b, j, i, lo_ref, hi_ref, *, page_size: int, pages_per_block: int, 
 
 
 def _paged_kernel_tpu(lo_ref, hi_ref, table_ref, q_ref, *refs, scale: float, page_size: int, pages_per_block: int,
-                      num_groups: int, quantized: bool):
+                      num_groups: int, quantized: bool, softcap: float | None = None):
     """Grid (B, K, groups). q_ref [R, H]; then pages_per_block K page refs [page_size, H], as many V page refs, and
     for a quantized pool as many K and V scale refs [1, page_size]; the output [R, H] is written at the last step;
     scratch m, l, acc."""
@@ -129,7 +131,7 @@ def _paged_kernel_tpu(lo_ref, hi_ref, table_ref, q_ref, *refs, scale: float, pag
             live, v_live = decode_masks(offset, offset, lo, hi, rows, page_size, head_dim)
             ks, vs = (load_scale(scale_refs[i]), load_scale(scale_refs[n + i])) if quantized else (None, None)
             state = online_softmax_step(*state, q, kv_refs[i][...], kv_refs[n + i][...], live, v_live,
-                                        scale=scale, k_scale=ks, v_scale=vs)
+                                        scale=scale, k_scale=ks, v_scale=vs, softcap=softcap)
         m_scr[...], l_scr[...], acc_scr[...] = state
 
     @pl.when(j == pl.num_programs(2) - 1)
@@ -138,7 +140,7 @@ def _paged_kernel_tpu(lo_ref, hi_ref, table_ref, q_ref, *refs, scale: float, pag
 
 
 def _paged_tpu(q, k_pages, v_pages, k_scale, v_scale, page_table, lo, hi, *, scale: float, pages_per_block: int,
-               interpret):
+               interpret, softcap: float | None = None):
     """q [B, K, R, H] (R a multiple of 8); pools [P, K, page_size, H]; scales f32[P, K, 1, page_size] or None;
     page_table int32[B, M]; lo, hi int32[B] -> f32[B, K, R, H]."""
     B, K, R, H = q.shape
@@ -168,7 +170,7 @@ def _paged_tpu(q, k_pages, v_pages, k_scale, v_scale, page_table, lo, hi, *, sca
                         pltpu.VMEM((R, H), jnp.float32)],
     )
     kernel = functools.partial(_paged_kernel_tpu, scale=scale, page_size=page_size, pages_per_block=n,
-                               num_groups=num_groups, quantized=quantized)
+                               num_groups=num_groups, quantized=quantized, softcap=softcap)
     scales = [k_scale] * n + [v_scale] * n if quantized else []
     return pl.pallas_call(
         kernel,
@@ -184,7 +186,7 @@ def _paged_tpu(q, k_pages, v_pages, k_scale, v_scale, page_table, lo, hi, *, sca
 
 
 def _paged_kernel_gpu(lo_ref, hi_ref, table_ref, q_ref, k_ref, v_ref, *refs, scale: float, page_size: int,
-                      block: int, kv_heads: int, quantized: bool):
+                      block: int, kv_heads: int, quantized: bool, softcap: float | None = None):
     """Grid (B, K). lo_ref, hi_ref [1]; table_ref [M] (the row's page table); q_ref [R, H]; k_ref, v_ref
     [P * K * page_size, H] (pointers: only the gathered rows are read); then, for a quantized pool, ks_ref, vs_ref
     [P * K * page_size]; output [R, H]."""
@@ -211,7 +213,8 @@ def _paged_kernel_gpu(lo_ref, hi_ref, table_ref, q_ref, k_ref, v_ref, *refs, sca
         k_scale, v_scale = ((pltriton.load(x.at[row[None, :]], mask=read[None, :], other=0) for x in (ks_ref, vs_ref))
                             if quantized else (None, None))  # [1, C] each
         live, v_live = decode_masks(offset, offset, lo, hi, rows, block, head_dim)
-        return online_softmax_step(*carry, q, k, v, live, v_live, scale=scale, k_scale=k_scale, v_scale=v_scale)
+        return online_softmax_step(*carry, q, k, v, live, v_live, scale=scale, k_scale=k_scale, v_scale=v_scale,
+                                   softcap=softcap)
 
     init = (jnp.full((rows, 1), MASKED, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
             jnp.zeros((rows, head_dim), jnp.float32))
@@ -228,7 +231,8 @@ def gpu_block_slots(page_size: int, pages_per_seq: int, pages_per_block: int | N
     return max(GPU_MIN_DIM, min(TARGET_SLOTS["gpu"], next_pow2(pages_per_seq * page_size)))
 
 
-def _paged_gpu(q, k_pages, v_pages, k_scale, v_scale, page_table, lo, hi, *, scale: float, block: int, interpret):
+def _paged_gpu(q, k_pages, v_pages, k_scale, v_scale, page_table, lo, hi, *, scale: float, block: int, interpret,
+               softcap: float | None = None):
     """q [B, K, R, H] (R, H powers of two >= 16); pools [P, K, page_size, H]; scales f32[P, K, page_size] or None;
     page_table int32[B, M]; lo, hi int32[B]; block: slots per loop iteration -> f32[B, K, R, H]."""
     B, K, R, H = q.shape
@@ -253,7 +257,7 @@ def _paged_gpu(q, k_pages, v_pages, k_scale, v_scale, page_table, lo, hi, *, sca
     quantized = k_scale is not None
     scale_specs = [pl.BlockSpec(flat[:1], whole_scales)] * 2 if quantized else []
     kernel = functools.partial(_paged_kernel_gpu, scale=scale, page_size=page_size, block=block, kv_heads=K,
-                               quantized=quantized)
+                               quantized=quantized, softcap=softcap)
     scales = [k_scale.astype(jnp.float32).reshape(-1), v_scale.astype(jnp.float32).reshape(-1)] if quantized else []
     return pl.pallas_call(
         kernel,
@@ -276,7 +280,8 @@ def _paged_gpu(q, k_pages, v_pages, k_scale, v_scale, page_table, lo, hi, *, sca
 
 def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale: float,
                            sliding_window: int | None = None, k_scale=None, v_scale=None, q_slots=None,
-                           platform: str | None = None, pages_per_block: int | None = None, interpret=None):
+                           platform: str | None = None, pages_per_block: int | None = None, interpret=None,
+                           softcap: float | None = None):
     """Attention of one query per sequence over its pages; `paged_reference.paged_attention` with T == 1.
 
     Args:
@@ -293,6 +298,7 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale: f
       pages_per_block: pages per grid step (TPU, `tpu_pages_per_block`) or per loop iteration (GPU: rounded up to
         a power-of-two number of slots, `gpu_block_slots`).
       interpret: run in the Pallas interpreter; None means "only on CPU".
+      softcap: Gemma 2's attention-logit soft-capping (`reference.soft_cap`), a static float; None: off.
 
     Returns:
       [B, N, H] in q's dtype.
@@ -300,6 +306,7 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale: f
     B, N, H = q.shape
     K, page_size = k_pages.shape[1], k_pages.shape[2]
     check_pool(k_pages, v_pages, page_table, k_scale, v_scale)
+    softcap = check_softcap(softcap)
     platform = platform or ("gpu" if jax.default_backend() == "gpu" else "tpu")
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
@@ -320,11 +327,11 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale: f
         R = cdiv(G, TPU_ROW_MULTIPLE) * TPU_ROW_MULTIPLE  # whole sublane tiles
         out = _paged_tpu(pad_axis(q, 2, R), k_pages, v_pages, scale_rows(k_scale), scale_rows(v_scale), page_table,
                          lo, hi, scale=scale, pages_per_block=tpu_pages_per_block(page_size, M, pages_per_block),
-                         interpret=interpret)
+                         interpret=interpret, softcap=softcap)
     elif platform == "gpu":
         R = max(GPU_MIN_DIM, next_pow2(G))  # tl.dot needs M >= 16; the padded rows are zeros, sliced off below
         out = _paged_gpu(pad_axis(q, 2, R), k_pages, v_pages, k_scale, v_scale, page_table, lo, hi, scale=scale,
-                         block=gpu_block_slots(page_size, M, pages_per_block), interpret=interpret)
+                         block=gpu_block_slots(page_size, M, pages_per_block), interpret=interpret, softcap=softcap)
     else:
         raise ValueError(f"platform must be 'tpu' or 'gpu', got {platform!r}")
     return out[:, :, :G].reshape(B, N, H).astype(dtype)  # [B, N, H]

@@ -13,7 +13,8 @@ Page-table entries a sequence does not use are -1 and never read for a live slot
 (free pages, another sequence's pages, a partly written last page) may hold anything, NaN included: dead keys are
 masked with a finite negative and dead values are selected away (never multiplied by a zero weight, 0 x NaN = NaN).
 Quantized pools (int8, float8_e4m3fn) pass `k_scale`, `v_scale` [P, K, page_size] and are dequantized as read.
-Computes in float32 whatever the pool dtype.
+Computes in float32 whatever the pool dtype. `softcap` (Gemma 2's attention-logit soft-capping) caps the scaled
+scores before masking, as in `reference` (`reference.soft_cap`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxkv.attention.reference import MASKED, MIN_PREFIX, _softmax, dequantize, prefix_lengths
+from jaxkv.attention.reference import (MASKED, MIN_PREFIX, _softmax, check_softcap, dequantize, prefix_lengths,
+                                      soft_cap)
 
 
 def gather_pages(pages, page_table):
@@ -44,7 +46,7 @@ def live_mask(lengths, q_slots, num_slots: int, sliding_window: int | None = Non
 
 
 def paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale: float,
-                    sliding_window: int | None = None, k_scale=None, v_scale=None):
+                    sliding_window: int | None = None, k_scale=None, v_scale=None, softcap: float | None = None):
     """Softmax attention of T queries per sequence over the sequence's pages.
 
     Args:
@@ -56,11 +58,13 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale:
       scale: multiplies q.k.
       sliding_window: if set, a query sees only the `sliding_window` most recent slots, itself included.
       k_scale, v_scale: float32[P, K, page_size] scales of an int8/fp8 pool, else None.
+      softcap: if set, each scaled score s becomes softcap * tanh(s / softcap) before masking (Gemma 2); None: off.
 
     Returns:
       [B, T, N, H] in q's dtype. A query with no live slot gets a uniform average of zeros: finite.
     """
     B, T, N, H = q.shape
+    softcap = check_softcap(softcap)
     K = k_pages.shape[1]
     k = dequantize(gather_pages(k_pages, page_table), None if k_scale is None else gather_pages(k_scale, page_table))
     v = dequantize(gather_pages(v_pages, page_table), None if v_scale is None else gather_pages(v_scale, page_table))
@@ -69,14 +73,14 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale:
     v = jnp.where(written[:, None, :, None], v, 0.0)  # dead values selected away, NaN included
     # (dead keys need no select: their scores are replaced by MASKED, NaN or not)
     qg = q.astype(jnp.float32).reshape(B, T, K, N // K, H)  # [B, T, K, G, H]
-    scores = jnp.einsum("btkgh,bksh->bkgts", qg, k) * scale  # [B, K, G, T, S]
+    scores = soft_cap(jnp.einsum("btkgh,bksh->bkgts", qg, k) * scale, softcap)  # [B, K, G, T, S]
     weights = _softmax(jnp.where(live[:, None, None], scores, MASKED))
     out = jnp.einsum("bkgts,bksh->btkgh", weights, v)  # [B, T, K, G, H]
     return out.reshape(B, T, N, H).astype(q.dtype)
 
 
 def pool_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale: float,
-                   sliding_window: int | None = None, k_scale=None, v_scale=None):
+                   sliding_window: int | None = None, k_scale=None, v_scale=None, softcap: float | None = None):
     """`paged_attention` computed over the whole pool at once, each query masked to its own sequence's slots.
 
     Same arguments and result. Instead of gathering each sequence's pages (B x M pages read and copied), every
@@ -86,6 +90,7 @@ def pool_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale: 
     better choice when the pool is not much larger than what the batch holds (`prefers_pool`).
     """
     B, T, N, H = q.shape
+    softcap = check_softcap(softcap)
     P, K, ps = k_pages.shape[:3]
     M = page_table.shape[1]
     # entry[b, p]: the table entry of page p in sequence b, -1 if b does not hold p. (A sequence never holds a
@@ -105,7 +110,7 @@ def pool_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale: 
     read = jnp.any(live, axis=(0, 1)).reshape(P, 1, ps, 1)  # slots some query reads; the rest selected away
     k, v = (jnp.where(read, x, 0.0) for x in (k, v))
     qg = q.astype(jnp.float32).reshape(B, T, K, N // K, H)  # [B, T, K, G, H]
-    scores = jnp.einsum("btkgh,pksh->bkgtps", qg, k).reshape(B, K, N // K, T, P * ps) * scale
+    scores = soft_cap(jnp.einsum("btkgh,pksh->bkgtps", qg, k).reshape(B, K, N // K, T, P * ps) * scale, softcap)
     weights = _softmax(jnp.where(live[:, None, None], scores, MASKED)).reshape(B, K, N // K, T, P, ps)
     out = jnp.einsum("bkgtps,pksh->btkgh", weights, v)  # [B, T, K, G, H]
     return out.reshape(B, T, N, H).astype(q.dtype)
@@ -113,7 +118,7 @@ def pool_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale: 
 
 def live_paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale: float,
                          sliding_window: int | None = None, k_scale=None, v_scale=None,
-                         min_prefix: int | None = MIN_PREFIX):
+                         min_prefix: int | None = MIN_PREFIX, softcap: float | None = None):
     """`paged_attention` reading only the first m table entries of every sequence, m the shortest of a few
     static lengths (`reference.prefix_lengths` in slots, so at most 1.5x what the longest sequence needs) that
     holds every sequence's written slots: one `lax.switch` branch per length. A decode step then costs what the
@@ -122,7 +127,7 @@ def live_paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, s
     ps = k_pages.shape[2]
     M = page_table.shape[1]
     pages = sorted({min(M, -(-n // ps)) for n in prefix_lengths(M * ps, min_prefix)})
-    kwargs = dict(scale=scale, sliding_window=sliding_window)
+    kwargs = dict(scale=scale, sliding_window=sliding_window, softcap=check_softcap(softcap))
 
     def branch(m):
         def attend(q, k_pages, v_pages, k_scale, v_scale, page_table, lengths, q_slots):
@@ -142,7 +147,7 @@ def live_paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, s
 
 def ragged_paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale: float,
                            sliding_window: int | None = None, k_scale=None, v_scale=None,
-                           min_prefix: int | None = MIN_PREFIX):
+                           min_prefix: int | None = MIN_PREFIX, softcap: float | None = None):
     """`paged_attention` for one query per sequence (T == 1) reading only the pages each sequence uses.
 
     The batch's used table entries, ceil(lengths[b] / page_size) of row b, are laid end to end in one list of C
@@ -157,6 +162,7 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *,
     B, T, N, H = q.shape
     if T != 1:
         raise ValueError(f"ragged_paged_attention takes one query per sequence, got {T}")
+    softcap = check_softcap(softcap)
     P, K, ps, _ = k_pages.shape
     M = page_table.shape[1]
     used = jnp.minimum((lengths + ps - 1) // ps, M).astype(jnp.int32)  # [B] table entries in use
@@ -180,7 +186,7 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *,
                 live &= slot > qs - sliding_window
             v = jnp.where(live[:, None, :, None], v, 0.0)  # dead values selected away, NaN included
             qg = q[owner, 0].astype(jnp.float32).reshape(C, K, N // K, H)  # [C, K, G, H]
-            scores = jnp.einsum("ckgh,cksh->ckgs", qg, k) * scale
+            scores = soft_cap(jnp.einsum("ckgh,cksh->ckgs", qg, k) * scale, softcap)
             scores = jnp.where(live[:, None, None, :], scores, MASKED)  # [C, K, G, ps]
             segment = dict(segment_ids=owner, num_segments=B, indices_are_sorted=True)
             top = jax.ops.segment_max(jnp.max(scores, axis=-1), **segment)  # [B, K, G]; -inf: no entries

@@ -1,6 +1,6 @@
 """Pallas attention: the public entry point, with the reference's signature plus tuning knobs.
 
-`attention(q, k, v, start, q_offset, *, scale, sliding_window, k_scale, v_scale, ring)` computes what
+`attention(q, k, v, start, q_offset, *, scale, sliding_window, k_scale, v_scale, ring, softcap)` computes what
 `reference.attention` computes (for every query row with at least one live key; a row with none returns 0) and
 dispatches on the shape:
 
@@ -13,6 +13,14 @@ dispatches on the shape:
 `paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, ...)` computes what
 `paged_reference.paged_attention` computes, for one query per sequence (T == 1), with
 `paged_decode_kernel.paged_decode_attention`: only the live pages of each sequence are read.
+
+`softcap` (Gemma 2's attention-logit soft-capping, `reference.soft_cap`) is a static float of every kernel's
+configuration: each float32 score tile is capped in the kernel, before its mask.
+
+Per-layer windows (Gemma 2/3: sliding layers over a ring of `window` slots, global layers over the whole cache):
+each layer calls with its own static `sliding_window` and `ring`. Decode takes every combination (a window or none,
+a ring or not, a ring wrapped any number of times); prefill takes any window over the fresh prompt K/V, however
+much longer than the window the prompt is (tests/test_softcap.py, tests/test_pallas_attention.py).
 
 Each kernel has two bodies sharing their math: Mosaic for TPU and Triton for GPU (`platform`). On CPU there is no
 Pallas compiler, so the kernels run in the Pallas interpreter (`interpret` defaults to True there); the
@@ -37,7 +45,7 @@ def default_platform() -> str:
 def attention(q, k, v, start, q_offset, *, scale: float, sliding_window: int | None = None, k_scale=None,
               v_scale=None, ring: bool = False, interpret=None, platform: str | None = None,
               decode_block_k: int | None = None, decode_splits: int | None = None, prefill_block_q: int | None = None,
-              prefill_block_k: int | None = None):
+              prefill_block_k: int | None = None, softcap: float | None = None):
     """Softmax attention of T queries over S cached keys and values, as Pallas kernels.
 
     Args:
@@ -55,6 +63,7 @@ def attention(q, k, v, start, q_offset, *, scale: float, sliding_window: int | N
       platform: "tpu" (Mosaic) or "gpu" (Triton) kernel body; None picks the default backend's.
       decode_block_k, decode_splits: decode tile size (slots) and flash-decoding splits.
       prefill_block_q, prefill_block_k: prefill tile sizes.
+      softcap: if set, each scaled score s becomes softcap * tanh(s / softcap) before masking (Gemma 2); None: off.
 
     Returns:
       [B, T, N, H] in q's dtype.
@@ -64,12 +73,15 @@ def attention(q, k, v, start, q_offset, *, scale: float, sliding_window: int | N
     platform = platform or default_platform()
     if platform not in PLATFORMS:
         raise ValueError(f"platform must be one of {PLATFORMS}, got {platform!r}")
-    cache = dict(k_scale=k_scale, v_scale=v_scale)
+    cache = dict(k_scale=k_scale, v_scale=v_scale, softcap=softcap)
     if q.shape[1] == 1:
         return decode_kernel.decode_attention(q, k, v, start, q_offset, scale=scale, sliding_window=sliding_window,
                                               ring=ring, platform=platform, block_k=decode_block_k,
                                               splits=decode_splits, interpret=interpret, **cache)
     if ring:
+        # Not only unimplemented: once a ring of S = window slots is full, a chunk's later queries overwrite the
+        # oldest slots its earlier queries still see, so no kernel could read what the reference's ring formula
+        # assumes (`reference` module docstring).
         raise NotImplementedError("Pallas attention over a ring cache supports decode (T == 1) only, got "
                                   f"T={q.shape[1]}; prefill attends over the fresh prompt K/V (ring=False)")
     return prefill_kernel.prefill_attention(q, k, v, start, q_offset, scale=scale, sliding_window=sliding_window,
@@ -79,7 +91,7 @@ def attention(q, k, v, start, q_offset, *, scale: float, sliding_window: int | N
 
 def paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale: float,
                     sliding_window: int | None = None, k_scale=None, v_scale=None, interpret=None,
-                    platform: str | None = None, pages_per_block: int | None = None):
+                    platform: str | None = None, pages_per_block: int | None = None, softcap: float | None = None):
     """Softmax attention of one query per sequence over its pages, as a Pallas kernel.
 
     Args:
@@ -88,7 +100,7 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale:
       page_table: int32[B, M], each sequence's pages in slot order (-1: none).
       lengths: int32[B], slots written per sequence.
       q_slots: int32[B, T].
-      scale, sliding_window, k_scale, v_scale: as `paged_reference.paged_attention`.
+      scale, sliding_window, k_scale, v_scale, softcap: as `paged_reference.paged_attention`.
       interpret: run in the Pallas interpreter; None means "only on CPU".
       platform: "tpu" (Mosaic) or "gpu" (Triton) kernel body; None picks the default backend's.
       pages_per_block: pages per grid step (TPU) or loop iteration (GPU).
@@ -106,5 +118,6 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale:
     out = paged_decode_kernel.paged_decode_attention(q[:, 0], k_pages, v_pages, page_table, lengths, scale=scale,
                                                      sliding_window=sliding_window, k_scale=k_scale,
                                                      v_scale=v_scale, q_slots=q_slots[:, 0], platform=platform,
-                                                     pages_per_block=pages_per_block, interpret=interpret)
+                                                     pages_per_block=pages_per_block, interpret=interpret,
+                                                     softcap=softcap)
     return out[:, None]

@@ -36,6 +36,9 @@ decode kernel (the scale block rides along with its K/V block and multiplies the
 columns; see `decode_kernel`). Ring caches are not supported here (`pallas.attention` raises NotImplementedError
 for them with T > 1): the library's prefill attends over the fresh prompt K/V, never over a ring.
 
+Soft-capping (`softcap`, Gemma 2) happens in the shared `online_softmax_step`, on each float32 score tile before
+its mask: a static float in the kernel's configuration, like `scale`.
+
 Query rows past T (padding of the query axis to a whole block) compute finite garbage that is sliced off; a query
 row with no live key (a left-padding slot) returns 0, where the reference returns a uniform average over the
 slots any query sees: only rows with at least one live key are specified.
@@ -56,6 +59,7 @@ from jax.experimental.pallas import triton as pltriton
 from jaxkv.attention.decode_kernel import (GPU_MIN_DIM, MASKED, block_range, cdiv, check_scales, gpu_block,
                                            load_scale, matmul_dtype, next_pow2, normalize, online_softmax_step,
                                            pad_axis, reset_softmax_state, scale_rows, split_scale_refs, tpu_block)
+from jaxkv.attention.reference import check_softcap
 
 # --- shared between the two bodies ---------------------------------------------------------------------------
 
@@ -105,7 +109,8 @@ def _tpu_step_block(b, i, j, start_ref, qoff_ref, *, block_k: int, num_blocks: i
 
 
 def _prefill_kernel_tpu(start_ref, qoff_ref, q_ref, k_ref, v_ref, *refs, scale: float, block_k: int,
-                        num_blocks: int, window: int | None, quantized: bool, **bounds):
+                        num_blocks: int, window: int | None, quantized: bool, softcap: float | None = None,
+                        **bounds):
     """Grid (B, N, query blocks, key steps). q_ref, o_ref [block_q, H]; k_ref, v_ref [block_k, H]; for a quantized
     cache ks_ref, vs_ref [1, block_k] before o_ref; scratch m, l, acc."""
     ks_ref, vs_ref, (o_ref, m_scr, l_scr, acc_scr) = split_scale_refs(refs, quantized)
@@ -124,7 +129,7 @@ def _prefill_kernel_tpu(start_ref, qoff_ref, q_ref, k_ref, v_ref, *refs, scale: 
                                      block_k, head_dim)
         m, l, acc = online_softmax_step(m_scr[...], l_scr[...], acc_scr[...], q_ref[...], k_ref[...], v_ref[...],
                                         live, v_live, scale=scale, k_scale=load_scale(ks_ref),
-                                        v_scale=load_scale(vs_ref))
+                                        v_scale=load_scale(vs_ref), softcap=softcap)
         m_scr[...], l_scr[...], acc_scr[...] = m, l, acc
 
     @pl.when(j == pl.num_programs(3) - 1)
@@ -133,7 +138,7 @@ def _prefill_kernel_tpu(start_ref, qoff_ref, q_ref, k_ref, v_ref, *refs, scale: 
 
 
 def _prefill_tpu(q, k, v, k_scale, v_scale, start, q_offset, *, scale: float, block_q: int, block_k: int,
-                 num_queries: int, window: int | None, out_dtype, interpret):
+                 num_queries: int, window: int | None, out_dtype, interpret, softcap: float | None = None):
     """q [B, N, Tp, H] (Tp a multiple of block_q); k, v [B, K, S, H]; k_scale, v_scale f32[B, K, 1, S] or None;
     start int32[B]; q_offset int32[1] -> [B, N, Tp, H] in out_dtype."""
     B, N, Tp, H = q.shape
@@ -167,7 +172,7 @@ def _prefill_tpu(q, k, v, k_scale, v_scale, start, q_offset, *, scale: float, bl
                         pltpu.VMEM((block_q, H), jnp.float32)],
     )
     kernel = functools.partial(_prefill_kernel_tpu, scale=scale, block_k=block_k, num_blocks=num_blocks,
-                               window=window, quantized=quantized, **bounds)
+                               window=window, quantized=quantized, softcap=softcap, **bounds)
     return pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
@@ -182,7 +187,7 @@ def _prefill_tpu(q, k, v, k_scale, v_scale, start, q_offset, *, scale: float, bl
 
 
 def _prefill_kernel_gpu(start_ref, qoff_ref, q_ref, k_ref, v_ref, *refs, scale: float, block_k: int,
-                        window: int | None, quantized: bool, **bounds):
+                        window: int | None, quantized: bool, softcap: float | None = None, **bounds):
     """Grid (B, N, query blocks). start_ref, qoff_ref [1]; q_ref, o_ref [block_q, H]; k_ref, v_ref [Sp, H] (a
     pointer: only the loop's slices are read); for a quantized cache ks_ref, vs_ref [1, Sp] before o_ref."""
     ks_ref, vs_ref, (o_ref,) = split_scale_refs(refs, quantized)
@@ -201,7 +206,8 @@ def _prefill_kernel_gpu(start_ref, qoff_ref, q_ref, k_ref, v_ref, *refs, scale: 
         k_scale = load_scale(ks_ref, slice(None), pl.ds(offset, block_k))  # [1, block_k] or None
         v_scale = load_scale(vs_ref, slice(None), pl.ds(offset, block_k))
         live, v_live = prefill_masks(q_first, offset, floor, start, lo, hi, window, rows, block_k, head_dim)
-        return online_softmax_step(*carry, q, k, v, live, v_live, scale=scale, k_scale=k_scale, v_scale=v_scale)
+        return online_softmax_step(*carry, q, k, v, live, v_live, scale=scale, k_scale=k_scale, v_scale=v_scale,
+                                   softcap=softcap)
 
     init = (jnp.full((rows, 1), MASKED, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
             jnp.zeros((rows, head_dim), jnp.float32))
@@ -210,7 +216,8 @@ def _prefill_kernel_gpu(start_ref, qoff_ref, q_ref, k_ref, v_ref, *refs, scale: 
 
 
 def _prefill_gpu(q, k, v, k_scale, v_scale, start, q_offset, *, scale: float, block_q: int, block_k: int,
-                 num_queries: int, num_slots: int, window: int | None, out_dtype, interpret):
+                 num_queries: int, num_slots: int, window: int | None, out_dtype, interpret,
+                 softcap: float | None = None):
     """q [B, N, Tp, H]; k, v [B, K, Sp, H] (Sp >= 16; H, block_q powers of two >= 16), of which the first
     `num_slots` slots are real; k_scale, v_scale f32[B, K, 1, Sp] or None; start int32[B]; q_offset int32[1]
     -> [B, N, Tp, H] in out_dtype."""
@@ -233,7 +240,7 @@ def _prefill_gpu(q, k, v, k_scale, v_scale, start, q_offset, *, scale: float, bl
 
     quantized = k_scale is not None
     kernel = functools.partial(_prefill_kernel_gpu, scale=scale, block_k=block_k, window=window, block_q=block_q,
-                               num_queries=num_queries, num_slots=num_slots, quantized=quantized)
+                               num_queries=num_queries, num_slots=num_slots, quantized=quantized, softcap=softcap)
     q_spec = pl.BlockSpec((None, None, block_q, H), q_map)
     kv_spec = pl.BlockSpec((None, None, Sp, H), kv_map)  # whole row: a base pointer, loaded per block
     scale_specs = [pl.BlockSpec((None, None, 1, Sp), kv_map)] * 2 if quantized else []
@@ -258,7 +265,7 @@ DEFAULT_BLOCKS = types.MappingProxyType({"tpu": (128, 256), "gpu": (64, 64)})  #
 
 def prefill_attention(q, k, v, start, q_offset, *, scale: float, sliding_window: int | None = None, k_scale=None,
                       v_scale=None, platform: str = "tpu", block_q: int | None = None, block_k: int | None = None,
-                      interpret=False):
+                      interpret=False, softcap: float | None = None):
     """Causal attention of T queries over S key slots; same contract as `reference.attention` (no ring caches).
 
     Args:
@@ -268,6 +275,7 @@ def prefill_attention(q, k, v, start, q_offset, *, scale: float, sliding_window:
       platform: "tpu" (Mosaic body) or "gpu" (Triton body).
       block_q, block_k: tile sizes (TPU: block_q a multiple of 16, block_k of 128; GPU: powers of two >= 16).
       interpret: run the kernel in the Pallas interpreter (any truthy value pallas_call accepts).
+      softcap: Gemma 2's attention-logit soft-capping (`reference.soft_cap`), a static float; None: off.
 
     Returns:
       [B, T, N, H] in q's dtype.
@@ -282,7 +290,8 @@ def prefill_attention(q, k, v, start, q_offset, *, scale: float, sliding_window:
     block_q, block_k = block_q or default_q, block_k or default_k
     start = jnp.asarray(start, jnp.int32)  # [B]
     q_offset = jnp.reshape(jnp.asarray(q_offset, jnp.int32), (1,))  # [1]: scalar operands are 1-D refs
-    common = dict(scale=scale, num_queries=T, window=sliding_window, out_dtype=q.dtype, interpret=interpret)
+    common = dict(scale=scale, num_queries=T, window=sliding_window, out_dtype=q.dtype, interpret=interpret,
+                  softcap=check_softcap(softcap))
     # [B, N, T, H]: each (sequence, head) a contiguous [T, H] tile source, in the matmul dtype
     q = q.transpose(0, 2, 1, 3).astype(matmul_dtype(q.dtype, k.dtype))
     if platform == "tpu":

@@ -12,6 +12,10 @@ additive -inf: a row with no live key then gets a uniform (finite) distribution 
 garbage key in a dead slot cannot leak into a live row. Dead *value* slots must hold finite numbers (a zero
 weight times NaN is NaN): `KVCache.write(..., zero_dead_values=True)` keeps them zero for this path.
 
+Attention-logit soft-capping (Gemma 2; `softcap`, default None: off): the scaled score s = (q . k) * scale (keys
+dequantized first) becomes softcap * tanh(s / softcap), in float32, before masking and the softmax, exactly as
+Hugging Face transformers' Gemma2 does (`soft_cap`). Masked slots still get MASKED itself, never tanh of it.
+
 Two cache variants every implementation accepts:
 
   Quantized caches (int8, float8_e4m3fn) pass `k_scale`, `v_scale` [B, K, S]: slot s of KV head k holds
@@ -22,10 +26,17 @@ Two cache variants every implementation accepts:
   Ring caches (`ring=True`, a sliding-window model's cache of S = window slots): absolute slot s (as counted by
   `start`, `q_offset` and positions) lives at index s mod S, overwriting slot s - S. For the query in absolute slot
   q, index i therefore holds absolute slot q - ((q - i) mod S), and the rule above applies to that slot. This holds
-  when the T queries do not overwrite slots they read: T == 1 (decode), or a chunk that does not wrap.
+  when the T queries do not overwrite slots they read: T == 1 (decode), or a chunk none of whose writes replaces a
+  slot an earlier query of the chunk may still see: one whose overwritten slots all precede `start`
+  (q_offset + T - 1 < S + start: the ring has not yet filled), or a window <= S - T + 1. A chunk over a full ring
+  of S = window slots breaks it (its first query's oldest live slots sit at the indices its later queries write);
+  the library never asks for one: prefill attends over the fresh prompt K/V (ring=False), and only decode reads a
+  ring.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +63,32 @@ def live_mask(start, q_offset, num_queries: int, num_slots: int, sliding_window:
     return live
 
 
+def check_softcap(softcap) -> float | None:
+    """`softcap` as a Python float, or None (no capping). It is static, part of a kernel's compile-time
+    configuration like `scale`: ValueError unless it is a finite number > 0 known at trace time."""
+    if softcap is None:
+        return None
+    try:
+        value = math.nan if isinstance(softcap, (bool, str, bytes)) else float(softcap)
+    except TypeError:  # a traced value (jax's ConcretizationTypeError is a TypeError), a list, ...
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"softcap must be None or a finite number > 0 (a static Python float), got {softcap!r}")
+    return value
+
+
+def soft_cap(scores, softcap: float | None):
+    """Gemma 2's attention-logit soft-capping of scaled scores: softcap * tanh(scores / softcap), in float32
+    (transformers' Gemma2: divide, tanh, multiply). None returns `scores` untouched, so the uncapped path is the
+    very same computation as before capping existed.
+
+    Callers apply it before masking: the mask then replaces a dead slot's capped score (finite, or NaN from a NaN
+    key) with MASKED, which stays far below every live score (capped scores lie in [-softcap, softcap])."""
+    if softcap is None:
+        return scores
+    return jnp.tanh(scores.astype(jnp.float32) / softcap) * softcap
+
+
 def dequantize(x, scale):
     """x [B, K, S, H] in the cache dtype -> float32, times its per-slot scale [B, K, S] if quantized."""
     x = x.astype(jnp.float32)
@@ -59,7 +96,7 @@ def dequantize(x, scale):
 
 
 def attention(q, k, v, start, q_offset, *, scale: float, sliding_window: int | None = None, k_scale=None,
-              v_scale=None, ring: bool = False, min_prefix: int | None = MIN_PREFIX):
+              v_scale=None, ring: bool = False, min_prefix: int | None = MIN_PREFIX, softcap: float | None = None):
     """Softmax attention of T queries over S cached keys and values.
 
     Args:
@@ -76,32 +113,38 @@ def attention(q, k, v, start, q_offset, *, scale: float, sliding_window: int | N
         reads all S slots (`full_attention`, the spec). The result equals the spec's (up to float32 summation
         order), except in a row with no live key at all (uniform weights over the slots read: finite either way).
         Over a prefix shorter than S, dead value slots are masked here and need not hold finite numbers.
+      softcap: if set, each scaled score s becomes softcap * tanh(s / softcap) before masking (Gemma 2's
+        attention-logit soft-capping, `soft_cap`); None leaves the scores as they are.
 
     Returns:
       [B, T, N, H] in q's dtype.
     """
     B, T, N, H = q.shape
+    softcap = check_softcap(softcap)
     lengths = prefix_lengths(k.shape[2], min_prefix)
     if T > 1 or len(lengths) == 1:
         return full_attention(q, k, v, start, q_offset, scale=scale, sliding_window=sliding_window,
-                              k_scale=k_scale, v_scale=v_scale, ring=ring)
+                              k_scale=k_scale, v_scale=v_scale, ring=ring, softcap=softcap)
     qg = q.reshape(B, k.shape[1], N // k.shape[1], H)  # [B, K, G, H]
-    out = _decode_prefix(qg, k, v, start, q_offset, scale, sliding_window, k_scale, v_scale, ring, lengths)
+    out = _decode_prefix(qg, k, v, start, q_offset, scale, sliding_window, k_scale, v_scale, ring, lengths,
+                         softcap)
     return out.reshape(B, 1, N, H).astype(q.dtype)
 
 
 def full_attention(q, k, v, start, q_offset, *, scale: float, sliding_window: int | None = None, k_scale=None,
-                   v_scale=None, ring: bool = False):
+                   v_scale=None, ring: bool = False, softcap: float | None = None):
     """`attention` over every one of the S slots, dead ones masked: the plain formula, whatever T."""
     B, T, N, H = q.shape
+    softcap = check_softcap(softcap)
     K, S = k.shape[1], k.shape[2]
     live = live_mask(start, q_offset, T, S, sliding_window, ring)  # [B, T, S]
     qg = q.reshape(B, T, K, N // K, H)  # [B, T, K, G, H]
     if T == 1:
-        return _decode(qg[:, 0], k, v, live[:, 0], scale, k_scale, v_scale).reshape(B, 1, N, H).astype(q.dtype)
+        out = _decode(qg[:, 0], k, v, live[:, 0], scale, k_scale, v_scale, softcap=softcap)
+        return out.reshape(B, 1, N, H).astype(q.dtype)
     k, v = dequantize(k, k_scale), dequantize(v, v_scale)
     scores = jnp.einsum("btkgh,bksh->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
-    scores = jnp.where(live[:, None, None, :, :], scores, MASKED)  # [B, K, G, T, S]
+    scores = jnp.where(live[:, None, None, :, :], soft_cap(scores, softcap), MASKED)  # [B, K, G, T, S]
     weights = _softmax(scores)
     out = jnp.einsum("bkgts,bksh->btkgh", weights, v)  # [B, T, K, G, H]
     return out.reshape(B, T, N, H).astype(q.dtype)
@@ -125,7 +168,7 @@ def masks_dead_values(num_slots: int, num_queries: int, min_prefix: int | None =
     return num_queries == 1 and len(prefix_lengths(num_slots, min_prefix)) > 1
 
 
-def _decode_prefix(q, k, v, start, q_offset, scale, sliding_window, k_scale, v_scale, ring, lengths):
+def _decode_prefix(q, k, v, start, q_offset, scale, sliding_window, k_scale, v_scale, ring, lengths, softcap=None):
     """`_decode` over the shortest prefix in `lengths` holding every live index: q [B, K, G, H] -> [B, K, G, H].
 
     Slots past the query (index q_offset + 1 on) are dead, so only the first q_offset + 1 indices can be live; in a
@@ -144,7 +187,7 @@ def _decode_prefix(q, k, v, start, q_offset, scale, sliding_window, k_scale, v_s
             # Every branch masks dead values, the whole-cache one too: then the cache write does not have to zero
             # them (`masks_dead_values`), a pass over every value buffer each step (1.7-4 ms of a "small" step at
             # 4,160 slots) traded for a copy of the values in the last branch only, once the cache is >0.8 full.
-            return _decode(q, k[:, :, :n], v[:, :, :n], live, scale, ks, vs, mask_values=True)
+            return _decode(q, k[:, :, :n], v[:, :, :n], live, scale, ks, vs, mask_values=True, softcap=softcap)
         return run
 
     return jax.lax.switch(branch, [prefix(n) for n in lengths], q, k, v, k_scale, v_scale, start, q_offset)
@@ -156,8 +199,8 @@ def _softmax(scores):
     return weights / jnp.sum(weights, axis=-1, keepdims=True)
 
 
-def _decode(q, k, v, live, scale, k_scale, v_scale, mask_values=False):
-    """One query per sequence: q [B, K, G, H], live bool[B, S] -> float32 [B, K, G, H].
+def _decode(q, k, v, live, scale, k_scale, v_scale, mask_values=False, softcap=None):
+    """One query per sequence: q [B, K, G, H], live bool[B, S] -> float32 [B, K, G, H]; `softcap` as `attention`'s.
 
     `mask_values` zeroes dead value slots (NaN included) before they are weighted. Only for a slice shorter than
     the cache (`_decode_prefix`), where the select fuses into the copy XLA:CPU makes of the slice for the value
@@ -188,7 +231,7 @@ def _decode(q, k, v, live, scale, k_scale, v_scale, mask_values=False):
         # convert into the in-place update, materializing a float32 copy of the cache and copying the buffer
         # every step (tests/test_cache.py).
         scores = _sum_minor((k[:, :, None, :, :] * q.astype(k.dtype)[:, :, :, None, :]).astype(jnp.float32))
-        weights = _softmax(jnp.where(live[:, None, None, :], scores * scale, MASKED))  # [B, K, G, S]
+        weights = _softmax(jnp.where(live[:, None, None, :], soft_cap(scores * scale, softcap), MASKED))  # [B, K, G, S]
         if mask_values:
             v = jnp.where(live[:, None, :, None], v, jnp.zeros((), v.dtype))
         return jnp.sum(weights.astype(v.dtype)[..., None] * v[:, :, None, :, :], axis=-2, dtype=jnp.float32)
@@ -196,7 +239,7 @@ def _decode(q, k, v, live, scale, k_scale, v_scale, mask_values=False):
     k, v = dequantize(k, k_scale), dequantize(v, v_scale)
     if mask_values:
         v = jnp.where(live[:, None, :, None], v, 0.0)
-    scores = _sum_minor(k[:, :, None, :, :] * q[:, :, :, None, :]) * scale  # [B, K, G, S]
+    scores = soft_cap(_sum_minor(k[:, :, None, :, :] * q[:, :, :, None, :]) * scale, softcap)  # [B, K, G, S]
     weights = _softmax(jnp.where(live[:, None, None, :], scores, MASKED))  # [B, K, G, S]
     return jnp.sum(weights[..., None] * v[:, :, None, :, :], axis=-2)  # [B, K, G, H]
 
