@@ -33,6 +33,9 @@ Per-layer geometry. Each layer has its own buffer, so each has its own length an
 mixes sliding-window and full-attention layers (Gemma 2/3, `Config.layer_types`) gets, with `ring=True`, a ring of
 min(window, S) slots on each sliding layer and S plain slots on each full layer. `capacity` is then the full
 layers' S (what bounds the sequence), and `ring` is true only when every layer is a ring (nothing bounds it).
+Gemma 4's layers also differ in KV heads and head dim (`Config.layer_kv_heads`, `layer_head_dim`), and its last
+`kv_shared_layers` layers store nothing: each reads its source layer's buffer (`Config.kv_source`), so its own
+entry is an empty [B, K, 0, H] placeholder of zero bytes, which keeps the per-layer tuples indexed by layer.
 """
 
 from __future__ import annotations
@@ -100,10 +103,16 @@ def quantize(x, cache_dtype: str):
 
 def layer_slots(config: Config, max_len: int, ring: bool) -> tuple[tuple[int, bool], ...]:
     """(slots, is a ring) of each layer of a cache of `max_len` slots: with `ring`, a layer with a sliding window
-    gets a ring of min(window, max_len) slots; every other layer max_len plain slots. The planner
+    gets a ring of min(window, max_len) slots; every other layer max_len plain slots. A config whose every layer
+    slides (or none: no `ring`) has one geometry: every layer max_len slots, all rings or none. A layer that
+    shares another's K/V (`Config.kv_source`) stores nothing: 0 slots, with its source's ring flag. The planner
     (`jaxkv.memory`) and `KVCache.allocate` both use this."""
-    return tuple((min(w, max_len), True) if ring and w is not None else (max_len, False)
-                 for w in config.layer_windows)
+    if not ring or config.every_layer_sliding:
+        slots = [(max_len, bool(ring)) for _ in range(config.n_layers)]
+    else:
+        slots = [(min(w, max_len), True) if w is not None else (max_len, False) for w in config.layer_windows]
+    return tuple(slots[layer] if config.stores_kv(layer) else (0, slots[config.kv_source(layer)][1])
+                 for layer in range(config.n_layers))
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -132,12 +141,13 @@ class KVCache:
                  ring: bool = False) -> "KVCache":
         """A zeroed cache for `batch` sequences of `max_len` slots each; with `ring`, each sliding-window layer
         holds a ring of min(window, max_len) slots instead (`layer_slots`; a model without per-layer kinds and a
-        window: every layer). `dtype` is one of CACHE_DTYPES (default config.dtype); `start` defaults to zeros."""
+        window: every layer). Each layer has its own KV heads and head dim (`Config.layer_kv_heads`,
+        `layer_head_dim`); a layer that shares another's K/V gets an empty [B, K, 0, H] placeholder (no bytes).
+        `dtype` is one of CACHE_DTYPES (default config.dtype); `start` defaults to zeros."""
         slots = layer_slots(config, max_len, ring)
-        if not ring or config.every_layer_sliding:  # one geometry (a config's every layer, or none, is a ring)
-            slots = tuple((max_len, bool(ring)) for _ in slots)
         keys, values, key_scales, value_scales = zeroed_buffers(
-            config, [(batch, config.n_kv_heads, S, config.head_dim) for S, _ in slots], dtype)
+            config, [(batch, config.layer_kv_heads(layer), S, config.layer_head_dim(layer))
+                     for layer, (S, _) in enumerate(slots)], dtype)
         start = jnp.zeros((batch,), jnp.int32) if start is None else jnp.asarray(start, jnp.int32)
         return cls(keys=keys, values=values, start=start, length=jnp.zeros((), jnp.int32),
                    key_scales=key_scales, value_scales=value_scales, rings=tuple(r for _, r in slots))
@@ -178,7 +188,7 @@ class KVCache:
     def capacity(self) -> int:
         """S, the slots per sequence: the full (non-ring) layers' when there are any (they bound the sequence),
         else the rings'."""
-        plain = [k.shape[2] for k, ring in zip(self.keys, self.rings) if not ring]
+        plain = [k.shape[2] for k, ring in zip(self.keys, self.rings) if not ring]  # (a sharing layer's 0 too)
         return max(plain) if plain else max(k.shape[2] for k in self.keys)
 
     def nbytes(self) -> int:

@@ -19,7 +19,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 
-from jaxkv.config import DTYPES, Config, LinearScaling, Mla, MoeConfig, RopeScaling, YarnScaling
+from jaxkv.config import DTYPES, Config, LinearScaling, Mla, MoeConfig, ProportionalRope, RopeScaling, YarnScaling
 from jaxkv.model import Model, _layout, from_out_in, param_shapes, to_out_in
 
 CONFIG_FILE = "jaxkv_config.json"
@@ -43,11 +43,13 @@ def config_from_dict(data: dict, *, source: str) -> Config:
     unknown = sorted(set(data) - fields)
     if unknown:
         raise ValueError(f"{source}: unknown config field(s) {unknown}")
-    # Nested configs are stored as objects; Llama-3 scaling, linear scaling and YaRN are told apart by their fields.
+    # Nested configs are stored as objects; Llama-3 scaling, linear scaling, proportional rope and YaRN are told
+    # apart by their fields.
     scaling = data.get("rope_scaling")
     if scaling is not None:
         kind = (RopeScaling if isinstance(scaling, dict) and "low_freq_factor" in scaling
-                else LinearScaling if isinstance(scaling, dict) and set(scaling) == {"factor"} else YarnScaling)
+                else LinearScaling if isinstance(scaling, dict) and set(scaling) == {"factor"}
+                else ProportionalRope if isinstance(scaling, dict) and "rotary_fraction" in scaling else YarnScaling)
         data["rope_scaling"] = _nested(kind, scaling, "rope_scaling", source)
     if data.get("mla") is not None:
         data["mla"] = _nested(Mla, data["mla"], "mla", source)

@@ -51,6 +51,23 @@ form; the loader then transposes those the config stores [in, out] (`jaxkv.layer
   projector (`vision_tower.*`, `multi_modal_projector.*`, with or without `model.`) are skipped by name: jaxkv
   runs the language model only, on token ids.
 
+  Gemma 4 (`_gemma4_specs`): Gemma 3's norms and MLP names (norm weights scale by w, not 1 + w: `rmsnorm_f32`);
+  H and K per layer (`Config.layer_head_dim` / `layer_kv_heads`: the full layers' own), F per layer (double-wide
+  on the K/V-sharing layers), P the per-layer input width
+    embed_tokens_per_layer.weight        [V, L*P]  -> per_layer_inputs/embedding         as is
+    per_layer_model_projection.weight    [L*P, D]  -> per_layer_inputs/projection        as is
+    per_layer_projection_norm.weight     [P]       -> per_layer_inputs/norm/scale        as is
+    layers.{i}.layer_scalar              [1]       -> layer_{i}/layer_scalar             as is
+    layers.{i}.per_layer_input_gate.weight [P, D]  -> layer_{i}/ple_gate                 as is
+    layers.{i}.per_layer_projection.weight [D, P]  -> layer_{i}/ple_proj                 as is
+    layers.{i}.post_per_layer_input_norm.weight [D] -> layer_{i}/post_ple_norm/scale     as is
+    layers.{i}.self_attn.{q,k,v,o}_proj, q_norm, k_norm: as Gemma 3's, except that a K/V-sharing layer has no
+      k_proj / v_proj / k_norm (transformers ignores them if present, and so does the loader) and a full layer
+      with attention_k_eq_v no v_proj
+  Gemma4ForConditionalGeneration: the same names under `model.language_model.` (transformers 5.24's save_pretrained
+  and module names; head `lm_head.weight`) or `language_model.model.` (head `language_model.lm_head.weight`);
+  `vision_tower.*`, `audio_tower.*`, `embed_vision.*`, `embed_audio.*` (with or without `model.`) are skipped.
+
   GPT-2 (Conv1D weights are [in, out]: every matrix is transposed to the [out, in] form, then back)
     wte.weight                           [V, D]    -> embedding                      as is
     wpe.weight                   [n_positions, D]  -> pos_embedding                  as is
@@ -111,7 +128,10 @@ Gemma and Qwen3 configs are read as transformers 5.24 reads them (`_gemma_fields
     attn_logit_softcapping (Gemma3Attention never passes it on; Gemma 2's is Config.attn_logit_softcap) and, for
     Gemma3ForConditionalGeneration only, final_logit_softcapping (Gemma3ForCausalLM applies it).
   - refused: use_bidirectional_attention, a hidden_activation other than gelu_pytorch_tanh (or gelu_new, the same
-    tanh approximation), rope types other than the above, a null sliding_window with sliding layers.
+    tanh approximation), rope types other than the above, a null sliding_window with sliding layers.  - Gemma 4 (`_gemma4_fields`): per_layer_config (or global_head_dim / num_global_key_value_heads) for the full
+    layers' geometry, rope_parameters per layer type (full: default or proportional; sliding: default), the last
+    layer forced to full attention as transformers does; refused: enable_moe_block (its MoE block does not map
+    onto `jaxkv.moe`), any use_bidirectional_attention, vocab_size_per_layer_input != vocab_size.
 """
 
 from __future__ import annotations
@@ -131,7 +151,8 @@ import safetensors
 from safetensors import safe_open
 
 from jaxkv import moe as moe_lib
-from jaxkv.config import DTYPES, Config, LinearScaling, Mla, MoeConfig, RopeScaling, YarnScaling
+from jaxkv.config import (DTYPES, Config, LinearScaling, Mla, MoeConfig, ProportionalRope, RopeScaling,
+                          YarnScaling)
 from jaxkv.layers import ALL_OUT_IN_ORDER, in_out_names
 from jaxkv.model import Model
 
@@ -142,9 +163,13 @@ QWEN3 = "Qwen3ForCausalLM"
 # model_type gemma2, gemma3_text, and gemma3 (the multimodal model: its language model only)
 GEMMA2, GEMMA3_TEXT, GEMMA3 = "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"
 GEMMA = (GEMMA2, GEMMA3_TEXT, GEMMA3)
-ARCHITECTURES = (LLAMA, MISTRAL, QWEN2, QWEN3, GPT2, DEEPSEEK_V2, DEEPSEEK_V3, GEMMA2, GEMMA3_TEXT, GEMMA3)
+# model_type gemma4_text, and gemma4 (the multimodal model: its language model only)
+GEMMA4_TEXT, GEMMA4 = "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"
+ARCHITECTURES = (LLAMA, MISTRAL, QWEN2, QWEN3, GPT2, DEEPSEEK_V2, DEEPSEEK_V3, GEMMA2, GEMMA3_TEXT, GEMMA3,
+                 GEMMA4_TEXT, GEMMA4)
 BASE_PREFIX = {LLAMA: "model.", MISTRAL: "model.", QWEN2: "model.", QWEN3: "model.", GPT2: "transformer.",
-               DEEPSEEK_V2: "model.", DEEPSEEK_V3: "model.", GEMMA2: "model.", GEMMA3_TEXT: "model."}
+               DEEPSEEK_V2: "model.", DEEPSEEK_V3: "model.", GEMMA2: "model.", GEMMA3_TEXT: "model.",
+               GEMMA4_TEXT: "model."}
 # Gemma3ForConditionalGeneration holds its language model under one of two prefixes, each with its own lm_head name
 # (when untied): Google's releases and transformers 5.24's save_pretrained (which converts back to that layout)
 # write the first; transformers 5's in-memory module names (a state_dict saved as is) are the second.
@@ -152,6 +177,12 @@ GEMMA3_PREFIXES = {"language_model.model.": "language_model.lm_head.weight", "mo
 # ... and its vision tower and multimodal projector, which jaxkv (text only) skips by name, explicitly: any other
 # tensor outside the language model is refused as for every architecture.
 GEMMA3_SKIPPED = re.compile(r"(model\.)?(vision_tower|multi_modal_projector)\..+")
+# Gemma4ForConditionalGeneration: the same two naming schemes, transformers 5.24's save_pretrained writing the
+# module names (model.language_model.*, head lm_head.weight); its vision and audio towers and their embedders
+# (projections into the language model) are skipped by name.
+GEMMA4_PREFIXES = {"model.language_model.": "lm_head.weight", "language_model.model.": "language_model.lm_head.weight"}
+GEMMA4_SKIPPED = re.compile(r"(model\.)?(vision_tower|audio_tower|embed_vision|embed_audio)\..+")
+MULTIMODAL = {GEMMA3: (GEMMA3_PREFIXES, GEMMA3_SKIPPED), GEMMA4: (GEMMA4_PREFIXES, GEMMA4_SKIPPED)}
 
 # Sanity caps on config values, checked before anything is built from them. Each is well beyond any released
 # model of these families (largest: vocab 256k, hidden 16k, 126 layers), yet small enough that a corrupt or
@@ -181,7 +212,7 @@ _ROTARY_BUFFER = re.compile(r"(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq")
 REDUNDANT = {LLAMA: _ROTARY_BUFFER, MISTRAL: _ROTARY_BUFFER, QWEN2: _ROTARY_BUFFER, QWEN3: _ROTARY_BUFFER,
              GPT2: re.compile(r"h\.\d+\.attn\.(bias|masked_bias)"), DEEPSEEK_V2: _ROTARY_BUFFER,
              DEEPSEEK_V3: _ROTARY_BUFFER, GEMMA2: _ROTARY_BUFFER, GEMMA3_TEXT: _ROTARY_BUFFER,
-             GEMMA3: _ROTARY_BUFFER}
+             GEMMA3: _ROTARY_BUFFER, GEMMA4_TEXT: _ROTARY_BUFFER, GEMMA4: _ROTARY_BUFFER}
 
 
 # --- config ---------------------------------------------------------------------------------------------------
@@ -288,6 +319,13 @@ def config_from_hf(hf_config: dict, *, source: str) -> Config:
         eos_fields = fields if fields.hf.get("eos_token_id") is not None else text
     elif arch in GEMMA:
         kwargs = _gemma_fields(fields, arch)
+    elif arch == GEMMA4:
+        text = _text_config(fields)
+        kwargs = _gemma4_fields(text)
+        kwargs["tie_embeddings"] = fields.bool("tie_word_embeddings", True)
+        eos_fields = fields if fields.hf.get("eos_token_id") is not None else text
+    elif arch == GEMMA4_TEXT:
+        kwargs = _gemma4_fields(fields)
     else:
         kwargs = _llama_family_fields(fields, arch)
     kwargs["eos_ids"] = _eos_ids(eos_fields, kwargs["vocab_size"])
@@ -608,6 +646,177 @@ def _gemma3_rope(f: _Fields, max_positions: int) -> tuple[float, LinearScaling |
     return theta, scaling, local
 
 
+# transformers 5.24's Gemma4TextConfig defaults, for fields a config.json omits.
+_GEMMA4_DEFAULTS = dict(vocab_size=262_144, hidden_size=2304, intermediate_size=9216, num_hidden_layers=30,
+                        num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131_072,
+                        sliding_window=512, vocab_size_per_layer_input=262_144, hidden_size_per_layer_input=256,
+                        global_head_dim=512)
+_GEMMA4_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                   "rope_theta": 1_000_000.0}}
+
+
+def _gemma4_fields(f: _Fields) -> dict:
+    """Gemma 4's language model, as transformers 5.24 builds it (configuration_gemma4.py, modeling_gemma4.py):
+    Gemma 3's layout (GeGLU, sandwich norms, q/k norms, embeddings times sqrt(D), sliding and full layers) with
+    RMS norms that scale by w (not 1 + w; `rmsnorm_f32`), unscaled scores, a weightless norm on the values, the
+    full layers' own head dim / KV heads (`per_layer_config`, or global_head_dim and num_global_key_value_heads)
+    and "proportional" rope, values from the key projection there (attention_k_eq_v), the last
+    num_kv_shared_layers layers reusing K/V (with double-wide MLPs under use_double_wide_mlp), per-layer input
+    embeddings (hidden_size_per_layer_input), a per-layer scalar and the final soft cap. Refused: the MoE block,
+    bidirectional attention, rope types other than default / proportional, a per-layer input vocabulary other
+    than vocab_size."""
+    d = _GEMMA4_DEFAULTS
+    act = f.str("hidden_activation", "gelu_pytorch_tanh")
+    if act not in ("gelu_pytorch_tanh", "gelu_new"):
+        f.fail("hidden_activation", f"= {act!r} is not supported; jaxkv's GeGLU MLP uses gelu_pytorch_tanh")
+    if f.hf.get("use_bidirectional_attention") is not None:
+        f.fail("use_bidirectional_attention", f"= {f.hf['use_bidirectional_attention']!r} is not supported (jaxkv "
+                                              f"decodes with causal attention)")
+    if f.bool("enable_moe_block", False):
+        f.fail("enable_moe_block", "= true is not supported: Gemma 4's MoE block (a dense MLP beside softmax-routed "
+                                   "GeGLU experts with per-expert scales) does not map onto jaxkv's mixture of "
+                                   "experts (DeepSeek's SwiGLU experts)")
+    d_model = f.int("hidden_size", d["hidden_size"], cap=MAX_D_MODEL)
+    n_layers = f.int("num_hidden_layers", d["num_hidden_layers"], cap=MAX_LAYERS)
+    n_heads = f.int("num_attention_heads", d["num_attention_heads"], cap=MAX_HEADS)
+    n_kv_heads = f.int("num_key_value_heads", d["num_key_value_heads"], cap=MAX_HEADS)
+    head_dim = f.int("head_dim", d["head_dim"], cap=MAX_HEAD_DIM)
+    vocab = f.int("vocab_size", d["vocab_size"], cap=MAX_VOCAB)
+    ffn_dim = f.int("intermediate_size", d["intermediate_size"], cap=MAX_FFN)
+
+    types = f.hf.get("layer_types")
+    if types is None:  # transformers' default: every 6th layer full
+        types = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n_layers)]
+    _check_layer_types(f, types, n_layers)
+    types = list(types[:-1]) + ["full_attention"]  # transformers forces the last layer to full attention
+    window = f.int("sliding_window", None) if "sliding_window" in f.hf else d["sliding_window"]
+    if window is None and "sliding_attention" in types:
+        f.fail("sliding_window", "is null but layer_types has sliding_attention layers")
+    layer_types, sliding_window = _jaxkv_layer_types(types, window)
+
+    global_head_dim, global_kv_heads = _gemma4_global_geometry(f, types, head_dim, n_kv_heads)
+
+    shared = f.hf.get("num_kv_shared_layers", 0) or 0
+    if isinstance(shared, bool) or not isinstance(shared, int) or not 0 <= shared < n_layers:
+        f.fail("num_kv_shared_layers", f"must be an integer in [0, num_hidden_layers = {n_layers}), got {shared!r}")
+    first = n_layers - shared
+    if shared and not {t for t in types[first:]} <= {t for t in types[:first]}:
+        f.fail("num_kv_shared_layers", f"= {shared}: a shared layer's type has no earlier layer of that type to "
+                                       f"take keys and values from (layer_types {types!r})")
+
+    ple = f.hf.get("hidden_size_per_layer_input", d["hidden_size_per_layer_input"])
+    if ple in (None, 0):
+        ple = None
+    else:
+        ple = f.int("hidden_size_per_layer_input", cap=MAX_HEAD_DIM)
+        ple_vocab = f.int("vocab_size_per_layer_input", d["vocab_size_per_layer_input"], cap=MAX_VOCAB)
+        if ple_vocab != vocab:
+            f.fail("vocab_size_per_layer_input", f"= {ple_vocab} differs from vocab_size ({vocab}); jaxkv's per-layer "
+                                                 f"input table has one row per token id")
+
+    theta, scaling, local = _gemma4_rope(f, types)
+    kwargs = dict(
+        vocab_size=vocab, d_model=d_model, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
+        head_dim=head_dim, ffn_dim=ffn_dim, ffn_kind="geglu", norm_kind="rmsnorm_f32",
+        norm_eps=f.float("rms_norm_eps", 1e-6), positions="rope",
+        max_positions=f.int("max_position_embeddings", d["max_position_embeddings"]),
+        tie_embeddings=f.bool("tie_word_embeddings", True),
+        embed_scale=d_model ** 0.5,  # transformers: hidden_size ** 0.5, rounded to the weights' dtype (the model)
+        post_norms=True, qk_norm=True, value_norm=True,
+        query_pre_attn_scalar=1.0,  # Gemma4TextAttention.scaling = 1.0: the q/k norms set the scores' scale
+        layer_types=layer_types, sliding_window=sliding_window,
+        rope_theta=theta, rope_scaling=scaling, rope_local_theta=local if layer_types is not None else None,
+        global_head_dim=global_head_dim, global_kv_heads=global_kv_heads,
+        global_values_from_keys=f.bool("attention_k_eq_v", False),
+        kv_shared_layers=shared,
+        kv_shared_ffn_dim=2 * ffn_dim if shared and f.bool("use_double_wide_mlp", False) else None,
+        per_layer_input_dim=ple, layer_scalar=True,
+        final_logit_softcap=_positive(f, "final_logit_softcapping", None),
+    )
+    if layer_types is None and sliding_window is not None:  # every layer slides: they take the sliding rope
+        kwargs["rope_theta"], kwargs["rope_scaling"] = local, None
+    if layer_types is None and sliding_window is None and global_head_dim is not None:
+        kwargs["head_dim"], kwargs["global_head_dim"] = global_head_dim, None  # every layer is full
+        kwargs["n_kv_heads"], kwargs["global_kv_heads"] = global_kv_heads or n_kv_heads, None
+    kwargs["qkv_bias"] = kwargs["out_bias"] = f.bool("attention_bias", False)
+    return kwargs
+
+
+def _gemma4_global_geometry(f: _Fields, types: list[str], head_dim: int,
+                            n_kv_heads: int) -> tuple[int | None, int | None]:
+    """(global_head_dim, global_kv_heads) of the full-attention layers: from `per_layer_config` (what
+    transformers 5.24 writes: layer index -> overrides of head_dim / num_key_value_heads) or else from
+    global_head_dim (default 512) and, with attention_k_eq_v, num_global_key_value_heads. Overrides must be the
+    same on every full layer and absent on sliding ones (jaxkv has one geometry per layer kind)."""
+    per_layer = f.hf.get("per_layer_config")
+    if per_layer is None:
+        hd = f.int("global_head_dim", _GEMMA4_DEFAULTS["global_head_dim"], cap=MAX_HEAD_DIM)
+        kv = f.int("num_global_key_value_heads", None, cap=MAX_HEADS) if f.bool("attention_k_eq_v", False) else None
+        return (hd if hd != head_dim else None), (kv if kv not in (None, n_kv_heads) else None)
+    if not isinstance(per_layer, dict):
+        f.fail("per_layer_config", f"must be an object of layer index -> overrides, got {per_layer!r}")
+    geometry = {}
+    for i, kind in enumerate(types):
+        entry = per_layer.get(str(i), per_layer.get(i, {})) or {}
+        if not isinstance(entry, dict) or not set(entry) <= {"head_dim", "num_key_value_heads"}:
+            f.fail(f"per_layer_config.{i}", f"may override head_dim and num_key_value_heads only, got {entry!r}")
+        shape = (entry.get("head_dim", head_dim), entry.get("num_key_value_heads", n_kv_heads))
+        for field, value, cap in (("head_dim", shape[0], MAX_HEAD_DIM), ("num_key_value_heads", shape[1], MAX_HEADS)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= cap:
+                f.fail(f"per_layer_config.{i}.{field}", f"must be an integer in [1, {cap}], got {value!r}")
+        geometry.setdefault(kind, set()).add(shape)
+    if geometry.get("sliding_attention", {(head_dim, n_kv_heads)}) != {(head_dim, n_kv_heads)}:
+        f.fail("per_layer_config", "overrides a sliding layer's geometry; jaxkv supports overrides on the "
+                                   "full-attention layers only")
+    full = geometry.get("full_attention", {(head_dim, n_kv_heads)})
+    if len(full) != 1:
+        f.fail("per_layer_config", f"gives the full-attention layers different geometries {sorted(full)}; jaxkv "
+                                   f"supports one")
+    (hd, kv), = full
+    return (hd if hd != head_dim else None), (kv if kv != n_kv_heads else None)
+
+
+def _gemma4_rope(f: _Fields, types: list[str]) -> tuple[float, ProportionalRope | None, float]:
+    """(full layers' rope_theta, their scaling, sliding layers' rope_theta) from `rope_parameters` per layer type
+    (transformers' defaults where absent): full layers "default" or "proportional" (partial_rotary_factor, factor),
+    sliding layers "default"."""
+    params = f.hf.get("rope_parameters")
+    if params is None:
+        params = _GEMMA4_ROPE
+    if not isinstance(params, dict) or not set(params) <= set(_GEMMA4_ROPE):
+        f.fail("rope_parameters", f"must be an object with 'full_attention' and 'sliding_attention' settings, got "
+                                  f"{params!r}")
+    out = {}
+    for kind in _GEMMA4_ROPE:
+        entry = params.get(kind)
+        if entry is None:
+            if kind in types:
+                f.fail(f"rope_parameters.{kind}", "is missing")
+            entry = _GEMMA4_ROPE[kind]
+        if not isinstance(entry, dict):
+            f.fail(f"rope_parameters.{kind}", f"must be an object, got {entry!r}")
+        field = f"rope_parameters.{kind}"
+        theta = f.number(f"{field}.rope_theta", entry.get("rope_theta", _GEMMA4_ROPE[kind]["rope_theta"]))
+        if theta <= 0:
+            f.fail(f"{field}.rope_theta", f"must be > 0, got {theta}")
+        rope_type = entry.get("rope_type", "default")
+        allowed = ("default", "proportional") if kind == "full_attention" else ("default",)
+        if rope_type not in allowed:
+            f.fail(f"{field}.rope_type", f"= {rope_type!r} is not supported; supported: "
+                                         f"{', '.join(repr(t) for t in allowed)}")
+        scaling = None
+        if rope_type == "proportional":
+            fraction = f.number(f"{field}.partial_rotary_factor", entry.get("partial_rotary_factor", 1.0) or 1.0)
+            factor = f.number(f"{field}.factor", entry.get("factor", 1.0) or 1.0)
+            try:
+                scaling = ProportionalRope(rotary_fraction=fraction, factor=factor)
+            except ValueError as e:
+                raise ValueError(f"{f.source}: field {f.prefix + field!r}: {e}") from None
+        out[kind] = theta, scaling
+    return out["full_attention"][0], out["full_attention"][1], out["sliding_attention"][0]
+
+
 def _yarn(f: _Fields, field: str, params: dict, max_positions: int) -> YarnScaling:
     """YaRN settings as transformers 5.24 reads them (`_compute_yarn_parameters`, `yarn_apply_mscale`)."""
     original = params.get("original_max_position_embeddings")
@@ -818,6 +1027,8 @@ def tensor_specs(arch: str, config: Config, *, interleaved: bool = False,
         specs = _gpt2_specs(config)
     elif arch in DEEPSEEK:
         specs = _deepseek_specs(config, interleaved, fused_experts)
+    elif arch in (GEMMA4_TEXT, GEMMA4):
+        specs = _gemma4_specs(config)
     else:
         specs = _llama_family_specs(config)
     if not config.tie_embeddings:
@@ -863,6 +1074,74 @@ def _llama_family_specs(cfg: Config) -> list[TensorSpec]:
             specs += [TensorSpec(hf + f"mlp.{proj}_proj.bias", (n,), letter, _as_is((jx, "mlp", f"w_{proj}_bias")))
                       for proj, n, letter in (("gate", F, "[F]"), ("up", F, "[F]"), ("down", D, "[D]"))]
     return specs
+
+
+def _gemma4_specs(cfg: Config) -> list[TensorSpec]:
+    """Gemma 4's language model: per layer its own head dim and KV heads (`Config.layer_head_dim`,
+    `layer_kv_heads`), no k/v projections or norms on the K/V-sharing layers, no v_proj where the values are the
+    keys, the per-layer input gate / projection / norm, the layer scalar; the per-layer input table, projection and
+    norm beside the embedding."""
+    V, D, N = cfg.vocab_size, cfg.d_model, cfg.n_heads
+    specs = [TensorSpec("embed_tokens.weight", (V, D), "[V, D]", _as_is(("embedding",))),
+             TensorSpec("norm.weight", (D,), "[D]", _as_is(("final_norm", "scale")))]
+    if cfg.per_layer_input_dim is not None:
+        LP, P = cfg.n_layers * cfg.per_layer_input_dim, cfg.per_layer_input_dim
+        specs += [TensorSpec("embed_tokens_per_layer.weight", (V, LP), "[V, L*P]",
+                             _as_is(("per_layer_inputs", "embedding"))),
+                  TensorSpec("per_layer_model_projection.weight", (LP, D), "[L*P, D]",
+                             _as_is(("per_layer_inputs", "projection"))),
+                  TensorSpec("per_layer_projection_norm.weight", (P,), "[P]",
+                             _as_is(("per_layer_inputs", "norm", "scale")))]
+    norms = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attn_norm",
+             "pre_feedforward_layernorm": "mlp_norm", "post_feedforward_layernorm": "post_mlp_norm"}
+    for i in range(cfg.n_layers):
+        hf, jx = f"layers.{i}.", f"layer_{i}"
+        H, K, F = cfg.layer_head_dim(i), cfg.layer_kv_heads(i), cfg.layer_ffn_dim(i)
+        attn = hf + "self_attn."
+        specs += [TensorSpec(f"{hf}{name}.weight", (D,), "[D]", _as_is((jx, norm, "scale")))
+                  for name, norm in norms.items()]
+        specs += [
+            TensorSpec(hf + "layer_scalar", (1,), "[1]", _as_is((jx, "layer_scalar"))),
+            TensorSpec(attn + "q_proj.weight", (N * H, D), "[N*H, D]", _reshape((jx, "attn", "wq"), N, H, D)),
+            TensorSpec(attn + "q_norm.weight", (H,), "[H]", _as_is((jx, "attn", "q_norm", "scale"))),
+            TensorSpec(attn + "o_proj.weight", (D, N * H), "[D, N*H]", _reshape((jx, "attn", "wo"), D, N, H)),
+            TensorSpec(hf + "mlp.gate_proj.weight", (F, D), "[F, D]", _as_is((jx, "mlp", "w_gate"))),
+            TensorSpec(hf + "mlp.up_proj.weight", (F, D), "[F, D]", _as_is((jx, "mlp", "w_up"))),
+            TensorSpec(hf + "mlp.down_proj.weight", (D, F), "[D, F]", _as_is((jx, "mlp", "w_down"))),
+        ]
+        projections = ["q"]
+        if cfg.stores_kv(i):
+            projections.append("k")
+            specs += [TensorSpec(attn + "k_proj.weight", (K * H, D), "[K*H, D]", _reshape((jx, "attn", "wk"), K, H, D)),
+                      TensorSpec(attn + "k_norm.weight", (H,), "[H]", _as_is((jx, "attn", "k_norm", "scale")))]
+            if not cfg.layer_values_from_keys(i):
+                projections.append("v")
+                specs.append(TensorSpec(attn + "v_proj.weight", (K * H, D), "[K*H, D]",
+                                        _reshape((jx, "attn", "wv"), K, H, D)))
+        if cfg.qkv_bias:
+            specs += [TensorSpec(attn + f"{p}_proj.bias", ((N if p == "q" else K) * H,),
+                                 "[N*H]" if p == "q" else "[K*H]",
+                                 _reshape((jx, "attn", f"w{p}_bias"), N if p == "q" else K, H)) for p in projections]
+        if cfg.out_bias:
+            specs.append(TensorSpec(attn + "o_proj.bias", (D,), "[D]", _as_is((jx, "attn", "wo_bias"))))
+        if cfg.per_layer_input_dim is not None:
+            P = cfg.per_layer_input_dim
+            specs += [TensorSpec(hf + "per_layer_input_gate.weight", (P, D), "[P, D]", _as_is((jx, "ple_gate"))),
+                      TensorSpec(hf + "per_layer_projection.weight", (D, P), "[D, P]", _as_is((jx, "ple_proj"))),
+                      TensorSpec(hf + "post_per_layer_input_norm.weight", (D,), "[D]",
+                                 _as_is((jx, "post_ple_norm", "scale")))]
+    return specs
+
+
+def ignored_tensors(arch: str, config: Config) -> frozenset[str]:
+    """Names (as in `tensor_specs`) a checkpoint may hold that the model does not use and `match` drops: a Gemma 4
+    K/V-sharing layer's k/v projections and norms, which transformers likewise ignores on load
+    (`_keys_to_ignore_on_load_unexpected`). Nothing for the other architectures."""
+    if arch not in (GEMMA4_TEXT, GEMMA4):
+        return frozenset()
+    return frozenset(f"layers.{i}.self_attn.{name}.{kind}" for i in range(config.n_layers)
+                     if not config.stores_kv(i) for name in ("k_proj", "v_proj", "k_norm", "v_norm")
+                     for kind in ("weight", "bias"))
 
 
 def _deinterleave(rows: int, rope: int, heads: int = 1) -> np.ndarray:
@@ -1101,34 +1380,37 @@ def _checkpoint_names(stored: dict[str, StoredTensor],
                       arch: str) -> tuple[dict[str, StoredTensor], Callable[[str], str]]:
     """(the stored tensors keyed by the names `tensor_specs` uses, how the checkpoint would spell such a name).
 
-    Gemma3ForConditionalGeneration: its language model's tensors under either prefix of GEMMA3_PREFIXES (one per
-    checkpoint) and the head under its name there; the vision tower and multimodal projector (GEMMA3_SKIPPED) are
-    left out here, the only tensors of any checkpoint skipped by design."""
-    if arch != GEMMA3:
+    Gemma3ForConditionalGeneration / Gemma4ForConditionalGeneration (`MULTIMODAL`): the language model's tensors
+    under either of its prefixes (one per checkpoint) and the head under its name there; the vision (and audio)
+    towers and projectors (GEMMA3_SKIPPED, GEMMA4_SKIPPED) are left out here, the only tensors of any checkpoint
+    skipped by design."""
+    if arch not in MULTIMODAL:
         prefix = BASE_PREFIX[arch]
         return _strip_prefix(stored, prefix), lambda name: name if name == "lm_head.weight" else prefix + name
-    used = [p for p in GEMMA3_PREFIXES if any(name.startswith(p) for name in stored)]
+    prefixes, skipped = MULTIMODAL[arch]
+    used = [p for p in prefixes if any(name.startswith(p) for name in stored)]
     if len(used) > 1:
         raise ValueError(f"the checkpoint holds language-model tensors under both {used[0]!r} and {used[1]!r}; "
                          f"expected one of the two naming schemes")
-    prefix = used[0] if used else next(iter(GEMMA3_PREFIXES))
+    prefix = used[0] if used else next(iter(prefixes))
     by_name: dict[str, StoredTensor] = {}
     for name, t in stored.items():
-        if GEMMA3_SKIPPED.fullmatch(name):
+        if skipped.fullmatch(name):
             continue
-        key = "lm_head.weight" if name in GEMMA3_PREFIXES.values() else name.removeprefix(prefix)
+        key = "lm_head.weight" if name in prefixes.values() else name.removeprefix(prefix)
         if key in by_name:
             raise ValueError(f"tensors {by_name[key].name!r} and {name!r} are both the language model's {key!r}")
         by_name[key] = t
-    return by_name, lambda name: GEMMA3_PREFIXES[prefix] if name == "lm_head.weight" else prefix + name
+    return by_name, lambda name: prefixes[prefix] if name == "lm_head.weight" else prefix + name
 
 
-def match(specs: list[TensorSpec], stored: dict[str, StoredTensor], *, arch: str,
-          tied: bool) -> tuple[list[tuple[TensorSpec, StoredTensor]], StoredTensor | None]:
+def match(specs: list[TensorSpec], stored: dict[str, StoredTensor], *, arch: str, tied: bool,
+          ignored: frozenset[str] = frozenset()) -> tuple[list[tuple[TensorSpec, StoredTensor]], StoredTensor | None]:
     """Pairs every expected tensor with its stored one, checking names, shapes and dtypes; refuses leftovers.
 
     Returns (pairs, the stored lm_head of a tied model, to be compared with the embedding, or None). The first
-    pair is the embedding.
+    pair is the embedding. `ignored`: names (as in `tensor_specs`) that may be present and are dropped
+    (`ignored_tensors`).
     """
     by_name, stored_name = _checkpoint_names(stored, arch)
     pairs = []
@@ -1148,7 +1430,7 @@ def match(specs: list[TensorSpec], stored: dict[str, StoredTensor], *, arch: str
         raise ValueError(f"tensor 'lm_head.weight' in {tied_head.file} has shape {list(tied_head.shape)}, but the "
                          f"model ties it to the embedding of shape {list(pairs[0][1].shape)}")
     for name, t in by_name.items():
-        if not REDUNDANT[arch].fullmatch(name):
+        if not REDUNDANT[arch].fullmatch(name) and name not in ignored:
             raise ValueError(f"tensor {t.name!r} in {t.file} is not used by this architecture (is config.json's "
                              f"'architectures' right?)")
     return pairs, tied_head
@@ -1185,7 +1467,8 @@ def load_hf(directory: str | os.PathLike, *, dtype: str | None = None) -> Model:
     stored = read_headers(*weight_files(root))
     specs = tensor_specs(arch, config, interleaved=arch in DEEPSEEK and rope_interleaved(hf, arch),
                          fused_experts=config.moe is not None and fused_experts_stored(stored))
-    pairs, tied_head = match(specs, stored, arch=arch, tied=config.tie_embeddings)
+    pairs, tied_head = match(specs, stored, arch=arch, tied=config.tie_embeddings,
+                             ignored=ignored_tensors(arch, config))
     if tied_head is not None:
         _check_tied_head(tied_head, pairs[0][1])
     target = dtype or FLOAT_DTYPES[pairs[0][1].dtype]

@@ -12,7 +12,8 @@ import math
 from typing import Literal
 
 FfnKind = Literal["swiglu", "geglu", "gelu"]
-NormKind = Literal["rmsnorm", "gemma_rmsnorm", "layernorm"]
+NormKind = Literal["rmsnorm", "gemma_rmsnorm", "rmsnorm_f32", "layernorm"]
+NORM_KINDS = ("rmsnorm", "gemma_rmsnorm", "rmsnorm_f32", "layernorm")
 LayerType = Literal["full_attention", "sliding_attention"]
 LAYER_TYPES = ("full_attention", "sliding_attention")
 PositionKind = Literal["rope", "learned"]
@@ -54,6 +55,24 @@ class LinearScaling:
     factor: float
 
     def __post_init__(self):
+        _check(isinstance(self.factor, (int, float)) and math.isfinite(self.factor) and self.factor > 0,
+               f"rope_scaling.factor must be a finite number > 0, got {self.factor!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProportionalRope:
+    """transformers' "proportional" rope type (Gemma 4's full-attention layers): only the first
+    int(rotary_fraction * H // 2) frequency pairs rotate, with the ordinary inverse frequencies over the whole head
+    (theta ** (-2i / H)); the remaining ones get frequency 0 (left unrotated). Every frequency is divided by
+    `factor`. H is the layer's own head dim (`Config.layer_head_dim`)."""
+
+    rotary_fraction: float
+    factor: float = 1.0
+
+    def __post_init__(self):
+        _check(isinstance(self.rotary_fraction, (int, float)) and not isinstance(self.rotary_fraction, bool)
+               and 0 < self.rotary_fraction <= 1,
+               f"rope_scaling.rotary_fraction must be in (0, 1], got {self.rotary_fraction!r}")
         _check(isinstance(self.factor, (int, float)) and math.isfinite(self.factor) and self.factor > 0,
                f"rope_scaling.factor must be a finite number > 0, got {self.factor!r}")
 
@@ -228,9 +247,10 @@ class Config:
       ffn_dim: F, hidden width of the feed-forward block.
       ffn_kind: "swiglu" (Llama family: down(silu(gate x) * up x)), "geglu" (Gemma: down(gelu_tanh(gate x) *
         up x)) or "gelu" (GPT-2: proj(gelu_tanh(fc x))).
-      norm_kind: "rmsnorm" (x / rms(x) cast back, then times w), "gemma_rmsnorm" (Gemma: in float32 times
-        (1 + w), then cast back; w is stored as the checkpoint holds it, zero-centred) or "layernorm"; norm_eps
-        its epsilon. The q/k norms (`qk_norm`) follow the same kind.
+      norm_kind: "rmsnorm" (x / rms(x) cast back, then times w), "gemma_rmsnorm" (Gemma 2/3: in float32 times
+        (1 + w), then cast back; w is stored as the checkpoint holds it, zero-centred), "rmsnorm_f32" (Gemma 4: in
+        float32 times w, then cast back) or "layernorm"; norm_eps its epsilon. The q/k norms (`qk_norm`) follow the
+        same kind.
       positions: "rope" (rotary, `rope_theta`, optional `rope_scaling`) or "learned" (an absolute position table
         of `max_positions` rows).
       qkv_bias: bias on the q, k and v projections (Qwen2, GPT-2). out_bias / mlp_bias: on the attention output
@@ -248,9 +268,28 @@ class Config:
       qk_norm: an RMS norm (of norm_kind) over each query and key head before the rotation (Gemma 3, Qwen3).
       post_norms: Gemma 2/3's sandwich norms: the attention output and the FFN output are normalized before
         each is added to the residual stream.
-      query_pre_attn_scalar: the scores are scaled by query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5.
+      query_pre_attn_scalar: the scores are scaled by query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5
+        (1.0: unscaled scores, Gemma 4).
       attn_logit_softcap: scores become cap * tanh(scores / cap) before masking and softmax (Gemma 2).
       final_logit_softcap: the output logits become cap * tanh(logits / cap) (Gemma 2).
+      global_head_dim: the head dim of the full-attention layers (`layer_window` None), when it differs from
+        head_dim (Gemma 4); None: head_dim. `layer_head_dim`.
+      global_kv_heads: the KV-head count of the full-attention layers (Gemma 4's num_global_key_value_heads);
+        None: n_kv_heads. `layer_kv_heads`.
+      global_values_from_keys: the full-attention layers have no value projection: their values are the key
+        projection's output, before the key norm and the rotation (Gemma 4's attention_k_eq_v).
+      value_norm: an RMS norm without a weight (epsilon norm_eps) over each value head (Gemma 4's v_norm).
+      kv_shared_layers: the last kv_shared_layers layers compute no keys or values and cache nothing: each
+        attends over the keys and values of the last earlier layer of its own kind (sliding or full), already
+        updated for the current tokens (Gemma 4's num_kv_shared_layers; `kv_source`). The cache holds an empty
+        buffer for them.
+      kv_shared_ffn_dim: the FFN width of those layers when it differs from ffn_dim (Gemma 4's
+        use_double_wide_mlp: 2 x ffn_dim); None: ffn_dim. `layer_ffn_dim`.
+      per_layer_input_dim: P, per-layer input embeddings (Gemma 4's PLE): a second table [V, L * P] (times
+        sqrt(P)) plus a projection of the scaled embeddings ([D] -> [L * P], times D ** -0.5, then a norm of
+        width P), summed and times 2 ** -0.5, give each layer a P-wide input; after its FFN each layer adds
+        norm(W_up(act(W_gate x) * input)) to its residual stream (act: the FFN's activation). None: none.
+      layer_scalar: each layer's output (the residual stream after it) is multiplied by a learned scalar.
       eos_ids: default stop tokens for `generate`.
       mla: multi-head latent attention (`Mla`) instead of grouped-query attention. The cache then holds one row of
         R + E per token (MQA with one KV head of that width, keys only): n_kv_heads is 1 and head_dim is R + E,
@@ -273,7 +312,7 @@ class Config:
     norm_eps: float = 1e-5
     positions: PositionKind = "rope"
     rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | YarnScaling | None = None
+    rope_scaling: RopeScaling | LinearScaling | YarnScaling | ProportionalRope | None = None
     qkv_bias: bool = False
     out_bias: bool = False
     mlp_bias: bool = False
@@ -288,6 +327,14 @@ class Config:
     query_pre_attn_scalar: float | None = None
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
+    global_head_dim: int | None = None
+    global_kv_heads: int | None = None
+    global_values_from_keys: bool = False
+    value_norm: bool = False
+    kv_shared_layers: int = 0
+    kv_shared_ffn_dim: int | None = None
+    per_layer_input_dim: int | None = None
+    layer_scalar: bool = False
     eos_ids: tuple[int, ...] = ()
     mla: Mla | None = None
     moe: MoeConfig | None = None
@@ -330,8 +377,7 @@ class Config:
                f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads})")
         _check(self.ffn_kind in ("swiglu", "geglu", "gelu"),
                f"ffn_kind must be 'swiglu', 'geglu' or 'gelu', got {self.ffn_kind!r}")
-        _check(self.norm_kind in ("rmsnorm", "gemma_rmsnorm", "layernorm"),
-               f"norm_kind must be 'rmsnorm', 'gemma_rmsnorm' or 'layernorm', got {self.norm_kind!r}")
+        _check(self.norm_kind in NORM_KINDS, f"norm_kind must be one of {NORM_KINDS}, got {self.norm_kind!r}")
         _check(self.norm_eps > 0 and math.isfinite(self.norm_eps), f"norm_eps must be > 0, got {self.norm_eps}")
         _check(self.positions in ("rope", "learned"),
                f"positions must be 'rope' or 'learned', got {self.positions!r}")
@@ -355,9 +401,12 @@ class Config:
                    f"rope_theta must be > 0, got {self.rope_theta}")
         else:
             _check(self.rope_scaling is None, "rope_scaling is set but positions is 'learned'")
-        _check(self.rope_scaling is None or isinstance(self.rope_scaling, (RopeScaling, LinearScaling, YarnScaling)),
-               f"rope_scaling must be a RopeScaling, LinearScaling, YarnScaling or None, got "
+        _check(self.rope_scaling is None or isinstance(self.rope_scaling, (RopeScaling, LinearScaling, YarnScaling,
+                                                                           ProportionalRope)),
+               f"rope_scaling must be a RopeScaling, LinearScaling, YarnScaling, ProportionalRope or None, got "
                f"{type(self.rope_scaling).__name__}")
+        _check(not (isinstance(self.rope_scaling, ProportionalRope) and self.mla is not None),
+               "a ProportionalRope rope_scaling is not supported with mla")
         _check(self.sliding_window is None or (isinstance(self.sliding_window, int)
                                                and not isinstance(self.sliding_window, bool)
                                                and self.sliding_window >= 1),
@@ -381,11 +430,44 @@ class Config:
         for name in ("qk_norm", "post_norms"):
             _check(isinstance(getattr(self, name), bool), f"{name} must be a bool, got {getattr(self, name)!r}")
         _check(not (self.qk_norm and self.mla is not None), "qk_norm is not supported with mla")
+        self._validate_per_layer()
         for i in self.eos_ids:
             _check(0 <= i < self.vocab_size, f"eos id {i} is outside the vocabulary [0, {self.vocab_size})")
         _check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         _check(self.attention in ATTENTION_IMPLS,
                f"attention must be one of {ATTENTION_IMPLS}, got {self.attention!r}")
+
+    def _validate_per_layer(self):
+        """The Gemma 4 fields: per-layer geometry, cross-layer K/V sharing, per-layer inputs."""
+        for name in ("global_head_dim", "global_kv_heads", "kv_shared_ffn_dim", "per_layer_input_dim"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1),
+                   f"{name} must be None or a positive integer, got {value!r}")
+        for name in ("global_values_from_keys", "value_norm", "layer_scalar"):
+            _check(isinstance(getattr(self, name), bool), f"{name} must be a bool, got {getattr(self, name)!r}")
+        n = self.kv_shared_layers
+        _check(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < self.n_layers,
+               f"kv_shared_layers must be an integer in [0, n_layers = {self.n_layers}), got {n!r}")
+        gemma4 = (self.global_head_dim, self.global_kv_heads, self.kv_shared_ffn_dim, self.per_layer_input_dim)
+        if any(v is not None for v in gemma4) or self.global_values_from_keys or self.value_norm or n \
+                or self.layer_scalar:
+            _check(self.mla is None and self.moe is None and self.positions == "rope",
+                   "global_head_dim, global_kv_heads, global_values_from_keys, value_norm, kv_shared_layers, "
+                   "kv_shared_ffn_dim, per_layer_input_dim and layer_scalar need rotary positions and no mla or moe")
+        if self.global_head_dim is not None:
+            _check(self.global_head_dim % 2 == 0, f"RoPE needs an even global_head_dim, got {self.global_head_dim}")
+        if self.global_kv_heads is not None:
+            K = self.global_kv_heads
+            _check(K <= self.n_heads and self.n_heads % K == 0,
+                   f"n_heads ({self.n_heads}) must be a multiple of global_kv_heads ({K})")
+        if n:
+            first = self.n_layers - n
+            producers = {self.layer_window(layer) is None for layer in range(first)}
+            for layer in range(first, self.n_layers):
+                _check((self.layer_window(layer) is None) in producers,
+                       f"layer {layer} shares the keys and values of an earlier "
+                       f"{'full' if self.layer_window(layer) is None else 'sliding'}-attention layer, but none of "
+                       f"layers 0..{first - 1} is one (kv_shared_layers = {n})")
 
     # Per-layer attention -------------------------------------------------------------------------------------
 
@@ -403,6 +485,46 @@ class Config:
     def every_layer_sliding(self) -> bool:
         """Every layer has a window: a cache that is a ring on every layer needs no bound on the length."""
         return all(w is not None for w in self.layer_windows)
+
+    def layer_head_dim(self, layer: int) -> int:
+        """H of `layer`: global_head_dim on a full-attention layer when set, else head_dim."""
+        if self.global_head_dim is not None and self.layer_window(layer) is None:
+            return self.global_head_dim
+        return self.head_dim
+
+    def layer_kv_heads(self, layer: int) -> int:
+        """K of `layer`: global_kv_heads on a full-attention layer when set, else n_kv_heads."""
+        if self.global_kv_heads is not None and self.layer_window(layer) is None:
+            return self.global_kv_heads
+        return self.n_kv_heads
+
+    def layer_values_from_keys(self, layer: int) -> bool:
+        """`layer` has no value projection (its values are the key projection's output)."""
+        return self.global_values_from_keys and self.layer_window(layer) is None
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose keys and values `layer` attends over: itself, or for one of the last kv_shared_layers
+        the last earlier layer of the same kind (transformers' "store" layer; `kv_shared_layers`)."""
+        first = self.n_layers - self.kv_shared_layers
+        if layer < first:
+            return layer
+        full = self.layer_window(layer) is None
+        return max(i for i in range(first) if (self.layer_window(i) is None) == full)
+
+    def stores_kv(self, layer: int) -> bool:
+        """`layer` computes and caches its own keys and values (it is not a K/V-sharing layer)."""
+        return layer < self.n_layers - self.kv_shared_layers
+
+    @property
+    def uniform_kv(self) -> bool:
+        """Every layer caches K/V of one geometry (n_kv_heads x head_dim): no per-layer heads, no sharing."""
+        return self.global_head_dim is None and self.global_kv_heads is None and self.kv_shared_layers == 0
+
+    def layer_ffn_dim(self, layer: int) -> int:
+        """F of `layer`: kv_shared_ffn_dim on a K/V-sharing layer when set, else ffn_dim."""
+        if self.kv_shared_ffn_dim is not None and not self.stores_kv(layer):
+            return self.kv_shared_ffn_dim
+        return self.ffn_dim
 
     def layer_rope(self, layer: int) -> tuple[float, RopeScaling | LinearScaling | YarnScaling | None]:
         """(rope base, scaling) of `layer`: the sliding layers' own base (unscaled) when rope_local_theta is set."""
@@ -423,7 +545,8 @@ class Config:
         if bytes_per_element is None:
             bytes_per_element = 4 if self.dtype == "float32" else 2
         kinds = 1 if self.mla is not None else 2
-        return kinds * self.n_layers * self.n_kv_heads * self.head_dim * bytes_per_element
+        return kinds * bytes_per_element * sum(self.layer_kv_heads(layer) * self.layer_head_dim(layer)
+                                               for layer in range(self.n_layers) if self.stores_kv(layer))
 
     @property
     def attention_scale(self) -> float:
@@ -453,31 +576,49 @@ class Config:
         return attn
 
     def param_count(self) -> int:
-        D, H, N, K, F, V = self.d_model, self.head_dim, self.n_heads, self.n_kv_heads, self.ffn_dim, self.vocab_size
-        if self.mla is not None:
-            attn = self._mla_attention_params()
-        else:
-            attn = D * N * H + 2 * D * K * H + N * H * D
-            if self.qkv_bias:
-                attn += N * H + 2 * K * H
-            if self.out_bias:
-                attn += D
-        gated = self.ffn_kind in ("swiglu", "geglu")
-        ffn = (3 if gated else 2) * D * F
-        if self.mlp_bias:
-            ffn += (2 * F if gated else F) + D
+        D, V = self.d_model, self.vocab_size
         norm = 2 * D if self.norm_kind == "layernorm" else D
-        if self.qk_norm:
-            attn += 2 * H
         norms = 4 if self.post_norms else 2
-        total = self.n_layers * (attn + ffn + norms * norm) + norm + V * D
-        if self.moe is not None:  # those layers hold experts in place of the dense FFN
-            total += max(0, self.n_layers - self.moe.first_dense_layers) * (self.moe.param_count(D) - ffn)
+        total = norm + V * D
+        for layer in range(self.n_layers):
+            total += self._layer_attention_params(layer) + self._layer_ffn_params(layer) + norms * norm
+            if self.per_layer_input_dim is not None:  # gate [P, D], projection [D, P], its norm [D]
+                total += 2 * D * self.per_layer_input_dim + norm
+            total += 1 if self.layer_scalar else 0
+        if self.per_layer_input_dim is not None:  # the table [V, L*P], the projection [L*P, D], its norm [P]
+            LP = self.n_layers * self.per_layer_input_dim
+            total += V * LP + LP * D + self.per_layer_input_dim
         if not self.tie_embeddings:
             total += D * V
         if self.positions == "learned":
             total += self.max_positions * D
         return total
+
+    def _layer_attention_params(self, layer: int) -> int:
+        if self.mla is not None:
+            return self._mla_attention_params()
+        D, N = self.d_model, self.n_heads
+        H, K = self.layer_head_dim(layer), self.layer_kv_heads(layer)
+        kv = 0 if not self.stores_kv(layer) else 1 if self.layer_values_from_keys(layer) else 2
+        attn = D * N * H + kv * D * K * H + N * H * D
+        if self.qkv_bias:
+            attn += N * H + kv * K * H
+        if self.out_bias:
+            attn += D
+        if self.qk_norm:
+            attn += (2 if self.stores_kv(layer) else 1) * H
+        return attn
+
+    def _layer_ffn_params(self, layer: int) -> int:
+        D = self.d_model
+        if self.moe is not None and self.moe.is_moe_layer(layer):  # experts in place of the dense FFN
+            return self.moe.param_count(D)
+        F = self.layer_ffn_dim(layer)
+        gated = self.ffn_kind in ("swiglu", "geglu")
+        ffn = (3 if gated else 2) * D * F
+        if self.mlp_bias:
+            ffn += (2 * F if gated else F) + D
+        return ffn
 
     def replace(self, **changes) -> "Config":
         return dataclasses.replace(self, **changes)

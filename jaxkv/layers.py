@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.config import Config, LinearScaling, RopeScaling, YarnScaling, yarn_mscale
+from jaxkv.config import Config, LinearScaling, ProportionalRope, RopeScaling, YarnScaling, yarn_mscale
 
 
 def fan_in_init(fan_in: int):
@@ -21,11 +21,13 @@ def fan_in_init(fan_in: int):
 class Norm(nn.Module):
     """RMSNorm or LayerNorm over the last axis, computed in float32 (bfloat16 loses too much in the mean of
     squares) and cast back to the input dtype. config.norm_kind picks the kind; a norm of its own width (`dim`:
-    MLA's latent norms, the q/k norms over a head) is never a LayerNorm."""
+    MLA's latent norms, the q/k norms over a head) is never a LayerNorm. Without `with_scale` (Gemma 4's value
+    norm) it has no weight: x / rms(x) in float32, cast back."""
 
     config: Config
     dim: int | None = None  # the normalized width; default D
     eps: float | None = None  # default config.norm_eps
+    with_scale: bool = True
 
     @nn.compact
     def __call__(self, x):  # [..., D] -> [..., D]
@@ -33,14 +35,18 @@ class Norm(nn.Module):
         dtype = jnp.dtype(cfg.dtype)
         eps = cfg.norm_eps if self.eps is None else self.eps
         gemma = cfg.norm_kind == "gemma_rmsnorm"
+        xf = x.astype(jnp.float32)
+        if not self.with_scale:
+            return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(dtype)
         # Gemma's weight is zero-centred (it multiplies by 1 + w): initialized to 0, as transformers does.
         init = nn.initializers.zeros if gemma else nn.initializers.ones
         scale = self.param("scale", init, (self.dim or cfg.d_model,), dtype)
-        xf = x.astype(jnp.float32)
         if cfg.norm_kind != "layernorm" or self.dim is not None:
             y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
             if gemma:  # transformers' Gemma order: (1 + w) in float32, then cast back
                 return (y * (1.0 + scale.astype(jnp.float32))).astype(dtype)
+            if cfg.norm_kind == "rmsnorm_f32":  # Gemma 4: times w in float32, then cast back
+                return (y * scale.astype(jnp.float32)).astype(dtype)
             return scale * y.astype(dtype)  # HF (Llama) order: cast back, then scale
         bias = self.param("bias", nn.initializers.zeros, (cfg.d_model,), dtype)
         mean = jnp.mean(xf, axis=-1, keepdims=True)
@@ -50,7 +56,7 @@ class Norm(nn.Module):
 
 
 def rope_inv_freq(head_dim: int, theta: float,
-                  scaling: RopeScaling | LinearScaling | YarnScaling | None) -> np.ndarray:
+                  scaling: RopeScaling | LinearScaling | YarnScaling | ProportionalRope | None) -> np.ndarray:
     """float32[H/2] inverse frequencies, computed on the host exactly as Hugging Face does (float32 throughout),
     so rotary angles match transformers bit for bit."""
     exponent = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
@@ -60,6 +66,12 @@ def rope_inv_freq(head_dim: int, theta: float,
     if isinstance(scaling, YarnScaling):
         return _yarn_inv_freq(head_dim, theta, scaling)
     if isinstance(scaling, LinearScaling):  # transformers: inv_freq /= factor, in float32
+        return (inv_freq / np.float32(scaling.factor)).astype(np.float32)
+    if isinstance(scaling, ProportionalRope):
+        # transformers' _compute_proportional_rope_parameters: int(fraction * H // 2) rotated pairs, the rest at
+        # frequency 0 (cos 1, sin 0: unrotated), then everything / factor
+        rotated = int(scaling.rotary_fraction * head_dim // 2)
+        inv_freq = np.where(np.arange(head_dim // 2) < rotated, inv_freq, np.float32(0)).astype(np.float32)
         return (inv_freq / np.float32(scaling.factor)).astype(np.float32)
     # Llama 3.1 scaling: long wavelengths are divided by `factor`, short ones kept, a smooth ramp in between.
     low_wavelen = scaling.original_max_positions / scaling.low_freq_factor
@@ -106,10 +118,10 @@ def yarn_attention_factor(y: YarnScaling) -> float:
 
 def rope_angles(positions, config: Config, layer: int = 0):
     """cos, sin: float32[B, T, H] for int32[B, T] positions (H: the rotated width, an MLA model's
-    qk_rope_head_dim), with `layer`'s rope base and scaling (`Config.layer_rope`: Gemma 3's sliding layers have
+    qk_rope_head_dim; `Config.layer_head_dim` per layer), with `layer`'s rope base and scaling (`Config.layer_rope`: Gemma 3's sliding layers have
     their own). Computed from the positions on the fly: no table sized by the config's max_positions is ever
     allocated. YaRN's attention factor is folded into both."""
-    dim = config.head_dim if config.mla is None else config.mla.qk_rope_head_dim
+    dim = config.layer_head_dim(layer) if config.mla is None else config.mla.qk_rope_head_dim
     theta, scaling = config.layer_rope(layer)
     inv_freq = jnp.asarray(rope_inv_freq(dim, theta, scaling))
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
@@ -191,18 +203,21 @@ def linear(x, w, out_in: bool = False):
 
 class Mlp(nn.Module):
     """SwiGLU (down(silu(x W_gate) * x W_up)), GeGLU (down(gelu_tanh(x W_gate) * x W_up)) or GELU MLP
-    (proj(gelu_tanh(x W_fc)))."""
+    (proj(gelu_tanh(x W_fc))), of width `dim` (default config.ffn_dim; `Config.layer_ffn_dim`)."""
 
     config: Config
+    dim: int | None = None
 
     @nn.compact
     def __call__(self, x):  # [B, T, D] -> [B, T, D]
         cfg = self.config
-        D, F = cfg.d_model, cfg.ffn_dim
+        D, F = cfg.d_model, self.dim or cfg.ffn_dim
         dtype = jnp.dtype(cfg.dtype)
 
         def dense(name, x, d_in, d_out):
-            out_in = stored_out_in(d_in, d_out, dtype)
+            # The layout follows the config's ffn_dim whatever this layer's width, as `in_out_names` says (one
+            # layout per parameter name)
+            out_in = stored_out_in(D, cfg.ffn_dim, dtype)
             w = self.param(name, fan_in_init(d_in), (d_out, d_in) if out_in else (d_in, d_out), dtype)
             y = linear(x, w, out_in)
             if cfg.mlp_bias:
@@ -216,3 +231,8 @@ class Mlp(nn.Module):
         else:
             h = nn.gelu(dense("w_fc", x, D, F), approximate=True)  # [B, T, F]
         return dense("w_down", h, F, D)
+
+
+def activation(config: Config, x):
+    """The FFN's activation (silu for SwiGLU, tanh GELU otherwise), for Gemma 4's per-layer input gate."""
+    return nn.silu(x) if config.ffn_kind == "swiglu" else nn.gelu(x, approximate=True)

@@ -7,7 +7,9 @@ The arithmetic mirrors the cache jaxkv allocates (letters as in `jaxkv.shapes`).
                                              token per KV head)
 
 where S, the slots per sequence, is the token count, or min(tokens, W) for a model with a sliding window of W
-tokens (its cache is a ring buffer of W slots: older entries are overwritten). Hence
+tokens (its cache is a ring buffer of W slots: older entries are overwritten). Where layers differ (Gemma 2/3/4:
+windows per layer; Gemma 4: K and H per layer, and layers that share another layer's K/V and cache nothing) the
+sum runs over the layers, each with its own S, K and H. Hence
 
   bytes per token = 2 (K and V) x L x K x (H x bytes per element + 4 if quantized)
   cache bytes     = B x S x bytes per token
@@ -64,6 +66,9 @@ class CacheGeometry:
     # Per-layer windows (None entries: full-attention layers), for models that mix layer kinds (Gemma 2/3,
     # `Config.layer_types`); None: every layer has `sliding_window`.
     layer_windows: tuple[int | None, ...] | None = None
+    # Per-layer (KV heads, head dim), None entries for layers that cache nothing (they share another layer's K/V:
+    # Gemma 4, `Config.kv_source`); None: every layer has (n_kv_heads, head_dim).
+    layer_shapes: tuple[tuple[int, int] | None, ...] | None = None
 
     @property
     def kinds(self) -> int:
@@ -83,6 +88,19 @@ class CacheGeometry:
             for w in self.layer_windows:
                 if w is not None:
                     _positive_int("a layer window", w)
+        if self.layer_shapes is not None:
+            if len(self.layer_shapes) != self.n_layers:
+                raise ValueError(f"layer_shapes has {len(self.layer_shapes)} entries for {self.n_layers} layers")
+            for shape in self.layer_shapes:
+                if shape is not None:
+                    _positive_int("a layer's KV heads", shape[0]), _positive_int("a layer's head dim", shape[1])
+
+    @property
+    def shapes(self) -> tuple[tuple[int, int] | None, ...]:
+        """Each layer's (KV heads, head dim), None for a layer that caches nothing."""
+        if self.layer_shapes is not None:
+            return self.layer_shapes
+        return ((self.n_kv_heads, self.head_dim),) * self.n_layers
 
     @property
     def windows(self) -> tuple[int | None, ...]:
@@ -95,9 +113,12 @@ class CacheGeometry:
             return config
         if not isinstance(config, Config):
             raise TypeError(f"expected a jaxkv.Config or CacheGeometry, got {type(config).__name__}")
+        shapes = None if config.uniform_kv else tuple(
+            (config.layer_kv_heads(layer), config.layer_head_dim(layer)) if config.stores_kv(layer) else None
+            for layer in range(config.n_layers))
         return cls(config.n_layers, config.n_kv_heads, config.head_dim, config.dtype, config.sliding_window,
                    keys_only=config.mla is not None,
-                   layer_windows=None if config.layer_types is None else config.layer_windows)
+                   layer_windows=None if config.layer_types is None else config.layer_windows, layer_shapes=shapes)
 
 
 def _positive_int(name: str, value) -> int:
@@ -136,18 +157,21 @@ def layer_cache_slots(config: Config | CacheGeometry, tokens: int) -> tuple[int,
     return tuple(tokens if w is None else min(tokens, w) for w in geometry.windows)
 
 
-def _layer_bytes_per_slot(geometry: CacheGeometry, cache_dtype) -> int:
-    """Bytes of one slot of one layer: kinds x K x (H x bytes per element + scale bytes)."""
-    return kv_bytes_per_token(geometry, cache_dtype) // geometry.n_layers
+def _layer_bytes_per_slot(geometry: CacheGeometry, cache_dtype) -> tuple[int, ...]:
+    """Bytes of one slot of each layer: kinds x K x (H x bytes per element + scale bytes); 0 for a layer that
+    caches nothing."""
+    dtype = _cache_dtype(geometry, cache_dtype)
+    return tuple(0 if shape is None else
+                 geometry.kinds * shape[0] * (shape[1] * BYTES_PER_ELEMENT[dtype] + (SCALE_BYTES if dtype in QUANTIZED
+                                                                                     else 0))
+                 for shape in geometry.shapes)
 
 
 def kv_bytes_per_token(config: Config | CacheGeometry, cache_dtype=None) -> int:
     """Bytes one cached token takes over all layers: 2 x L x K x (H x bytes per element + scale bytes); a
-    keys-only (MLA) cache has one buffer per layer instead of 2."""
-    geometry = CacheGeometry.of(config)
-    dtype = _cache_dtype(geometry, cache_dtype)
-    per_head = geometry.head_dim * BYTES_PER_ELEMENT[dtype] + (SCALE_BYTES if dtype in QUANTIZED else 0)
-    return geometry.kinds * geometry.n_layers * geometry.n_kv_heads * per_head
+    keys-only (MLA) cache has one buffer per layer instead of 2. Per layer where the layers differ (Gemma 4: K
+    and H per layer, nothing for the layers that share another's K/V)."""
+    return sum(_layer_bytes_per_slot(CacheGeometry.of(config), cache_dtype))
 
 
 def expanded_kv_bytes_per_token(config: Config, cache_dtype=None) -> int:
@@ -196,7 +220,8 @@ def kv_cache_bytes(config: Config | CacheGeometry, *, tokens: int | None = None,
         pages = -(-_positive_int("tokens", tokens) // _positive_int("page_size", page_size))
         return batch * pages * page_bytes(config, page_size, cache_dtype)
     geometry = CacheGeometry.of(config)
-    return batch * sum(layer_cache_slots(geometry, tokens)) * _layer_bytes_per_slot(geometry, cache_dtype)
+    return batch * sum(slots * per_slot for slots, per_slot in zip(layer_cache_slots(geometry, tokens),
+                                                                  _layer_bytes_per_slot(geometry, cache_dtype)))
 
 
 def full_length_cache_bytes(config: Config | CacheGeometry, *, tokens: int, batch: int = 1,
@@ -339,14 +364,13 @@ def plan_cache(config: Config, prompt_lengths, max_new_tokens: int, *, max_len: 
     padded_batch = -(-_next_pow2(len(lengths)) // batch_multiple) * batch_multiple
     from jaxkv.cache import layer_slots  # here: jaxkv.cache imports this module
 
-    slots = sum(S for S, _ in layer_slots(config, capacity, ring)) if ring and not config.every_layer_sliding \
-        else config.n_layers * capacity
+    per_slot = _layer_bytes_per_slot(CacheGeometry.of(config), cache_dtype)
+    slot_bytes = sum(S * b for (S, _), b in zip(layer_slots(config, capacity, ring), per_slot))
     return CachePlan(batch=len(lengths), padded_batch=padded_batch, prompt_len=prompt_len, capacity=capacity,
                      ring=ring, cache_dtype=cache_dtype,
                      requested_bytes=kv_cache_bytes(config, tokens=longest + max_new_tokens, batch=len(lengths),
                                                     cache_dtype=cache_dtype),
-                     allocated_bytes=padded_batch * slots * _layer_bytes_per_slot(CacheGeometry.of(config),
-                                                                                 cache_dtype))
+                     allocated_bytes=padded_batch * slot_bytes)
 
 
 # --- paged pools ------------------------------------------------------------------------------------------------

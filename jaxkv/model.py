@@ -27,8 +27,8 @@ from jaxkv.attention.reference import masks_dead_values
 from jaxkv.cache import KVCache
 from jaxkv.config import Config
 from jaxkv.paged_cache import PagedKVCache
-from jaxkv.layers import (ALL_OUT_IN_ORDER, Mlp, Norm, apply_rope, fan_in_init, in_out_names, linear,
-                          rope_angles, stored_out_in)
+from jaxkv.layers import (ALL_OUT_IN_ORDER, Mlp, Norm, activation, apply_rope, fan_in_init, in_out_names,
+                          linear, rope_angles, stored_out_in)
 from jaxkv.mla_attention import MlaAttention
 from jaxkv import moe as moe_lib
 
@@ -41,16 +41,24 @@ class Attention(nn.Module):
     mesh: Mesh | None = None  # with a mesh, a Pallas kernel runs per shard (`jaxkv.sharding.shard_attention`)
 
     @nn.compact
-    def __call__(self, x, rope, cache, start, prefill, attention: str):
-        """x [B, T, D]; rope: (cos, sin) or None; start int32[B] -> ([B, T, D], cache).
+    def __call__(self, x, rope, cache, start, prefill, attention: str, shared=None):
+        """x [B, T, D]; rope: (cos, sin) or None; start int32[B] -> ([B, T, D], cache, (k, v)).
 
         With a cache, the queries sit in slots [cache.length, cache.length + T) and attend over the cache (with
         `prefill`, the cache is empty and they attend over each other); without, they sit in slots [0, T) and
         attend over each other. With a `PagedKVCache`, `start` is instead bool[B, T], the tokens to store (right
         padding is not), and the queries sit in each row's own slots [lengths[b], lengths[b] + T).
+
+        The third output is this layer's fresh keys and values ([B, K, T, H], after norms and rotation; None for a
+        layer that computes none). A layer that shares another's K/V (`Config.kv_source`) computes none and
+        caches nothing: it attends over `shared`, its source layer's fresh K/V, during prefill and without a
+        cache, and otherwise over the source layer's cache buffer, which that layer has already updated for these
+        tokens.
         """
         cfg = self.config
-        D, N, K, H = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        D, N = cfg.d_model, cfg.n_heads
+        K, H = cfg.layer_kv_heads(self.layer), cfg.layer_head_dim(self.layer)
+        source = cfg.kv_source(self.layer)
         dtype = jnp.dtype(cfg.dtype)
 
         def project(name, heads):
@@ -64,21 +72,40 @@ class Attention(nn.Module):
             return y
 
         # One layout for all four projections, decided by the query width (KV-head replication on a mesh must not
-        # change it).
-        out_in = stored_out_in(D, N * H, dtype)
-        q, k, v = project("wq", N), project("wk", K), project("wv", K)  # [B, T, N|K, H]
+        # change it); by the config's head_dim, so every layer's projections share it (`layers.in_out_names`).
+        out_in = stored_out_in(D, N * cfg.head_dim, dtype)
+        q = project("wq", N)  # [B, T, N, H]
         if cfg.qk_norm:  # Gemma 3, Qwen3: each head's query and key normalized before the rotation
-            q, k = Norm(cfg, dim=H, name="q_norm")(q), Norm(cfg, dim=H, name="k_norm")(k)
+            q = Norm(cfg, dim=H, name="q_norm")(q)
         if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, H], the cache layout
+            q = apply_rope(q, *rope)
+        if source == self.layer:
+            k = project("wk", K)  # [B, T, K, H]
+            # Gemma 4's global layers: the values are the key projection's output, before its norm and rotation
+            v = k if cfg.layer_values_from_keys(self.layer) else project("wv", K)
+            if cfg.qk_norm:
+                k = Norm(cfg, dim=H, name="k_norm")(k)
+            if cfg.value_norm:  # Gemma 4: an RMS norm without a weight over each value head
+                v = Norm(cfg, dim=H, with_scale=False, name="v_norm")(v)
+            if rope is not None:
+                k = apply_rope(k, *rope)
+            k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, H], the cache layout
+            fresh = (k, v)
+        else:
+            k, v = shared
+            fresh = None
         q_offset, k_scale, v_scale, ring = jnp.zeros((), jnp.int32), None, None, False
         window = cfg.layer_window(self.layer)
         if isinstance(cache, PagedKVCache):
+            _check_paged(cfg)
             out, cache = self._paged(q, k, v, cache, start, prefill, attention)
         elif cache is not None:
             q_offset = cache.length
-            if prefill:
+            if source != self.layer:
+                if not prefill:  # the source layer's buffer, already updated for these tokens
+                    k, v = cache.keys[source], cache.values[source]
+                    (k_scale, v_scale), ring = cache.scales(source), cache.layer_ring(source)
+            elif prefill:
                 # An empty cache: the prompt attends over its own fresh (unquantized) K/V, O(T^2), whatever the
                 # cache's size, dtype or ring layout; the cache only stores them. (Its dead slots hold zeros from
                 # the allocation or finite padding K/V: nothing to zero.)
@@ -104,7 +131,7 @@ class Attention(nn.Module):
         y = linear(out.reshape(*out.shape[:2], N * H), wo, out_in)  # [B, T, D]
         if cfg.out_bias:
             y = y + self.param("wo_bias", nn.initializers.zeros, (D,), dtype)
-        return y, cache
+        return y, cache, fresh
 
     def _paged(self, q, k, v, cache, valid, prefill, attention: str):
         """Writes k, v [B, K, T, H] (the `valid` tokens) through the page table and attends -> ([B, T, N, H], cache).
@@ -151,25 +178,49 @@ def _softcap(cfg: Config) -> dict:
     return {} if cfg.attn_logit_softcap is None else {"softcap": float(cfg.attn_logit_softcap)}
 
 
+def _check_paged(config: Config):
+    """The paged cache holds one pool geometry for every layer and a pool per layer: a config with per-layer
+    head dims or KV heads, or with layers that share another's K/V (Gemma 4), is refused rather than run."""
+    if not config.uniform_kv:
+        raise NotImplementedError("the paged cache does not support per-layer KV geometry (global_head_dim, "
+                                  "global_kv_heads) or cross-layer K/V sharing (kv_shared_layers) yet (Gemma 4): "
+                                  "use the contiguous cache (n=1, no engine or prefix cache)")
+
+
 class Block(nn.Module):
     config: Config
     layer: int
     mesh: Mesh | None = None
 
     @nn.compact
-    def __call__(self, x, rope, cache, start, prefill, attention: str):
-        if self.config.mla is not None:
-            attn = MlaAttention(self.config, self.layer, self.mesh, name="attn")
+    def __call__(self, x, rope, cache, start, prefill, attention: str, shared=None, layer_input=None):
+        """-> (x, cache, this layer's fresh K/V or None); `shared`: the fresh K/V of the layer this one reads
+        (`Config.kv_source`); `layer_input` [B, T, P]: its per-layer input (`Config.per_layer_input_dim`)."""
+        cfg = self.config
+        if cfg.mla is not None:
+            attn = MlaAttention(cfg, self.layer, self.mesh, name="attn")
+            h, cache = attn(Norm(cfg, name="attn_norm")(x), rope, cache, start, prefill, attention)
+            fresh = None
         else:
-            attn = Attention(self.config, self.layer, self.mesh, name="attn")
-        h, cache = attn(Norm(self.config, name="attn_norm")(x), rope, cache, start, prefill, attention)
-        if self.config.post_norms:  # Gemma 2/3: each branch's output normalized before the residual add
-            h = Norm(self.config, name="post_attn_norm")(h)
+            attn = Attention(cfg, self.layer, self.mesh, name="attn")
+            h, cache, fresh = attn(Norm(cfg, name="attn_norm")(x), rope, cache, start, prefill, attention, shared)
+        if cfg.post_norms:  # Gemma 2/3/4: each branch's output normalized before the residual add
+            h = Norm(cfg, name="post_attn_norm")(h)
         x = x + h
-        h = ffn(self.config, self.layer)(Norm(self.config, name="mlp_norm")(x))
-        if self.config.post_norms:
-            h = Norm(self.config, name="post_mlp_norm")(h)
-        return x + h, cache
+        h = ffn(cfg, self.layer)(Norm(cfg, name="mlp_norm")(x))
+        if cfg.post_norms:
+            h = Norm(cfg, name="post_mlp_norm")(h)
+        x = x + h
+        if cfg.per_layer_input_dim is not None:
+            # Gemma 4: the per-layer input gates a P-wide projection of the stream, added back normalized
+            D, P, dtype = cfg.d_model, cfg.per_layer_input_dim, jnp.dtype(cfg.dtype)
+            gate = self.param("ple_gate", fan_in_init(D), (P, D), dtype)  # [out, in], as every non-listed weight
+            up = self.param("ple_proj", fan_in_init(P), (D, P), dtype)
+            h = activation(cfg, linear(x, gate, True)) * layer_input
+            x = x + Norm(cfg, name="post_ple_norm")(linear(h, up, True))
+        if cfg.layer_scalar:  # Gemma 4: the layer's output times a learned scalar
+            x = x * self.param("layer_scalar", nn.initializers.ones, (1,), jnp.dtype(cfg.dtype))
+        return x, cache, fresh
 
 
 def ffn(config: Config, layer: int) -> nn.Module:
@@ -177,7 +228,27 @@ def ffn(config: Config, layer: int) -> nn.Module:
     moe.first_dense_layers on (DeepSeek's `first_k_dense_replace`) the mixture of experts (`jaxkv.moe.Moe`)."""
     if config.moe is not None and config.moe.is_moe_layer(layer):
         return moe_lib.Moe(config.moe, config.d_model, config.dtype, name="mlp")
-    return Mlp(config, name="mlp")
+    return Mlp(config, config.layer_ffn_dim(layer), name="mlp")
+
+
+class PerLayerInputs(nn.Module):
+    """Gemma 4's per-layer inputs [B, T, L, P] (`Config.per_layer_input_dim`; transformers' get_per_layer_inputs
+    and project_per_layer_inputs): (norm(W x * D ** -0.5) + table[tokens] * sqrt(P)) * 2 ** -0.5, where x is the
+    scaled token embeddings [B, T, D]; the scales are rounded to the dtype first, as transformers' are."""
+
+    config: Config
+
+    @nn.compact
+    def __call__(self, tokens, x):
+        cfg = self.config
+        D, L, P, dtype = cfg.d_model, cfg.n_layers, cfg.per_layer_input_dim, jnp.dtype(cfg.dtype)
+        B, T = tokens.shape
+        table = self.param("embedding", fan_in_init(P), (cfg.vocab_size, L * P), dtype)
+        from_tokens = jnp.take(table, tokens, axis=0) * jnp.asarray(P ** 0.5, dtype)
+        w = self.param("projection", fan_in_init(D), (L * P, D), dtype)  # [out, in]
+        projected = (linear(x, w, True) * jnp.asarray(D ** -0.5, dtype)).reshape(B, T, L, P)
+        projected = Norm(cfg, dim=P, name="norm")(projected)
+        return (projected + from_tokens.reshape(B, T, L, P)) * jnp.asarray(2 ** -0.5, dtype)
 
 
 class Decoder(nn.Module):
@@ -221,11 +292,14 @@ class Decoder(nn.Module):
             # Padding tokens have negative positions; read row 0 for them (their state is zeroed just below).
             x = x + jnp.take(table, jnp.maximum(positions, 0), axis=0)
         else:
-            # One (cos, sin) per distinct (base, scaling) among the layers (Gemma 3: local and global).
+            # One (cos, sin) per distinct (base, scaling, head dim) among the layers (Gemma 3/4: local and global).
             rope = {}
             for layer in range(cfg.n_layers):
-                if cfg.layer_rope(layer) not in rope:
-                    rope[cfg.layer_rope(layer)] = rope_angles(positions, cfg, layer)
+                if _rope_key(cfg, layer) not in rope:
+                    rope[_rope_key(cfg, layer)] = rope_angles(positions, cfg, layer)
+        layer_inputs = None
+        if cfg.per_layer_input_dim is not None:
+            layer_inputs = PerLayerInputs(cfg, name="per_layer_inputs")(tokens, x)  # [B, T, L, P]
         x = jnp.where(real[..., None], x, jnp.zeros((), x.dtype))
 
         paged = isinstance(cache, PagedKVCache)
@@ -245,10 +319,15 @@ class Decoder(nn.Module):
             poisoned |= cache.overflowed
         elif cache is not None and not cache.ring:
             poisoned |= cache.length + T > cache.capacity
+        sources = {cfg.kv_source(layer) for layer in range(cfg.n_layers) if not cfg.stores_kv(layer)}
+        fresh = {}  # a K/V source layer's fresh keys and values, for the layers that share them
         for layer in range(cfg.n_layers):
-            layer_rope = None if rope is None else rope[cfg.layer_rope(layer)]
-            x, cache = Block(cfg, layer, self.mesh, name=f"layer_{layer}")(x, layer_rope, cache, start, prefill,
-                                                                          attention)
+            layer_rope = None if rope is None else rope[_rope_key(cfg, layer)]
+            layer_input = None if layer_inputs is None else layer_inputs[:, :, layer]
+            x, cache, kv = Block(cfg, layer, self.mesh, name=f"layer_{layer}")(
+                x, layer_rope, cache, start, prefill, attention, fresh.get(cfg.kv_source(layer)), layer_input)
+            if layer in sources and kv is not None:
+                fresh[layer] = kv
         if cache is not None:
             cache = cache.advance(jnp.sum(real, axis=1, dtype=jnp.int32) if paged else T)
 
@@ -268,6 +347,11 @@ class Decoder(nn.Module):
             logits = jnp.tanh(logits / cap) * cap
         logits = jnp.where(poisoned[:, None, None], jnp.nan, logits)
         return logits, cache
+
+
+def _rope_key(config: Config, layer: int):
+    """What `layer`'s (cos, sin) depend on: its rope base and scaling, and its head dim."""
+    return (*config.layer_rope(layer), config.layer_head_dim(layer))
 
 
 def param_shapes(config: Config) -> dict:
@@ -326,6 +410,8 @@ def init_params(config: Config, seed: int = 0) -> dict:
 
     def draw(path, leaf):
         name = path[-1].key
+        if name == "layer_scalar":
+            return np.ones(leaf.shape, leaf.dtype)
         if name == "scale":  # a Gemma norm multiplies by (1 + scale)
             return np.full(leaf.shape, 0 if config.norm_kind == "gemma_rmsnorm" else 1, leaf.dtype)
         if name.endswith("bias"):

@@ -72,7 +72,15 @@ class PagedKVCache:
                  dtype=None) -> "PagedKVCache":
         """An empty cache: `num_pages` free pages of `page_size` slots per layer, `batch` empty sequences of at most
         `max_len` slots each (M = ceil(max_len / page_size) table entries); `dtype` one of CACHE_DTYPES (default
-        config.dtype). An MLA config gets key pools only (`jaxkv.cache.zeroed_buffers`)."""
+        config.dtype). An MLA config gets key pools only (`jaxkv.cache.zeroed_buffers`).
+
+        NotImplementedError for a config whose layers differ in KV geometry or share each other's K/V (Gemma 4:
+        `Config.uniform_kv` false): each pool here has one geometry for every layer, and a layer that reads
+        another's pools is not built."""
+        if not config.uniform_kv:
+            raise NotImplementedError("the paged cache does not support per-layer KV geometry (global_head_dim, "
+                                      "global_kv_heads) or cross-layer K/V sharing (kv_shared_layers) yet (Gemma 4): "
+                                      "use the contiguous cache (n=1, no engine or prefix cache)")
         keys, values, key_scales, value_scales = zeroed_buffers(
             config, (num_pages, config.n_kv_heads, page_size, config.head_dim), dtype)
         M = -(-max_len // page_size)

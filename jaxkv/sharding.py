@@ -148,7 +148,16 @@ def sharded_kv_heads(config: Config, mesh: Mesh) -> int:
 def check_config(config: Config, mesh: Mesh) -> Config:
     """The config to run with on `mesh` (n_kv_heads = `sharded_kv_heads`), or ValueError when the query heads or
     an FFN hidden width (the dense FFN's where a layer has one, each expert's) do not divide over the model
-    axis."""
+    axis. A config with Gemma 4's per-layer pieces (per-layer KV geometry, cross-layer K/V sharing, per-layer
+    inputs, a per-layer scalar) is refused: their parameters and caches have no sharding specs yet."""
+    gemma4 = {"global_head_dim": config.global_head_dim, "global_kv_heads": config.global_kv_heads,
+              "kv_shared_layers": config.kv_shared_layers or None, "per_layer_input_dim": config.per_layer_input_dim,
+              "kv_shared_ffn_dim": config.kv_shared_ffn_dim, "layer_scalar": config.layer_scalar or None,
+              "global_values_from_keys": config.global_values_from_keys or None}
+    unsupported = [name for name, value in gemma4.items() if value is not None]
+    if unsupported:
+        raise ValueError(f"sharding over a mesh does not support {', '.join(unsupported)} yet (Gemma 4's per-layer "
+                         f"geometry and inputs): run on one device")
     M = model_size(mesh)
     widths = {"n_heads": config.n_heads}
     moe = config.moe
