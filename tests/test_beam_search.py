@@ -57,9 +57,20 @@ def pair(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(directory, safe_serialization=True)
     model = load_hf(directory)
-    greedy = jaxkv.generate(model, SINGLE + RAGGED, max_new_tokens=NEW, stop_tokens=[]).tokens
+    greedy = [hf_greedy(hf, prompt, NEW) for prompt in SINGLE + RAGGED]  # transformers': no jaxkv compile
     stops = sorted({greedy[0][3], greedy[1][6], greedy[2][9]})
     return hf, model, stops
+
+
+def hf_greedy(hf, prompt, steps):
+    """transformers' greedy continuation of one prompt (argmax of the full forward pass, no cache)."""
+    import torch
+
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(steps):
+            ids = torch.cat([ids, hf(ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    return ids[0, len(prompt):].tolist()
 
 
 def hf_beam_search(hf, prompts, stops, *, num_beams, length_penalty, early_stopping, num_return_sequences):

@@ -171,15 +171,19 @@ def test_ring_cache_decode_equals_recompute_far_past_the_window(prompt_len):
     prompts = [list(range(3, 3 + prompt_len)), [11, 12, 13]]
     gen = jaxkv.generate(model, prompts, max_new_tokens=40, stop_tokens=[])
     assert gen.stats["cache_ring"] and gen.stats["cache_capacity"] == window
+    # The no-cache recompute, both rows in one call right-padded to 64 tokens (one compiled shape for both cases):
+    # causal, so the padding after a row's tokens changes none of their logits.
+    rows = [p + gen.tokens[b] for b, p in enumerate(prompts)]
+    recompute = jaxkv.logits(model, [row + [0] * (64 - len(row)) for row in rows])
     for b, p in enumerate(prompts):
-        full_logits = jaxkv.logits(model, [p + gen.tokens[b]])[0]
+        full_logits = recompute[b, :len(rows[b])]
         np.testing.assert_array_equal(gen.tokens[b], np.argmax(full_logits[len(p) - 1:-1], -1))
     # And the step logits themselves.
     tokens, start = left_pad(prompts, 32)
     logits, cache = jaxkv.prefill(model.params, tokens, start, config=model.config,
                                   capacity=window, attention="xla", ring=True)
     # Causal: position t of the full recompute sees exactly the tokens a cached step at t has seen.
-    full = [jaxkv.logits(model, [p + gen.tokens[b]])[0, len(p) - 1:] for b, p in enumerate(prompts)]
+    full = [recompute[b, len(p) - 1:len(rows[b])] for b, p in enumerate(prompts)]
     for i in range(40):
         for b in range(len(prompts)):
             np.testing.assert_allclose(np.asarray(logits[b]), full[b][i], atol=1e-5, rtol=0, err_msg=f"step {i}")

@@ -262,8 +262,12 @@ def test_random_moe_model_cached_decoding_equals_recompute():
     assert sum(np.size(a) for a in jax.tree_util.tree_leaves(model.params)) == config.param_count()
     prompts = [p[:n] for p, n in zip(RAGGED, (5, 9, 3))]
     out = jaxkv.generate(model, prompts, max_new_tokens=12, stop_tokens=[]).tokens
-    for prompt, new in zip(prompts, out):
-        logits = jaxkv.logits(model, [prompt + new])[0]
+    # The recompute of all rows in one call, right-padded to one length: causal, and every token routed alone
+    # (dropless), so the padding after a row's tokens changes none of their logits.
+    rows = [prompt + new for prompt, new in zip(prompts, out)]
+    recompute = jaxkv.logits(model, [row + [0] * (max(map(len, rows)) - len(row)) for row in rows])
+    for b, (prompt, new) in enumerate(zip(prompts, out)):
+        logits = recompute[b, :len(rows[b])]
         assert logits[len(prompt) - 1:-1].argmax(-1).tolist() == new
     # the paged cache (n samples forked from one prefill) runs the same MoE blocks
     paged = jaxkv.generate(model, prompts, max_new_tokens=12, stop_tokens=[], n=2, page_size=4).tokens

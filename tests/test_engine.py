@@ -26,9 +26,13 @@ def alone(model, prompt, max_new_tokens, **kwargs):
     return jaxkv.generate(model, [prompt], max_new_tokens=max_new_tokens, **kwargs)
 
 
-def recomputed_logprobs(model, prompt, tokens):
-    """log p(token i | prompt, tokens before i) from the full forward pass over prompt + tokens, no cache."""
-    logp = np.asarray(jax.nn.log_softmax(jaxkv.logits(model, prompt + tokens)[0], axis=-1))
+def recomputed_logprobs(model, prompt, tokens, length=96):
+    """log p(token i | prompt, tokens before i) from the full forward pass over prompt + tokens, no cache.
+    Right-padded to `length` tokens: causal attention, so the padding after them changes none of their logits,
+    and every request runs one compiled forward pass instead of one per length."""
+    seq = prompt + tokens
+    padded = seq + [0] * max(0, length - len(seq))
+    logp = np.asarray(jax.nn.log_softmax(jaxkv.logits(model, padded)[0], axis=-1))[:len(seq)]
     return logp, np.array([logp[len(prompt) - 1 + i, t] for i, t in enumerate(tokens)])
 
 

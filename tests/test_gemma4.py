@@ -28,7 +28,7 @@ from jaxkv import memory, sharding  # noqa: E402
 from jaxkv.checkpoint import config_from_dict, config_to_dict  # noqa: E402
 from jaxkv.checkpoint_hf import config_from_hf  # noqa: E402
 from jaxkv.config import ProportionalRope  # noqa: E402
-from test_hf_parity import assert_clear_margins, hf_greedy, hf_logits  # noqa: E402
+from test_hf_parity import assert_clear_margins, hf_greedy, hf_logits, saved_and_loaded  # noqa: E402
 
 VOCAB, WINDOW = 128, 8
 PAD, EOS, BOS = 0, 1, 2
@@ -87,17 +87,7 @@ def build_hf(config_class: str, kwargs: dict, seed: int):
     return hf
 
 
-_loaded = {}
-
-
-def loaded(name, tmp_path_factory):
-    """(HF model, jaxkv model loaded from its save_pretrained directory, that directory), built once per run."""
-    if name not in _loaded:
-        hf = build_hf(*CASES[name])
-        directory = tmp_path_factory.mktemp(name)
-        hf.save_pretrained(directory, safe_serialization=True)
-        _loaded[name] = hf, jaxkv.load(directory), directory
-    return _loaded[name]
+loaded = saved_and_loaded(build_hf, CASES)
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))

@@ -92,6 +92,22 @@ def hf_greedy(hf, prompts, new_tokens: int = NEW_TOKENS) -> list[list[int]]:
     return out[:, T:].tolist()
 
 
+def saved_and_loaded(build, cases):
+    """`loaded(name, tmp_path_factory)` -> (HF model, jaxkv model loaded from its save_pretrained directory, that
+    directory) for `build(*cases[name])`, built once per run and process (shared by a test module's tests)."""
+    built = {}
+
+    def loaded(name, tmp_path_factory):
+        if name not in built:
+            hf = build(*cases[name])
+            directory = tmp_path_factory.mktemp(name)
+            hf.save_pretrained(directory, safe_serialization=True)
+            built[name] = hf, jaxkv.load(directory), directory
+        return built[name]
+
+    return loaded
+
+
 def assert_clear_margins(hf, prompts, generated, name, min_margin):
     """Every greedy choice of the reference beats the runner-up by `min_margin` (transformers' own full forward
     over prompt + tokens so far), and the output is varied: token equality is then meaningful, not luck."""

@@ -268,7 +268,7 @@ def test_generate_n_stops_rows_independently_and_finished_rows_take_no_pages():
 
 def test_paged_generate_with_page_size_and_n_1_equals_contiguous():
     model = model_for("learned")
-    want = jaxkv.generate(model, PROMPTS, max_new_tokens=9, stop_tokens=[]).tokens
+    want = contiguous_run(model, PROMPTS, 9)[0].tolist()  # greedy on the contiguous cache, as compiled above
     assert jaxkv.generate(model, PROMPTS, max_new_tokens=9, stop_tokens=[], page_size=5).tokens == want
     # max_len bounds each sequence's page table: 27 slots -> 6 entries of 5
     out = jaxkv.generate(model, PROMPTS, max_new_tokens=9, stop_tokens=[], page_size=5, max_len=27)
@@ -288,14 +288,14 @@ def test_generate_n_bad_arguments(kwargs, match):
 
 def test_decode_runs_on_a_paged_cache_and_refuses_what_the_pool_cannot_hold():
     model = model_for("gqa")
-    want = jaxkv.generate(model, PROMPTS, max_new_tokens=6, stop_tokens=[]).tokens
+    want, _, _ = contiguous_run(model, PROMPTS, 6)  # greedy on the contiguous cache, as the tests above compile it
     logits, cache = paged_prefill(model, PROMPTS, page_size=4, num_pages=16)  # prompts hold 1 + 5 + 2 pages; 13 more slots each need 3 + 3 + 4
     with pytest.raises(ValueError, match="needs 10 more pages; the pool has 8 free"):
         jaxkv.decode(model.params, cache, logits, jax.random.PRNGKey(0), jaxkv.sampling.greedy, [],
                      config=model.config, steps=14)
     out = jaxkv.decode(model.params, cache, logits, jax.random.PRNGKey(0), jaxkv.sampling.greedy, [],
                        config=model.config, steps=6)
-    assert np.asarray(out.tokens).tolist() == want
+    assert np.asarray(out.tokens).tolist() == want.tolist()
 
 
 def test_paged_generate_through_the_pallas_kernel_equals_xla():

@@ -26,11 +26,12 @@ def test_second_call_reuses_the_prefix_and_prefills_only_the_suffix():
     second = jaxkv.generate(model, [HEADER + SUFFIXES[1]], max_new_tokens=8, stop_tokens=[], prefix_cache=pc)
     assert second.stats["prefix_hit_tokens"] == 40 and second.stats["prefilled_tokens"] == 9
     assert second.tokens[0] == alone(model, HEADER + SUFFIXES[1])
-    # A batch, samples and a prompt that is entirely cached but its last token.
-    prompts = [HEADER + SUFFIXES[2], HEADER[:17]]
+    # A batch, samples and a prompt that is entirely cached but its last token (33 tokens: the uncached call pads
+    # it to 64 as the others, so no prefill is compiled for it alone).
+    prompts = [HEADER + SUFFIXES[2], HEADER[:33]]
     third = jaxkv.generate(model, prompts, max_new_tokens=8, stop_tokens=[], prefix_cache=pc, n=2)
     assert third.tokens == [alone(model, prompts[0])] * 2 + [alone(model, prompts[1])] * 2
-    assert third.stats["prefix_hit_tokens"] == 40 + 16 and third.stats["prefilled_tokens"] == 3 + 1
+    assert third.stats["prefix_hit_tokens"] == 40 + 32 and third.stats["prefilled_tokens"] == 3 + 1
 
 
 def test_sampled_calls_match_uncached_calls():
@@ -38,7 +39,9 @@ def test_sampled_calls_match_uncached_calls():
     computes, so sampled tokens match too. (An int8/fp8 pool stores the prefix quantized: a suffix prefilled after a
     hit reads it dequantized, where an uncached prefill attends over the fresh float K/V; BUILD_NOTES.md.)"""
     model = model_for("mha")
-    pc = jaxkv.PrefixCache(model, num_pages=64, page_size=4)
+    # 16 pages: the pool the uncached calls allocate (13 and 14 pages needed), so both run one compiled decode loop;
+    # the second call still finds the first's 11 prompt pages (and 5 free ones for its own 4).
+    pc = jaxkv.PrefixCache(model, num_pages=16, page_size=4)
     for suffix in SUFFIXES[:2]:
         kwargs = dict(max_new_tokens=8, stop_tokens=[], temperature=1.0, seed=3, page_size=4)
         got = jaxkv.generate(model, [HEADER + suffix], prefix_cache=pc, **kwargs)

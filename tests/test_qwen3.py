@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 import jaxkv  # noqa: E402
 from jaxkv.checkpoint_hf import config_from_hf  # noqa: E402
 from jaxkv.config import YarnScaling  # noqa: E402
-from test_hf_parity import assert_clear_margins, hf_greedy, hf_logits  # noqa: E402
+from test_hf_parity import assert_clear_margins, hf_greedy, hf_logits, saved_and_loaded  # noqa: E402
 
 VOCAB, WINDOW = 128, 8
 PAD, EOS, BOS = 0, 1, 2
@@ -61,17 +61,7 @@ def build_hf(kwargs: dict, seed: int):
     return hf
 
 
-_loaded = {}
-
-
-def loaded(name, tmp_path_factory):
-    """(HF model, jaxkv model loaded from its save_pretrained directory), built once per run."""
-    if name not in _loaded:
-        hf = build_hf(*CASES[name])
-        directory = tmp_path_factory.mktemp(name)
-        hf.save_pretrained(directory, safe_serialization=True)
-        _loaded[name] = hf, jaxkv.load(directory)
-    return _loaded[name]
+loaded = saved_and_loaded(build_hf, CASES)
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -80,7 +70,7 @@ def pair(request, tmp_path_factory):
 
 
 def test_config_mapping(pair):
-    name, _, model = pair
+    name, _, model, _ = pair
     cfg = model.config
     assert cfg.qk_norm and cfg.norm_kind == "rmsnorm" and cfg.ffn_kind == "swiglu" and cfg.head_dim == 32
     assert not cfg.post_norms and cfg.embed_scale is None and cfg.eos_ids == (EOS,)
@@ -94,7 +84,7 @@ def test_config_mapping(pair):
 
 
 def test_params_have_the_decoder_layout(pair):
-    name, hf, model = pair
+    name, hf, model, _ = pair
     tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
     expected = jax.eval_shape(jaxkv.Decoder(model.config).init, jax.random.PRNGKey(0), tokens, tokens)["params"]
     got = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), model.params)
@@ -106,14 +96,14 @@ def test_params_have_the_decoder_layout(pair):
 
 
 def test_logits_match(pair):
-    name, hf, model = pair
+    name, hf, model, _ = pair
     tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 30))  # 30 > window: the sliding layers slide
     np.testing.assert_allclose(jaxkv.logits(model, tokens), hf_logits(hf, tokens), atol=ATOL, rtol=0, err_msg=name)
 
 
 @pytest.mark.parametrize("prompts", [SINGLE, RAGGED], ids=["single", "ragged"])
 def test_greedy_generation_is_token_identical(pair, prompts):
-    name, hf, model = pair
+    name, hf, model, _ = pair
     expected = hf_greedy(hf, prompts)
     assert_clear_margins(hf, prompts, expected, name, MIN_MARGIN)
     assert jaxkv.generate(model, prompts, max_new_tokens=NEW_TOKENS, stop_tokens=[]).tokens == expected, name
@@ -122,7 +112,7 @@ def test_greedy_generation_is_token_identical(pair, prompts):
 def test_paged_samples_are_token_identical_to_transformers(tmp_path_factory):
     """The paged cache (n > 1) over mixed sliding and full layers: 2 greedy samples of each ragged prompt equal
     transformers' greedy output; page size 5 divides none of the prompt lengths."""
-    hf, model = loaded("qwen3-sliding", tmp_path_factory)
+    hf, model, _ = loaded("qwen3-sliding", tmp_path_factory)
     expected = hf_greedy(hf, RAGGED)
     got = jaxkv.generate(model, RAGGED, max_new_tokens=NEW_TOKENS, stop_tokens=[], n=2, page_size=5).tokens
     assert got == [row for row in expected for _ in range(2)]
@@ -139,7 +129,7 @@ FEATURES = {
 @pytest.mark.parametrize("name,feature", [(n, f) for n in FEATURES for f in FEATURES[n]])
 def test_each_feature_matters(tmp_path_factory, name, feature):
     """The parity above would catch each feature mapped wrong: without it jaxkv's logits move well past ATOL."""
-    hf, model = loaded(name, tmp_path_factory)
+    hf, model, _ = loaded(name, tmp_path_factory)
     tokens = np.random.default_rng(1).integers(0, VOCAB, (1, 30))
     ref = hf_logits(hf, tokens)
     changed = jaxkv.Model(model.config.replace(**FEATURES[name][feature]), model.params)

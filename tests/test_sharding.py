@@ -69,7 +69,9 @@ def test_mesh_generation_equals_single_device(shape):
     assert got.stats["kv_cache_bytes"] == total
     assert got.stats["kv_cache_bytes_per_device"] == total // (data * M)
 
-    # Prefill logits of the real rows within LOGITS_ATOL of one device's.
+    # Prefill logits of the real rows within LOGITS_ATOL of one device's (at the capacity generate used, so both
+    # prefills are the programs generate and the reference already compiled).
+    capacity = got.stats["cache_capacity"]
     params, config = sharding.shard_params(model.params, GQA, mesh)
     tokens = np.zeros((got.stats["padded_batch"], 16), np.int32)
     start = np.full((got.stats["padded_batch"],), 15, np.int32)
@@ -77,9 +79,9 @@ def test_mesh_generation_equals_single_device(shape):
         tokens[b, 16 - len(p):], start[b] = p, 16 - len(p)
     batch_sharding = NamedSharding(sharding.check_mesh(mesh), sharding.BATCH_SPEC)
     logits, cache = jaxkv.prefill(params, sharding.global_array(tokens, batch_sharding),
-                                  sharding.global_array(start, batch_sharding), config=config, capacity=32,
+                                  sharding.global_array(start, batch_sharding), config=config, capacity=capacity,
                                   attention="xla", mesh=sharding.check_mesh(mesh))
-    want, _ = jaxkv.prefill(model.params, tokens[:4], start[:4], config=GQA, capacity=32, attention="xla")
+    want, _ = jaxkv.prefill(model.params, tokens[:4], start[:4], config=GQA, capacity=capacity, attention="xla")
     np.testing.assert_allclose(np.asarray(logits)[:3], np.asarray(want)[:3], atol=LOGITS_ATOL, rtol=0)
     assert cache.keys[0].sharding.is_equivalent_to(NamedSharding(sharding.check_mesh(mesh), sharding.KV_SPEC), 4)
 
