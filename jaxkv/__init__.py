@@ -28,6 +28,7 @@ _EXPORTS = {
     "PrefixCache": "jaxkv.prefix_cache",
     "RopeScaling": "jaxkv.config",
     "LinearScaling": "jaxkv.config",
+    "ProportionalRope": "jaxkv.config",
     "YarnScaling": "jaxkv.config",
     "Sampler": "jaxkv.sampling",
     "decode": "jaxkv.generate",
