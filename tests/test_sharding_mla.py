@@ -180,10 +180,8 @@ def test_pallas_latent_kernel_runs_per_shard():
     params, config = sharding.shard_params(model_for("mla").params, MLA, mesh)
     batch = NamedSharding(mesh, sharding.BATCH_SPEC)
     rows = lambda x: sharding.global_array(x, batch)  # noqa: E731
-    # The cache's shapes and shardings are all the traces below need: no prefill is compiled for them.
-    _, cache = jax.eval_shape(lambda t, s: jaxkv.prefill(params, t, s, config=config, capacity=16, attention="xla",
-                                                         mesh=mesh),
-                              rows(np.ones((4, 8), np.int32)), rows(np.zeros((4,), np.int32)))
+    _, cache = jaxkv.prefill(params, rows(np.ones((4, 8), np.int32)), rows(np.zeros((4,), np.int32)),
+                             config=config, capacity=16, attention="xla", mesh=mesh)
     for attention, per_shard in (("pallas", True), ("xla", False)):
         step = jax.make_jaxpr(lambda p, t, c: jaxkv.decode_step(p, t, c, config=config, attention=attention,
                                                                 mesh=mesh))
