@@ -157,8 +157,10 @@ def jaxkv_routing(model, tokens) -> dict[int, np.ndarray]:
     """layer -> expert ids int32[B, T, A], sown by each Moe block during a no-cache forward pass."""
     tokens = np.asarray(tokens, np.int32)
     positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
-    _, state = Decoder(model.config).apply({"params": model.params}, tokens, positions, None,
-                                           mutable=["intermediates"])
+    # jitted: one compile instead of hundreds of op-by-op ones
+    forward = jax.jit(lambda params, t, p: Decoder(model.config).apply({"params": params}, t, p, None,
+                                                                       mutable=["intermediates"]))
+    _, state = forward(model.params, tokens, positions)
     return {i: np.asarray(state["intermediates"][f"layer_{i}"]["mlp"]["expert_ids"][0]) for i in MOE_LAYERS}
 
 
