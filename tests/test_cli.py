@@ -264,6 +264,9 @@ def test_bench_beam_is_handed_to_jaxkv_bench_beam(monkeypatch):
     fake.__spec__ = importlib.machinery.ModuleSpec("jaxkv.bench_beam", None)  # find_spec reads it
     fake.main = lambda argv: seen.append(argv) or 0
     monkeypatch.setitem(sys.modules, "jaxkv.bench_beam", fake)
-    monkeypatch.setattr(jaxkv, "bench_beam", fake, raising=False)
+    # The package's own dict, not setattr: monkeypatch.setattr would first read the old value through
+    # jaxkv.__getattr__, which imports "jaxkv.bench_beam" -- the fake, already in sys.modules -- and its undo would
+    # then leave the fake as jaxkv.bench_beam for every later test in the process.
+    monkeypatch.setitem(vars(jaxkv), "bench_beam", fake)
     assert cli.main(["bench", "beam", "--quick"]) == 0
     assert seen == [["--quick"]]
