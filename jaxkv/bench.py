@@ -289,17 +289,19 @@ def bench_decode(name: str, config: Config, dtype: str, batch: int, args, meter)
     return result
 
 
-def decode_inputs(config: Config, batch: int, live: int, capacity: int, cache_dtype: str | None = None):
+def decode_inputs(config: Config, batch: int, live: int, capacity: int, cache_dtype: str | None = None,
+                  ring: bool = False):
     """Arguments for `jaxkv.generate.decode` after `params`: a fresh cache of `capacity` slots holding `live`
-    tokens (its contents are irrelevant to the cost), zero logits, a key, the greedy sampler and no stop tokens.
-    The cache is donated by `decode`: take new inputs for every call."""
+    tokens (its contents are irrelevant to the cost; `ring` as for `KVCache.allocate`), zero logits, a key, the
+    greedy sampler and no stop tokens. The cache is donated by `decode`: take new inputs for every call."""
     import jax
     import jax.numpy as jnp
 
     from jaxkv.cache import KVCache
     from jaxkv.sampling import Sampler
 
-    cache = dataclasses.replace(KVCache.allocate(config, batch, capacity, dtype=cache_dtype), length=jnp.int32(live))
+    cache = dataclasses.replace(KVCache.allocate(config, batch, capacity, dtype=cache_dtype, ring=ring),
+                                length=jnp.int32(live))
     return (cache, jnp.zeros((batch, config.vocab_size), jnp.float32), jax.random.PRNGKey(0), Sampler.make(),
             jnp.full((8,), -1, jnp.int32))
 

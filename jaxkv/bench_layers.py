@@ -21,13 +21,10 @@ Targets (issue 18): the rings' cache at least 3.5x smaller at 16,384 tokens, and
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import json
 import pathlib
 import statistics
 import sys
-import time
 
 TARGETS = {"bytes_ratio_at_longest": 3.5, "speed_ratio_at_longest": 1.0}
 QUICK = {"contexts": "64,128", "steps": 4, "reps": 1}
@@ -35,27 +32,10 @@ WINDOW = 512
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="jaxkv bench layers", description=__doc__.split("\n\n")[0])
-    p.add_argument("--contexts", default="4096,16384", help="comma-separated cached tokens (default 4096,16384)")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--steps", type=int, default=32, help="decode steps per timed call (default 32)")
-    p.add_argument("--reps", type=int, default=5, help="timed calls per cache and context (default 5)")
-    p.add_argument("--out", default=None, help="write the figures as JSON to this file")
-    as_if = ", ".join(f"--{k} {v}" for k, v in QUICK.items())
-    p.add_argument("--quick", action="store_true", help=f"a small run, as if given {as_if} (explicit options win)")
-    quick = argparse.ArgumentParser(add_help=False)
-    quick.add_argument("--quick", action="store_true")
-    if quick.parse_known_args(argv)[0].quick:
-        p.set_defaults(**QUICK)
-    args = p.parse_args(argv)
-    try:
-        args.contexts = [int(c) for c in args.contexts.split(",")]
-    except ValueError:
-        p.error(f"--contexts must be comma-separated integers, got {args.contexts!r}")
-    for name, value in (("--batch", args.batch), ("--steps", args.steps), ("--reps", args.reps),
-                        ("--contexts", min(args.contexts))):
-        if value < 1:
-            p.error(f"{name} must be positive, got {value}")
+    from jaxkv.bench_mla import context_parser
+
+    p, args = context_parser(argv, prog="jaxkv bench layers", description=__doc__.split("\n\n")[0],
+                             contexts="4096,16384", quick=QUICK)
     if max(args.contexts) + args.steps > config().max_positions:
         p.error(f"--contexts: at most {config().max_positions - args.steps} tokens with --steps {args.steps}")
     return args
@@ -72,30 +52,6 @@ def config():
                   rope_theta=1_000_000.0, rope_local_theta=10_000.0, tie_embeddings=True, max_positions=32768)
 
 
-def decode_inputs(cfg, batch: int, live: int, capacity: int, ring: bool):
-    """`jaxkv.bench.decode_inputs` with the cache's per-layer layout chosen by `ring`."""
-    import jax
-    import jax.numpy as jnp
-
-    from jaxkv.cache import KVCache
-    from jaxkv.sampling import Sampler
-
-    cache = dataclasses.replace(KVCache.allocate(cfg, batch, capacity, ring=ring), length=jnp.int32(live))
-    return (cache, jnp.zeros((batch, cfg.vocab_size), jnp.float32), jax.random.PRNGKey(0), Sampler.make(),
-            jnp.full((8,), -1, jnp.int32))
-
-
-def step_seconds(model, batch: int, live: int, capacity: int, steps: int, ring: bool) -> float:
-    import jax
-
-    from jaxkv.generate import decode
-
-    inputs = decode_inputs(model.config, batch, live, capacity, ring)
-    t0 = time.perf_counter()
-    jax.block_until_ready(decode(model.params, *inputs, config=model.config, steps=steps, attention="xla"))
-    return (time.perf_counter() - t0) / steps
-
-
 def cache_bytes(cfg, batch: int, slots: int, ring: bool) -> int:
     from jaxkv.cache import KVCache
 
@@ -107,6 +63,7 @@ def run(args) -> dict:
 
     import jaxkv
     from jaxkv import memory
+    from jaxkv.bench_mla import step_seconds
 
     model = jaxkv.Model.random(config(), seed=0)
     cfg = model.config

@@ -32,19 +32,22 @@ TARGETS = {"bytes_ratio": 4.0, "speed_ratio_at_longest": 1.0}
 QUICK = {"contexts": "64,128", "steps": 4, "reps": 1}
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="jaxkv bench mla", description=__doc__.split("\n\n")[0])
-    p.add_argument("--contexts", default="1024,4096", help="comma-separated cached tokens (default 1024,4096)")
+def context_parser(argv, *, prog: str, description: str, contexts: str, quick: dict):
+    """(parser, args) for a benchmark over cached contexts (`jaxkv bench mla`, `jaxkv bench layers`): --contexts
+    (comma-separated, default `contexts`), --batch, --steps, --reps, --out and --quick (as if given `quick`;
+    explicit options win), each checked; `parser.error` is the caller's for further checks."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("--contexts", default=contexts, help=f"comma-separated cached tokens (default {contexts})")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=32, help="decode steps per timed call (default 32)")
-    p.add_argument("--reps", type=int, default=5, help="timed calls per model and context (default 5)")
+    p.add_argument("--reps", type=int, default=5, help="timed calls per variant and context (default 5)")
     p.add_argument("--out", default=None, help="write the figures as JSON to this file")
-    as_if = ", ".join(f"--{k} {v}" for k, v in QUICK.items())
+    as_if = ", ".join(f"--{k} {v}" for k, v in quick.items())
     p.add_argument("--quick", action="store_true", help=f"a small run, as if given {as_if} (explicit options win)")
-    quick = argparse.ArgumentParser(add_help=False)
-    quick.add_argument("--quick", action="store_true")
-    if quick.parse_known_args(argv)[0].quick:
-        p.set_defaults(**QUICK)
+    first = argparse.ArgumentParser(add_help=False)
+    first.add_argument("--quick", action="store_true")
+    if first.parse_known_args(argv)[0].quick:
+        p.set_defaults(**quick)
     args = p.parse_args(argv)
     try:
         args.contexts = [int(c) for c in args.contexts.split(",")]
@@ -54,7 +57,12 @@ def parse_args(argv=None):
                         ("--contexts", min(args.contexts))):
         if value < 1:
             p.error(f"{name} must be positive, got {value}")
-    return args
+    return p, args
+
+
+def parse_args(argv=None):
+    return context_parser(argv, prog="jaxkv bench mla", description=__doc__.split("\n\n")[0],
+                          contexts="1024,4096", quick=QUICK)[1]
 
 
 def twins():
@@ -79,14 +87,15 @@ def allocated_bytes(config, batch: int, slots: int) -> int:
     return sum(x.nbytes for x in (*cache.keys, *cache.values, *cache.key_scales, *cache.value_scales))
 
 
-def step_seconds(model, batch: int, live: int, capacity: int, steps: int) -> float:
-    """Seconds per decode step of one call of the compiled decode loop with `live` tokens cached."""
+def step_seconds(model, batch: int, live: int, capacity: int, steps: int, ring: bool = False) -> float:
+    """Seconds per decode step of one call of the compiled decode loop with `live` tokens cached (`ring`: the
+    cache's sliding-window layers are rings, `jaxkv.cache.layer_slots`)."""
     import jax
 
     from jaxkv.bench import decode_inputs
     from jaxkv.generate import decode
 
-    inputs = decode_inputs(model.config, batch, live, capacity)
+    inputs = decode_inputs(model.config, batch, live, capacity, ring=ring)
     t0 = time.perf_counter()
     jax.block_until_ready(decode(model.params, *inputs, config=model.config, steps=steps, attention="xla"))
     return (time.perf_counter() - t0) / steps

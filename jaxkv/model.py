@@ -123,7 +123,8 @@ class Attention(nn.Module):
             if self.mesh is not None and attention_impls.resolve(attention) == "pallas":
                 attend = sharding.shard_attention(attend, self.mesh)
             out = attend(q, k, v, start, q_offset, scale=cfg.attention_scale, sliding_window=window,
-                         k_scale=k_scale, v_scale=v_scale, ring=ring, **_softcap(cfg))  # [B, T, N, H]
+                         k_scale=k_scale, v_scale=v_scale, ring=ring,
+                         softcap=cfg.attn_logit_softcap)  # [B, T, N, H]
         if out_in:
             wo = self.param("wo", fan_in_init(N * H), (D, N, H), dtype).reshape(D, N * H)
         else:
@@ -148,7 +149,7 @@ class Attention(nn.Module):
         if prefill:
             zero = jnp.zeros((q.shape[0],), jnp.int32)
             out = attention_impls.get(name)(q, k, v, zero, jnp.zeros((), jnp.int32), scale=scale,
-                                            sliding_window=window, **_softcap(cfg))
+                                            sliding_window=window, softcap=cfg.attn_logit_softcap)
             return out, cache
         lengths = cache.lengths + jnp.sum(valid, axis=1, dtype=jnp.int32)  # this chunk's own slots included
         k_scale, v_scale = cache.scales(self.layer)
@@ -160,7 +161,7 @@ class Attention(nn.Module):
             from jaxkv.attention import pallas
 
             out = pallas.paged_attention(q, *pools, cache.positions(1), scale=scale, sliding_window=window,
-                                         k_scale=k_scale, v_scale=v_scale, **_softcap(cfg))
+                                         k_scale=k_scale, v_scale=v_scale, softcap=cfg.attn_logit_softcap)
         else:
             # Whichever XLA formulation reads less: the whole pool once (shared pages read once per step) or each
             # sequence's own pages (shared ones read once per sequence): for one query per sequence only the pages
@@ -169,13 +170,8 @@ class Attention(nn.Module):
                   else paged_reference.ragged_paged_attention if q.shape[1] == 1
                   else paged_reference.live_paged_attention)
             out = fn(q, *pools, cache.positions(q.shape[1]), scale=scale, sliding_window=window,
-                     k_scale=k_scale, v_scale=v_scale, **_softcap(cfg))
+                     k_scale=k_scale, v_scale=v_scale, softcap=cfg.attn_logit_softcap)
         return out, cache
-
-
-def _softcap(cfg: Config) -> dict:
-    """The attention functions' `softcap` keyword, passed only when the model caps its scores (Gemma 2)."""
-    return {} if cfg.attn_logit_softcap is None else {"softcap": float(cfg.attn_logit_softcap)}
 
 
 def _check_paged(config: Config):
