@@ -17,6 +17,8 @@
   jaxkv bench beam [options]      (beam search: jaxkv.bench_beam)
   jaxkv bench mla [options]       (multi-head latent attention against its GQA twin: jaxkv.bench_mla)
   jaxkv bench layers [options]    (per-layer rings against full-length caches: jaxkv.bench_layers)
+  jaxkv serve [options]     (an OpenAI-compatible HTTP server on the engine; see jaxkv serve --help;
+                             needs pip install "jaxkv[serve]")
   jaxkv --version
 
 Compiled programs are kept on disk between runs (`jaxkv.compile_cache`: ~/.cache/jaxkv/xla, JAXKV_COMPILE_CACHE
@@ -640,6 +642,10 @@ def _print_memory(result: dict):
 def main(argv=None) -> int:
     started = time.perf_counter()
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"]:  # the server has its own options (jaxkv/server/main.py)
+        from jaxkv.server.main import main as serve
+
+        return serve(argv[1:])
     if argv[:1] == ["bench"] and argv[1:2] and argv[1] in BENCH_SCENARIOS:  # each has its own options
         import importlib
 

@@ -65,6 +65,8 @@ class Event(NamedTuple):
     id: the request id `submit` returned. tokens: the new token ids (a stop token that ended it included).
     logprobs: each new token's log-probability (temperature 1, before sampling filters). finished: the request
     ended with this event; finish_reason: "stop", "length", "cancelled" or "error" then, else None.
+    top_logprobs: with `submit(logprobs=k)`, per new token its k most likely (id, log-probability), best first;
+    else None.
     """
 
     id: int
@@ -72,6 +74,7 @@ class Event(NamedTuple):
     logprobs: list[float]
     finished: bool
     finish_reason: str | None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclasses.dataclass
@@ -304,6 +307,15 @@ class Engine:
         order, self._order = self._order, []
         return [self._results.pop(rid) for rid in order]
 
+    def take(self, request_id: int) -> Result | None:
+        """The `Result` of a finished request, handed over once and forgotten (None while it is unfinished, or if
+        it was already taken). A long-running caller (a server) takes each result as its request finishes, so
+        that finished requests do not pile up waiting for `results()`."""
+        result = self._results.pop(request_id, None)
+        if result is not None:
+            self._order.remove(request_id)
+        return result
+
     def generate(self, requests, **defaults) -> list[Result]:
         """Blocking: submits every request (all checked first: one bad request submits none), runs them to the
         end -> their `Result`s in order. A request is a prompt (token ids or text), or a dict of `submit`
@@ -338,6 +350,22 @@ class Engine:
         """Free pages of the pool as of the last dispatch (cached prefixes are not free)."""
         return self._free
 
+    def held_pages(self) -> int:
+        """Pages some request holds (its page-table row names them; a cached prefix page a request reads counts,
+        one the prefix cache alone keeps does not), read from the device's reference counts: 0 once every request
+        has finished or been cancelled. Reads device memory: call it between steps."""
+        if self._state is None:
+            return 0
+        counts = np.asarray(self._state.cache.refcounts).copy()
+        if self.prefix_cache is not None:
+            np.subtract.at(counts, list(self.prefix_cache._index.values()), 1)
+        return int((counts > 0).sum())
+
+    @property
+    def waiting(self) -> int:
+        """Requests submitted and not yet admitted (no cache row yet)."""
+        return len(self._waiting)
+
     @property
     def pending(self) -> int:
         """Requests submitted and not finished."""
@@ -355,6 +383,10 @@ class Engine:
         computed = c.get("prefill_tokens_computed", 0)
         c["prefill_padding"] = 1.0 - c.get("prefill_tokens", 0) / computed if computed else 0.0
         return c
+
+    def reset_stats(self):
+        """Zeroes `stats` (e.g. after a warm-up request, so that the counters describe real traffic only)."""
+        self._stats.clear()
 
     # --- scheduling ---------------------------------------------------------------------------------------------
 
@@ -523,7 +555,7 @@ class Engine:
             req = self._requests.get(rid) if rid is not None else None
             if req is None:
                 continue
-            new, new_logp = [], []
+            new, new_logp, new_top = [], [], []
             for i in range(tokens.shape[0]):
                 code = int(codes[i, slot])
                 if code == 3:  # NaN logits: nothing was sampled (the decode step released the slot's pages)
@@ -533,20 +565,22 @@ class Engine:
                 new.append(int(tokens[i, slot]))
                 new_logp.append(float(chosen[i, slot]))
                 if req.top:
-                    req.top_logprobs.append([(int(a), float(b)) for a, b in
-                                             zip(top_ids[i, slot, :req.top], top_logp[i, slot, :req.top])])
+                    new_top.append([(int(a), float(b)) for a, b in
+                                    zip(top_ids[i, slot, :req.top], top_logp[i, slot, :req.top])])
                 if code:
                     break
                 req.written += 1  # fed back
             req.tokens += new
             req.logprobs += new_logp
+            req.top_logprobs += new_top
             self._stats["generated_tokens"] += len(new)
             code = int(codes[:, slot].max())  # a slot finishes at most once per dispatch
             if code:
                 self._finish(req, FINISH_REASONS[code], "the model's logits became NaN" if code == 3 else None,
                              release=False)
             if new or code:
-                events.append(self._notify(req, Event(req.id, new, new_logp, bool(code), FINISH_REASONS[code])))
+                events.append(self._notify(req, Event(req.id, new, new_logp, bool(code), FINISH_REASONS[code],
+                                                      new_top if req.top else None)))
         return events
 
     def _notify(self, req: _Request, event: Event) -> Event:

@@ -24,10 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import attention as attention_impls
-from jaxkv import memory
+from jaxkv import checks, memory
 from jaxkv.cache import KVCache, check_cache_dtype
 from jaxkv.config import Config
-from jaxkv.generate import _prefill, _token_lists, left_pad
+from jaxkv.generate import MAX_TOP_LOGPROBS, _prefill, _token_lists, left_pad
 from jaxkv.model import Decoder, Model
 from jaxkv.sampling import greedy, token_logprobs
 
@@ -42,22 +42,27 @@ class Score(list):
     total:  the sum, log p(continuation | prompt).
     greedy: every continuation token was the most likely one (lowest id among ties, as greedy decoding picks):
             greedy decoding from the prompt would have produced the continuation.
+    top_logprobs: with `score(..., top_logprobs=k)`, per continuation token the k most likely tokens at its
+            position as (id, log-probability), best first; else None.
     """
 
-    def __init__(self, logprobs, greedy: bool):
+    def __init__(self, logprobs, greedy: bool, top_logprobs=None):
         super().__init__(float(x) for x in logprobs)
         self.total = float(sum(self))
         self.greedy = bool(greedy)
+        self.top_logprobs = top_logprobs
 
     def __repr__(self):
         return f"Score({list.__repr__(self)}, total={self.total}, greedy={self.greedy})"
 
 
-@functools.partial(jax.jit, static_argnames=("config", "attention", "cache_dtype"))
-def _score_batch(params, prompts, start, continuations, lengths, *, config: Config, attention: str, cache_dtype: str):
+@functools.partial(jax.jit, static_argnames=("config", "attention", "cache_dtype", "top"))
+def _score_batch(params, prompts, start, continuations, lengths, *, config: Config, attention: str, cache_dtype: str,
+                 top: int = 0):
     """prompts int32[B, Tp] left-padded (after start[b] padding slots), continuations int32[B, Tc] right-padded
-    (lengths[b] real tokens) -> (float32[B, Tc] log p(continuations[b, j]), bool[B, Tc] it was the argmax).
-    Entries past a row's length are garbage."""
+    (lengths[b] real tokens) -> (float32[B, Tc] log p(continuations[b, j]), bool[B, Tc] it was the argmax,
+    int32[B, Tc, top] and float32[B, Tc, top]: the `top` most likely ids at each position and their
+    log-probabilities). Entries past a row's length are garbage."""
     B, Tp = prompts.shape
     Tc = continuations.shape[1]
     first, cache = _prefill(params, prompts, start, config=config, capacity=Tp + Tc, attention=attention,
@@ -67,13 +72,13 @@ def _score_batch(params, prompts, start, continuations, lengths, *, config: Conf
     rest, _ = Decoder(config).apply({"params": params}, continuations, positions, cache, attention=attention)
     logits = jnp.concatenate([first[:, None], rest[:, :-1]], axis=1)  # [B, Tc, V]: logits[:, j] predicts c_j
     flat = logits.reshape(B * Tc, -1)
-    chosen, _, _ = token_logprobs(flat, continuations.reshape(-1))
+    chosen, top_ids, top_logp = token_logprobs(flat, continuations.reshape(-1), top)
     is_best = greedy(flat) == continuations.reshape(-1)
-    return chosen.reshape(B, Tc), is_best.reshape(B, Tc)
+    return chosen.reshape(B, Tc), is_best.reshape(B, Tc), top_ids.reshape(B, Tc, top), top_logp.reshape(B, Tc, top)
 
 
 def score(model: Model, prompts, continuations, *, cache_dtype: str | None = None,
-          attention: str | None = None) -> list[Score]:
+          attention: str | None = None, top_logprobs: int = 0) -> list[Score]:
     """Log-probabilities of `continuations[i]` given `prompts[i]`, computed through the KV cache (module docstring).
 
     Args:
@@ -82,6 +87,8 @@ def score(model: Model, prompts, continuations, *, cache_dtype: str | None = Non
         in the middle). Each prompt plus its continuation fits the model's max positions.
       cache_dtype: the cache dtype the prompts are cached in (`jaxkv.cache.CACHE_DTYPES`); default the model's.
       attention: "auto", "xla" or "pallas"; default config.attention.
+      top_logprobs: k in [0, 20]: also report, per continuation token, the k most likely tokens at its position
+        (`Score.top_logprobs`; what an evaluation harness reads to tell whether each token was the greedy one).
 
     Returns:
       one `Score` per pair, in order: the log-probability of each continuation token under the model's
@@ -102,6 +109,8 @@ def score(model: Model, prompts, continuations, *, cache_dtype: str | None = Non
                              f"max positions ({config.max_positions})")
     cache_dtype = check_cache_dtype(config.dtype if cache_dtype is None else cache_dtype)
     attention = attention_impls.resolve(attention or config.attention)
+    k = checks.check_int("top_logprobs", top_logprobs, 0, MAX_TOP_LOGPROBS)
+    top = MAX_TOP_LOGPROBS if k else 0  # one compiled program for every k > 0
 
     Tp = max(memory.MIN_PROMPT_BUCKET, memory._next_pow2(max(map(len, prompt_lists))))
     Tc = max(memory.MIN_PROMPT_BUCKET, memory._next_pow2(max(map(len, cont_lists))))
@@ -116,9 +125,14 @@ def score(model: Model, prompts, continuations, *, cache_dtype: str | None = Non
         lengths = np.zeros((len(conts),), np.int32)
         for b, c in enumerate(batch_conts):
             conts[b, :len(c)], lengths[b] = c, len(c)
-        logprobs, best = _score_batch(model.params, jax.device_put(tokens), jax.device_put(start),
-                                      jax.device_put(conts), jax.device_put(lengths), config=config,
-                                      attention=attention, cache_dtype=cache_dtype)
-        logprobs, best = np.asarray(logprobs), np.asarray(best)
-        out += [Score(logprobs[b, :len(c)], best[b, :len(c)].all()) for b, c in enumerate(batch_conts)]
+        logprobs, best, top_ids, top_logp = _score_batch(
+            model.params, jax.device_put(tokens), jax.device_put(start), jax.device_put(conts),
+            jax.device_put(lengths), config=config, attention=attention, cache_dtype=cache_dtype, top=top)
+        logprobs, best, top_ids, top_logp = (np.asarray(x) for x in (logprobs, best, top_ids, top_logp))
+        for b, c in enumerate(batch_conts):
+            tops = None
+            if k:
+                tops = [[(int(i), float(lp)) for i, lp in zip(top_ids[b, j, :k], top_logp[b, j, :k])]
+                        for j in range(len(c))]
+            out.append(Score(logprobs[b, :len(c)], best[b, :len(c)].all(), tops))
     return out

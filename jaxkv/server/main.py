@@ -1,0 +1,219 @@
+"""`jaxkv serve`: an OpenAI-compatible HTTP server over the continuous-batching engine.
+
+  jaxkv serve [--model PATH|tiny | --preset NAME] [--host 127.0.0.1] [--port 8000] [--slots N] [--max-len N]
+              [--cache-dtype D] [--page-size P] [--api-key KEY] [--served-model-name NAME] [--dtype D]
+              [--num-pages N] [--max-waiting N] [--no-prefix-cache] [--steps-per-dispatch K]
+              [--prefill-chunk C] [--shutdown-timeout S] [--log-level L]
+
+Needs the serve extra (`pip install "jaxkv[serve]"`: Starlette and uvicorn). Order of work, so that mistakes
+cost nothing: flags are checked and the port is bound before JAX is imported (a taken port or a bad flag is one
+line on stderr and status 2, in a fraction of a second); then the model is loaded, the engine built and its
+programs compiled by one warm-up request, and only then are connections accepted, so no client waits on a
+compile. `--port 0` takes a free port; the "listening on" line on stdout names it.
+
+SIGINT or SIGTERM stops accepting connections, lets in-flight requests finish for up to --shutdown-timeout
+seconds, cancels the rest (their slots and pages freed), stops the engine thread and exits with status 0. A
+second SIGINT exits at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+
+from jaxkv import checks, memory
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise ValueError(f"{message} (see jaxkv serve --help)")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="jaxkv serve", description="An OpenAI-compatible HTTP server (completions, chat completions) "
+                                                "over jaxkv's continuous-batching engine.")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--model", default=None, help="checkpoint directory (Hugging Face or jaxkv) or 'tiny' "
+                                                      "(the default)")
+    source.add_argument("--preset", default=None, help="a config preset with random weights and no tokenizer "
+                                                       "(token-id prompts only; for load tests), e.g. small")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
+    p.add_argument("--port", type=int, default=8000, help="port (0: any free port, printed at start)")
+    p.add_argument("--slots", type=int, default=8, help="sequences decoded together (the engine's batch)")
+    p.add_argument("--max-len", type=int, default=None,
+                   help="the most tokens one sequence may use, prompt included (default: the model's max "
+                        "positions, at most 2048)")
+    p.add_argument("--cache-dtype", choices=memory.CACHE_DTYPES, default=None, help="KV-cache dtype (default: "
+                                                                                    "the model's)")
+    p.add_argument("--page-size", type=int, default=memory.DEFAULT_PAGE_SIZE, help="token slots per cache page")
+    p.add_argument("--num-pages", type=int, default=None,
+                   help="pages in the pool (default: every slot at max-len, plus a quarter for cached prefixes)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="weights dtype")
+    p.add_argument("--api-key", default=os.environ.get("JAXKV_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $JAXKV_API_KEY, else none)")
+    p.add_argument("--served-model-name", default=None, help="the model's name in /v1/models (default: the "
+                                                             "checkpoint directory's name, or tiny / the preset)")
+    p.add_argument("--max-waiting", type=int, default=256,
+                   help="sequences that may wait for a slot; requests beyond get 429")
+    p.add_argument("--no-prefix-cache", action="store_true", help="do not keep prompt pages for later requests")
+    p.add_argument("--steps-per-dispatch", type=int, default=8, help="decode steps per engine dispatch")
+    p.add_argument("--prefill-chunk", type=int, default=128, help="prompt tokens per prefill chunk")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds in-flight requests may take to finish after SIGINT/SIGTERM before being cancelled")
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (info logs every request)")
+    return p
+
+
+def check(args):
+    for name in ("slots", "page_size", "max_waiting", "steps_per_dispatch", "prefill_chunk"):
+        checks.check_int(f"--{name.replace('_', '-')}", getattr(args, name), 1 if name != "max_waiting" else 0)
+    checks.check_int("--port", args.port, 0, 65535)
+    if args.max_len is not None:
+        checks.check_int("--max-len", args.max_len, 2)
+    if args.num_pages is not None:
+        checks.check_int("--num-pages", args.num_pages, 1)
+    if not args.shutdown_timeout >= 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key is empty")
+    if args.preset is not None:
+        from jaxkv.config import PRESETS
+
+        if args.preset not in PRESETS:
+            raise ValueError(f"unknown preset {args.preset!r}; choose from {sorted(PRESETS)}")
+    for module in ("starlette", "uvicorn"):
+        try:
+            __import__(module)
+        except ImportError:
+            raise ValueError(f"jaxkv serve needs {module}: pip install \"jaxkv[serve]\"") from None
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    try:
+        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(info[0], socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(info[4])
+        sock.listen(2048)
+    except OSError as e:
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def build(args):
+    """The model, engine and app state for checked `args` (imports JAX) -> (state, engine)."""
+    import jaxkv
+    from jaxkv import checkpoint
+    from jaxkv.chat_template import ChatTemplate
+    from jaxkv.server.app import ServerState
+    from jaxkv.server.worker import EngineWorker
+
+    if args.preset is not None:
+        from jaxkv.config import PRESETS
+
+        config = PRESETS[args.preset]
+        if args.dtype is not None:
+            import dataclasses
+
+            config = dataclasses.replace(config, dtype=args.dtype)
+        model, directory, name = jaxkv.Model.random(config), None, args.preset
+    else:
+        source = args.model or "tiny"
+        model = jaxkv.load(source, dtype=args.dtype)
+        directory = checkpoint.TINY_DIR if source == "tiny" else source
+        name = "tiny" if source == "tiny" else os.path.basename(os.path.normpath(source))
+    config = model.config
+    max_len = min(config.max_positions, 2048) if args.max_len is None else args.max_len
+    if max_len > config.max_positions:
+        raise ValueError(f"--max-len {max_len} exceeds the model's max positions ({config.max_positions})")
+    per_sequence = -(-max_len // args.page_size)
+    num_pages = args.num_pages or args.slots * per_sequence + max(per_sequence, args.slots * per_sequence // 4)
+    prefix_cache = None
+    if not args.no_prefix_cache:
+        prefix_cache = jaxkv.PrefixCache(model, num_pages=num_pages, page_size=args.page_size,
+                                         cache_dtype=args.cache_dtype)
+    engine = jaxkv.Engine(model, slots=args.slots, max_len=max_len, page_size=args.page_size,
+                          cache_dtype=args.cache_dtype, prefix_cache=prefix_cache,
+                          num_pages=None if prefix_cache is not None else num_pages,
+                          steps_per_dispatch=args.steps_per_dispatch, prefill_chunk=args.prefill_chunk)
+    engine.generate([[0]], max_new_tokens=2)  # compiles every engine program before the first client
+    engine.reset_stats()
+    worker = EngineWorker(engine, max_waiting=args.max_waiting)
+    aliases = {args.model} if args.model else set()
+    state = ServerState(model=model, worker=worker, model_name=args.served_model_name or name, aliases=aliases,
+                        max_len=max_len, chat_template=ChatTemplate.from_directory(directory),
+                        api_key=args.api_key)
+    return state, engine
+
+
+def _server(app, args):
+    import contextlib
+
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server with signal handling that exits 0 after a graceful stop (uvicorn re-raises the
+        signal once it has stopped, which makes the exit status that of a killed process)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            with super().capture_signals():
+                try:
+                    yield
+                finally:
+                    self._captured_signals.clear()  # stopped cleanly: nothing to re-raise
+
+    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout,
+                            lifespan="on", access_log=args.log_level in ("info", "debug"))
+    return Server(config)
+
+
+def main(argv=None) -> int:
+    started = time.perf_counter()
+    try:
+        args = parser().parse_args(argv)
+        check(args)
+        sock = _listen(args.host, args.port)
+    except ValueError as e:
+        print(f"jaxkv serve: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        state, engine = build(args)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        print(f"jaxkv serve: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+    import contextlib
+
+    from jaxkv.server.app import create_app
+
+    host, port = sock.getsockname()[:2]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        state.worker.start()
+        template = "chat template" if state.chat_template is not None else "no chat template"
+        print(f"jaxkv serve: {state.model_name} ({template}; {engine.slots} slots, max_len {state.max_len}, "
+              f"{engine.num_pages} pages of {engine.page_size}) ready in {time.perf_counter() - started:.1f} s; "
+              f"listening on http://{host}:{port}", flush=True)
+        try:
+            yield
+        finally:
+            state.worker.close()
+            print("jaxkv serve: stopped", flush=True)
+
+    server = _server(create_app(state, lifespan), args)
+    server.run(sockets=[sock])
+    return 0 if server.started else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,265 @@
+"""The OpenAI request bodies `jaxkv serve` accepts, checked field by field, and its errors.
+
+Every body is checked here, before anything reaches the engine: a field of the wrong type or out of range, an
+unknown field, or a parameter jaxkv does not implement is an `ApiError` (status 400, OpenAI's error shape, the
+field named in "param"), never a 500 and never a silently ignored setting. Parameters OpenAI defines that change
+the output but are not implemented (penalties, logit_bias, suffix, best_of > n, tools, JSON response formats) are
+accepted only at their neutral value. `user`, `store`, `metadata`, `service_tier` and `parallel_tool_calls` do not
+change the output and are accepted and ignored.
+
+Extensions beside OpenAI's fields, as vLLM and sglang name them: top_k, min_p, stop_token_ids, ignore_eos;
+chat: add_generation_prompt, chat_template_kwargs. `stop` may hold strings or token ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+MAX_N = 64  # samples per prompt (each takes an engine slot)
+MAX_STOP = 16  # stop strings per request
+MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs; the engine reports at most this many alternatives
+MAX_SEED = 2**63 - 1
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI does: {"error": {"message", "type", "param", "code"}} with an HTTP status."""
+
+    def __init__(self, message: str, *, status: int = 400, param: str | None = None, code: str | None = None,
+                 type: str | None = None):
+        super().__init__(message)
+        self.message, self.status, self.param, self.code = message, status, param, code
+        self.type = type or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                             429: "rate_limit_error"}.get(status, "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclasses.dataclass
+class Sampling:
+    """What one request asks of the engine, per prompt (shared by its n samples)."""
+
+    max_tokens: int | None  # None: as many as fit (chat's default)
+    temperature: float
+    top_p: float | None
+    top_k: int | None
+    min_p: float | None
+    n: int
+    seed: int | None
+    stop: list[str]
+    stop_token_ids: list[int]
+    ignore_eos: bool
+    logprobs: int | None  # None: no log-probabilities; k: k alternatives per token (0: only the chosen token's)
+    stream: bool
+    include_usage: bool
+
+
+@dataclasses.dataclass
+class CompletionRequest:
+    model: str
+    prompts: list  # each a str or a list of token ids
+    echo: bool
+    sampling: Sampling
+
+
+@dataclasses.dataclass
+class ChatRequest:
+    model: str
+    messages: list[dict]
+    add_generation_prompt: bool
+    template_kwargs: dict
+    sampling: Sampling
+
+
+# --- field checks ---------------------------------------------------------------------------------------------
+
+
+def _type_name(value) -> str:
+    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object",
+            type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _int(body, name, default=None, lo=None, hi=None, *, nullable=True):
+    value = body.get(name, default)
+    if value is None and nullable:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer():  # 16.0 from a client that writes every number as float
+            value = int(value)
+        else:
+            raise ApiError(f"'{name}' must be an integer, got {_type_name(value)} {value!r}", param=name)
+    if lo is not None and value < lo or hi is not None and value > hi:
+        bounds = f">= {lo}" if hi is None else f"between {lo} and {hi}"
+        raise ApiError(f"'{name}' must be {bounds}, got {value}", param=name)
+    return value
+
+
+def _float(body, name, default, lo, hi, *, lo_open=False):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ApiError(f"'{name}' must be a number, got {_type_name(value)} {value!r}", param=name)
+    if value < lo or value > hi or (lo_open and value == lo):
+        raise ApiError(f"'{name}' must be {'>' if lo_open else '>='} {lo} and <= {hi}, got {value}", param=name)
+    return float(value)
+
+
+def _bool(body, name, default=False):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ApiError(f"'{name}' must be a boolean, got {_type_name(value)} {value!r}", param=name)
+    return value
+
+
+def _neutral(body, name, neutral, what):
+    """An OpenAI parameter jaxkv does not implement: accepted only at the value that changes nothing."""
+    value = body.get(name)
+    if value is None or value == neutral or (isinstance(neutral, (list, dict)) and value in ([], {})):
+        return
+    raise ApiError(f"'{name}' is not supported by jaxkv serve ({what}); leave it unset", param=name,
+                   code="unsupported_parameter")
+
+
+def _token_ids(value, name) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise ApiError(f"'{name}' must be a list of integer token ids", param=name)
+    return value
+
+
+def _check_fields(body, allowed: set[str], ignored: set[str]):
+    if not isinstance(body, dict):
+        raise ApiError(f"the request body must be a JSON object, got {_type_name(body)}")
+    unknown = sorted(set(body) - allowed - ignored)
+    if unknown:
+        raise ApiError(f"Unrecognized request argument supplied: {', '.join(unknown)}", param=unknown[0],
+                       code="unknown_parameter")
+
+
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed", "stop", "stop_token_ids",
+           "ignore_eos", "stream", "stream_options", "frequency_penalty", "presence_penalty", "logit_bias"}
+_IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls"}
+
+
+def _model(body) -> str:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise ApiError("'model' is required: a model name from GET /v1/models", param="model")
+    return model
+
+
+def _sampling(body, *, default_max_tokens: int | None, logprobs: int | None, max_tokens_name="max_tokens",
+              min_tokens: int = 1) -> Sampling:
+    max_tokens = _int(body, max_tokens_name, default_max_tokens, lo=min_tokens)
+    top_k = _int(body, "top_k", None, lo=-1)
+    stop = body.get("stop")
+    stop_strings, stop_ids = [], list(_token_ids(body["stop_token_ids"], "stop_token_ids")
+                                      if body.get("stop_token_ids") is not None else [])
+    if isinstance(stop, str):
+        stop_strings = [stop]
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stop_strings = list(stop)
+    elif isinstance(stop, list) and all(isinstance(s, int) and not isinstance(s, bool) for s in stop):
+        stop_ids += stop
+    elif stop is not None:
+        raise ApiError("'stop' must be a string, a list of strings or a list of token ids", param="stop")
+    if len(stop_strings) > MAX_STOP or any(not s for s in stop_strings):
+        raise ApiError(f"'stop' takes at most {MAX_STOP} non-empty strings", param="stop")
+    options = body.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}):
+        raise ApiError("'stream_options' must be an object with at most 'include_usage'", param="stream_options")
+    stream = _bool(body, "stream")
+    if options is not None and not stream:
+        raise ApiError("'stream_options' is only allowed with 'stream': true", param="stream_options")
+    include_usage = _bool(options or {}, "include_usage")
+    _float(body, "frequency_penalty", 0.0, -2.0, 2.0)
+    _float(body, "presence_penalty", 0.0, -2.0, 2.0)
+    _neutral(body, "frequency_penalty", 0, "no repetition penalties")
+    _neutral(body, "presence_penalty", 0, "no repetition penalties")
+    _neutral(body, "logit_bias", {}, "no logit bias")
+    return Sampling(max_tokens=max_tokens, temperature=_float(body, "temperature", 1.0, 0.0, 2.0),
+                    top_p=_float(body, "top_p", None, 0.0, 1.0, lo_open=True),
+                    top_k=None if top_k in (None, -1, 0) else top_k, min_p=_float(body, "min_p", None, 0.0, 1.0),
+                    n=_int(body, "n", 1, lo=1, hi=MAX_N), seed=_int(body, "seed", None, lo=-MAX_SEED - 1, hi=MAX_SEED),
+                    stop=stop_strings, stop_token_ids=stop_ids, ignore_eos=_bool(body, "ignore_eos"),
+                    logprobs=logprobs, stream=stream, include_usage=include_usage)
+
+
+# --- the two endpoints ----------------------------------------------------------------------------------------
+
+
+def completion_request(body) -> CompletionRequest:
+    """A /v1/completions body -> CompletionRequest (ApiError 400 otherwise). `prompt`: a string, a list of token
+    ids, or a list of either (one choice group per prompt)."""
+    _check_fields(body, _COMMON | {"prompt", "echo", "logprobs", "suffix", "best_of"}, _IGNORED)
+    model = _model(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or (isinstance(p, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in p)) for p in prompt):
+        prompts = list(prompt)
+    else:
+        raise ApiError("'prompt' is required: a string, a list of token ids, or a non-empty list of either",
+                       param="prompt")
+    if any(len(p) == 0 for p in prompts):
+        raise ApiError("'prompt' is empty: a prompt needs at least one token", param="prompt")
+    _neutral(body, "suffix", "", "no insertion")
+    echo = _bool(body, "echo")
+    logprobs = _int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS)
+    # max_tokens 0 is only meaningful with echo (score the prompt, generate nothing), as OpenAI allowed it
+    sampling = _sampling(body, default_max_tokens=16, logprobs=logprobs, min_tokens=0 if echo else 1)
+    best_of = _int(body, "best_of", None, lo=1)
+    if best_of is not None and best_of != sampling.n:
+        raise ApiError("'best_of' other than n is not supported by jaxkv serve (no server-side ranking)",
+                       param="best_of", code="unsupported_parameter")
+    if sampling.max_tokens == 0 and sampling.stream:
+        raise ApiError("'max_tokens' 0 (echo only) cannot be streamed", param="max_tokens")
+    return CompletionRequest(model=model, prompts=prompts, echo=echo, sampling=sampling)
+
+
+def chat_request(body) -> ChatRequest:
+    """A /v1/chat/completions body -> ChatRequest (ApiError 400 otherwise)."""
+    _check_fields(body, _COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens",
+                                   "response_format", "tools", "tool_choice", "add_generation_prompt",
+                                   "chat_template_kwargs"}, _IGNORED)
+    model = _model(body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError("'messages' is required: a non-empty list of {role, content} objects", param="messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ApiError(f"messages[{i}] must be an object with a string 'role'", param=f"messages[{i}]")
+        content = m.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise ApiError(f"messages[{i}].content must be a string or a list of content parts",
+                           param=f"messages[{i}].content")
+        if isinstance(content, list):
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ApiError(f"messages[{i}].content: only text parts are supported by jaxkv serve",
+                                   param=f"messages[{i}].content", code="unsupported_parameter")
+    want = _bool(body, "logprobs")
+    top = _int(body, "top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
+    if top is not None and not want:
+        raise ApiError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    sampling = _sampling(body, default_max_tokens=None, logprobs=(top or 0) if want else None, max_tokens_name=name)
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        raise ApiError("'response_format' other than {\"type\": \"text\"} is not supported by jaxkv serve",
+                       param="response_format", code="unsupported_parameter")
+    _neutral(body, "tools", [], "no tool calling")
+    if body.get("tool_choice") not in (None, "none"):
+        raise ApiError("'tool_choice' is not supported by jaxkv serve (no tool calling)", param="tool_choice",
+                       code="unsupported_parameter")
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise ApiError("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
+    return ChatRequest(model=model, messages=messages, add_generation_prompt=_bool(body, "add_generation_prompt",
+                                                                                    True),
+                       template_kwargs=kwargs, sampling=sampling)

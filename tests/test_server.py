@@ -1,0 +1,367 @@
+"""`jaxkv serve` as clients see it: the real server process on a free port, called with the official `openai`
+package and with raw HTTP, its answers checked against `jaxkv.generate` / `jaxkv.score` run here.
+
+One server serves the whole file (starting it compiles the engine): a copy of the bundled model with a chat template
+added, 4 slots, max_len 256, an API key, room for 36 sequences. Its tests run in one xdist worker (the group), in
+file order; the last one stops it with SIGTERM.
+"""
+
+import asyncio
+import json
+import os
+import pathlib
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxkv
+from jaxkv import checkpoint
+
+openai = pytest.importorskip("openai")  # in the test extra; the import guard only names what is missing
+
+pytestmark = pytest.mark.xdist_group("server")
+
+KEY = "test-key"
+SLOTS, MAX_LEN, MAX_WAITING = 4, 256, 24
+CAPACITY = SLOTS + 2 * 4 + MAX_WAITING  # slots + staging rows (2 x prefill_rows) + the waiting queue
+TEMPLATE = ("{% for message in messages %}"
+            "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+            "{{ raise_exception('unknown role: ' + message['role']) }}{% endif %}"
+            "<|{{ message['role'] }}|>\n{{ message['content'] | trim }}{{ eos_token }}\n"
+            "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def chat_model_dir(root: pathlib.Path) -> pathlib.Path:
+    """The bundled model plus a tokenizer_config.json with a chat template (as a Hugging Face repo ships it)."""
+    directory = root / "tiny-chat"
+    shutil.copytree(checkpoint.TINY_DIR, directory)
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "chat_template": TEMPLATE}))
+    return directory
+
+
+def start_server(args, timeout=180.0):
+    """Starts `jaxkv serve ARGS --port 0` -> (process, base URL), once it prints its listening line."""
+    proc = subprocess.Popen([sys.executable, "-m", "jaxkv.cli", "serve", "--port", "0", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines, found = [], []
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line)
+            m = re.search(r"listening on (http://\S+)", line)
+            if m:
+                found.append(m.group(1))
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if not found:
+        proc.kill()
+        raise AssertionError(f"the server did not start: {''.join(lines)}{proc.stderr.read()}")
+    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # keep the pipe drained
+    return proc, found[0]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return chat_model_dir(tmp_path_factory.mktemp("serve"))
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    proc, url = start_server(["--model", str(model_dir), "--slots", str(SLOTS), "--max-len", str(MAX_LEN),
+                              "--api-key", KEY, "--max-waiting", str(MAX_WAITING), "--served-model-name", "tiny-chat"])
+    yield proc, url
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def url(server):
+    return server[1]
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(model_dir):
+    return jaxkv.load(str(model_dir))
+
+
+def metrics(url) -> dict:
+    return httpx.get(url + "/metrics?format=json", timeout=30).json()
+
+
+def wait_idle(url, timeout=30.0) -> dict:
+    """The metrics once no sequence is held (every request answered or cancelled)."""
+    deadline = time.time() + timeout
+    while True:
+        m = metrics(url)
+        if m["sequences_held"] == 0 and m["sequences_running"] == 0 or time.time() > deadline:
+            return m
+        time.sleep(0.05)
+
+
+PROMPT = "The quick brown fox"
+
+
+def test_models_health_and_metrics_format(url, client):
+    assert [m.id for m in client.models.list().data] == ["tiny-chat"]
+    assert httpx.get(url + "/health").json() == {"status": "ok"}
+    text = httpx.get(url + "/metrics").text  # Prometheus text by default
+    for name in ("jaxkv_requests_total", "jaxkv_slots_free", "jaxkv_pages_held", "jaxkv_sequences_waiting",
+                 "jaxkv_generation_tokens_total"):
+        assert re.search(rf"^{name}(\{{[^}}]*\}})? \d", text, re.M), name
+    assert re.search(rf"^jaxkv_slots_total {SLOTS}$", text, re.M)
+
+
+def test_greedy_completion_equals_generate(client, model):
+    expected = jaxkv.generate(model, [PROMPT], max_new_tokens=24)
+    out = client.completions.create(model="tiny-chat", prompt=PROMPT, max_tokens=24, temperature=0)
+    assert out.choices[0].text == expected.text[0]
+    assert out.choices[0].finish_reason == ("stop" if expected.finish_reasons[0] == "stop" else "length")
+    ids = model.tokenizer.encode(PROMPT).ids
+    assert out.usage.prompt_tokens == len(ids)
+    assert out.usage.completion_tokens == len(expected.tokens[0]) == 24
+    # the same prompt as token ids gives the same text
+    by_ids = client.completions.create(model="tiny-chat", prompt=ids, max_tokens=24, temperature=0)
+    assert by_ids.choices[0].text == expected.text[0]
+
+
+def test_stream_equals_non_stream_and_ends_with_done(url, client):
+    whole = client.completions.create(model="tiny-chat", prompt=PROMPT, max_tokens=40, temperature=0)
+    chunks = list(client.completions.create(model="tiny-chat", prompt=PROMPT, max_tokens=40, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 40 and not chunks[-1].choices
+    # raw: server-sent events, each "data: {json}", the last "data: [DONE]"
+    with httpx.stream("POST", url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"model": "tiny-chat", "prompt": PROMPT, "max_tokens": 5, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    assert all(e.startswith("data: {") for e in events[:-1])
+
+
+def test_n_samples_are_seeded_per_choice(client, model):
+    out = client.completions.create(model="tiny-chat", prompt=PROMPT, max_tokens=16, temperature=1.0, n=3, seed=7)
+    again = client.completions.create(model="tiny-chat", prompt=PROMPT, max_tokens=16, temperature=1.0, n=3, seed=7)
+    texts = [c.text for c in sorted(out.choices, key=lambda c: c.index)]
+    assert texts == [c.text for c in sorted(again.choices, key=lambda c: c.index)]
+    assert len(set(texts)) > 1  # three draws of 16 tokens at temperature 1 are not all equal
+    for i, text in enumerate(texts):  # choice i draws what generate(seed=seed + i) draws
+        assert text == jaxkv.generate(model, [PROMPT], max_new_tokens=16, temperature=1.0, seed=7 + i).text[0]
+
+
+def test_logprobs_match_the_model(client, model):
+    out = client.completions.create(model="tiny-chat", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3)
+    lp = out.choices[0].logprobs
+    ids = model.tokenizer.encode(PROMPT).ids
+    generated = jaxkv.generate(model, [PROMPT], max_new_tokens=8).tokens[0]
+    score = jaxkv.score(model, [ids], [generated], top_logprobs=3)[0]
+    np.testing.assert_allclose(lp.token_logprobs, list(score), atol=1e-4)
+    assert "".join(lp.tokens) == out.choices[0].text
+    for top, chosen in zip(lp.top_logprobs, lp.token_logprobs):
+        assert 3 <= len(top) <= 4 and max(top.values()) == pytest.approx(max(top.values()))
+        assert chosen == pytest.approx(max(top.values()), abs=1e-5)  # greedy: the chosen token is the best
+    assert lp.text_offset == list(np.cumsum([0] + [len(t) for t in lp.tokens[:-1]]))
+
+
+def test_echo_scores_the_prompt(url, model):
+    """What evaluation harnesses send: echo, logprobs, max_tokens 0 -> the prompt's own log-probabilities."""
+    r = httpx.post(url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=120,
+                   json={"model": "tiny-chat", "prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 1,
+                         "temperature": 0}).json()
+    choice = r["choices"][0]
+    assert choice["text"] == PROMPT
+    ids = model.tokenizer.encode(PROMPT).ids
+    logits = jaxkv.model.logits(model, np.asarray([ids]))[0]  # a plain forward over the whole prompt, no cache
+    logp = np.asarray(jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1))
+    expected = [logp[j, ids[j + 1]] for j in range(len(ids) - 1)]
+    assert choice["logprobs"]["token_logprobs"][0] is None
+    np.testing.assert_allclose(choice["logprobs"]["token_logprobs"][1:], expected, atol=1e-4)
+    assert "".join(choice["logprobs"]["tokens"]) == PROMPT
+    best = [max(t.values()) for t in choice["logprobs"]["top_logprobs"][1:]]
+    np.testing.assert_allclose(best, logp[:-1].max(-1), atol=1e-4)
+    assert r["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+
+
+def test_stop_strings_and_stop_ids(client, model):
+    full = jaxkv.generate(model, [PROMPT], max_new_tokens=40).text[0]
+    stop = full[5:7]  # two characters the greedy text contains; the output ends before their first occurrence
+    out = client.completions.create(model="tiny-chat", prompt=PROMPT, max_tokens=40, temperature=0, stop=[stop])
+    assert out.choices[0].text == full[:full.index(stop)]
+    assert out.choices[0].finish_reason == "stop"
+    ids = jaxkv.generate(model, [PROMPT], max_new_tokens=40).tokens[0]
+    assert out.usage.completion_tokens == min(k for k in range(1, 41)
+                                              if stop in model.tokenizer.decode(ids[:k], skip_special_tokens=True))
+    streamed = client.completions.create(model="tiny-chat", prompt=PROMPT, max_tokens=40, temperature=0,
+                                         stop=[stop], stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == full[:full.index(stop)]
+    # a stop token id: ends at that token, whose text is not part of the output
+    stop_id = ids[3]
+    out = client.completions.create(model="tiny-chat", prompt=PROMPT, max_tokens=40, temperature=0,
+                                    stop=[stop_id])  # a list of ints: token ids
+    assert out.choices[0].finish_reason == "stop"
+    k = ids.index(stop_id)
+    assert out.choices[0].text == model.tokenizer.decode(ids[:k], skip_special_tokens=True)
+    assert out.usage.completion_tokens == k + 1
+
+
+def test_chat_with_the_template(client, model, model_dir):
+    from jaxkv.chat_template import ChatTemplate
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    rendered = ChatTemplate.from_directory(model_dir).render(messages, add_generation_prompt=True)
+    ids = model.tokenizer.encode(rendered, add_special_tokens=False).ids
+    expected = jaxkv.generate(model, [ids], max_new_tokens=20)
+    out = client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=20, temperature=0)
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == expected.text[0]
+    assert out.usage.prompt_tokens == len(ids)
+    chunks = list(client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=20,
+                                                 temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text[0]
+    with_lp = client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=5, temperature=0,
+                                             logprobs=True, top_logprobs=2)
+    content = with_lp.choices[0].logprobs.content
+    assert len(content) == 5 and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.logprob == pytest.approx(c.top_logprobs[0].logprob, abs=1e-5) for c in content)  # greedy
+    # max_tokens unset: as many as fit in max_len
+    assert client.chat.completions.create(model="tiny-chat", messages=messages, temperature=0,
+                                          stop=None).usage.total_tokens <= MAX_LEN
+    # the template refuses a role it does not know: 400 with its message
+    with pytest.raises(openai.BadRequestError, match="unknown role"):
+        client.chat.completions.create(model="tiny-chat", messages=[{"role": "robot", "content": "x"}])
+
+
+def error(url, body=None, *, raw=None, key=KEY, path="/v1/completions"):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if raw is not None:
+        r = httpx.post(url + path, content=raw, headers={**headers, "Content-Type": "application/json"}, timeout=30)
+    else:
+        r = httpx.post(url + path, json=body, headers=headers, timeout=30)
+    return r.status_code, r.json()["error"]
+
+
+def test_bad_requests_get_openai_errors(url):
+    ok = {"model": "tiny-chat", "prompt": "x", "max_tokens": 4}
+    cases = {
+        "malformed JSON": dict(raw=b'{"model": "tiny-chat", "prompt": '),
+        "not an object": dict(raw=b"[1, 2]"),
+        "wrong type": dict(body={**ok, "max_tokens": "ten"}),
+        "wrong type (temperature)": dict(body={**ok, "temperature": "hot"}),
+        "negative max_tokens": dict(body={**ok, "max_tokens": -5}),
+        "huge max_tokens": dict(body={**ok, "max_tokens": 10**9}),
+        "prompt longer than the context": dict(body={**ok, "prompt": "x" * (MAX_LEN + 10)}),
+        "token id outside the vocabulary": dict(body={**ok, "prompt": [1, 2, 99999]}),
+        "unknown field": dict(body={**ok, "frobnicate": True}),
+        "unsupported parameter": dict(body={**ok, "frequency_penalty": 0.5}),
+        "unsupported best_of": dict(body={**ok, "best_of": 3}),
+        "logprobs above 20": dict(body={**ok, "logprobs": 21}),
+        "missing prompt": dict(body={"model": "tiny-chat"}),
+        "empty prompt": dict(body={**ok, "prompt": ""}),
+        "n zero": dict(body={**ok, "n": 0}),
+        "chat: no messages": dict(body={"model": "tiny-chat", "messages": []}, path="/v1/chat/completions"),
+        "chat: tools": dict(body={"model": "tiny-chat", "messages": [{"role": "user", "content": "x"}],
+                                  "tools": [{"type": "function", "function": {"name": "f"}}]},
+                            path="/v1/chat/completions"),
+    }
+    for name, case in cases.items():
+        status, err = error(url, **case)
+        assert status == 400, (name, status, err)
+        assert err["type"] == "invalid_request_error" and err["message"], name
+    assert error(url, {**ok, "max_tokens": "ten"})[1]["param"] == "max_tokens"
+    assert error(url, {**ok, "model": "gpt-4"})[0] == 404
+    assert error(url, ok, key=None)[0] == 401
+    assert error(url, ok, key="wrong")[0] == 401
+    assert httpx.get(url + "/v1/models").status_code == 401
+    status, err = error(url, {**ok, "n": CAPACITY + 1})  # more sequences than the server may hold at once
+    assert status == 429 and err["type"] == "rate_limit_error"
+    # none of the above left anything running
+    m = wait_idle(url)
+    assert m["slots_free"] == SLOTS and m["pages_held"] == 0
+
+
+def test_32_concurrent_streams_equal_their_solo_results(url, client):
+    prompts = [f"Request {i}: " + "the cat sat on the mat " * (i % 3) for i in range(32)]  # some share prefixes
+    lengths = [8 + (i * 7) % 33 for i in range(32)]
+    solo = [client.completions.create(model="tiny-chat", prompt=p, max_tokens=n, temperature=0).choices[0].text
+            for p, n in zip(prompts, lengths)]
+
+    async def stream(aclient, prompt, n):
+        parts, finish = [], None
+        async for chunk in await aclient.completions.create(model="tiny-chat", prompt=prompt, max_tokens=n,
+                                                            temperature=0, stream=True):
+            parts.append(chunk.choices[0].text)
+            finish = chunk.choices[0].finish_reason or finish
+        return "".join(parts), finish
+
+    async def all_streams():
+        aclient = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=300)
+        async with aclient:
+            return await asyncio.gather(*(stream(aclient, p, n) for p, n in zip(prompts, lengths)))
+
+    before = metrics(url)
+    results = asyncio.run(all_streams())
+    assert [t for t, _ in results] == solo
+    assert all(f in ("stop", "length") for _, f in results)
+    m = wait_idle(url)
+    assert m["slots_free"] == SLOTS and m["pages_held"] == 0 and m["sequences_waiting"] == 0
+    assert m["prefix_hit_tokens"] > before["prefix_hit_tokens"]  # the shared prompts were reused
+
+
+def test_disconnect_mid_stream_frees_the_slot(url):
+    before = metrics(url)
+    with httpx.stream("POST", url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                      json={"model": "tiny-chat", "prompt": PROMPT, "max_tokens": MAX_LEN - 32, "stream": True,
+                            "temperature": 0, "ignore_eos": True}) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: {")
+        assert metrics(url)["slots_free"] < SLOTS  # it is decoding
+    # the connection is closed: the server cancels the sequence, its slot and pages come back
+    m = wait_idle(url)
+    assert m["slots_free"] == SLOTS and m["pages_held"] == 0
+    assert m["disconnects"] == before["disconnects"] + 1
+    assert m["finished"].get("cancelled", 0) == before["finished"].get("cancelled", 0) + 1
+    assert m["generated_tokens"] - before["generated_tokens"] < MAX_LEN - 32  # it did not run to the end
+
+
+def test_sigterm_finishes_in_flight_requests_and_exits_cleanly(server, url):
+    """Last in the file: stops the shared server."""
+    proc = server[0]
+    out = {}
+
+    def request():
+        out["r"] = httpx.post(url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                              json={"model": "tiny-chat", "prompt": PROMPT, "max_tokens": 120, "temperature": 0,
+                                    "ignore_eos": True})
+
+    t = threading.Thread(target=request)
+    t.start()
+    deadline = time.time() + 30
+    while metrics(url)["sequences_running"] == 0 and time.time() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0
+    t.join(60)
+    assert out["r"].status_code == 200 and out["r"].json()["usage"]["completion_tokens"] == 120
+    assert "Traceback" not in proc.stderr.read()
