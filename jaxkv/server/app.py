@@ -328,6 +328,7 @@ async def completions(request: Request) -> Response:
         raise ApiError("echo and logprobs need a model with a tokenizer (they are text)",
                        param="echo" if req.echo else "logprobs")
     budgets = [_budget(s, p, state, "prompt") if s.max_tokens != 0 else 0 for p in prompts]
+    token_ids = s.return_token_ids or state.tokenizer is None
     echoed = [p if isinstance(p, str) else state.tokenizer.decode(ids, skip_special_tokens=False)
               for p, ids in zip(req.prompts, prompts)] if req.echo else None
     prompt_part = None
@@ -345,8 +346,11 @@ async def completions(request: Request) -> Response:
             offset = len(echoed[p]) if echoed else 0
             logprobs = _completion_logprobs(state, c.tokens[first:], c.logprobs[first:], c.tops[first:],
                                             c.prompt + c.tokens[:first], offset if whole else 0, head)
-        return {"index": c.index, "text": text, "logprobs": logprobs,
-                "finish_reason": c.finish_reason if c.finish_reason != "error" else None}
+        out = {"index": c.index, "text": text, "logprobs": logprobs,
+               "finish_reason": c.finish_reason if c.finish_reason != "error" else None}
+        if token_ids:
+            out["token_ids"] = c.tokens[first:]
+        return out
 
     if s.max_tokens == 0:  # echo only: score the prompt, generate nothing
         choices = [_Choice(index=i, prompt=prompts[i // s.n], text=TextStream(state.tokenizer), stop_ids=set(),
@@ -427,7 +431,8 @@ async def chat_completions(request: Request) -> Response:
             return Response(status_code=499)
         _server_error(choices)
         out = [{"index": c.index, "message": {"role": "assistant", "content": c.text.text, "refusal": None},
-                "logprobs": logprobs_json(c, 0), "finish_reason": finish(c)} for c in choices]
+                "logprobs": logprobs_json(c, 0), "finish_reason": finish(c)}
+               | ({"token_ids": c.tokens} if s.return_token_ids else {}) for c in choices]
         return JSONResponse({"id": cid, "object": "chat.completion", "created": created, "model": state.model_name,
                              "choices": out, "usage": _usage([prompt], choices)})
 
@@ -436,7 +441,8 @@ async def chat_completions(request: Request) -> Response:
                 "finish_reason": None} for c in choices]
     events = _event_stream(request, state, choices, queue, head, opening,
                            lambda c, text, first: {"index": c.index, "delta": {"content": text} if text else {},
-                                                   "logprobs": logprobs_json(c, first), "finish_reason": finish(c)},
+                                                   "logprobs": logprobs_json(c, first), "finish_reason": finish(c)}
+                           | ({"token_ids": c.tokens[first:]} if s.return_token_ids else {}),
                            [prompt] if s.include_usage else None)
     return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 

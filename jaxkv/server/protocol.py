@@ -7,8 +7,10 @@ the output but are not implemented (penalties, logit_bias, suffix, best_of > n, 
 accepted only at their neutral value. `user`, `store`, `metadata`, `service_tier` and `parallel_tool_calls` do not
 change the output and are accepted and ignored.
 
-Extensions beside OpenAI's fields, as vLLM and sglang name them: top_k, min_p, stop_token_ids, ignore_eos;
-chat: add_generation_prompt, chat_template_kwargs. `stop` may hold strings or token ids.
+Extensions beside OpenAI's fields, as vLLM and sglang name them: top_k, min_p, stop_token_ids, ignore_eos,
+return_token_ids (each choice, or streamed chunk, also carries "token_ids": its new token ids; always on for a
+model without a tokenizer, which has no text); chat: add_generation_prompt, chat_template_kwargs. `stop` may hold
+strings or token ids.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class Sampling:
     logprobs: int | None  # None: no log-probabilities; k: k alternatives per token (0: only the chosen token's)
     stream: bool
     include_usage: bool
+    return_token_ids: bool  # also send each choice's new token ids ("token_ids"; always, for a model without text)
 
 
 @dataclasses.dataclass
@@ -140,7 +143,8 @@ def _check_fields(body, allowed: set[str], ignored: set[str]):
 
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed", "stop", "stop_token_ids",
-           "ignore_eos", "stream", "stream_options", "frequency_penalty", "presence_penalty", "logit_bias"}
+           "ignore_eos", "stream", "stream_options", "frequency_penalty", "presence_penalty", "logit_bias",
+           "return_token_ids"}
 _IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls"}
 
 
@@ -185,7 +189,8 @@ def _sampling(body, *, default_max_tokens: int | None, logprobs: int | None, max
                     top_k=None if top_k in (None, -1, 0) else top_k, min_p=_float(body, "min_p", None, 0.0, 1.0),
                     n=_int(body, "n", 1, lo=1, hi=MAX_N), seed=_int(body, "seed", None, lo=-MAX_SEED - 1, hi=MAX_SEED),
                     stop=stop_strings, stop_token_ids=stop_ids, ignore_eos=_bool(body, "ignore_eos"),
-                    logprobs=logprobs, stream=stream, include_usage=include_usage)
+                    logprobs=logprobs, stream=stream, include_usage=include_usage,
+                    return_token_ids=_bool(body, "return_token_ids"))
 
 
 # --- the two endpoints ----------------------------------------------------------------------------------------

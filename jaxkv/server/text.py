@@ -23,7 +23,7 @@ class TextStream:
     add(tokens) -> the newly released text; after a stop string, `stopped` is True, `tokens_used` is the number of
     tokens that produced the text up to it (the token completing the stop included), and nothing more is released.
     finish() -> whatever was held back (an incomplete character, a possible stop prefix) at the end of the sequence.
-    `text` is everything released so far.
+    `text` is everything released so far. Without a tokenizer (None) there is no text: every call releases "".
     """
 
     def __init__(self, tokenizer, stop: Sequence[str] = ()):
@@ -37,6 +37,8 @@ class TextStream:
         self._searched = 0  # characters of _decoded already searched for a stop (up to the held tail)
 
     def _decode(self, tokens) -> str:
+        if self.tokenizer is None:  # a model without a tokenizer has no text (the server sends token ids)
+            return ""
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
     def add(self, tokens: Sequence[int]) -> str:
