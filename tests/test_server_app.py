@@ -134,3 +134,39 @@ def test_the_issue_flags_parse():
     check(args)
     assert (args.model, args.host, args.port, args.slots, args.max_len, args.cache_dtype, args.page_size,
             args.api_key) == ("tiny", "0.0.0.0", 8001, 4, 128, "int8", 8, "K")
+
+
+def test_sigint_lets_the_stream_finish_and_exits_0():
+    import signal
+    import threading
+    import time
+
+    import httpx
+
+    from test_server import start_server
+
+    proc, url = start_server(["--preset", "test-tiny", "--slots", "2", "--max-len", "512"])
+    try:
+        lines = []
+
+        def stream():
+            with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                              json={"model": "test-tiny", "prompt": [1, 2, 3], "max_tokens": 400, "stream": True,
+                                    "ignore_eos": True, "temperature": 0}) as r:
+                lines.extend(line for line in r.iter_lines() if line)
+
+        t = threading.Thread(target=stream)
+        t.start()
+        deadline = time.time() + 30
+        while not httpx.get(url + "/metrics?format=json").json()["sequences_running"] and time.time() < deadline:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+        t.join(60)
+        assert lines[-1] == "data: [DONE]"  # finished, not cut off
+        tokens = [tok for line in lines[:-1] for tok in json.loads(line[6:])["choices"][0]["token_ids"]]
+        assert len(tokens) == 400
+        assert "Traceback" not in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
