@@ -413,6 +413,11 @@ class Engine:
             shardings = jax.tree.map(lambda _: rep, self._state)
             shardings = shardings.replace(cache=sharding.paged_cache_shardings(cache, self.mesh))
             self._state = jax.device_put(self._state, shardings)
+        else:
+            # Committed to one device, as program outputs are when the weights are (a loaded checkpoint's are):
+            # jit's cache keys on committedness, so a state of fresh arrays and one of program outputs (a prefix
+            # cache's pool coming back for the next run) would each compile every program once.
+            self._state = jax.device_put(self._state, jax.local_devices()[0])
         # The two small programs a run may first need late (a cancel; an eviction), compiled now with no effect,
         # so that no request ever waits on a compile once the first has run.
         self._state, _ = _release(self._state, np.zeros((S + Q,), bool), mesh=self.mesh)

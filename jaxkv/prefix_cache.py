@@ -77,7 +77,9 @@ class PrefixCache:
         self.cache_dtype = check_cache_dtype(model.config.dtype if cache_dtype is None else cache_dtype)
         empty = PagedKVCache.allocate(model.config, 1, num_pages=num_pages, page_size=page_size, max_len=page_size,
                                       dtype=self.cache_dtype)
-        self._pools = _Pools.of(empty)
+        # Committed to the device, as the pool is once a program has returned it: jit keys on committedness, so
+        # fresh arrays here would make every program compile twice (first use, then every later one).
+        self._pools = _Pools.of(jax.device_put(empty, jax.local_devices()[0]))
         self._index: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # key -> page, LRU first
         self.lent_to = None  # the `jaxkv.Engine` running in this pool now, if any (it holds the pool meanwhile)
 

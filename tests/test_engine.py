@@ -148,6 +148,21 @@ def test_no_recompiles_after_warm_up_over_200_requests():
     assert_all_free(engine)
 
 
+def test_no_recompiles_when_a_prefix_cache_pool_comes_back():
+    """With a prefix cache the pool goes back to the cache when the engine is idle and returns for the next run:
+    the state is then made of program outputs, not fresh arrays; it must hit the same compiled programs (it did
+    not: jit keys on committed vs uncommitted arrays, and with a loaded checkpoint's committed weights every
+    program compiled a second time)."""
+    model = model_for("mqa")
+    model = jaxkv.Model(model.config, jax.device_put(model.params, jax.local_devices()[0]))  # as jaxkv.load gives
+    engine = Engine(model, slots=2, max_len=64, page_size=8, prefill_chunk=16,
+                    prefix_cache=jaxkv.PrefixCache(model, num_pages=24, page_size=8))
+    engine.generate([[1, 2, 3]], max_new_tokens=2)  # warm: every program compiled once, then the pool goes back
+    with count_compiles() as c:
+        engine.generate([list(range(1, 30)), [7, 8, 9]], max_new_tokens=5, stop_tokens=[])
+    assert c["n"] == 0
+
+
 def test_slots_and_pages_come_back_after_cancels_and_failed_callbacks():
     model = model_for("gqa")
     prompts = [RNG.integers(1, 97, n).tolist() for n in (30, 12, 25, 8, 19)]
