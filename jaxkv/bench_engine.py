@@ -83,7 +83,7 @@ def run_engine(model, requests, args):
     engine = jaxkv.Engine(model, slots=args.slots, max_len=args.max_prompt + args.max_new)
     results = engine.generate([dict(prompt=p, max_new_tokens=m) for p, m in requests], stop_tokens=[])
     s = engine.stats
-    counts = {"useful_rows": s["decode_rows_used"], "computed_rows": s["decode_steps"] * args.slots,
+    counts = {"useful_rows": s["decode_rows_used"], "computed_rows": s["decode_rows_computed"],
               "prefill_tokens": s["prefill_tokens"], "prefill_computed": s["prefill_tokens_computed"],
               "stats": s}
     return [r.tokens for r in results], counts
@@ -147,6 +147,7 @@ def warm_up(runners, model, requests, args):
     from jaxkv.memory import plan_cache
 
     few = [(p, min(m, 9)) for p, m in requests[:4]]
+    jaxkv.Engine(model, slots=args.slots, max_len=args.max_prompt + args.max_new).warm_up()  # every decode width
     run_engine(model, few, args)
     shapes = {}
     for batch in _batches(requests, args.slots):

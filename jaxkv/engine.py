@@ -18,8 +18,9 @@ The device state (`engine_programs._State`) is one pytree of fixed shape, thread
   _prefill  one chunk of at most `prefill_chunk` prompt tokens for each of up to `prefill_rows` staging rows,
             attending over the pages written so far; a row whose prompt is complete keeps its last logits
   _decode   moves complete prefills into free slots (a page-table row, and the request's PRNG key, sampling
-            settings, stop ids, token budget), then `steps_per_dispatch` decode steps over all S slots in a
-            `lax.scan`: sample each decoding slot's next token (its own settings and key, so a request draws what
+            settings, stop ids, token budget), then `steps_per_dispatch` decode steps in a `lax.scan` over the
+            first W slots, W the smallest of `decode_widths` (powers of two up to S) holding every decoding slot
+            (requests take the lowest free slots, so a lightly loaded engine computes a small batch): sample each decoding slot's next token (its own settings and key, so a request draws what
             it would draw alone), record its log-probability, feed it back; a slot that finishes releases its
             pages in the same step, and a step with no slot decoding skips the model (`lax.cond`)
   _release  cancelled slots drop their pages
@@ -203,6 +204,8 @@ class Engine:
         self.prefill_chunk = checks.check_int("prefill_chunk", prefill_chunk, 1)
         self.prefill_rows = checks.check_int("prefill_rows", prefill_rows, 1)
         self.steps_per_dispatch = checks.check_int("steps_per_dispatch", steps_per_dispatch, 1)
+        # Decode widths compiled (powers of two, and S): a dispatch computes the smallest holding every decoding slot
+        self.decode_widths = sorted({min(1 << k, self.slots) for k in range(self.slots.bit_length() + 1)})
         self.attention = paged_attention_name(attention or config.attention, config)  # MLA: "xla" (no paged kernel)
         self.prefix_cache = prefix_cache
         self._state: _State | None = None  # allocated on first use
@@ -373,16 +376,40 @@ class Engine:
 
     @property
     def stats(self) -> dict:
-        """Counters since the engine was built: requests, tokens, dispatches, decode steps run, slot occupancy
-        (decoding slots per step that ran / slots), the fraction of computed decode rows that were idle, prefill
-        tokens computed and padding, prefix-cache hits, seconds spent in each kind of dispatch."""
+        """Counters since the engine was built (or `reset_stats`): requests, tokens, dispatches, decode steps run,
+        slot occupancy (decoding slots per step that ran / slots), decode rows computed (each step computes the
+        dispatch's width, not every slot) and the fraction of them that were idle, prefill tokens computed and
+        padding, prefix-cache hits, seconds spent in each kind of dispatch."""
         c = dict(self._stats)
         rows = c.get("decode_steps", 0) * self.slots
         c["slot_occupancy"] = c.get("decode_rows_used", 0) / rows if rows else 0.0
-        c["decode_padding"] = 1.0 - c["slot_occupancy"] if rows else 0.0
+        computed = c.get("decode_rows_computed", 0)
+        c["decode_padding"] = 1.0 - c.get("decode_rows_used", 0) / computed if computed else 0.0
         computed = c.get("prefill_tokens_computed", 0)
         c["prefill_padding"] = 1.0 - c.get("prefill_tokens", 0) / computed if computed else 0.0
         return c
+
+    def warm_up(self):
+        """Compiles every program the engine may run (one request through admit, prefill, decode and release, then
+        an idle decode dispatch at each width in `decode_widths`), so that no request waits on a compile later.
+        Without it a decode width compiles the first time the load needs it."""
+        if self._requests:
+            raise ValueError("warm_up runs on an idle engine: finish the requests in flight first")
+        self.generate([[0]], max_new_tokens=2, stop_tokens=[])
+        self._take_pool()
+        S, none = self.slots, np.full((self.slots,), -1, np.int32)
+        sampler = Sampler(temperature=np.zeros((S,), np.float32), top_k=np.zeros((S,), np.int32),
+                          top_p=np.ones((S,), np.float32), min_p=np.zeros((S,), np.float32))
+        for width in self.decode_widths:  # nothing decodes: each dispatch only compiles
+            self._state, _, free = _decode(self._params, self._state, none,
+                                           np.zeros((S, *self._key_shape), np.uint32), sampler,
+                                           np.full((S, STOP_SLOTS), -1, np.int32), np.zeros((S,), np.int32),
+                                           np.zeros((S,), np.int32), config=self._run_config,
+                                           attention=self.attention, steps=self.steps_per_dispatch, width=width,
+                                           mesh=self.mesh)
+        self._free = int(free)
+        self._return_pool()
+        self.reset_stats()
 
     def reset_stats(self):
         """Zeroes `stats` (e.g. after a warm-up request, so that the counters describe real traffic only)."""
@@ -543,17 +570,21 @@ class Engine:
                 budget[slot], top[slot] = req.max_new_tokens, req.top
         if not any(rid is not None for rid in self._by_slot):
             return []
+        high = max(slot for slot, rid in enumerate(self._by_slot) if rid is not None) + 1
+        width = next(w for w in self.decode_widths if w >= high)
         sampler = Sampler(temperature=settings[0], top_k=settings[1].astype(np.int32), top_p=settings[2],
                           min_p=settings[3])
         t0 = time.perf_counter()
         self._state, out, free = _decode(self._params, self._state, moves, keys, sampler, stop_ids, budget,
                                          top, config=self._run_config, attention=self.attention,
-                                         steps=self.steps_per_dispatch, mesh=self.mesh)
+                                         steps=self.steps_per_dispatch, width=width, mesh=self.mesh)
         tokens, chosen, top_ids, top_logp, codes = (np.asarray(x) for x in out)
         self._free = int(free)
         self._stats["decode_s"] += time.perf_counter() - t0
         self._stats["decode_dispatches"] += 1
-        self._stats["decode_steps"] += int(np.sum(np.any(tokens >= 0, axis=1)))  # steps some slot decoded
+        ran = int(np.sum(np.any(tokens >= 0, axis=1)))  # steps some slot decoded
+        self._stats["decode_steps"] += ran
+        self._stats["decode_rows_computed"] += ran * width
         self._stats["decode_rows_used"] += int(np.sum(tokens >= 0))
         events = []
         for slot, rid in enumerate(self._by_slot):

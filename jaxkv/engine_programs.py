@@ -140,48 +140,60 @@ def _move_in(state: _State, moves, keys, sampler: Sampler, stop_ids, budget, top
                          budget=pick(budget, state.budget), top=pick(top, state.top))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "attention", "steps", "mesh"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("config", "attention", "steps", "width", "mesh"),
+                   donate_argnames=("state",))
 def _decode(params, state: _State, moves, keys, sampler, stop_ids, budget, top, *, config, attention, steps: int,
-            mesh=None):
-    """Moves prefilled requests into free slots (`_move_in`), then `steps` decode steps over every slot ->
+            width: int, mesh=None):
+    """Moves prefilled requests into free slots (`_move_in`), then `steps` decode steps over slots [0, width) ->
     (state, per step: int32[S] tokens (-1: the slot did not decode), float32[S] their log-probabilities, the top
-    alternatives, int32[S] finish codes (FINISH_REASONS)), int32[] free pages)."""
+    alternatives, int32[S] finish codes (FINISH_REASONS)), int32[] free pages).
+
+    Only the first `width` (W) slots are computed: the host packs requests into the lowest free slots and picks the
+    smallest compiled width holding every decoding slot, so a lightly loaded engine does not pay for its empty
+    slots (a decode step's cost grows with its batch). Slots at or past W must not be decoding."""
     state = _move_in(state, moves, keys, sampler, stop_ids, budget, top)
-    S = state.logits.shape[0]
-    slots = jnp.arange(S, dtype=jnp.int32)
+    S, W = state.logits.shape[0], width
+    slots = jnp.arange(W, dtype=jnp.int32)
 
     def live(state):
-        run = state.decoding
-        split = jax.vmap(jax.random.split)(state.keys)  # [S, 2, key]: (the next key, this token's key)
-        tokens = state.sampler(state.logits, split[:, 1])
+        run, logits_w = state.decoding[:W], state.logits[:W]
+        sampler_w = jax.tree.map(lambda x: x[:W], state.sampler)
+        split = jax.vmap(jax.random.split)(state.keys[:W])  # [W, 2, key]: (the next key, this token's key)
+        tokens = sampler_w(logits_w, split[:, 1])
         # NaN logits: the model could not place the row's last token (see `Decoder`); report, never sample it.
-        nan = jnp.any(jnp.isnan(state.logits), axis=-1)
+        nan = jnp.any(jnp.isnan(logits_w), axis=-1)
         tokens = jnp.where(nan, -1, tokens)
-        chosen = token_logprobs(state.logits, tokens)[0]
-        top_ids, top_logp = lax.cond(jnp.any(run & (state.top > 0)), functools.partial(_top, k=MAX_LOGPROBS),
-                                     lambda x: (jnp.zeros((S, MAX_LOGPROBS), jnp.int32),
-                                                jnp.zeros((S, MAX_LOGPROBS), jnp.float32)), state.logits)
-        stopped = jnp.any(tokens[:, None] == state.stop_ids, axis=1)
-        budget = state.budget - run
+        chosen = token_logprobs(logits_w, tokens)[0]
+        top_ids, top_logp = lax.cond(jnp.any(run & (state.top[:W] > 0)), functools.partial(_top, k=MAX_LOGPROBS),
+                                     lambda x: (jnp.zeros((W, MAX_LOGPROBS), jnp.int32),
+                                                jnp.zeros((W, MAX_LOGPROBS), jnp.float32)), logits_w)
+        stopped = jnp.any(tokens[:, None] == state.stop_ids[:W], axis=1)
+        budget = state.budget[:W] - run
         finished = run & (stopped | nan | (budget <= 0))
         going = run & ~finished
 
         def forward(state):
-            # The slots as a batch of their own: the staging rows take no part in decoding.
+            # The first W slots as a batch of their own: the staging rows take no part in decoding.
             sub = _rows(state.cache, slots)
             logits, sub = _forward(params, jnp.where(going, tokens, 0)[:, None], sub, config=config,
                                    attention=attention, active=going, mesh=mesh)
             return logits[:, 0], _put_rows(state.cache, slots, sub)
 
         # The last token of a request is never fed back: a step where every slot finishes runs no model.
-        logits, cache = lax.cond(jnp.any(going), forward, lambda s: (s.logits, s.cache), state)
+        logits, cache = lax.cond(jnp.any(going), forward, lambda s: (s.logits[:W], s.cache), state)
         # A finished request's pages are free at once (for the next admissions).
-        cache = cache.release(jnp.zeros((cache.batch,), bool).at[:S].set(finished))
+        cache = cache.release(jnp.zeros((cache.batch,), bool).at[:W].set(finished))
         code = jnp.where(finished, jnp.where(nan, 3, jnp.where(stopped, 1, 2)), 0)
-        state = state.replace(cache=cache, logits=logits, keys=jnp.where(run[:, None], split[:, 0], state.keys),
-                              decoding=going, budget=budget)
+        keys = jnp.where(run[:, None], split[:, 0], state.keys[:W])
+        state = state.replace(cache=cache, logits=state.logits.at[:W].set(logits), keys=state.keys.at[:W].set(keys),
+                              decoding=state.decoding.at[:W].set(going), budget=state.budget.at[:W].set(budget))
         state = _placed(state, mesh)
-        return state, (jnp.where(run, tokens, -1), chosen, top_ids, top_logp, code)
+
+        def full(x, fill):  # [W, ...] -> [S, ...]: the slots past W did not decode
+            return jnp.full((S,) + x.shape[1:], fill, x.dtype).at[:W].set(x)
+
+        return state, (full(jnp.where(run, tokens, -1), -1), full(chosen, 0), full(top_ids, 0), full(top_logp, 0),
+                       full(code, 0))
 
     def idle(state):
         return state, (jnp.full((S,), -1, jnp.int32), jnp.zeros((S,), jnp.float32),

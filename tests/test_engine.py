@@ -133,6 +133,7 @@ def test_no_recompiles_after_warm_up_over_200_requests():
     model = model_for("mqa")
     rng = np.random.default_rng(3)
     engine = Engine(model, slots=4, max_len=128, page_size=8, prefill_chunk=16)
+    engine.warm_up()  # every decode width (1, 2, 4)
     warm = [dict(max_new_tokens=3, temperature=0.8, top_k=5, seed=1, logprobs=2), dict(max_new_tokens=2)]
     for kwargs in warm:
         engine.generate([rng.integers(1, 97, 40).tolist()], stop_tokens=[], **kwargs)
@@ -148,6 +149,32 @@ def test_no_recompiles_after_warm_up_over_200_requests():
     assert_all_free(engine)
 
 
+def test_decode_computes_only_the_occupied_width():
+    """A dispatch computes the first W slots, W the smallest compiled width holding every decoding slot: one
+    request costs a batch of 1, not of `slots`; a request left in a high slot keeps the width up, and requests
+    that join in the low slots meanwhile still get exactly their own tokens."""
+    model = model_for("gqa")
+    engine = Engine(model, slots=8, max_len=64, page_size=8, prefill_chunk=16, prefill_rows=4)
+    assert engine.decode_widths == [1, 2, 4, 8]
+    engine.generate([[3, 4, 5]], max_new_tokens=20, stop_tokens=[])
+    s = engine.stats
+    assert s["decode_steps"] >= 19 and s["decode_rows_computed"] == s["decode_steps"]  # width 1 throughout
+    engine.reset_stats()
+    prompts = [RNG.integers(1, 97, n).tolist() for n in (5, 7, 4, 6, 9, 3, 8, 5)]
+    first = [engine.submit(p, max_new_tokens=n, stop_tokens=[]) for p, n in zip(prompts[:6], (2, 2, 2, 2, 2, 40))]
+    joined = False
+    for event in engine.run():  # once the short ones are done, two more join in the low slots
+        if not joined and event.id == first[0] and event.finished:
+            late = [engine.submit(p, max_new_tokens=12, stop_tokens=[]) for p in prompts[6:]]
+            joined = True
+    results = {r.id: r for r in engine.results()}
+    for rid, p, n in zip(first + late, prompts, (2, 2, 2, 2, 2, 40, 12, 12)):
+        assert results[rid].tokens == alone(model, p, n).tokens[0]
+    s = engine.stats
+    assert s["decode_rows_computed"] == s["decode_steps"] * 8  # slot 5 decodes throughout: width 8
+    assert_all_free(engine)
+
+
 def test_no_recompiles_when_a_prefix_cache_pool_comes_back():
     """With a prefix cache the pool goes back to the cache when the engine is idle and returns for the next run:
     the state is then made of program outputs, not fresh arrays; it must hit the same compiled programs (it did
@@ -157,7 +184,7 @@ def test_no_recompiles_when_a_prefix_cache_pool_comes_back():
     model = jaxkv.Model(model.config, jax.device_put(model.params, jax.local_devices()[0]))  # as jaxkv.load gives
     engine = Engine(model, slots=2, max_len=64, page_size=8, prefill_chunk=16,
                     prefix_cache=jaxkv.PrefixCache(model, num_pages=24, page_size=8))
-    engine.generate([[1, 2, 3]], max_new_tokens=2)  # warm: every program compiled once, then the pool goes back
+    engine.warm_up()  # every program compiled once (each decode width), then the pool goes back to the cache
     with count_compiles() as c:
         engine.generate([list(range(1, 30)), [7, 8, 9]], max_new_tokens=5, stop_tokens=[])
     assert c["n"] == 0

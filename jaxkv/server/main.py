@@ -143,8 +143,7 @@ def build(args):
                           cache_dtype=args.cache_dtype, prefix_cache=prefix_cache,
                           num_pages=None if prefix_cache is not None else num_pages,
                           steps_per_dispatch=args.steps_per_dispatch, prefill_chunk=args.prefill_chunk)
-    engine.generate([[0]], max_new_tokens=2)  # compiles every engine program before the first client
-    engine.reset_stats()
+    engine.warm_up()  # compiles every engine program (each decode width) before the first client
     worker = EngineWorker(engine, max_waiting=args.max_waiting)
     aliases = {args.model} if args.model else set()
     state = ServerState(model=model, worker=worker, model_name=args.served_model_name or name, aliases=aliases,
