@@ -157,12 +157,15 @@ class Engine:
       steps_per_dispatch: decode steps per compiled dispatch (the host sees tokens and admits requests between
         dispatches).
       attention: "auto", "xla" or "pallas" for the decode step (prefill chunks use XLA).
+      decode_widths: the batch widths decode dispatches are compiled for (default: 1, 2, 4, ... and `slots`); a
+        dispatch computes the first W slots for the smallest W holding every decoding slot. Fewer widths compile
+        fewer programs; `[slots]` computes every slot every step. Must include `slots`.
     """
 
     def __init__(self, model: Model, *, slots: int, max_len: int, page_size: int | None = None,
                  cache_dtype: str | None = None, prefix_cache=None, mesh=None, num_pages: int | None = None,
                  prefill_chunk: int = 128, prefill_rows: int = 4, steps_per_dispatch: int = 8,
-                 attention: str | None = None):
+                 attention: str | None = None, decode_widths: Sequence[int] | None = None):
         if not isinstance(model, Model):
             raise ValueError(f"model must be a jaxkv.Model, got {type(model).__name__}")
         config = model.config
@@ -205,7 +208,15 @@ class Engine:
         self.prefill_rows = checks.check_int("prefill_rows", prefill_rows, 1)
         self.steps_per_dispatch = checks.check_int("steps_per_dispatch", steps_per_dispatch, 1)
         # Decode widths compiled (powers of two, and S): a dispatch computes the smallest holding every decoding slot
-        self.decode_widths = sorted({min(1 << k, self.slots) for k in range(self.slots.bit_length() + 1)})
+        if decode_widths is None:
+            self.decode_widths = sorted({min(1 << k, self.slots) for k in range(self.slots.bit_length() + 1)})
+        else:
+            if isinstance(decode_widths, (str, int)) or not isinstance(decode_widths, Sequence):
+                raise ValueError(f"decode_widths must be a list of widths, got {decode_widths!r}")
+            widths = sorted({checks.check_int("decode width", w, 1, self.slots) for w in decode_widths})
+            if not widths or widths[-1] != self.slots:
+                raise ValueError(f"decode_widths must include slots ({self.slots}), got {list(decode_widths)}")
+            self.decode_widths = widths
         self.attention = paged_attention_name(attention or config.attention, config)  # MLA: "xla" (no paged kernel)
         self.prefix_cache = prefix_cache
         self._state: _State | None = None  # allocated on first use

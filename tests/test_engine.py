@@ -156,6 +156,10 @@ def test_decode_computes_only_the_occupied_width():
     model = model_for("gqa")
     engine = Engine(model, slots=8, max_len=64, page_size=8, prefill_chunk=16, prefill_rows=4)
     assert engine.decode_widths == [1, 2, 4, 8]
+    assert Engine(model, slots=6, max_len=64, decode_widths=[6, 2, 2]).decode_widths == [2, 6]
+    for bad in ([2, 4], [0, 6], [7], 6):
+        with pytest.raises(ValueError, match="decode"):
+            Engine(model, slots=6, max_len=64, decode_widths=bad)
     engine.generate([[3, 4, 5]], max_new_tokens=20, stop_tokens=[])
     s = engine.stats
     assert s["decode_steps"] >= 19 and s["decode_rows_computed"] == s["decode_steps"]  # width 1 throughout
