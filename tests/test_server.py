@@ -294,8 +294,15 @@ def test_bad_requests_get_openai_errors(url):
     assert error(url, ok, key=None)[0] == 401
     assert error(url, ok, key="wrong")[0] == 401
     assert httpx.get(url + "/v1/models").status_code == 401
-    status, err = error(url, {**ok, "n": CAPACITY + 1})  # more sequences than the server may hold at once
-    assert status == 429 and err["type"] == "rate_limit_error"
+    status, err = error(url, {**ok, "n": CAPACITY + 1})  # more sequences than the server could ever hold
+    assert status == 400 and "at most" in err["message"]
+    # a full server: one streaming request holds every sequence it may hold; the next request is 429, not queued
+    with httpx.stream("POST", url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                      json={**ok, "n": CAPACITY, "max_tokens": MAX_LEN - 8, "ignore_eos": True, "stream": True}) as r:
+        lines = r.iter_lines()  # kept: a dropped httpx line iterator closes the response (a disconnect)
+        assert next(lines).startswith("data: {")
+        status, err = error(url, ok)
+        assert status == 429 and err["type"] == "rate_limit_error"
     # none of the above left anything running
     m = wait_idle(url)
     assert m["slots_free"] == SLOTS and m["pages_held"] == 0

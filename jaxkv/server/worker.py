@@ -74,6 +74,9 @@ class EngineWorker:
         loop = asyncio.get_running_loop()
         handles = [Handle(queue, i) for i in range(len(calls))]
         future = loop.create_future()
+        if len(calls) > self.capacity:  # it could never be held, however idle the server: the request is wrong
+            raise ApiError(f"the request asks for {len(calls)} sequences (prompts x n); this server holds at most "
+                           f"{self.capacity} at once", param="n")
         with self._lock:
             if self._stopping or self.failed:
                 raise ApiError("the server is shutting down" if self._stopping else f"the engine failed: {self.failed}",
