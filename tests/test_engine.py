@@ -113,7 +113,7 @@ def test_events_stream_every_token_once_and_stop_tokens_end_requests():
     prompts = [RNG.integers(1, 97, n).tolist() for n in (3, 17, 9)]
     # Stop at the third token each would emit greedily.
     stops = [alone(model, p, 6).tokens[0][2] for p in prompts]
-    engine = Engine(model, slots=2, max_len=64, page_size=8, steps_per_dispatch=2)
+    engine = Engine(model, slots=2, max_len=64, page_size=8, steps_per_dispatch=2, decode_widths=[2])
     ids = [engine.submit(p, max_new_tokens=6, stop_tokens=[s]) for p, s in zip(prompts, stops)]
     streamed = {i: [] for i in ids}
     finished = []
@@ -197,7 +197,7 @@ def test_no_recompiles_when_a_prefix_cache_pool_comes_back():
 def test_slots_and_pages_come_back_after_cancels_and_failed_callbacks():
     model = model_for("gqa")
     prompts = [RNG.integers(1, 97, n).tolist() for n in (30, 12, 25, 8, 19)]
-    engine = Engine(model, slots=2, max_len=64, page_size=8, prefill_chunk=8, prefill_rows=2)
+    engine = Engine(model, slots=2, max_len=64, page_size=8, prefill_chunk=8, prefill_rows=2, decode_widths=[2])
 
     def explode(event):
         raise RuntimeError("user code failed")
@@ -225,7 +225,7 @@ def test_a_small_pool_makes_requests_wait_not_fail():
     model = model_for("gqa")
     rng = np.random.default_rng(11)
     # 6 pages of 8: a 40-token prompt with 8 new tokens needs 6, so requests run one or two at a time.
-    engine = Engine(model, slots=4, max_len=64, page_size=8, num_pages=6, prefill_chunk=16)
+    engine = Engine(model, slots=4, max_len=64, page_size=8, num_pages=6, prefill_chunk=16, decode_widths=[4])
     reqs = random_requests(6, rng)
     results = engine.generate([dict(prompt=p, max_new_tokens=n) for p, n in reqs], stop_tokens=[])
     for r, (p, n) in zip(results, reqs):
@@ -238,7 +238,7 @@ def test_requests_sharing_a_prefix_share_pages_through_the_prefix_cache():
     header = RNG.integers(1, 97, 40).tolist()  # 5 pages of 8
     prompts = [header + RNG.integers(1, 97, n).tolist() for n in (3, 9, 5, 1)]
     pc = jaxkv.PrefixCache(model, num_pages=40, page_size=8)
-    engine = Engine(model, slots=2, max_len=96, prefix_cache=pc, prefill_chunk=16)
+    engine = Engine(model, slots=2, max_len=96, prefix_cache=pc, prefill_chunk=16, decode_widths=[2])
     first = engine.generate([prompts[0]], max_new_tokens=6, stop_tokens=[])[0]
     assert first.cached_tokens == 0 and pc.cached_pages == 5 and pc.lent_to is None
     results = engine.generate(prompts[1:], max_new_tokens=6, stop_tokens=[])
@@ -250,7 +250,7 @@ def test_requests_sharing_a_prefix_share_pages_through_the_prefix_cache():
     assert out.stats["prefix_hit_tokens"] == 40 and out.tokens[0] == results[1].tokens
     # A pool too small for everything cached: the engine evicts least recently used prefixes and stays exact.
     small = jaxkv.PrefixCache(model, num_pages=9, page_size=8)
-    engine = Engine(model, slots=2, max_len=96, prefix_cache=small)
+    engine = Engine(model, slots=2, max_len=96, prefix_cache=small, decode_widths=[2])
     others = [RNG.integers(1, 97, 45).tolist() for _ in range(3)]
     for r, p in zip(engine.generate(others + prompts[:2], max_new_tokens=4, stop_tokens=[]), others + prompts[:2]):
         assert r.tokens == alone(model, p, 4).tokens[0]
@@ -299,7 +299,7 @@ def test_quantized_caches_and_the_pallas_decode_kernel(kwargs):
     model = model_for("gqa")
     rng = np.random.default_rng(5)  # fixed prompts, whatever ran before
     prompts = [rng.integers(1, 97, n).tolist() for n in (5, 30, 12)]
-    engine = Engine(model, slots=2, max_len=64, page_size=8, **kwargs)
+    engine = Engine(model, slots=2, max_len=64, page_size=8, decode_widths=[2], **kwargs)
     got = engine.generate(prompts, max_new_tokens=8, stop_tokens=[])
     want = jaxkv.generate(model, prompts, max_new_tokens=8, stop_tokens=[], page_size=8, **kwargs)
     assert [r.tokens for r in got] == want.tokens
