@@ -11,6 +11,17 @@ from jaxkv.config import Config
 torch = pytest.importorskip("torch")
 
 
+@pytest.fixture
+def settles(monkeypatch):
+    """The benchmarks pause 0.5 s before each timed phase (`bench._settle`, for the timings' quality, which these
+    tests do not judge): here the pauses are counted, not slept (12 s of this file's run)."""
+    from jaxkv import bench
+
+    calls = []
+    monkeypatch.setattr(bench, "_settle", lambda: calls.append(None))
+    return calls
+
+
 def test_to_hf_llama_gives_the_same_logits():
     from jaxkv.bench import to_hf_llama
 
@@ -46,7 +57,7 @@ def test_profile_decode_accounts_for_the_step(tmp_path):
         module.parse_args(["--live", "400", "--capacity", "384"])
 
 
-def test_bench_runs_side_by_side_and_samples_the_roofline_beside_each_row(tmp_path, capsys):
+def test_bench_runs_side_by_side_and_samples_the_roofline_beside_each_row(tmp_path, capsys, settles):
     import json
 
     from jaxkv import bench
@@ -72,6 +83,7 @@ def test_bench_runs_side_by_side_and_samples_the_roofline_beside_each_row(tmp_pa
         # float32 on both sides: the same greedy tokens, and a measured ratio.
         assert r["greedy_first_32_equal"] and r["greedy_first_difference"] is None
         assert r["ratio_vs_hf"]["median"] > 0 and r["recompile_s_after_warmup"] == 0
+    assert settles  # before the timed phases
 
 
 def test_gemv_meter_reads_its_whole_matrix():
@@ -161,7 +173,7 @@ def test_cache_accuracy_says_how_long_before_its_minutes_of_work():
     assert 5 * 60 < sum(seconds for _, seconds in plan) < 12 * 60
 
 
-def test_sharing_scenario_runs_and_reports_its_targets(tmp_path):
+def test_sharing_scenario_runs_and_reports_its_targets(tmp_path, settles):
     """`jaxkv bench sharing` end to end on the tiny preset: shared vs unshared vs transformers, prompt caching."""
     from jaxkv import cli
 
@@ -175,9 +187,10 @@ def test_sharing_scenario_runs_and_reports_its_targets(tmp_path):
     assert r["shared_peak_bytes"] < r["unshared_needed_bytes"] <= r["unshared_allocated_bytes"]
     for key in ("speedup_vs_unshared", "speedup_vs_hf", "ttft_ratio", "peak_bytes_ratio"):
         assert r[key] > 0
+    assert settles
 
 
-def test_engine_scenario_counts_what_it_reports(tmp_path, capsys):
+def test_engine_scenario_counts_what_it_reports(tmp_path, capsys, settles):
     """`jaxkv bench engine` end to end on the tiny preset: every path produces every requested token, the
     padding counts follow from the requests, the ratios from the measured seconds, and the engine's greedy
     tokens equal static jaxkv's."""
@@ -215,9 +228,10 @@ def test_engine_scenario_counts_what_it_reports(tmp_path, capsys):
     assert "engine equals static jaxkv for 7 of 7 requests" in printed
     assert bench_engine.parse_args(["--quick", "--requests", "5"]).requests == 5  # explicit options win
     assert bench_engine.parse_args(["--quick"]).max_new == bench_engine.QUICK["max_new"]
+    assert settles
 
 
-def test_beam_scenario_reports_time_bytes_and_matches(tmp_path, capsys):
+def test_beam_scenario_reports_time_bytes_and_matches(tmp_path, capsys, settles):
     """`jaxkv bench beam --quick` end to end (the tiny preset): per K the measured seconds and their ratio, jaxkv's
     peak pages against K private caches, transformers' cache as measured, and equal best hypotheses."""
     import importlib
@@ -248,9 +262,10 @@ def test_beam_scenario_reports_time_bytes_and_matches(tmp_path, capsys):
         assert row["tokens_equal"] == [True, True]  # float32 on both sides
     assert printed.count("best hypothesis equals transformers' for 2 of 2 prompt(s)") == 2
     assert bench_beam.main(["--beams", "4,x"]) == 2
+    assert settles
 
 
-def test_16_bit_rows_compare_with_transformers_float32(tmp_path, capsys):
+def test_16_bit_rows_compare_with_transformers_float32(tmp_path, capsys, settles):
     """A bfloat16 row also runs transformers in float32 on the same (rounded) weights, and says how far its own
     bfloat16 run keeps to that, and whether ours keeps to its bfloat16 run as far (issue 16, target 3)."""
     import json
@@ -263,7 +278,7 @@ def test_16_bit_rows_compare_with_transformers_float32(tmp_path, capsys):
     own, ours = r["hf_first_difference_from_float32"], r["greedy_first_difference"]
     assert own is None or 0 <= own < 32
     assert r["greedy_tokens_as_far_as_hf_float32"] == (ours is None or ours >= (32 if own is None else own))
-    assert "hf32" in capsys.readouterr().out
+    assert "hf32" in capsys.readouterr().out and settles
 
 
 def test_bench_mla_quick(tmp_path, capsys):
