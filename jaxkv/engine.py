@@ -20,7 +20,8 @@ The device state (`engine_programs._State`) is one pytree of fixed shape, thread
   _decode   moves complete prefills into free slots (a page-table row, and the request's PRNG key, sampling
             settings, stop ids, token budget), then `steps_per_dispatch` decode steps in a `lax.scan` over the
             first W slots, W the smallest of `decode_widths` (powers of two up to S) holding every decoding slot
-            (requests take the lowest free slots, so a lightly loaded engine computes a small batch): sample each decoding slot's next token (its own settings and key, so a request draws what
+            (requests take the lowest free slots, and requests left in high slots move down into free low ones
+            first, so a lightly loaded engine computes a small batch): sample each decoding slot's next token (its own settings and key, so a request draws what
             it would draw alone), record its log-probability, feed it back; a slot that finishes releases its
             pages in the same step, and a step with no slot decoding skips the model (`lax.cond`)
   _release  cancelled slots drop their pages
@@ -412,7 +413,7 @@ class Engine:
         sampler = Sampler(temperature=np.zeros((S,), np.float32), top_k=np.zeros((S,), np.int32),
                           top_p=np.ones((S,), np.float32), min_p=np.zeros((S,), np.float32))
         for width in self.decode_widths:  # nothing decodes: each dispatch only compiles
-            self._state, _, free = _decode(self._params, self._state, none,
+            self._state, _, free = _decode(self._params, self._state, none, none,
                                            np.zeros((S, *self._key_shape), np.uint32), sampler,
                                            np.full((S, STOP_SLOTS), -1, np.int32), np.zeros((S,), np.int32),
                                            np.zeros((S,), np.int32), config=self._run_config,
@@ -566,6 +567,20 @@ class Engine:
         stop_ids = np.full((S, STOP_SLOTS), -1, np.int32)
         budget = np.zeros((S,), np.int32)
         top = np.zeros((S,), np.int32)
+        # Compaction: requests decoding in slots at or past the width their number needs move down into the free
+        # slots below it (their page-table rows and per-slot state move on the device, `_shift`; no page is
+        # copied), so a request left in a high slot does not keep the decode width up after the others finished.
+        shifts = np.full((S,), -1, np.int32)
+        live = [slot for slot, rid in enumerate(self._by_slot) if rid is not None]
+        if live:
+            need = next(w for w in self.decode_widths if w >= len(live))
+            holes = [slot for slot in range(need) if self._by_slot[slot] is None]
+            for dst, src in zip(holes, [slot for slot in reversed(live) if slot >= need]):
+                shifts[dst] = src
+                rid = self._by_slot[src]
+                self._by_slot[dst], self._by_slot[src] = rid, None
+                self._requests[rid].row = dst
+                self._stats["slot_moves"] += 1
         ready = sorted((self._requests[rid] for rid in self._staging
                         if rid is not None and self._requests[rid].state == "ready"), key=lambda r: r.id)
         for slot in range(S):
@@ -586,7 +601,7 @@ class Engine:
         sampler = Sampler(temperature=settings[0], top_k=settings[1].astype(np.int32), top_p=settings[2],
                           min_p=settings[3])
         t0 = time.perf_counter()
-        self._state, out, free = _decode(self._params, self._state, moves, keys, sampler, stop_ids, budget,
+        self._state, out, free = _decode(self._params, self._state, shifts, moves, keys, sampler, stop_ids, budget,
                                          top, config=self._run_config, attention=self.attention,
                                          steps=self.steps_per_dispatch, width=width, mesh=self.mesh)
         tokens, chosen, top_ids, top_logp, codes = (np.asarray(x) for x in out)

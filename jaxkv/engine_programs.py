@@ -116,6 +116,32 @@ def _top(logits, k: int):
     return ids, logp
 
 
+def _shift(state: _State, shifts) -> _State:
+    """Slot s takes over the request decoding in slot shifts[s] (-1: none): its page-table row, length and
+    per-slot state move (no page is copied or recounted) and the source slot empties. Destinations are free slots
+    and sources decoding ones (the host's compaction), so the two sets are disjoint."""
+    S = state.logits.shape[0]
+    cache = state.cache
+    moving = shifts >= 0
+    src = jnp.maximum(shifts, 0)
+    dst = jnp.where(moving, jnp.arange(S, dtype=jnp.int32), cache.batch)  # dropped where nothing moves
+    emptied = jnp.where(moving, src, cache.batch)
+    cache = dataclasses.replace(
+        cache, page_table=cache.page_table.at[dst].set(cache.page_table[src], mode="drop")
+        .at[emptied].set(NO_PAGE, mode="drop"),
+        lengths=cache.lengths.at[dst].set(cache.lengths[src], mode="drop").at[emptied].set(0, mode="drop"),
+        overflowed=cache.overflowed.at[dst].set(cache.overflowed[src], mode="drop").at[emptied].set(False,
+                                                                                                    mode="drop"))
+
+    def pick(x):
+        return jnp.where(moving.reshape((S,) + (1,) * (x.ndim - 1)), x[src], x)
+
+    decoding = pick(state.decoding).at[emptied].set(False, mode="drop")
+    return state.replace(cache=cache, logits=pick(state.logits), keys=pick(state.keys), decoding=decoding,
+                         sampler=jax.tree.map(pick, state.sampler), stop_ids=pick(state.stop_ids),
+                         budget=pick(state.budget), top=pick(state.top))
+
+
 def _move_in(state: _State, moves, keys, sampler: Sampler, stop_ids, budget, top) -> _State:
     """Slot s takes the request prefilled in staging row moves[s] (-1: none) with its settings: the staging row's
     page-table row and length move to the slot (no page is copied or recounted) and the staging row empties."""
@@ -142,16 +168,17 @@ def _move_in(state: _State, moves, keys, sampler: Sampler, stop_ids, budget, top
 
 @functools.partial(jax.jit, static_argnames=("config", "attention", "steps", "width", "mesh"),
                    donate_argnames=("state",))
-def _decode(params, state: _State, moves, keys, sampler, stop_ids, budget, top, *, config, attention, steps: int,
-            width: int, mesh=None):
-    """Moves prefilled requests into free slots (`_move_in`), then `steps` decode steps over slots [0, width) ->
+def _decode(params, state: _State, shifts, moves, keys, sampler, stop_ids, budget, top, *, config, attention,
+            steps: int, width: int, mesh=None):
+    """Moves decoding requests down into free slots (`_shift`), prefilled requests into free slots (`_move_in`),
+    then `steps` decode steps over slots [0, width) ->
     (state, per step: int32[S] tokens (-1: the slot did not decode), float32[S] their log-probabilities, the top
     alternatives, int32[S] finish codes (FINISH_REASONS)), int32[] free pages).
 
     Only the first `width` (W) slots are computed: the host packs requests into the lowest free slots and picks the
     smallest compiled width holding every decoding slot, so a lightly loaded engine does not pay for its empty
     slots (a decode step's cost grows with its batch). Slots at or past W must not be decoding."""
-    state = _move_in(state, moves, keys, sampler, stop_ids, budget, top)
+    state = _move_in(_shift(state, shifts), moves, keys, sampler, stop_ids, budget, top)
     S, W = state.logits.shape[0], width
     slots = jnp.arange(W, dtype=jnp.int32)
 

@@ -151,8 +151,9 @@ def test_no_recompiles_after_warm_up_over_200_requests():
 
 def test_decode_computes_only_the_occupied_width():
     """A dispatch computes the first W slots, W the smallest compiled width holding every decoding slot: one
-    request costs a batch of 1, not of `slots`; a request left in a high slot keeps the width up, and requests
-    that join in the low slots meanwhile still get exactly their own tokens."""
+    request costs a batch of 1, not of `slots`. A request left in a high slot once the others finish moves down
+    (its page-table row and per-slot state, PRNG key and sampling settings included), so the width drops; requests
+    that join meanwhile, and the moved one, still get exactly their own tokens."""
     model = model_for("gqa")
     engine = Engine(model, slots=8, max_len=64, page_size=8, prefill_chunk=16, prefill_rows=4)
     assert engine.decode_widths == [1, 2, 4, 8]
@@ -165,17 +166,19 @@ def test_decode_computes_only_the_occupied_width():
     assert s["decode_steps"] >= 19 and s["decode_rows_computed"] == s["decode_steps"]  # width 1 throughout
     engine.reset_stats()
     prompts = [RNG.integers(1, 97, n).tolist() for n in (5, 7, 4, 6, 9, 3, 8, 5)]
-    first = [engine.submit(p, max_new_tokens=n, stop_tokens=[]) for p, n in zip(prompts[:6], (2, 2, 2, 2, 2, 40))]
-    joined = False
+    sampled = dict(temperature=1.0, top_k=20, seed=11)  # the long one in slot 5: sampled, so its key must move
+    first = [engine.submit(p, max_new_tokens=n, stop_tokens=[], **(sampled if n == 40 else {}))
+             for p, n in zip(prompts[:6], (2, 2, 2, 2, 2, 40))]
+    late = []
     for event in engine.run():  # once the short ones are done, two more join in the low slots
-        if not joined and event.id == first[0] and event.finished:
+        if not late and event.id == first[0] and event.finished:
             late = [engine.submit(p, max_new_tokens=12, stop_tokens=[]) for p in prompts[6:]]
-            joined = True
     results = {r.id: r for r in engine.results()}
     for rid, p, n in zip(first + late, prompts, (2, 2, 2, 2, 2, 40, 12, 12)):
-        assert results[rid].tokens == alone(model, p, n).tokens[0]
+        assert results[rid].tokens == alone(model, p, n, **(sampled if n == 40 else {})).tokens[0]
     s = engine.stats
-    assert s["decode_rows_computed"] == s["decode_steps"] * 8  # slot 5 decodes throughout: width 8
+    assert s["slot_moves"] >= 1  # the long request left slot 5
+    assert s["decode_rows_computed"] < s["decode_steps"] * 8 // 2  # mostly width 1 or 4, not 8
     assert_all_free(engine)
 
 
