@@ -33,6 +33,9 @@ SCORE_ATOL = 1e-4  # float32: the two sum the same log-probabilities from logits
 SINGLE = [[17, 3, 99, 41, 8, 150, 23, 64, 5, 77, 120, 31]]
 RAGGED = [[44, 9, 130, 2, 61], [7, 88, 19, 140, 33, 52, 101, 4, 66, 29, 150, 11, 93],
           [12, 5, 70, 143, 38, 26, 9, 81, 57]]
+# Both in one batch and one more prompt: 5 prompts padded to 8 rows (3 empty filler prompts), so that each setting
+# compiles one search, not one per batch size.
+BATCH = SINGLE + RAGGED + [[60, 17, 99, 23]]
 HF = {
     "llama": ("LlamaConfig", dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -104,13 +107,13 @@ def hf_beam_search(hf, prompts, stops, *, num_beams, length_penalty, early_stopp
 @pytest.mark.parametrize("num_beams", [1, 2, 4])
 def test_hypotheses_and_scores_equal_transformers(pair, num_beams, early_stopping):
     hf, model, stops = pair
-    for length_penalty, prompts in itertools.product([0.5, 1.0, 2.0], [SINGLE, RAGGED]):
-        want = hf_beam_search(hf, prompts, stops, num_beams=num_beams, length_penalty=length_penalty,
+    for length_penalty in [0.5, 1.0, 2.0]:
+        want = hf_beam_search(hf, BATCH, stops, num_beams=num_beams, length_penalty=length_penalty,
                               early_stopping=early_stopping, num_return_sequences=num_beams)
-        got = jaxkv.beam_search(model, prompts, num_beams=num_beams, max_new_tokens=NEW,
+        got = jaxkv.beam_search(model, BATCH, num_beams=num_beams, max_new_tokens=NEW,
                                 length_penalty=length_penalty, early_stopping=early_stopping,
                                 num_return_sequences=num_beams, stop_tokens=stops)
-        where = f"length_penalty={length_penalty}, {len(prompts)} prompt(s)"
+        where = f"length_penalty={length_penalty}"
         assert got.tokens == [[tokens for tokens, _ in hyps] for hyps in want], where
         for hyps, want_hyps in zip(got, want):
             for h, (tokens, score) in zip(hyps, want_hyps):
@@ -125,13 +128,13 @@ def test_hypotheses_and_scores_equal_transformers(pair, num_beams, early_stoppin
 def test_the_settings_matter(pair):
     """The comparison above can tell the settings apart: on these models they give different hypotheses."""
     _, model, stops = pair
-    outcome = {(lp, es): str(jaxkv.beam_search(model, SINGLE + RAGGED, num_beams=4, max_new_tokens=NEW,
+    outcome = {(lp, es): str(jaxkv.beam_search(model, BATCH, num_beams=4, max_new_tokens=NEW,
                                                length_penalty=lp, early_stopping=es, num_return_sequences=4,
                                                stop_tokens=stops).tokens)
                for lp, es in itertools.product([0.5, 1.0, 2.0], [True, False, "never"])}
     assert any(len({outcome[lp, es] for es in (True, False, "never")}) > 1 for lp in (0.5, 1.0, 2.0))
     assert any(len({outcome[lp, es] for lp in (0.5, 1.0, 2.0)}) > 1 for es in (True, False, "never"))
-    got = jaxkv.beam_search(model, RAGGED, num_beams=4, max_new_tokens=NEW, num_return_sequences=4,
+    got = jaxkv.beam_search(model, BATCH, num_beams=4, max_new_tokens=NEW, num_return_sequences=4,
                             stop_tokens=stops)
     reasons = {h.finish_reason for hyps in got for h in hyps}
     lengths = {len(h.tokens) for hyps in got for h in hyps if h.finish_reason == "stop"}
@@ -142,7 +145,7 @@ def test_the_settings_matter(pair):
 def test_one_beam_is_greedy_generate(name):
     model = model_for(name)
     prompts = [[5, 9, 2, 77, 31, 8], [3] * 20, [60, 1]]
-    greedy = jaxkv.generate(model, prompts, max_new_tokens=NEW, stop_tokens=[])
+    greedy = jaxkv.generate(model, prompts, max_new_tokens=NEW, stop_tokens=[], logprobs=1)  # the loop below's
     stops = [greedy.tokens[0][4], greedy.tokens[1][7]]
     greedy = jaxkv.generate(model, prompts, max_new_tokens=NEW, stop_tokens=stops, logprobs=1)
     for early_stopping in (True, False, "never"):
