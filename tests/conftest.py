@@ -50,10 +50,28 @@ def left_pad(prompts, length=None):
     return jnp.asarray(tokens), jnp.asarray(start)
 
 
+def recompute(model: jaxkv.Model, rows) -> list:
+    """The no-cache logits [len(row), V] of each row (a list of ids), from one `jaxkv.logits` call with the rows
+    right-padded (token 0) to the longest: causal, so the padding after a row changes none of its logits, and one
+    compiled shape serves every row."""
+    longest = max(map(len, rows))
+    logits = jaxkv.logits(model, [row + [0] * (longest - len(row)) for row in rows])
+    return [logits[b, :len(row)] for b, row in enumerate(rows)]
+
+
 def model_for(name: str) -> jaxkv.Model:
     if name not in _models:
         _models[name] = jaxkv.Model.random(CONFIGS[name], seed=1)
     return _models[name]
+
+
+def placed_like(model: jaxkv.Model, loaded: jaxkv.Model) -> jaxkv.Model:
+    """`model` with each weight committed to its device where `loaded`'s is (`jaxkv.load` commits some or all of
+    them). jit keys on committed vs uncommitted arrays: a test that compares a loaded model with the one it saved
+    then runs one set of compiled programs for both, not each program twice."""
+    params = jax.tree_util.tree_map(lambda x, ref: jax.device_put(x, ref.sharding) if ref.committed else x,
+                                    model.params, loaded.params)
+    return jaxkv.Model(model.config, params, model.tokenizer)
 
 
 @pytest.fixture(params=sorted(CONFIGS))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jaxkv
-from conftest import CONFIGS, model_for
+from conftest import CONFIGS, model_for, placed_like
 
 
 def byte_tokenizer():
@@ -51,8 +51,8 @@ def test_format_1_checkpoints_load_in_the_in_out_layout(tmp_path):
     loaded = jaxkv.load(directory)
     assert leaves_equal(loaded.params, model.params)
     prompts = [[5, 9, 2, 77]]
-    assert jaxkv.generate(loaded, prompts, max_new_tokens=6).tokens == jaxkv.generate(model, prompts,
-                                                                                       max_new_tokens=6).tokens
+    assert jaxkv.generate(loaded, prompts, max_new_tokens=6).tokens == jaxkv.generate(
+        placed_like(model, loaded), prompts, max_new_tokens=6).tokens
     with pytest.raises(ValueError, match="unsupported format_version 3"):
         (directory / "jaxkv_config.json").write_text(json.dumps({**config, "format_version": 3}))
         jaxkv.load(directory)
@@ -150,7 +150,7 @@ def test_cast_follows_the_dtype_layout(tmp_path):
     loaded = jaxkv.load(tmp_path / "wide", dtype="bfloat16")
     assert leaves_equal(loaded.params, half.params)
     assert jaxkv.generate(loaded, [[1, 2, 3]], max_new_tokens=3).tokens == jaxkv.generate(
-        half, [[1, 2, 3]], max_new_tokens=3).tokens
+        placed_like(half, loaded), [[1, 2, 3]], max_new_tokens=3).tokens
 
 
 def test_16_bit_weight_products_accumulate_in_float32():
@@ -206,8 +206,8 @@ def test_mla_moe_model_saves_loads_and_casts(tmp_path):
     loaded = jaxkv.load(tmp_path / "m")
     assert loaded.config == config and leaves_equal(loaded.params, model.params)
     prompts = [[3, 4, 5]]
-    assert jaxkv.generate(loaded, prompts, max_new_tokens=4).tokens == jaxkv.generate(model, prompts,
-                                                                                       max_new_tokens=4).tokens
+    assert jaxkv.generate(loaded, prompts, max_new_tokens=4).tokens == jaxkv.generate(
+        placed_like(model, loaded), prompts, max_new_tokens=4).tokens
     half = jaxkv.checkpoint.cast(model, "bfloat16")
     mlp = half.params["layer_1"]["mlp"]
     assert mlp["router"].dtype == jax.numpy.float32 and mlp["we_gate"].dtype == jax.numpy.bfloat16

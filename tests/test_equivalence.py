@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import jaxkv
-from conftest import CONFIGS, model_for, left_pad
+from conftest import CONFIGS, model_for, left_pad, recompute
 
 # float32 on CPU: cached and recomputed logits differ only by summation order in the attention and matmuls.
 ATOL = {"float32": 1e-5}
@@ -44,9 +44,9 @@ def test_cached_decode_equals_recompute_ragged_batch(name):
     model = model_for(name)
     prompts = [[7], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [2, 7, 1, 8, 2, 8]]
     toks, step_logits = cached_step_logits(model, prompts, STEPS, capacity=48)
+    fulls = recompute(model, [prompt + toks[b].tolist() for b, prompt in enumerate(prompts)])
     for b, prompt in enumerate(prompts):
-        full = jaxkv.logits(model, [prompt + toks[b].tolist()])[0]
-        expected = full[len(prompt) - 1: len(prompt) - 1 + STEPS]
+        expected = fulls[b][len(prompt) - 1: len(prompt) - 1 + STEPS]
         np.testing.assert_allclose(step_logits[b], expected, atol=ATOL["float32"], rtol=0, err_msg=f"row {b}")
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jaxkv
-from conftest import CONFIGS, model_for, left_pad
+from conftest import CONFIGS, model_for, left_pad, recompute
 
 PROMPTS = [[5, 17, 3], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3], [2, 7, 1, 8, 2, 8, 1, 8]]
 
@@ -28,8 +28,8 @@ def test_ragged_batch_equals_single_prompts(name):
 def test_greedy_tokens_match_recompute_argmax():
     model = model_for("learned")
     out = jaxkv.generate(model, PROMPTS, max_new_tokens=12, stop_tokens=[])
-    for prompt, tokens in zip(PROMPTS, out.tokens):
-        full = jaxkv.logits(model, [prompt + tokens[:-1]])[0]
+    fulls = recompute(model, [prompt + tokens[:-1] for prompt, tokens in zip(PROMPTS, out.tokens)])
+    for prompt, tokens, full in zip(PROMPTS, out.tokens, fulls):
         assert np.argmax(full[len(prompt) - 1:], -1).tolist() == tokens
 
 
@@ -142,8 +142,9 @@ def test_token_zero_is_a_real_token_not_padding():
     out = jaxkv.generate(model, PROMPTS, max_new_tokens=16, sampler=_zero_heavy_sampler, stop_tokens=[1])
     # Reference: the same rule applied to the no-cache recompute of prompt + output (causal, so position t of one
     # full forward is what step t saw); the output must end exactly at the first 1, or run to 16 tokens.
-    for prompt, tokens, reason in zip(PROMPTS, out.tokens, out.finish_reasons):
-        full = jaxkv.logits(model, [prompt + tokens])[0, len(prompt) - 1: -1]
+    fulls = recompute(model, [prompt + tokens for prompt, tokens in zip(PROMPTS, out.tokens)])
+    for prompt, tokens, reason, full in zip(PROMPTS, out.tokens, out.finish_reasons, fulls):
+        full = full[len(prompt) - 1: -1]
         assert tokens == np.asarray(_zero_heavy_sampler(full, None)).tolist()
         assert (1 not in tokens[:-1]) and (tokens[-1] == 1 or len(tokens) == 16)
         assert reason == ("stop" if tokens[-1] == 1 else "length")
