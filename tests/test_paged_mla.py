@@ -243,7 +243,7 @@ def test_prefix_cache_reuses_latent_pages(dense):
 
 
 def test_engine_serves_an_mla_model(dense):
-    engine = Engine(dense, slots=2, max_len=48, page_size=4, prefill_chunk=4, prefill_rows=2)
+    engine = Engine(dense, slots=2, max_len=48, page_size=4, prefill_chunk=4, prefill_rows=2, decode_widths=[2])
     results = engine.generate([dict(prompt=p, max_new_tokens=NEW) for p in PROMPTS])  # chunked prefill too
     assert [r.tokens for r in results] == greedy(dense).tokens
     assert engine.free_pages == engine.num_pages
