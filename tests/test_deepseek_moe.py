@@ -22,7 +22,8 @@ import jaxkv  # noqa: E402
 from jaxkv.checkpoint_hf import config_from_hf, load_hf  # noqa: E402
 from jaxkv.config import MoeConfig  # noqa: E402
 from jaxkv.model import Decoder  # noqa: E402
-from test_hf_parity import BOS, EOS, NEW_TOKENS, PAD, RAGGED, SINGLE, VOCAB, hf_greedy, hf_logits  # noqa: E402
+from test_hf_parity import (BOS, EOS, NEW_TOKENS, PAD, RAGGED, SINGLE, VOCAB, greedy_cases, hf_greedy,  # noqa: E402
+                            hf_logits, per_row)
 from test_moe import _assert_no_near_ties  # noqa: E402
 
 ATOL = 1e-4  # float32 logits after 3 layers, as tests/test_hf_parity.py
@@ -103,14 +104,14 @@ def test_logits_match(pair):
     np.testing.assert_allclose(jaxkv.logits(model, tokens), hf_logits(hf, tokens), atol=ATOL, rtol=0, err_msg=name)
 
 
-@pytest.mark.parametrize("prompts", [SINGLE, RAGGED], ids=["single", "ragged"])
-def test_greedy_generation_is_token_identical(pair, prompts):
+def test_greedy_generation_is_token_identical(pair):
+    """The single prompt and the ragged batch (`greedy_cases`), each against transformers' greedy tokens."""
     name, hf, model = pair
-    expected = hf_greedy(hf, prompts)
-    got = jaxkv.generate(model, prompts, max_new_tokens=NEW_TOKENS, stop_tokens=[]).tokens
-    for b, row in enumerate(expected):
-        assert len(set(row)) >= 8, f"{name}: HF output too repetitive to test anything: {row}"
-        assert got[b] == row, f"{name}, prompt {b}"
+    for prompts, batch in greedy_cases(SINGLE, RAGGED):
+        got = jaxkv.generate(model, batch, max_new_tokens=NEW_TOKENS, stop_tokens=[]).tokens
+        for b, row in enumerate(per_row(hf_greedy(hf, prompts), batch)):
+            assert len(set(row)) >= 8, f"{name}: HF output too repetitive to test anything: {row}"
+            assert got[b] == row, f"{name}, {len(prompts)} prompt(s), row {b}"
 
 
 def test_bfloat16_load_keeps_the_router_float32(tmp_path):

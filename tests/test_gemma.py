@@ -23,7 +23,7 @@ import jaxkv  # noqa: E402
 from jaxkv.checkpoint_hf import config_from_hf  # noqa: E402
 from jaxkv.config import LinearScaling  # noqa: E402
 from test_hf_parity import (ATOL, BOS, EOS, MIN_MARGIN, NEW_TOKENS, PAD, assert_clear_margins,  # noqa: E402
-                            hf_greedy, hf_logits, saved_and_loaded)
+                            greedy_cases, hf_greedy, hf_logits, per_row, saved_and_loaded)
 
 VOCAB, WINDOW = 128, 8
 # The seeds below are chosen so that no greedy step of the reference output comes near a tie (MIN_MARGIN).
@@ -142,13 +142,14 @@ def test_logits_match(pair):
     np.testing.assert_allclose(jaxkv.logits(model, tokens), hf_logits(hf, tokens), atol=ATOL, rtol=0, err_msg=name)
 
 
-@pytest.mark.parametrize("prompts", [SINGLE, RAGGED], ids=["single", "ragged"])
-def test_greedy_generation_is_token_identical(pair, prompts):
+def test_greedy_generation_is_token_identical(pair):
+    """The single prompt and the ragged batch (`greedy_cases`), each against transformers' greedy tokens."""
     name, hf, model, _ = pair
-    expected = hf_greedy(hf, prompts)
-    assert_clear_margins(hf, prompts, expected, name, MIN_MARGIN)
-    gen = jaxkv.generate(model, prompts, max_new_tokens=NEW_TOKENS, stop_tokens=[])
-    assert gen.tokens == expected, name
+    for prompts, batch in greedy_cases(SINGLE, RAGGED):
+        expected = hf_greedy(hf, prompts)
+        assert_clear_margins(hf, prompts, expected, name, MIN_MARGIN)
+        gen = jaxkv.generate(model, batch, max_new_tokens=NEW_TOKENS, stop_tokens=[])
+        assert gen.tokens == per_row(expected, batch), name
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3-text"])  # the multimodal case's cache is gemma3-text's

@@ -29,7 +29,7 @@ from jaxkv.checkpoint import config_from_dict, config_to_dict  # noqa: E402
 from jaxkv.checkpoint_hf import config_from_hf  # noqa: E402
 from jaxkv.config import ProportionalRope  # noqa: E402
 from test_hf_parity import (ATOL, BOS, EOS, MIN_MARGIN, NEW_TOKENS, PAD, assert_clear_margins,  # noqa: E402
-                            hf_greedy, hf_logits, saved_and_loaded)
+                            greedy_cases, hf_greedy, hf_logits, per_row, saved_and_loaded)
 
 VOCAB, WINDOW = 128, 8
 NORM_MEAN, NORM_STD, EMBED_SCALE = 1.0, 0.5, 0.5
@@ -128,16 +128,17 @@ def test_logits_match(pair):
     np.testing.assert_allclose(jaxkv.logits(model, tokens), hf_logits(hf, tokens), atol=ATOL, rtol=0, err_msg=name)
 
 
-@pytest.mark.parametrize("prompts", [SINGLE, RAGGED], ids=["single", "ragged"])
-def test_greedy_generation_is_token_identical(tmp_path_factory, prompts):
+def test_greedy_generation_is_token_identical(tmp_path_factory):
+    """The single prompt and the ragged batch (`greedy_cases`), each against transformers' greedy tokens."""
     hf, model, _ = loaded("gemma4-text", tmp_path_factory)
-    expected = hf_greedy(hf, prompts)
-    assert_clear_margins(hf, prompts, expected, "gemma4-text", MIN_MARGIN)
-    gen = jaxkv.generate(model, prompts, max_new_tokens=NEW_TOKENS, stop_tokens=[])
-    assert gen.tokens == expected
-    # the cache generate allocated: what the planner says, sharing layers included at zero bytes
-    plan = memory.plan_cache(model.config, [len(p) for p in prompts], NEW_TOKENS)
-    assert gen.stats["kv_cache_bytes"] == plan.allocated_bytes
+    for prompts, batch in greedy_cases(SINGLE, RAGGED):
+        expected = hf_greedy(hf, prompts)
+        assert_clear_margins(hf, prompts, expected, "gemma4-text", MIN_MARGIN)
+        gen = jaxkv.generate(model, batch, max_new_tokens=NEW_TOKENS, stop_tokens=[])
+        assert gen.tokens == per_row(expected, batch)
+        # the cache generate allocated: what the planner says, sharing layers included at zero bytes
+        plan = memory.plan_cache(model.config, [len(p) for p in batch], NEW_TOKENS)
+        assert gen.stats["kv_cache_bytes"] == plan.allocated_bytes
 
 
 def test_cached_decoding_equals_recompute_past_ring_wraps(tmp_path_factory):

@@ -31,6 +31,18 @@ SINGLE = [[17, 3, 99, 41, 8, 150, 23, 64, 5, 77, 120, 31]]
 RAGGED = [[44, 9, 130, 2, 61], [7, 88, 19, 140, 33, 52, 101, 4, 66, 29, 150, 11, 93],
           [12, 5, 70, 143, 38, 26, 9, 81, 57]]
 
+
+def greedy_cases(single, ragged):
+    """The greedy parity cases: (the prompts transformers runs, the batch jaxkv runs). jaxkv runs the single prompt as
+    a batch of 4 copies of it (no row padded) and the ragged prompts as they are (left-padded, in a padded batch of
+    4): both cases run one compiled decode loop, each compared with transformers' own run of its prompts."""
+    return [(single, single * 4), (ragged, ragged)]
+
+
+def per_row(expected, batch):
+    """transformers' rows, one for each row of `batch` (which repeats its prompts in order)."""
+    return [expected[b % len(expected)] for b in range(len(batch))]
+
 LLAMA_LIKE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.25, rms_norm_eps=1e-6,
                   pad_token_id=PAD, eos_token_id=EOS, bos_token_id=BOS)
@@ -129,15 +141,15 @@ def test_logits_match(pair):
     np.testing.assert_allclose(jaxkv.logits(model, tokens), hf_logits(hf, tokens), atol=ATOL, rtol=0, err_msg=name)
 
 
-@pytest.mark.parametrize("prompts", [SINGLE, RAGGED], ids=["single", "ragged"])
-def test_greedy_generation_is_token_identical(pair, prompts):
+def test_greedy_generation_is_token_identical(pair):
+    """The single prompt and the ragged batch (`greedy_cases`), each against transformers' greedy tokens."""
     name, hf, model, _ = pair
-    expected = hf_greedy(hf, prompts)
-    got = jaxkv.generate(model, prompts, max_new_tokens=NEW_TOKENS, stop_tokens=[]).tokens
-    for b, row in enumerate(expected):
-        # A model stuck on one token would make equality meaningless.
-        assert len(set(row)) >= 8, f"{name}: HF output too repetitive to test anything: {row}"
-        assert got[b] == row, f"{name}, prompt {b}"
+    for prompts, batch in greedy_cases(SINGLE, RAGGED):
+        got = jaxkv.generate(model, batch, max_new_tokens=NEW_TOKENS, stop_tokens=[]).tokens
+        for b, row in enumerate(per_row(hf_greedy(hf, prompts), batch)):
+            # A model stuck on one token would make equality meaningless.
+            assert len(set(row)) >= 8, f"{name}: HF output too repetitive to test anything: {row}"
+            assert got[b] == row, f"{name}, {len(prompts)} prompt(s), row {b}"
 
 
 def test_paged_samples_are_token_identical_to_transformers(pair):
