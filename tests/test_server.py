@@ -184,6 +184,27 @@ def test_logprobs_match_the_model(client, model):
     assert lp.text_offset == list(np.cumsum([0] + [len(t) for t in lp.tokens[:-1]]))
 
 
+def test_streamed_logprobs_equal_the_whole_answers(client):
+    """Chunk by chunk, the logprobs lists add up to the non-streamed ones, text offsets included (they count from
+    the start of the answer, not of each chunk), with and without the prompt echoed in front."""
+    for echo in (False, True):
+        kwargs = dict(model="tiny-chat", prompt=PROMPT, max_tokens=12, temperature=0, logprobs=2, echo=echo)
+        whole = client.completions.create(**kwargs).choices[0]
+        parts = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        text = ""
+        for chunk in client.completions.create(stream=True, **kwargs):
+            for choice in chunk.choices:
+                text += choice.text
+                for key in parts:
+                    parts[key] += getattr(choice.logprobs, key) if choice.logprobs else []
+        assert text == whole.text
+        assert parts["tokens"] == whole.logprobs.tokens and len(parts["tokens"]) >= 12
+        assert parts["text_offset"] == whole.logprobs.text_offset
+        np.testing.assert_allclose(parts["token_logprobs"][echo:], whole.logprobs.token_logprobs[echo:], atol=1e-5)
+        tops = whole.logprobs.top_logprobs
+        assert [sorted(t) for t in parts["top_logprobs"][echo:]] == [sorted(t) for t in tops[echo:]]
+
+
 def test_echo_scores_the_prompt(url, model):
     """What evaluation harnesses send: echo, logprobs, max_tokens 0 -> the prompt's own log-probabilities."""
     r = httpx.post(url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=120,

@@ -71,6 +71,7 @@ class _Choice:
     tops: list = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    text_offset: int = 0  # streamed logprobs: where the next chunk's first token starts in the whole answer
 
 
 # --- requests in -------------------------------------------------------------------------------------------------
@@ -343,9 +344,13 @@ async def completions(request: Request) -> Response:
             head = None
             if whole and prompt_part is not None:
                 head = json.loads(json.dumps(prompt_part[p]))  # a copy: n choices share the prompt's part
-            offset = len(echoed[p]) if echoed else 0
+            # Offsets count from the start of the answer's text (after the echoed prompt), in a stream too: each
+            # chunk goes on where the last one ended, as the whole answer's offsets do.
+            offset = (len(echoed[p]) if echoed else 0) + (0 if whole else c.text_offset)
             logprobs = _completion_logprobs(state, c.tokens[first:], c.logprobs[first:], c.tops[first:],
-                                            c.prompt + c.tokens[:first], offset if whole else 0, head)
+                                            c.prompt + c.tokens[:first], offset, head)
+            if not whole:
+                c.text_offset += sum(len(piece) for piece in logprobs["tokens"])
         out = {"index": c.index, "text": text, "logprobs": logprobs,
                "finish_reason": c.finish_reason if c.finish_reason != "error" else None}
         if token_ids:
