@@ -97,7 +97,6 @@ class Attention(nn.Module):
         q_offset, k_scale, v_scale, ring = jnp.zeros((), jnp.int32), None, None, False
         window = cfg.layer_window(self.layer)
         if isinstance(cache, PagedKVCache):
-            _check_paged(cfg)
             out, cache = self._paged(q, k, v, cache, start, prefill, attention)
         elif cache is not None:
             q_offset = cache.length
@@ -139,10 +138,14 @@ class Attention(nn.Module):
 
         Prefill (an empty cache, right-padded prompts): the prompt attends over its own fresh K/V, causally, as
         for the contiguous cache; padding comes after every real token, so no real token sees it. Otherwise the
-        queries attend over their rows' pages, their own K/V included."""
+        queries attend over their rows' pages, their own K/V included. A layer that shares another's K/V
+        (`Config.kv_source`) writes nothing: in prefill k, v are its source's fresh K/V; otherwise it reads the
+        source layer's pools, which that layer (an earlier one) has already written for these tokens."""
         cfg = self.config
         scale, window = cfg.attention_scale, cfg.layer_window(self.layer)
-        cache = cache.write(self.layer, k, v, valid)
+        source = cfg.kv_source(self.layer)
+        if source == self.layer:
+            cache = cache.write(self.layer, k, v, valid)
         name = attention_impls.resolve(attention)
         if self.mesh is not None and name == "pallas":
             raise NotImplementedError("the Pallas paged kernel does not run on a mesh yet: use attention='xla'")
@@ -152,8 +155,8 @@ class Attention(nn.Module):
                                             sliding_window=window, softcap=cfg.attn_logit_softcap)
             return out, cache
         lengths = cache.lengths + jnp.sum(valid, axis=1, dtype=jnp.int32)  # this chunk's own slots included
-        k_scale, v_scale = cache.scales(self.layer)
-        pools = (cache.keys[self.layer], cache.values[self.layer], cache.page_table, lengths)
+        k_scale, v_scale = cache.scales(source)
+        pools = (cache.keys[source], cache.values[source], cache.page_table, lengths)
         if name == "pallas":
             if q.shape[1] != 1:
                 raise NotImplementedError("the Pallas paged kernel decodes one token per sequence; a longer chunk "
@@ -172,15 +175,6 @@ class Attention(nn.Module):
             out = fn(q, *pools, cache.positions(q.shape[1]), scale=scale, sliding_window=window,
                      k_scale=k_scale, v_scale=v_scale, softcap=cfg.attn_logit_softcap)
         return out, cache
-
-
-def _check_paged(config: Config):
-    """The paged cache holds one pool geometry for every layer and a pool per layer: a config with per-layer
-    head dims or KV heads, or with layers that share another's K/V (Gemma 4), is refused rather than run."""
-    if not config.uniform_kv:
-        raise NotImplementedError("the paged cache does not support per-layer KV geometry (global_head_dim, "
-                                  "global_kv_heads) or cross-layer K/V sharing (kv_shared_layers) yet (Gemma 4): "
-                                  "use the contiguous cache (n=1, no engine or prefix cache)")
 
 
 class Block(nn.Module):

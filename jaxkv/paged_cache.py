@@ -74,15 +74,13 @@ class PagedKVCache:
         `max_len` slots each (M = ceil(max_len / page_size) table entries); `dtype` one of CACHE_DTYPES (default
         config.dtype). An MLA config gets key pools only (`jaxkv.cache.zeroed_buffers`).
 
-        NotImplementedError for a config whose layers differ in KV geometry or share each other's K/V (Gemma 4:
-        `Config.uniform_kv` false): each pool here has one geometry for every layer, and a layer that reads
-        another's pools is not built."""
-        if not config.uniform_kv:
-            raise NotImplementedError("the paged cache does not support per-layer KV geometry (global_head_dim, "
-                                      "global_kv_heads) or cross-layer K/V sharing (kv_shared_layers) yet (Gemma 4): "
-                                      "use the contiguous cache (n=1, no engine or prefix cache)")
-        keys, values, key_scales, value_scales = zeroed_buffers(
-            config, (num_pages, config.n_kv_heads, page_size, config.head_dim), dtype)
+        Per-layer geometry (Gemma 4): each layer's pools have its own KV heads and head dim
+        (`Config.layer_kv_heads`, `layer_head_dim`); a layer that shares another's K/V (`Config.kv_source`) gets
+        an empty [0, K, page_size, H] placeholder (no bytes) and reads its source layer's pools. One page table
+        serves every layer: a page index names the same token slots in every pool."""
+        keys, values, key_scales, value_scales = zeroed_buffers(config, [
+            (num_pages if config.stores_kv(layer) else 0, config.layer_kv_heads(layer), page_size,
+             config.layer_head_dim(layer)) for layer in range(config.n_layers)], dtype)
         M = -(-max_len // page_size)
         return cls(keys=keys, values=values, page_table=jnp.full((batch, M), NO_PAGE, jnp.int32),
                    lengths=jnp.zeros((batch,), jnp.int32), refcounts=jnp.zeros((num_pages,), jnp.int32),
@@ -240,7 +238,9 @@ class PagedKVCache:
         got = fresh < P
         src = jnp.where(got, last, P)
 
-        def copy(pool):  # pool[fresh[b]] = pool[last[b]] for the copying rows
+        def copy(pool):  # pool[fresh[b]] = pool[last[b]] for the copying rows; a sharing layer's placeholder: none
+            if pool.shape[0] == 0:
+                return pool
             return pool.at[fresh].set(pool[jnp.clip(src, 0, P - 1)], mode="drop")
 
         keys, values = tuple(map(copy, self.keys)), tuple(map(copy, self.values))

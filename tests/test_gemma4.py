@@ -28,6 +28,7 @@ from jaxkv import memory, sharding  # noqa: E402
 from jaxkv.checkpoint import config_from_dict, config_to_dict  # noqa: E402
 from jaxkv.checkpoint_hf import config_from_hf  # noqa: E402
 from jaxkv.config import ProportionalRope  # noqa: E402
+from jaxkv.paged_cache import PagedKVCache  # noqa: E402
 from test_hf_parity import (ATOL, BOS, EOS, MIN_MARGIN, NEW_TOKENS, PAD, assert_clear_margins,  # noqa: E402
                             greedy_cases, hf_greedy, hf_logits, per_row, saved_and_loaded)
 
@@ -302,10 +303,67 @@ def test_release_style_config():
     assert cfg.kv_shared_ffn_dim is None and cfg.tie_embeddings
 
 
-def test_paged_and_mesh_are_refused(tmp_path_factory):
+def test_paged_pools_follow_each_layers_geometry(tmp_path_factory):
+    """One pool per storing layer in its own geometry (sliding: 2 KV heads of 16; full: 1 of 32); the sharing
+    layers hold an empty placeholder; the pool's bytes equal the planner's and a figure by hand."""
     _, model, _ = loaded("gemma4-text", tmp_path_factory)
-    with pytest.raises(NotImplementedError, match="paged cache"):
-        jaxkv.generate(model, SINGLE, max_new_tokens=4, stop_tokens=[], n=2)
+    cache = PagedKVCache.allocate(model.config, 2, num_pages=10, page_size=4, max_len=40)
+    assert [k.shape for k in cache.keys] == [(10, 2, 4, 16), (10, 1, 4, 32)] * 2 + [(0, 2, 4, 16), (0, 1, 4, 32)]
+    assert [v.shape for v in cache.values] == [k.shape for k in cache.keys]
+    assert cache.nbytes() == memory.pool_bytes(model.config, num_pages=10, page_size=4) == 10 * 4 * 2 * 2 * (
+        2 * 16 + 1 * 32) * 4  # pages x slots x (K and V) x 2 layers of each kind x K x H x float32
+
+
+def test_paged_samples_are_token_identical_to_transformers(tmp_path_factory):
+    """n > 1 on the paged cache: the sharing layers read their source layers' pages (written earlier in the same
+    step); 2 greedy samples of each ragged prompt equal transformers' greedy output; page size 5 divides none of
+    the prompt lengths, and the prompts outgrow the window of 8."""
+    hf, model, _ = loaded("gemma4-text", tmp_path_factory)
+    expected = hf_greedy(hf, RAGGED)
+    got = jaxkv.generate(model, RAGGED, max_new_tokens=NEW_TOKENS, stop_tokens=[], n=2, page_size=5)
+    assert got.tokens == [row for row in expected for _ in range(2)]
+    # The pallas paged kernel (interpreted here) reads the same pools, per-layer head dims included.
+    pallas = jaxkv.generate(model, RAGGED[:1], max_new_tokens=8, stop_tokens=[], n=2, page_size=5,
+                            attention="pallas")
+    assert pallas.tokens == [expected[0][:8]] * 2
+
+
+def test_engine_and_prefix_cache_serve_gemma4(tmp_path_factory):
+    """The engine's chunked prefill (chunks of 4 attend over the pages, not over fresh K/V) and a prefix cache hit
+    (the sharing layers read the cached pages of their source layers) give transformers' greedy tokens."""
+    hf, model, _ = loaded("gemma4-text", tmp_path_factory)
+    shared = RAGGED[1][:12]
+    prompts = [RAGGED[0], RAGGED[2], shared + [9, 31]]
+    expected = hf_greedy(hf, prompts)
+    pc = jaxkv.PrefixCache(model, num_pages=64, page_size=4)
+    engine = jaxkv.Engine(model, slots=2, max_len=64, page_size=4, prefill_chunk=4, decode_widths=[2],
+                          prefix_cache=pc)
+    first = engine.generate([dict(prompt=p, max_new_tokens=16, stop_tokens=[]) for p in prompts])
+    assert [r.tokens for r in first] == [row[:16] for row in expected]
+    again = engine.generate([dict(prompt=shared + [9, 31], max_new_tokens=16, stop_tokens=[])])
+    assert again[0].tokens == expected[2][:16]
+    assert engine.stats["prefix_hit_tokens"] >= 12
+    assert engine.held_pages() == 0 and engine.free_pages == engine.num_pages - pc.cached_pages > 0
+
+
+def test_beam_search_equals_transformers(tmp_path_factory):
+    from test_beam_search import NEW, hf_beam_search
+
+    hf, model, _ = loaded("gemma4-text", tmp_path_factory)
+    stops = [hf_greedy(hf, RAGGED[:1])[0][5]]
+    want = hf_beam_search(hf, RAGGED[:2], stops, num_beams=3, length_penalty=1.0, early_stopping=False,
+                          num_return_sequences=2)
+    got = jaxkv.beam_search(model, RAGGED[:2], num_beams=3, max_new_tokens=NEW, num_return_sequences=2,
+                            stop_tokens=stops, page_size=4)
+    assert got.tokens == [[tokens for tokens, _ in hyps] for hyps in want]
+    for hyps, want_hyps in zip(got, want):
+        for h, (_, score) in zip(hyps, want_hyps):
+            assert abs(h.score - score) < 1e-4  # float32 sums of log-probabilities, as test_beam_search
+    assert got.stats["pages_in_use_end"] == 0
+
+
+def test_mesh_is_refused(tmp_path_factory):
+    _, model, _ = loaded("gemma4-text", tmp_path_factory)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
     with pytest.raises(ValueError, match="global_head_dim"):
         sharding.check_config(model.config, mesh)
