@@ -114,8 +114,8 @@ unless `load_hf(..., dtype=...)` casts them; Config.dtype always records the par
 
 Gemma and Qwen3 configs are read as transformers 5.24 reads them (`_gemma_fields`, `_llama_family_fields`):
   - per-layer attention: `layer_types` ("sliding_attention" / "full_attention"), else transformers' default:
-    Gemma 2 alternates (sliding first), Gemma 3 has every `sliding_window_pattern`-th (6) layer full, Qwen3 slides
-    the layers >= max_window_layers when use_sliding_window is set. All-alike layers map to Config.layer_types
+    Gemma 2 alternates (sliding first), Gemma 3 has every `sliding_window_pattern`-th (6) layer full, Qwen2 and
+    Qwen3 slide the layers >= max_window_layers when use_sliding_window is set. All-alike layers map to Config.layer_types
     None; `sliding_window` maps unchanged (see the Mistral note in `_llama_family_fields`).
   - Gemma 3's rope per layer type (`rope_parameters.full_attention` / `.sliding_attention`, or 4.x's rope_theta,
     rope_local_base_freq and rope_scaling, the last for the full layers only): the full layers' base and scaling
@@ -395,7 +395,8 @@ def _llama_family_fields(f: _Fields, arch: str) -> dict:
         kwargs["mlp_bias"] = f.bool("mlp_bias", False)
     elif arch == QWEN2:
         kwargs["qkv_bias"] = True  # Qwen2 always has q/k/v biases and never an o_proj bias
-        kwargs["sliding_window"] = _qwen2_window(f, kwargs["n_layers"])
+        # Its sliding layers (use_sliding_window: the layers >= max_window_layers) may mix with full ones, as Qwen3's.
+        kwargs["layer_types"], kwargs["sliding_window"] = _jaxkv_layer_types(*_qwen_layer_types(f, kwargs["n_layers"]))
     elif arch == QWEN3:
         # Qwen3: Llama plus an RMS norm over each query and key head (q_norm / k_norm, before the rotation);
         # attention_bias covers q, k, v and o. Its sliding layers (use_sliding_window) may mix with full ones.
@@ -449,15 +450,6 @@ def _jaxkv_layer_types(types: list[str], window: int | None) -> tuple[tuple[str,
     if sliding == {True}:
         return None, window
     return tuple(types), window
-
-
-def _qwen2_window(f: _Fields, n_layers: int) -> int | None:
-    """Qwen2's sliding window: one window for every layer or none; per-layer mixes are refused."""
-    types, window = _qwen_layer_types(f, n_layers)
-    if {t == "sliding_attention" for t in types} == {True, False}:
-        f.fail("layer_types", "mixes sliding and full attention layers (see max_window_layers); jaxkv supports "
-                              "one sliding window for all layers only")
-    return _jaxkv_layer_types(types, window)[1]
 
 
 def _rope(f: _Fields, max_positions: int, *,

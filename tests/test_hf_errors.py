@@ -393,11 +393,11 @@ def qwen2_config(**changes):
     return dict(LLAMA_CONFIG, architectures=["Qwen2ForCausalLM"], model_type="qwen2", **changes)
 
 
-def test_qwen2_mixed_sliding_layers_refused():
-    """transformers slides only layers >= max_window_layers; jaxkv has one window for all layers."""
-    with pytest.raises(ValueError, match=r"field 'layer_types' mixes sliding and full attention"):
-        config_from_hf(qwen2_config(use_sliding_window=True, sliding_window=8, max_window_layers=1),
-                       source="config.json")
+def test_qwen2_mixed_sliding_layers_map_to_layer_types():
+    """transformers slides only the layers >= max_window_layers (with use_sliding_window): per-layer types."""
+    config = config_from_hf(qwen2_config(use_sliding_window=True, sliding_window=8, max_window_layers=1),
+                            source="config.json")
+    assert (config.layer_types, config.sliding_window) == (("full_attention", "sliding_attention"), 8)
 
 
 def test_qwen2_window_only_when_enabled():

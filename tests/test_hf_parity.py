@@ -235,6 +235,24 @@ def test_qwen2_sliding_window_on_every_layer(tmp_path):
     np.testing.assert_allclose(jaxkv.logits(model, tokens), hf_logits(hf, tokens), atol=ATOL, rtol=0)
 
 
+def test_qwen2_sliding_layers_after_max_window_layers(tmp_path):
+    """use_sliding_window with max_window_layers=2 of 4: the first two layers attend over everything, the last two
+    over a window of 8 (per-layer types); logits and 24 greedy tokens (ragged, contiguous and paged) ==
+    transformers'."""
+    hf = build_hf("Qwen2Config", dict(LLAMA_LIKE, num_hidden_layers=4, use_sliding_window=True, sliding_window=8,
+                                      max_window_layers=2))
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    model = load_hf(tmp_path)
+    assert model.config.layer_types == ("full_attention",) * 2 + ("sliding_attention",) * 2
+    tokens = np.random.default_rng(2).integers(0, VOCAB, (1, 30))
+    np.testing.assert_allclose(jaxkv.logits(model, tokens), hf_logits(hf, tokens), atol=ATOL, rtol=0)
+    expected = hf_greedy(hf, RAGGED, 24)
+    assert_clear_margins(hf, RAGGED, expected, "qwen2-mixed", MIN_MARGIN)
+    assert jaxkv.generate(model, RAGGED, max_new_tokens=24, stop_tokens=[]).tokens == expected
+    paged = jaxkv.generate(model, RAGGED, max_new_tokens=24, stop_tokens=[], n=2, page_size=5).tokens
+    assert paged == [row for row in expected for _ in range(2)]
+
+
 def test_dtype_cast_and_half_precision_checkpoints(tmp_path):
     hf = build_hf(*CASES["llama-tied"])
     hf.save_pretrained(tmp_path / "f32", safe_serialization=True)
