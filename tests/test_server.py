@@ -50,10 +50,12 @@ def chat_model_dir(root: pathlib.Path) -> pathlib.Path:
     return directory
 
 
-def start_server(args, timeout=180.0):
-    """Starts `jaxkv serve ARGS --port 0` -> (process, base URL), once it prints its listening line."""
+def start_server(args, timeout=180.0, env=None):
+    """Starts `jaxkv serve ARGS --port 0` -> (process, base URL), once it prints its listening line; `env`: extra
+    environment variables."""
     proc = subprocess.Popen([sys.executable, "-m", "jaxkv.cli", "serve", "--port", "0", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=None if env is None else {**os.environ, **env})
     lines, found = [], []
 
     def read():
@@ -62,6 +64,7 @@ def start_server(args, timeout=180.0):
             m = re.search(r"listening on (http://\S+)", line)
             if m:
                 found.append(m.group(1))
+                proc.ready_line = line
                 return
 
     reader = threading.Thread(target=read, daemon=True)

@@ -175,3 +175,29 @@ def test_sigint_lets_the_stream_finish_and_exits_0():
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_tensor_parallel_server_answers_as_generate():
+    """--tensor-parallel-size 2 on two (forced host) devices: weights and pools split over "model"; greedy text
+    equals `jaxkv.generate` on one device; the ready line says the prefix cache is off. More devices than there
+    are is one line, status 2."""
+    import httpx
+
+    from test_server import start_server
+
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    proc, url = start_server(["--model", "tiny", "--slots", "2", "--max-len", "128", "--tensor-parallel-size", "2"],
+                             env=env)
+    try:
+        assert "split over 2 devices, prefix cache off (not supported on a mesh yet)" in proc.ready_line
+        prompt = "Once upon a time"
+        r = httpx.post(url + "/v1/completions", timeout=120,
+                       json={"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0})
+        assert r.status_code == 200, r.text
+        want = jaxkv.generate(jaxkv.load("tiny"), [prompt], max_new_tokens=16).text[0]
+        assert r.json()["choices"][0]["text"] == want
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0
+    r = run_serve("--model", "tiny", "--tensor-parallel-size", "64", "--port", "0")
+    assert r.returncode == 2 and "needs that many devices" in r.stderr and "Traceback" not in r.stderr

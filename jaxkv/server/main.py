@@ -3,7 +3,7 @@
   jaxkv serve [--model PATH|tiny | --preset NAME] [--host 127.0.0.1] [--port 8000] [--slots N] [--max-len N]
               [--cache-dtype D] [--page-size P] [--api-key KEY] [--served-model-name NAME] [--dtype D]
               [--num-pages N] [--max-waiting N] [--no-prefix-cache] [--steps-per-dispatch K]
-              [--prefill-chunk C] [--shutdown-timeout S] [--log-level L]
+              [--prefill-chunk C] [--tensor-parallel-size N] [--shutdown-timeout S] [--log-level L]
 
 Needs the serve extra (`pip install "jaxkv[serve]"`: Starlette and uvicorn). Order of work, so that mistakes
 cost nothing: flags are checked and the port is bound before JAX is imported (a taken port or a bad flag is one
@@ -14,6 +14,10 @@ compile. `--port 0` takes a free port; the "listening on" line on stdout names i
 SIGINT or SIGTERM stops accepting connections, lets in-flight requests finish for up to --shutdown-timeout
 seconds, cancels the rest (their slots and pages freed), stops the engine thread and exits with status 0. A
 second SIGINT exits at once.
+
+`--tensor-parallel-size N` splits the weights (Megatron-style: heads and FFN widths) and the page pools (over KV
+heads) across the first N devices, as `jaxkv.Engine(mesh=...)` does on a ("data", "model") mesh of 1 x N. The
+prefix cache does not run on a mesh yet: it is off then, and the ready line says so.
 """
 
 from __future__ import annotations
@@ -63,6 +67,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefix-cache", action="store_true", help="do not keep prompt pages for later requests")
     p.add_argument("--steps-per-dispatch", type=int, default=8, help="decode steps per engine dispatch")
     p.add_argument("--prefill-chunk", type=int, default=128, help="prompt tokens per prefill chunk")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="devices the weights and KV cache are split over (heads and FFN widths); the prefix "
+                        "cache is off when > 1")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests may take to finish after SIGINT/SIGTERM before being cancelled")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
@@ -71,7 +78,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def check(args):
-    for name in ("slots", "page_size", "max_waiting", "steps_per_dispatch", "prefill_chunk"):
+    for name in ("slots", "page_size", "max_waiting", "steps_per_dispatch", "prefill_chunk", "tensor_parallel_size"):
         checks.check_int(f"--{name.replace('_', '-')}", getattr(args, name), 1 if name != "max_waiting" else 0)
     checks.check_int("--port", args.port, 0, 65535)
     if args.max_len is not None:
@@ -109,8 +116,10 @@ def _listen(host: str, port: int) -> socket.socket:
 
 def build(args):
     """The model, engine and app state for checked `args` (imports JAX) -> (state, engine)."""
+    import numpy as np
+
     import jaxkv
-    from jaxkv import checkpoint
+    from jaxkv import checkpoint, sharding
     from jaxkv.chat_template import ChatTemplate
     from jaxkv.server.app import ServerState
     from jaxkv.server.worker import EngineWorker
@@ -130,19 +139,30 @@ def build(args):
         directory = checkpoint.TINY_DIR if source == "tiny" else source
         name = "tiny" if source == "tiny" else os.path.basename(os.path.normpath(source))
     config = model.config
+    mesh = None
+    if args.tensor_parallel_size > 1:
+        import jax
+
+        if jax.device_count() < args.tensor_parallel_size:
+            raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size} needs that many devices; "
+                             f"{jax.device_count()} found ({jax.devices()[0].platform})")
+        devices = jax.devices()[:args.tensor_parallel_size]
+        mesh = jax.sharding.Mesh(np.asarray(devices).reshape(1, -1), ("data", "model"))
+        sharding.check_config(config, mesh)  # heads and FFN widths must divide over N: a clear error, before compute
     max_len = min(config.max_positions, 2048) if args.max_len is None else args.max_len
     if max_len > config.max_positions:
         raise ValueError(f"--max-len {max_len} exceeds the model's max positions ({config.max_positions})")
     per_sequence = -(-max_len // args.page_size)
     num_pages = args.num_pages or args.slots * per_sequence + max(per_sequence, args.slots * per_sequence // 4)
     prefix_cache = None
-    if not args.no_prefix_cache:
+    if not args.no_prefix_cache and mesh is None:
         prefix_cache = jaxkv.PrefixCache(model, num_pages=num_pages, page_size=args.page_size,
                                          cache_dtype=args.cache_dtype)
     engine = jaxkv.Engine(model, slots=args.slots, max_len=max_len, page_size=args.page_size,
                           cache_dtype=args.cache_dtype, prefix_cache=prefix_cache,
                           num_pages=None if prefix_cache is not None else num_pages,
-                          steps_per_dispatch=args.steps_per_dispatch, prefill_chunk=args.prefill_chunk)
+                          steps_per_dispatch=args.steps_per_dispatch, prefill_chunk=args.prefill_chunk,
+                          mesh=mesh)
     engine.warm_up()  # compiles every engine program (each decode width) before the first client
     worker = EngineWorker(engine, max_waiting=args.max_waiting)
     aliases = {args.model} if args.model else set()
@@ -200,9 +220,13 @@ def main(argv=None) -> int:
     async def lifespan(app):
         state.worker.start()
         template = "chat template" if state.chat_template is not None else "no chat template"
+        split = ""
+        if engine.mesh is not None:
+            split = (f"; split over {engine.mesh.devices.size} devices, prefix cache off"
+                     + (" (not supported on a mesh yet)" if not args.no_prefix_cache else ""))
         print(f"jaxkv serve: {state.model_name} ({template}; {engine.slots} slots, max_len {state.max_len}, "
-              f"{engine.num_pages} pages of {engine.page_size}) ready in {time.perf_counter() - started:.1f} s; "
-              f"listening on http://{host}:{port}", flush=True)
+              f"{engine.num_pages} pages of {engine.page_size}{split}) ready in "
+              f"{time.perf_counter() - started:.1f} s; listening on http://{host}:{port}", flush=True)
         try:
             yield
         finally:
