@@ -146,18 +146,14 @@ def sharded_kv_heads(config: Config, mesh: Mesh) -> int:
 
 
 def check_config(config: Config, mesh: Mesh) -> Config:
-    """The config to run with on `mesh` (n_kv_heads = `sharded_kv_heads`), or ValueError when the query heads or
-    an FFN hidden width (the dense FFN's where a layer has one, each expert's) do not divide over the model
-    axis. A config with Gemma 4's per-layer pieces (per-layer KV geometry, cross-layer K/V sharing, per-layer
-    inputs, a per-layer scalar) is refused: their parameters and caches have no sharding specs yet."""
-    gemma4 = {"global_head_dim": config.global_head_dim, "global_kv_heads": config.global_kv_heads,
-              "kv_shared_layers": config.kv_shared_layers or None, "per_layer_input_dim": config.per_layer_input_dim,
-              "kv_shared_ffn_dim": config.kv_shared_ffn_dim, "layer_scalar": config.layer_scalar or None,
-              "global_values_from_keys": config.global_values_from_keys or None}
-    unsupported = [name for name, value in gemma4.items() if value is not None]
-    if unsupported:
-        raise ValueError(f"sharding over a mesh does not support {', '.join(unsupported)} yet (Gemma 4's per-layer "
-                         f"geometry and inputs): run on one device")
+    """The config to run with on `mesh` (n_kv_heads, and global_kv_heads where set, = `sharded_kv_heads`), or
+    ValueError when the query heads or an FFN hidden width (the dense FFN's where a layer has one, each expert's,
+    the K/V-sharing layers' own) do not divide over the model axis.
+
+    Gemma 4's per-layer pieces shard as the rest: each layer's KV heads (its own count and head dim) over "model",
+    repeated per layer where the axis does not divide them; the K/V-sharing layers hold no cache and read their
+    source layer's shard (same heads, same devices); the per-layer input tables and projections and the layer
+    scalars are replicated (small next to the layers)."""
     M = model_size(mesh)
     widths = {"n_heads": config.n_heads}
     moe = config.moe
@@ -165,10 +161,16 @@ def check_config(config: Config, mesh: Mesh) -> Config:
         widths["ffn_dim"] = config.ffn_dim
     if moe is not None and any(moe.is_moe_layer(layer) for layer in range(config.n_layers)):
         widths["moe.moe_ffn_dim"] = moe.moe_ffn_dim  # the shared experts' J = n_shared_experts x I divides too
+    if config.kv_shared_ffn_dim is not None:
+        widths["kv_shared_ffn_dim"] = config.kv_shared_ffn_dim
     for name, width in widths.items():
         if width % M:
             raise ValueError(f"{name} ({width}) must be divisible by the mesh's 'model' axis ({M})")
-    return config.replace(n_kv_heads=sharded_kv_heads(config, mesh))
+    changes = {"n_kv_heads": sharded_kv_heads(config, mesh)}
+    if config.global_kv_heads is not None:
+        K = config.global_kv_heads
+        changes["global_kv_heads"] = K if K % M == 0 else math.lcm(K, M)
+    return config.replace(**changes)
 
 
 def _in_out_names(config: Config) -> frozenset[str]:
@@ -230,18 +232,23 @@ def constrain_cache(cache, mesh: Mesh):
     return jax.lax.with_sharding_constraint(cache, shardings)
 
 
-def replicate_kv_heads(params, config: Config, kv_heads: int):
-    """Params whose wk, wv (and biases) are repeated along the KV-head axis from config.n_kv_heads to `kv_heads`
-    (module docstring: the attention is unchanged). Host-side numpy; returns a new tree."""
-    r = kv_heads // config.n_kv_heads
-    if r == 1:
+def replicate_kv_heads(params, config: Config, run_config: Config | int):
+    """Params whose wk, wv (and biases) are repeated along the KV-head axis from each layer's KV heads in `config`
+    to its KV heads in `run_config` (`check_config`; an int: n_kv_heads to repeat to; module docstring: the
+    attention is unchanged). Host-side numpy; returns a new tree."""
+    if isinstance(run_config, int):
+        run_config = config.replace(n_kv_heads=run_config)
+    repeats = {f"layer_{layer}": run_config.layer_kv_heads(layer) // config.layer_kv_heads(layer)
+               for layer in range(config.n_layers)}
+    if set(repeats.values()) == {1}:
         return params
 
     in_out = in_out_names(config)
 
     def repeat(path, x):
         name = path[-1].key
-        if name in ("wk", "wv", "wk_bias", "wv_bias"):  # KV heads: axis 0 of [K, H, D] and of the biases [K, H]
+        r = next((repeats[k.key] for k in path if getattr(k, "key", None) in repeats), 1)
+        if name in ("wk", "wv", "wk_bias", "wv_bias") and r > 1:  # KV heads: axis 0 of [K, H, D] and biases [K, H]
             return np.repeat(np.asarray(x), r, axis=OUT_IN_ORDER[name].index(0) if name in in_out else 0)
         return x
 
@@ -264,7 +271,7 @@ def shard_params(params, config: Config, mesh: Mesh):
     """(params as global arrays sharded over `mesh`, the config to run them with). See the module docstring."""
     mesh = check_mesh(mesh)
     sharded_config = check_config(config, mesh)
-    params = replicate_kv_heads(params, config, sharded_config.n_kv_heads)
+    params = replicate_kv_heads(params, config, sharded_config)
     return jax.tree.map(global_array, params, param_shardings(params, mesh, config)), sharded_config
 
 

@@ -362,8 +362,34 @@ def test_beam_search_equals_transformers(tmp_path_factory):
     assert got.stats["pages_in_use_end"] == 0
 
 
-def test_mesh_is_refused(tmp_path_factory):
+@pytest.mark.parametrize("shape", [(1, 2), (2, 4)])
+def test_mesh_generation_is_token_identical(tmp_path_factory, shape):
+    """On ("data", "model") meshes of the 8 host devices: the sliding layers' 2 KV heads and the full layers' 1 are
+    each split over "model" (repeated to 2 and 4 where it does not divide them), the sharing layers read their
+    source's shard; greedy tokens of the ragged batch == transformers'."""
+    hf, model, _ = loaded("gemma4-text", tmp_path_factory)
+    mesh = jax.make_mesh(shape, ("data", "model"))
+    run = sharding.check_config(model.config, mesh)
+    assert (run.n_kv_heads, run.global_kv_heads) == (max(2, shape[1]), shape[1])
+    expected = hf_greedy(hf, RAGGED, 16)
+    got = jaxkv.generate(model, RAGGED, max_new_tokens=16, stop_tokens=[], mesh=mesh)
+    assert got.tokens == expected
+
+
+def test_engine_on_a_mesh_is_token_identical(tmp_path_factory):
+    """The paged pools on a 1 x 4 mesh: each storing layer's pool split over its KV heads (repeated to 4), the
+    sharing layers' placeholders too; the engine's greedy tokens == transformers'."""
+    hf, model, _ = loaded("gemma4-text", tmp_path_factory)
+    expected = hf_greedy(hf, RAGGED, 16)
+    engine = jaxkv.Engine(model, slots=2, max_len=64, page_size=4, prefill_chunk=8, decode_widths=[2],
+                          mesh=jax.make_mesh((1, 4), ("data", "model")))
+    got = engine.generate([dict(prompt=p, max_new_tokens=16, stop_tokens=[]) for p in RAGGED])
+    assert [r.tokens for r in got] == expected
+    assert engine.held_pages() == 0
+
+
+def test_mesh_needs_the_sharing_layers_ffn_to_divide(tmp_path_factory):
     _, model, _ = loaded("gemma4-text", tmp_path_factory)
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
-    with pytest.raises(ValueError, match="global_head_dim"):
-        sharding.check_config(model.config, mesh)
+    mesh = jax.make_mesh((1, 8), ("data", "model"))
+    with pytest.raises(ValueError, match=r"kv_shared_ffn_dim \(196\) must be divisible by the mesh's 'model' axis"):
+        sharding.check_config(model.config.replace(n_heads=8, kv_shared_ffn_dim=196), mesh)
