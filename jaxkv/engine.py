@@ -147,7 +147,8 @@ class Engine:
         short. While requests are in flight the engine holds the pool (a `generate` call on it is refused).
       mesh: a ("data", "model") `jax.sharding.Mesh` with data 1: weights split Megatron-style over "model" as for
         `generate`, the page pools over KV heads (`sharding.paged_cache_shardings`), the page tables and the
-        per-slot state on every device. XLA attention; no prefix_cache yet.
+        per-slot state on every device. XLA attention. A prefix_cache must be built for the same mesh
+        (`jaxkv.PrefixCache(..., mesh=mesh)`: its pool split as the engine's).
       num_pages: pages in the pool (default: every slot at max_len; `jaxkv.memory.pool_bytes` gives the bytes).
         A request is admitted only when its worst case fits beside the worst cases of those admitted (the others
         wait, in order), so a smaller pool trades throughput for memory, never correctness. With a prefix_cache
@@ -177,8 +178,6 @@ class Engine:
             if sharding.data_size(self.mesh) != 1:
                 raise ValueError("the engine splits heads and FFN over the mesh's 'model' axis; its 'data' axis must "
                                  "be 1 (sequences anywhere share the one page pool): run one engine per data shard")
-            if prefix_cache is not None:
-                raise ValueError("prefix_cache with a mesh is not supported yet")
             if attention not in (None, "auto", "xla"):
                 raise ValueError("on a mesh the engine decodes with XLA attention (the Pallas paged kernel does not "
                                  "run on a mesh yet): pass attention='xla' or leave it unset")
@@ -197,7 +196,7 @@ class Engine:
             if num_pages is not None:
                 raise ValueError("pass num_pages or prefix_cache, not both: the engine runs in the prefix cache's pool")
             page_size = prefix_cache.page_size if page_size is None else page_size
-            prefix_cache.check(model, self.cache_dtype, checks.check_int("page_size", page_size, 1))
+            prefix_cache.check(model, self.cache_dtype, checks.check_int("page_size", page_size, 1), self.mesh)
         self.page_size = checks.check_int("page_size", memory.DEFAULT_PAGE_SIZE if page_size is None else page_size, 1)
         self.max_pages = -(-self.max_len // self.page_size)  # M
         if prefix_cache is not None:

@@ -61,10 +61,14 @@ class PrefixCache:
         the model's max positions.
       page_size: token slots per page; prefixes match in whole pages of this many tokens.
       cache_dtype: the pool's dtype (default: the model's), one of `jaxkv.cache.CACHE_DTYPES`.
+      mesh: for a `jaxkv.Engine` on a ("data", "model") mesh (data 1): the pool is allocated as that engine's is,
+        split over KV heads on "model" (repeated where the axis does not divide them, `jaxkv.sharding`). Such a
+        cache serves engines on that mesh only (`jaxkv.generate` does not run the paged cache on a mesh).
     """
 
     def __init__(self, model, *, num_pages: int | None = None, page_size: int = memory.DEFAULT_PAGE_SIZE,
-                 cache_dtype=None):
+                 cache_dtype=None, mesh=None):
+        from jaxkv import sharding
         from jaxkv.model import Model
 
         if not isinstance(model, Model):
@@ -75,18 +79,30 @@ class PrefixCache:
             num_pages = 4 * -(-model.config.max_positions // self.page_size)
         self.num_pages = checks.check_int("num_pages", num_pages, 1)
         self.cache_dtype = check_cache_dtype(model.config.dtype if cache_dtype is None else cache_dtype)
-        empty = PagedKVCache.allocate(model.config, 1, num_pages=num_pages, page_size=page_size, max_len=page_size,
+        self.mesh = None if mesh is None else sharding.check_mesh(mesh)
+        run_config = model.config if mesh is None else sharding.check_config(model.config, self.mesh)
+        empty = PagedKVCache.allocate(run_config, 1, num_pages=num_pages, page_size=page_size, max_len=page_size,
                                       dtype=self.cache_dtype)
-        # Committed to the device, as the pool is once a program has returned it: jit keys on committedness, so
-        # fresh arrays here would make every program compile twice (first use, then every later one).
-        self._pools = _Pools.of(jax.device_put(empty, jax.local_devices()[0]))
+        if self.mesh is not None:  # as the engine places its pool: split over KV heads, the rest replicated
+            empty = jax.device_put(empty, sharding.paged_cache_shardings(empty, self.mesh))
+        else:
+            # Committed to the device, as the pool is once a program has returned it: jit keys on committedness,
+            # so fresh arrays here would make every program compile twice (first use, then every later one).
+            empty = jax.device_put(empty, jax.local_devices()[0])
+        self._pools = _Pools.of(empty)
         self._index: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # key -> page, LRU first
         self.lent_to = None  # the `jaxkv.Engine` running in this pool now, if any (it holds the pool meanwhile)
 
     # --- what generate asks of it -------------------------------------------------------------------------------
 
-    def check(self, model, cache_dtype: str, page_size: int):
-        """ValueError unless `model`, `cache_dtype` and `page_size` are the ones this cache was built for."""
+    def check(self, model, cache_dtype: str, page_size: int, mesh=None):
+        """ValueError unless `model`, `cache_dtype`, `page_size` and `mesh` are the ones this cache was built for."""
+        if (mesh is None) != (self.mesh is None) or (mesh is not None and mesh.devices.tolist()
+                                                     != self.mesh.devices.tolist()):
+            raise ValueError("this PrefixCache's pool is laid out for " + (
+                "one device" if self.mesh is None else f"a mesh of {self.mesh.devices.size} devices") + (
+                "; the call runs on one device" if mesh is None else "; the call runs on another mesh") +
+                ": build it with jaxkv.PrefixCache(..., mesh=) of the engine's mesh")
         if self.lent_to is not None:
             raise ValueError("this PrefixCache's pool is in use by a jaxkv.Engine with requests in flight: finish "
                              "them (engine.results()) first")

@@ -328,6 +328,28 @@ def test_readme_engine_example_runs():
     assert results[0].tokens == want.tokens[0] and results[0].text == want.text[0]
 
 
+def test_on_a_mesh_a_prefix_cache_built_for_it_is_shared():
+    """A PrefixCache(mesh=) pool split over KV heads (2 repeated to 4 on a 4-way axis): the second request reuses
+    the first's prompt pages, and each request's tokens equal generate of it alone on one device. A prefix cache
+    laid out for one device is refused on a mesh (and the reverse), before any compute."""
+    model = model_for("gqa")
+    mesh = jax.make_mesh((1, 4), ("data", "model"))
+    pc = jaxkv.PrefixCache(model, num_pages=48, page_size=8, mesh=mesh)
+    assert pc._pools.keys[0].shape[1] == 4 and len(pc._pools.keys[0].sharding.device_set) == 4
+    engine = Engine(model, slots=2, max_len=64, page_size=8, mesh=mesh, prefix_cache=pc, decode_widths=[2])
+    header = list(range(3, 27))  # three whole pages
+    for tail in ([40, 41], [50]):
+        got = engine.generate([header + tail], max_new_tokens=6, stop_tokens=[])[0]
+        assert got.tokens == alone(model, header + tail, 6).tokens[0]
+    assert engine.stats["prefix_hit_tokens"] == 24
+    assert engine.held_pages() == 0 and pc.cached_pages >= 3
+    with pytest.raises(ValueError, match="laid out for a mesh of 4 devices; the call runs on one device"):
+        Engine(model, slots=2, max_len=64, page_size=8, prefix_cache=pc)
+    with pytest.raises(ValueError, match="laid out for one device; the call runs on another mesh"):
+        Engine(model, slots=2, max_len=64, page_size=8, mesh=mesh,
+               prefix_cache=jaxkv.PrefixCache(model, num_pages=48, page_size=8))
+
+
 @pytest.mark.parametrize("model_axis", [2, 4])
 def test_on_a_mesh_the_pools_split_over_kv_heads_and_tokens_are_unchanged(model_axis):
     """Weights over "model" (Megatron), page pools over KV heads (2 heads repeated to 4 for a 4-way axis), the

@@ -178,9 +178,9 @@ def test_sigint_lets_the_stream_finish_and_exits_0():
 
 
 def test_tensor_parallel_server_answers_as_generate():
-    """--tensor-parallel-size 2 on two (forced host) devices: weights and pools split over "model"; greedy text
-    equals `jaxkv.generate` on one device; the ready line says the prefix cache is off. More devices than there
-    are is one line, status 2."""
+    """--tensor-parallel-size 2 on two (forced host) devices: weights and pools (the prefix cache's too) split over
+    "model"; greedy text equals `jaxkv.generate` on one device, a shared prompt hits the prefix cache. More devices
+    than there are is one line, status 2."""
     import httpx
 
     from test_server import start_server
@@ -189,13 +189,15 @@ def test_tensor_parallel_server_answers_as_generate():
     proc, url = start_server(["--model", "tiny", "--slots", "2", "--max-len", "128", "--tensor-parallel-size", "2"],
                              env=env)
     try:
-        assert "split over 2 devices, prefix cache off (not supported on a mesh yet)" in proc.ready_line
-        prompt = "Once upon a time"
-        r = httpx.post(url + "/v1/completions", timeout=120,
-                       json={"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0})
-        assert r.status_code == 200, r.text
-        want = jaxkv.generate(jaxkv.load("tiny"), [prompt], max_new_tokens=16).text[0]
-        assert r.json()["choices"][0]["text"] == want
+        assert "split over 2 devices" in proc.ready_line
+        model = jaxkv.load("tiny")
+        header = "Once upon a time, in a land far away, there lived"  # > one page of 16 tokens
+        for prompt in (header + " a king", header + " a dragon"):  # the second reuses the first's cached pages
+            r = httpx.post(url + "/v1/completions", timeout=120,
+                           json={"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == jaxkv.generate(model, [prompt], max_new_tokens=16).text[0]
+        assert httpx.get(url + "/metrics?format=json").json()["prefix_hit_tokens"] >= 16
     finally:
         proc.terminate()
         assert proc.wait(timeout=60) == 0

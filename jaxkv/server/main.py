@@ -16,8 +16,8 @@ seconds, cancels the rest (their slots and pages freed), stops the engine thread
 second SIGINT exits at once.
 
 `--tensor-parallel-size N` splits the weights (Megatron-style: heads and FFN widths) and the page pools (over KV
-heads) across the first N devices, as `jaxkv.Engine(mesh=...)` does on a ("data", "model") mesh of 1 x N. The
-prefix cache does not run on a mesh yet: it is off then, and the ready line says so.
+heads, the prefix cache's too) across the first N devices, as `jaxkv.Engine(mesh=...)` does on a ("data",
+"model") mesh of 1 x N.
 """
 
 from __future__ import annotations
@@ -68,8 +68,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps-per-dispatch", type=int, default=8, help="decode steps per engine dispatch")
     p.add_argument("--prefill-chunk", type=int, default=128, help="prompt tokens per prefill chunk")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="devices the weights and KV cache are split over (heads and FFN widths); the prefix "
-                        "cache is off when > 1")
+                   help="devices the weights and KV cache are split over (heads and FFN widths)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests may take to finish after SIGINT/SIGTERM before being cancelled")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
@@ -155,9 +154,9 @@ def build(args):
     per_sequence = -(-max_len // args.page_size)
     num_pages = args.num_pages or args.slots * per_sequence + max(per_sequence, args.slots * per_sequence // 4)
     prefix_cache = None
-    if not args.no_prefix_cache and mesh is None:
+    if not args.no_prefix_cache:
         prefix_cache = jaxkv.PrefixCache(model, num_pages=num_pages, page_size=args.page_size,
-                                         cache_dtype=args.cache_dtype)
+                                         cache_dtype=args.cache_dtype, mesh=mesh)
     engine = jaxkv.Engine(model, slots=args.slots, max_len=max_len, page_size=args.page_size,
                           cache_dtype=args.cache_dtype, prefix_cache=prefix_cache,
                           num_pages=None if prefix_cache is not None else num_pages,
@@ -220,10 +219,7 @@ def main(argv=None) -> int:
     async def lifespan(app):
         state.worker.start()
         template = "chat template" if state.chat_template is not None else "no chat template"
-        split = ""
-        if engine.mesh is not None:
-            split = (f"; split over {engine.mesh.devices.size} devices, prefix cache off"
-                     + (" (not supported on a mesh yet)" if not args.no_prefix_cache else ""))
+        split = "" if engine.mesh is None else f"; split over {engine.mesh.devices.size} devices"
         print(f"jaxkv serve: {state.model_name} ({template}; {engine.slots} slots, max_len {state.max_len}, "
               f"{engine.num_pages} pages of {engine.page_size}{split}) ready in "
               f"{time.perf_counter() - started:.1f} s; listening on http://{host}:{port}", flush=True)
