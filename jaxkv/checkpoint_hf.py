@@ -115,8 +115,8 @@ unless `load_hf(..., dtype=...)` casts them; Config.dtype always records the par
 Gemma and Qwen3 configs are read as transformers 5.24 reads them (`_gemma_fields`, `_llama_family_fields`):
   - per-layer attention: `layer_types` ("sliding_attention" / "full_attention"), else transformers' default:
     Gemma 2 alternates (sliding first), Gemma 3 has every `sliding_window_pattern`-th (6) layer full, Qwen2 and
-    Qwen3 slide the layers >= max_window_layers when use_sliding_window is set. All-alike layers map to Config.layer_types
-    None; `sliding_window` maps unchanged (see the Mistral note in `_llama_family_fields`).
+    Qwen3 slide the layers >= max_window_layers when use_sliding_window is set. All-alike layers map to
+    Config.layer_types None; `sliding_window` maps unchanged (see the Mistral note in `_llama_family_fields`).
   - Gemma 3's rope per layer type (`rope_parameters.full_attention` / `.sliding_attention`, or 4.x's rope_theta,
     rope_local_base_freq and rope_scaling, the last for the full layers only): the full layers' base and scaling
     become rope_theta / rope_scaling (rope types default, linear, llama3, yarn), the sliding layers' base
