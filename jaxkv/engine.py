@@ -147,7 +147,8 @@ class Engine:
         short. While requests are in flight the engine holds the pool (a `generate` call on it is refused).
       mesh: a ("data", "model") `jax.sharding.Mesh` with data 1: weights split Megatron-style over "model" as for
         `generate`, the page pools over KV heads (`sharding.paged_cache_shardings`), the page tables and the
-        per-slot state on every device. XLA attention. A prefix_cache must be built for the same mesh
+        per-slot state on every device; attention="pallas" runs the paged kernel per shard of the heads
+        (`sharding.shard_paged_attention`). A prefix_cache must be built for the same mesh
         (`jaxkv.PrefixCache(..., mesh=mesh)`: its pool split as the engine's).
       num_pages: pages in the pool (default: every slot at max_len; `jaxkv.memory.pool_bytes` gives the bytes).
         A request is admitted only when its worst case fits beside the worst cases of those admitted (the others
@@ -178,10 +179,6 @@ class Engine:
             if sharding.data_size(self.mesh) != 1:
                 raise ValueError("the engine splits heads and FFN over the mesh's 'model' axis; its 'data' axis must "
                                  "be 1 (sequences anywhere share the one page pool): run one engine per data shard")
-            if attention not in (None, "auto", "xla"):
-                raise ValueError("on a mesh the engine decodes with XLA attention (the Pallas paged kernel does not "
-                                 "run on a mesh yet): pass attention='xla' or leave it unset")
-            attention = "xla"
             self._params, self._run_config = sharding.shard_params(model.params, config, self.mesh)
         self.slots = checks.check_int("slots", slots, 1)
         self.max_len = checks.check_int("max_len", max_len, 2)

@@ -147,8 +147,6 @@ class Attention(nn.Module):
         if source == self.layer:
             cache = cache.write(self.layer, k, v, valid)
         name = attention_impls.resolve(attention)
-        if self.mesh is not None and name == "pallas":
-            raise NotImplementedError("the Pallas paged kernel does not run on a mesh yet: use attention='xla'")
         if prefill:
             zero = jnp.zeros((q.shape[0],), jnp.int32)
             out = attention_impls.get(name)(q, k, v, zero, jnp.zeros((), jnp.int32), scale=scale,
@@ -163,8 +161,11 @@ class Attention(nn.Module):
                                           "over a paged cache needs attention='xla'")
             from jaxkv.attention import pallas
 
-            out = pallas.paged_attention(q, *pools, cache.positions(1), scale=scale, sliding_window=window,
-                                         k_scale=k_scale, v_scale=v_scale, softcap=cfg.attn_logit_softcap)
+            attend = pallas.paged_attention
+            if self.mesh is not None:  # a kernel is not auto-partitioned: it runs per shard of the heads
+                attend = sharding.shard_paged_attention(attend, self.mesh)
+            out = attend(q, *pools, cache.positions(1), scale=scale, sliding_window=window, k_scale=k_scale,
+                         v_scale=v_scale, softcap=cfg.attn_logit_softcap)
         else:
             # Whichever XLA formulation reads less: the whole pool once (shared pages read once per step) or each
             # sequence's own pages (shared ones read once per sequence): for one query per sequence only the pages

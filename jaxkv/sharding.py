@@ -321,6 +321,28 @@ def shard_attention(fn, mesh: Mesh):
     return sharded
 
 
+def shard_paged_attention(fn, mesh: Mesh):
+    """Wraps a paged attention (the `jaxkv.attention.pallas.paged_attention` signature) so it runs per shard
+    through `jax.shard_map`, as `shard_attention` does for the contiguous cache: each device sees every
+    sequence's queries of its own heads ([B, T, N/M, H]) over its own KV heads of the pools ([P, K/M, ps, H],
+    `paged_cache_shardings`), with the page tables, lengths and slots whole (replicated), and returns its heads'
+    outputs. No collective: a head's attention reads only its own KV head."""
+    q_spec, pool_spec, scale_spec = P(None, None, MODEL, None), P(None, MODEL, None, None), P(None, MODEL, None)
+
+    def sharded(q, k_pages, v_pages, page_table, lengths, q_slots, *, k_scale=None, v_scale=None, **kwargs):
+        scales = () if k_scale is None else (k_scale, v_scale)
+
+        def per_shard(q, k_pages, v_pages, page_table, lengths, q_slots, *scales):
+            ks, vs = scales if scales else (None, None)
+            return fn(q, k_pages, v_pages, page_table, lengths, q_slots, k_scale=ks, v_scale=vs, **kwargs)
+
+        in_specs = (q_spec, pool_spec, pool_spec, P(), P(), P()) + (scale_spec,) * len(scales)
+        return jax.shard_map(per_shard, mesh=mesh, in_specs=in_specs, out_specs=q_spec, check_vma=False)(
+            q, k_pages, v_pages, page_table, lengths, q_slots, *scales)
+
+    return sharded
+
+
 def shard_latent_attention(fn, mesh: Mesh):
     """Wraps an MLA latent attention (the `jaxkv.attention.mla.attention` signature) so it runs per shard through
     `jax.shard_map`, as `shard_attention` does for the other families: each device sees its batch rows and its

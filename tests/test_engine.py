@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import jaxkv
+from jaxkv import sharding
 from jaxkv.engine import Engine
 from conftest import model_for
 from test_compiles import count_compiles
@@ -328,6 +329,21 @@ def test_readme_engine_example_runs():
     assert results[0].tokens == want.tokens[0] and results[0].text == want.text[0]
 
 
+def test_on_a_mesh_the_pallas_paged_kernel_runs_per_shard(monkeypatch):
+    """attention="pallas" on a 1 x 4 mesh: the paged kernel (interpreted on CPU) runs inside shard_map, each device
+    over its own KV head of the pools (2 repeated to 4) with its query heads; tokens equal generate alone."""
+    wrapped = []
+    real = sharding.shard_paged_attention
+    monkeypatch.setattr(sharding, "shard_paged_attention", lambda fn, mesh: wrapped.append(mesh) or real(fn, mesh))
+    model = model_for("gqa")
+    engine = Engine(model, slots=2, max_len=32, page_size=8, mesh=jax.make_mesh((1, 4), ("data", "model")),
+                    attention="pallas", decode_widths=[2])
+    prompts = [[5, 6, 7], list(range(1, 13))]
+    got = engine.generate(prompts, max_new_tokens=5, stop_tokens=[])
+    assert wrapped, "the Pallas paged kernel was not wrapped in shard_map"
+    assert [r.tokens for r in got] == [alone(model, p, 5).tokens[0] for p in prompts]
+
+
 def test_on_a_mesh_a_prefix_cache_built_for_it_is_shared():
     """A PrefixCache(mesh=) pool split over KV heads (2 repeated to 4 on a 4-way axis): the second request reuses
     the first's prompt pages, and each request's tokens equal generate of it alone on one device. A prefix cache
@@ -367,7 +383,6 @@ def test_on_a_mesh_the_pools_split_over_kv_heads_and_tokens_are_unchanged(model_
     assert pool.shape[1] == kv_heads and pool.addressable_shards[0].data.shape[1] == kv_heads // model_axis
     assert_all_free(engine)
     for bad in (dict(mesh=jax.make_mesh((2, 2), ("data", "model"))),
-                dict(mesh=mesh, prefix_cache=jaxkv.PrefixCache(model, num_pages=8, page_size=8)),
-                dict(mesh=mesh, attention="pallas")):
+                dict(mesh=mesh, prefix_cache=jaxkv.PrefixCache(model, num_pages=8, page_size=8))):
         with pytest.raises(ValueError):
             Engine(model, slots=2, max_len=64, page_size=8, **bad)
