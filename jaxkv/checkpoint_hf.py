@@ -150,6 +150,7 @@ import numpy as np
 import safetensors
 from safetensors import safe_open
 
+from jaxkv import checkpoint_fp8
 from jaxkv import moe as moe_lib
 from jaxkv.config import (DTYPES, Config, LinearScaling, Mla, MoeConfig, ProportionalRope, RopeScaling,
                           YarnScaling)
@@ -1397,13 +1398,16 @@ def _checkpoint_names(stored: dict[str, StoredTensor],
 
 
 def match(specs: list[TensorSpec], stored: dict[str, StoredTensor], *, arch: str, tied: bool,
-          ignored: frozenset[str] = frozenset()) -> tuple[list[tuple[TensorSpec, StoredTensor]], StoredTensor | None]:
+          ignored: frozenset[str] = frozenset(),
+          fp8: bool = False) -> tuple[list[tuple[TensorSpec, StoredTensor]], StoredTensor | None]:
     """Pairs every expected tensor with its stored one, checking names, shapes and dtypes; refuses leftovers.
 
     Returns (pairs, the stored lm_head of a tied model, to be compared with the embedding, or None). The first
     pair is the embedding. `ignored`: names (as in `tensor_specs`) that may be present and are dropped
-    (`ignored_tensors`).
+    (`ignored_tensors`). `fp8`: a block-quantized FP8 checkpoint, whose weights may also be F8_E4M3 (their scales
+    already split off, `checkpoint_fp8.split_scales`).
     """
+    dtypes = [*FLOAT_DTYPES, checkpoint_fp8.F8_DTYPE] if fp8 else list(FLOAT_DTYPES)
     by_name, stored_name = _checkpoint_names(stored, arch)
     pairs = []
     for spec in specs:
@@ -1413,9 +1417,10 @@ def match(specs: list[TensorSpec], stored: dict[str, StoredTensor], *, arch: str
         if t.shape != spec.shape:
             raise ValueError(f"tensor {t.name!r} in {t.file} has shape {list(t.shape)}, but config.json implies "
                              f"{spec.letters} = {list(spec.shape)}")
-        if t.dtype not in FLOAT_DTYPES:
+        if t.dtype not in dtypes:
+            hint = " (an FP8 checkpoint needs its quantization_config in config.json)" if "F8" in t.dtype else ""
             raise ValueError(f"tensor {t.name!r} in {t.file} has dtype {t.dtype}; expected one of "
-                             f"{', '.join(FLOAT_DTYPES)}")
+                             f"{', '.join(dtypes)}{hint}")
         pairs.append((spec, t))
     tied_head = by_name.pop("lm_head.weight", None) if tied else None
     if tied_head is not None and tied_head.shape != pairs[0][1].shape:
@@ -1456,24 +1461,27 @@ def load_hf(directory: str | os.PathLike, *, dtype: str | None = None) -> Model:
     source = str(root / CONFIG_FILE)
     arch = architecture(hf, source=source)
     config = config_from_hf(hf, source=source)
-    stored = read_headers(*weight_files(root))
+    block = checkpoint_fp8.block_size(hf, source=source)  # block-quantized FP8: dequantized at load
+    stored, scales = checkpoint_fp8.split_scales(read_headers(*weight_files(root)), block)
     specs = tensor_specs(arch, config, interleaved=arch in DEEPSEEK and rope_interleaved(hf, arch),
                          fused_experts=config.moe is not None and fused_experts_stored(stored))
     pairs, tied_head = match(specs, stored, arch=arch, tied=config.tie_embeddings,
-                             ignored=ignored_tensors(arch, config))
+                             ignored=ignored_tensors(arch, config), fp8=block is not None)
     if tied_head is not None:
         _check_tied_head(tied_head, pairs[0][1])
-    target = dtype or FLOAT_DTYPES[pairs[0][1].dtype]
+    target = dtype or FLOAT_DTYPES.get(pairs[0][1].dtype, "bfloat16")
     config = config.replace(dtype=target)  # the weight layout follows the dtype (`layers.stored_out_in`)
-    params = _load(pairs, target, config)
+    params = _load(pairs, target, config, scales, block)
     return Model(config=config, params=params, tokenizer=None)
 
 
 def _read(t: StoredTensor) -> np.ndarray:
     try:
+        if t.dtype == checkpoint_fp8.F8_DTYPE:
+            return checkpoint_fp8.read_f8(t.file, t.name)
         with safe_open(t.file, framework="numpy") as f:
             return f.get_tensor(t.name)
-    except (safetensors.SafetensorError, OSError, ValueError, TypeError) as e:
+    except (safetensors.SafetensorError, OSError, ValueError, TypeError, KeyError) as e:
         raise ValueError(f"{t.file}: could not read tensor {t.name!r}: {e}") from None
 
 
@@ -1484,12 +1492,16 @@ def _check_tied_head(head: StoredTensor, embedding: StoredTensor):
                          f"but config.json sets tie_word_embeddings, so it would be silently dropped")
 
 
-def _load(pairs: list[tuple[TensorSpec, StoredTensor]], target: str, config: Config) -> dict:
-    """Reads, converts and casts each tensor in turn (one host copy at a time) into the nested params dict."""
+def _load(pairs: list[tuple[TensorSpec, StoredTensor]], target: str, config: Config, scales=None,
+          block=None) -> dict:
+    """Reads, converts and casts each tensor in turn (one host copy at a time) into the nested params dict; an
+    FP8 weight is dequantized with its block scales first (`scales`: weight name -> scale tensor)."""
     params: dict = {}
     in_out = in_out_names(config)
     for spec, t in pairs:
         w = _read(t)
+        if t.dtype == checkpoint_fp8.F8_DTYPE:
+            w = checkpoint_fp8.dequantize(w, _read(scales[t.name]), block)
         # safetensors has no checksum; random bytes in the data region usually decode to some NaN or inf.
         if not np.isfinite(w).all():
             raise ValueError(f"tensor {t.name!r} in {t.file} holds NaN or infinite values (corrupt checkpoint?)")
