@@ -1,11 +1,10 @@
-"""Block-quantized FP8 checkpoints (`jaxkv.checkpoint_fp8`): tiny transformers models (Qwen3, DeepSeek-V3 dense and
-with MoE layers, whose every expert is quantized) saved,
-then re-written as their FP8 releases are (each linear weight float8_e4m3fn with float32 `_scale_inv` blocks, a
-quantization_config in config.json). jaxkv dequantizes at load: its params equal the dequantized weights exactly,
-and its logits and greedy tokens equal transformers' on those same dequantized weights (transformers loading them
-from an unquantized copy). The blocks (16 x 32) do not
+"""Block-quantized FP8 checkpoints (`jaxkv.checkpoint_fp8`): tiny transformers models (Qwen3; DeepSeek-V3 dense,
+and with MoE layers whose every expert is quantized) saved, then re-written as their FP8 releases are (each linear
+weight float8_e4m3fn with float32 `_scale_inv` blocks, a quantization_config in config.json). jaxkv dequantizes at
+load: its params equal the dequantized weights exactly, and its logits and greedy tokens equal transformers' on
+those same dequantized weights (transformers reading them from an unquantized copy). The blocks (16 x 32) do not
 divide every dimension, so partial blocks are exercised; the quantization is coarse enough (FP8) that reading the
-values without their scales, or with the blocks transposed, moves the logits far past the tolerance."""
+values with the wrong scales moves the logits far past the tolerance."""
 
 import json
 import shutil
