@@ -745,6 +745,8 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top
         batch and KV heads; see `jaxkv.sharding`, which also explains how KV heads fewer than the "model" axis
         are replicated. n_heads and ffn_dim must divide by the "model" axis. Works across processes (after
         `jax.distributed.initialize`): every process calls generate with the same arguments and gets all tokens.
+        With the paged cache (n > 1, page_size, prefix_cache): a mesh with data 1, in one process; the pools
+        split over KV heads (a prefix_cache built with `PrefixCache(..., mesh=mesh)`).
       logprobs: k in [0, MAX_TOP_LOGPROBS]. Every call fills `Generation.logprobs` (each new token's
         log-probability under the model's own distribution: temperature 1, no filter); k > 0 also fills
         `top_logprobs` with the k most likely tokens at each step. Both are computed inside the compiled loop.
@@ -762,12 +764,18 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top
         page_size = prefix_cache.page_size if page_size is None else page_size
     if page_size is not None or n > 1 or prefix_cache is not None:
         if mesh is not None:
-            raise ValueError("n > 1 and page_size (the paged cache) are not supported with a mesh yet")
+            mesh = sharding.check_mesh(mesh)
+            if sharding.data_size(mesh) != 1:
+                raise ValueError("n > 1, page_size and prefix_cache (the paged cache) split heads over the mesh's "
+                                 "'model' axis only (sequences anywhere may share a page): its 'data' axis must be 1")
+            if jax.process_count() > 1:
+                raise ValueError("n > 1, page_size and prefix_cache with a mesh run in one process only")
         return _generate_paged(model, prompts, n=n, page_size=memory.DEFAULT_PAGE_SIZE if page_size is None
                                else checks.check_int("page_size", page_size, 1), max_new_tokens=max_new_tokens,
                                temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, sampler=sampler,
                                seed=seed, stop_tokens=stop_tokens, cache_dtype=cache_dtype, attention=attention,
-                               stream=stream, prefix_cache=prefix_cache, max_len=max_len, logprobs=logprobs)
+                               stream=stream, prefix_cache=prefix_cache, max_len=max_len, logprobs=logprobs,
+                               mesh=mesh)
     if mesh is not None:
         mesh = sharding.check_mesh(mesh)
         if stream is not None and jax.process_count() > 1:
@@ -809,34 +817,40 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top
     return _generation(model, req, loop, prefill_time, decode_time)
 
 
+def _constrained(cache, mesh):
+    return cache if mesh is None else sharding.constrain_cache(cache, mesh)
+
+
 @functools.partial(jax.jit, static_argnames=("config", "attention", "num_pages", "page_size", "max_pages",
-                                             "cache_dtype"))
+                                             "cache_dtype", "mesh"))
 def _prefill_paged(params, tokens, positions, parents, *, config, attention, num_pages, page_size, max_pages,
-                   cache_dtype):
+                   cache_dtype, mesh=None):
     """Prefills right-padded prompts (positions -1 after each) into a fresh pool, then forks the rows that decode
-    from them: row r continues prompt parents[r] (-1: an empty filler row) -> (float32[R, V] logits, cache)."""
-    cache = PagedKVCache.allocate(config, tokens.shape[0], num_pages=num_pages, page_size=page_size,
-                                  max_len=max_pages * page_size, dtype=cache_dtype)
-    logits, cache = Decoder(config).apply({"params": params}, tokens, positions, cache, prefill=True, last_only=True,
-                                          attention=attention)
-    return logits[jnp.maximum(parents, 0), 0], cache.fork(parents)
+    from them: row r continues prompt parents[r] (-1: an empty filler row) -> (float32[R, V] logits, cache). With
+    a mesh the pools are split over KV heads (`sharding.paged_cache_shardings`)."""
+    cache = _constrained(PagedKVCache.allocate(config, tokens.shape[0], num_pages=num_pages, page_size=page_size,
+                                               max_len=max_pages * page_size, dtype=cache_dtype), mesh)
+    logits, cache = Decoder(config, mesh).apply({"params": params}, tokens, positions, cache, prefill=True,
+                                                last_only=True, attention=attention)
+    return logits[jnp.maximum(parents, 0), 0], _constrained(cache.fork(parents), mesh)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "attention"))
-def _prefill_suffix(params, tokens, positions, cache, parents, *, config, attention):
+@functools.partial(jax.jit, static_argnames=("config", "attention", "mesh"))
+def _prefill_suffix(params, tokens, positions, cache, parents, *, config, attention, mesh=None):
     """Prefills right-padded prompt suffixes (positions -1 after each) into a cache whose rows already hold their
     cached prefixes, attending over those pages -> (float32[R, V] logits of the rows forked by `parents`, the
     prefilled page table, the forked cache)."""
-    logits, cache = Decoder(config).apply({"params": params}, tokens, positions, cache, last_only=True,
-                                          attention=attention)
-    return logits[jnp.maximum(parents, 0), 0], cache.page_table, cache.fork(parents)
+    logits, cache = Decoder(config, mesh).apply({"params": params}, tokens, positions, _constrained(cache, mesh),
+                                                last_only=True, attention=attention)
+    return logits[jnp.maximum(parents, 0), 0], cache.page_table, _constrained(cache.fork(parents), mesh)
 
 
 def _generate_paged(model: Model, prompts, *, n, page_size, max_new_tokens, temperature, top_k, top_p, min_p,
                     sampler, seed, stop_tokens, cache_dtype, attention, stream, prefix_cache=None,
-                    max_len=None, logprobs=0) -> Generation:
+                    max_len=None, logprobs=0, mesh=None) -> Generation:
     """`generate` on a paged cache: each prompt prefilled once (after its cached prefix, with a prefix cache),
-    its n samples forked from it."""
+    its n samples forked from it. With a mesh (data 1): weights Megatron-style over "model", the pools over KV
+    heads, everything else on every device, as `jaxkv.Engine` runs on one."""
     config = model.config
     token_lists = _token_lists(prompts, config.vocab_size, model.tokenizer)
     max_new_tokens = checks.check_int("max_new_tokens", max_new_tokens, 1)
@@ -861,7 +875,7 @@ def _generate_paged(model: Model, prompts, *, n, page_size, max_new_tokens, temp
         on_step = _StepStream(stream, rows)
     hits = [[] for _ in token_lists]  # cached pages of each prompt's prefix
     if prefix_cache is not None:
-        prefix_cache.check(model, cache_dtype, page_size)
+        prefix_cache.check(model, cache_dtype, page_size, mesh)
         hits = [prefix_cache.match(p) for p in token_lists]
         # The pages this call adds: everything the plan counts but the prefix pages it reuses.
         prefix_cache.make_room(pages.pages_needed - sum(map(len, hits)), keep={p for h in hits for p in h})
@@ -875,29 +889,31 @@ def _generate_paged(model: Model, prompts, *, n, page_size, max_new_tokens, temp
     parents[:rows] = np.repeat(np.arange(pages.batch), n)
     done = np.arange(pages.padded_rows) >= rows
 
+    params, run_config = (model.params, config) if mesh is None else _sharded_params(model, mesh)
     with _Phase() as prefill_time:
         if prefix_cache is None:
-            logits, cache = _prefill_paged(model.params, jax.device_put(tokens), jax.device_put(positions),
-                                           jax.device_put(parents), config=config, attention=attention,
+            logits, cache = _prefill_paged(params, jax.device_put(tokens), jax.device_put(positions),
+                                           jax.device_put(parents), config=run_config, attention=attention,
                                            num_pages=pages.num_pages, page_size=page_size,
-                                           max_pages=pages.max_pages, cache_dtype=cache_dtype)
+                                           max_pages=pages.max_pages, cache_dtype=cache_dtype, mesh=mesh)
         else:
             table = np.full((pages.prefill_batch, pages.max_pages), -1, np.int32)
             for b, h in enumerate(hits):
                 table[b, :len(h)] = h
             lengths = np.zeros((pages.prefill_batch,), np.int32)
             lengths[:len(hit)] = hit
-            logits, prefilled, cache = _prefill_suffix(model.params, jax.device_put(tokens),
+            logits, prefilled, cache = _prefill_suffix(params, jax.device_put(tokens),
                                                        jax.device_put(positions), prefix_cache.cache(table, lengths),
-                                                       jax.device_put(parents), config=config, attention=attention)
+                                                       jax.device_put(parents), config=run_config,
+                                                       attention=attention, mesh=mesh)
             cache = prefix_cache.remember(token_lists, np.asarray(prefilled), cache)
         logits.block_until_ready()
     with _Phase() as decode_time:
         loop = _decode_loop(
-            model.params, cache, logits, jax.device_put(key), sample_fn, jax.device_put(stop_ids),
-            jax.device_put(done), jax.device_put(np.int32(max_new_tokens)), config=config,
+            params, cache, logits, jax.device_put(key), sample_fn, jax.device_put(stop_ids),
+            jax.device_put(done), jax.device_put(np.int32(max_new_tokens)), config=run_config,
             max_steps=_steps_bound(cache.capacity, False, max_new_tokens), rows=sampler_rows, attention=attention,
-            stream=on_step, mesh=None, logprobs=logprobs)
+            stream=on_step, mesh=mesh, logprobs=logprobs)
         loop = _on_host(loop)
     cache = loop.cache
     overflowed = bool(np.asarray(cache.overflowed).any())

@@ -290,3 +290,30 @@ def test_layout_rules():
     assert shardings["layer_0"]["mlp"]["w_down"].spec == P("model", None)
     with pytest.raises(ValueError, match="a mesh axis used twice"):
         sharding.spec((sharding.HEADS, sharding.FFN))
+
+
+def test_paged_samples_on_a_mesh_equal_single_device():
+    """n = 3 sampled on a 1 x 4 mesh: the pools split over KV heads (2 repeated to 4), the weights Megatron-style;
+    every sample equals the single-device run's (same seed), and the pages all come back."""
+    kwargs = dict(n=3, temperature=0.9, seed=4, page_size=4)
+    got = jaxkv.generate(model_for(GQA), PROMPTS, max_new_tokens=NEW, stop_tokens=[], mesh=mesh_of(1, 4), **kwargs)
+    assert got.tokens == reference(GQA, **kwargs).tokens
+    assert got.stats["n"] == 3 and got.stats["pages_in_use_peak"] > 0
+
+
+def test_prefix_cache_on_a_mesh_equals_single_device():
+    """A PrefixCache(mesh=) reused by two generate calls on a 1 x 2 mesh: the second hits the first's prompt
+    pages; greedy tokens equal one device's. A cache for one device, or a data axis > 1, is refused."""
+    model, mesh = model_for(GQA), mesh_of(1, 2)
+    pc = jaxkv.PrefixCache(model, num_pages=32, page_size=4, mesh=mesh)
+    header = list(range(10, 22))
+    first = jaxkv.generate(model, [header + [3]], max_new_tokens=NEW, stop_tokens=[], prefix_cache=pc, mesh=mesh)
+    second = jaxkv.generate(model, [header + [5, 6]], max_new_tokens=NEW, stop_tokens=[], prefix_cache=pc, mesh=mesh)
+    assert second.stats["prefix_hit_tokens"] == 12
+    want = reference(GQA, [header + [3], header + [5, 6]], n=1, page_size=4).tokens
+    assert [first.tokens[0], second.tokens[0]] == want
+    with pytest.raises(ValueError, match="laid out for one device"):
+        jaxkv.generate(model, [header], max_new_tokens=2, prefix_cache=jaxkv.PrefixCache(model, num_pages=8,
+                                                                                          page_size=4), mesh=mesh)
+    with pytest.raises(ValueError, match="'data' axis must be 1"):
+        jaxkv.generate(model, [header], max_new_tokens=2, n=2, mesh=mesh_of(2, 2))
