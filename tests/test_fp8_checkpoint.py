@@ -1,10 +1,10 @@
-"""Block-quantized FP8 checkpoints (`jaxkv.checkpoint_fp8`): tiny transformers models (Qwen3; DeepSeek-V3 dense,
-and with MoE layers whose every expert is quantized) saved, then re-written as their FP8 releases are (each linear
-weight float8_e4m3fn with float32 `_scale_inv` blocks, a quantization_config in config.json). jaxkv dequantizes at
-load: its params equal the dequantized weights exactly, and its logits and greedy tokens equal transformers' on
-those same dequantized weights (transformers reading them from an unquantized copy). The blocks (16 x 32) do not
-divide every dimension, so partial blocks are exercised; the quantization is coarse enough (FP8) that reading the
-values with the wrong scales moves the logits far past the tolerance."""
+"""Block-quantized FP8 checkpoints (`jaxkv.checkpoint_fp8`): tiny transformers models (Qwen3; DeepSeek-V3 with
+MLA, a dense layer and MoE layers whose every expert is quantized) saved, then re-written as their FP8 releases
+are (each linear weight float8_e4m3fn with float32 `_scale_inv` blocks, a quantization_config in config.json).
+jaxkv dequantizes at load: its params equal the dequantized weights exactly, and its logits and greedy tokens equal
+transformers' on those same dequantized weights (transformers reading them from an unquantized copy). The blocks
+(16 x 32) do not divide every dimension, so partial blocks are exercised; the quantization is coarse enough (FP8)
+that reading the values with the wrong scales moves the logits far past the tolerance."""
 
 import json
 import shutil
@@ -19,7 +19,6 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 
 import jaxkv  # noqa: E402
 from jaxkv import checkpoint_fp8  # noqa: E402
-from test_deepseek import MLA_LIKE, Q_RANK  # noqa: E402
 from test_deepseek_moe import MLA as MOE_MLA, build_hf as moe_hf  # noqa: E402
 from test_hf_parity import (ATOL, LLAMA_LIKE, MIN_MARGIN, RAGGED, assert_clear_margins, build_hf,  # noqa: E402
                             hf_greedy, hf_logits)
@@ -29,8 +28,8 @@ QUANTIZED = ("proj.weight",)  # what the releases quantize: every linear layer's
 # name -> (builder, config class, kwargs, seed)
 CASES = {
     "qwen3": (build_hf, "Qwen3Config", dict(LLAMA_LIKE, head_dim=16), 1),
-    "deepseek-v3": (build_hf, "DeepseekV3Config", dict(MLA_LIKE, q_lora_rank=Q_RANK), 5),
-    # MoE layers: each routed and shared expert's weights quantized (per-expert tensors, as the release has them)
+    # multi-head latent attention (q_lora_rank: q_a/q_b), a dense layer 0, then MoE layers: each routed and shared
+    # expert's weights quantized (per-expert tensors, as the release has them)
     "deepseek-v3-moe": (moe_hf, "DeepseekV3Config", dict(MOE_MLA, q_lora_rank=48, n_routed_experts=8,
                                                           num_experts_per_tok=3, n_group=4, topk_group=2,
                                                           norm_topk_prob=True, routed_scaling_factor=2.5,

@@ -12,6 +12,9 @@ import pytest
 import jaxkv
 from jaxkv.server.text import TextStream
 
+# One worker runs this module, so its in-process app (a module fixture) is built once, not once per xdist worker.
+pytestmark = pytest.mark.xdist_group("server_app")
+
 starlette = pytest.importorskip("starlette")
 
 
@@ -186,7 +189,7 @@ def test_tensor_parallel_server_answers_as_generate():
     from test_server import start_server
 
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
-    proc, url = start_server(["--model", "tiny", "--slots", "2", "--max-len", "128", "--tensor-parallel-size", "2"],
+    proc, url = start_server(["--model", "tiny", "--slots", "1", "--max-len", "128", "--tensor-parallel-size", "2"],
                              env=env)
     try:
         assert "split over 2 devices" in proc.ready_line
