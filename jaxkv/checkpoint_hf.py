@@ -1137,6 +1137,20 @@ def ignored_tensors(arch: str, config: Config) -> frozenset[str]:
                      for kind in ("weight", "bias"))
 
 
+def _mtp_tensors(hf: dict, arch: str, config: Config, stored: dict, source: str) -> frozenset[str]:
+    """DeepSeek's multi-token-prediction modules (config.json's num_nextn_predict_layers, stored as layers
+    n_layers, n_layers + 1, ...: DeepSeek-V3's release holds layer 61 of 61) are not part of the decoder and are
+    dropped, as transformers drops them (`_keys_to_ignore_on_load_unexpected`). Names as in `tensor_specs`."""
+    if arch not in DEEPSEEK:
+        return frozenset()
+    n = hf.get("num_nextn_predict_layers", 0)
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= 16:
+        raise ValueError(f"{source}: field 'num_nextn_predict_layers' must be an integer in [0, 16], got {n!r}")
+    layers = tuple(f"layers.{i}." for i in range(config.n_layers, config.n_layers + n))
+    names = _strip_prefix(stored, BASE_PREFIX[arch])
+    return frozenset(name for name in names if layers and name.startswith(layers))
+
+
 def _deinterleave(rows: int, rope: int, heads: int = 1) -> np.ndarray:
     """Row order that turns each head's last `rope` of `rows` output rows from interleaved pairs (x0, x1), (x2,
     x3), ... into halves (x0, x2, ... ; x1, x3, ...): DeepSeek's pairwise rotation of pair i by frequency i is
@@ -1466,7 +1480,8 @@ def load_hf(directory: str | os.PathLike, *, dtype: str | None = None) -> Model:
     specs = tensor_specs(arch, config, interleaved=arch in DEEPSEEK and rope_interleaved(hf, arch),
                          fused_experts=config.moe is not None and fused_experts_stored(stored))
     pairs, tied_head = match(specs, stored, arch=arch, tied=config.tie_embeddings,
-                             ignored=ignored_tensors(arch, config), fp8=block is not None)
+                             ignored=ignored_tensors(arch, config) | _mtp_tensors(hf, arch, config, stored, source),
+                             fp8=block is not None)
     if tied_head is not None:
         _check_tied_head(tied_head, pairs[0][1])
     target = dtype or FLOAT_DTYPES.get(pairs[0][1].dtype, "bfloat16")

@@ -75,18 +75,28 @@ def fp8_release(root, source):
     return sorted(n for n in fp8 if n.endswith("_scale_inv"))
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
-def released(request, tmp_path_factory):
+_built: dict = {}
+
+
+def release(name, tmp_path_factory):
     """(name, transformers' model of the dequantized weights, the directory holding "fp8" and "dequantized", the
-    quantized weights' names)."""
-    builder, config_class, kwargs, seed = CASES[request.param]
-    root = tmp_path_factory.mktemp(request.param)
-    builder(config_class, kwargs, seed=seed).save_pretrained(root / "plain", safe_serialization=True)
-    names = [n.removesuffix("_scale_inv") for n in fp8_release(root, root / "plain")]
-    # transformers reads the dequantized directory itself (its own per-expert -> fused conversion included)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(root / "dequantized", attn_implementation="eager").eval()
-    hf.generation_config.eos_token_id = None
-    return request.param, hf, root, names
+    quantized weights' names), built once per process."""
+    if name not in _built:
+        builder, config_class, kwargs, seed = CASES[name]
+        root = tmp_path_factory.mktemp(name)
+        builder(config_class, kwargs, seed=seed).save_pretrained(root / "plain", safe_serialization=True)
+        names = [n.removesuffix("_scale_inv") for n in fp8_release(root, root / "plain")]
+        # transformers reads the dequantized directory itself (its own per-expert -> fused conversion included)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(root / "dequantized",
+                                                               attn_implementation="eager").eval()
+        hf.generation_config.eos_token_id = None
+        _built[name] = name, hf, root, names
+    return _built[name]
+
+
+@pytest.fixture(params=sorted(CASES))
+def released(request, tmp_path_factory):
+    return release(request.param, tmp_path_factory)
 
 
 def test_params_are_the_dequantized_weights_and_logits_match(released):
@@ -164,3 +174,25 @@ def test_dequantize_partial_blocks():
                                     scale.numpy(), BLOCK)
     np.testing.assert_array_equal(got, (q.float() * expand(scale, w.shape)).numpy())
     np.testing.assert_allclose(got, w, rtol=0.07, atol=1e-6)  # e4m3 keeps 3 mantissa bits: within 2**-4 relative
+
+
+def test_deepseek_multi_token_prediction_layer_is_dropped(tmp_path_factory, tmp_path):
+    """DeepSeek-V3's release also holds its multi-token-prediction module as layer n_layers (num_nextn_predict_layers
+    1), FP8 too: dropped as transformers drops it (same params); without the config field it is an unused tensor."""
+    _, _, root, _ = release("deepseek-v3-moe", tmp_path_factory)
+    target = tmp_path / "mtp"
+    shutil.copytree(root / "fp8", target)
+    tensors = safetensors_torch.load_file(str(target / "model.safetensors"))
+    config = json.loads((target / "config.json").read_text())
+    n = config["num_hidden_layers"]
+    last = f"model.layers.{n - 1}."
+    extra = {k.replace(last, f"model.layers.{n}."): v.clone() for k, v in tensors.items() if k.startswith(last)}
+    extra[f"model.layers.{n}.eh_proj.weight"], extra[f"model.layers.{n}.eh_proj.weight_scale_inv"] = quantize(
+        torch.randn(config["hidden_size"], 2 * config["hidden_size"]))
+    extra[f"model.layers.{n}.enorm.weight"] = torch.ones(config["hidden_size"])
+    safetensors_torch.save_file({**tensors, **extra}, str(target / "model.safetensors"), metadata={"format": "pt"})
+    (target / "config.json").write_text(json.dumps(dict(config, num_nextn_predict_layers=0)))
+    with pytest.raises(ValueError, match=f"tensor 'model.layers.{n}.* is not used by this architecture"):
+        jaxkv.load(target)
+    (target / "config.json").write_text(json.dumps(dict(config, num_nextn_predict_layers=1)))  # transformers' default
+    jax.tree_util.tree_map(np.testing.assert_array_equal, jaxkv.load(target).params, jaxkv.load(root / "fp8").params)
