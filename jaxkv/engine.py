@@ -173,12 +173,9 @@ class Engine:
             raise ValueError(f"model must be a jaxkv.Model, got {type(model).__name__}")
         config = model.config
         self.model, self.config = model, config
-        self.mesh = None if mesh is None else sharding.check_mesh(mesh)
+        self.mesh = None if mesh is None else sharding.check_paged_mesh(mesh)  # data 1: run one engine per shard
         self._params, self._run_config = model.params, config
         if self.mesh is not None:
-            if sharding.data_size(self.mesh) != 1:
-                raise ValueError("the engine splits heads and FFN over the mesh's 'model' axis; its 'data' axis must "
-                                 "be 1 (sequences anywhere share the one page pool): run one engine per data shard")
             self._params, self._run_config = sharding.shard_params(model.params, config, self.mesh)
         self.slots = checks.check_int("slots", slots, 1)
         self.max_len = checks.check_int("max_len", max_len, 2)

@@ -764,10 +764,7 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top
         page_size = prefix_cache.page_size if page_size is None else page_size
     if page_size is not None or n > 1 or prefix_cache is not None:
         if mesh is not None:
-            mesh = sharding.check_mesh(mesh)
-            if sharding.data_size(mesh) != 1:
-                raise ValueError("n > 1, page_size and prefix_cache (the paged cache) split heads over the mesh's "
-                                 "'model' axis only (sequences anywhere may share a page): its 'data' axis must be 1")
+            mesh = sharding.check_paged_mesh(mesh)
             if jax.process_count() > 1:
                 raise ValueError("n > 1, page_size and prefix_cache with a mesh run in one process only")
         return _generate_paged(model, prompts, n=n, page_size=memory.DEFAULT_PAGE_SIZE if page_size is None

@@ -61,9 +61,9 @@ class PrefixCache:
         the model's max positions.
       page_size: token slots per page; prefixes match in whole pages of this many tokens.
       cache_dtype: the pool's dtype (default: the model's), one of `jaxkv.cache.CACHE_DTYPES`.
-      mesh: for a `jaxkv.Engine` on a ("data", "model") mesh (data 1): the pool is allocated as that engine's is,
-        split over KV heads on "model" (repeated where the axis does not divide them, `jaxkv.sharding`). Such a
-        cache serves engines on that mesh only (`jaxkv.generate` does not run the paged cache on a mesh).
+      mesh: for a `jaxkv.Engine` or paged `jaxkv.generate` on a ("data", "model") mesh (data 1): the pool is
+        allocated as theirs is, split over KV heads on "model" (repeated where the axis does not divide them,
+        `jaxkv.sharding`). Such a cache serves calls on that mesh only.
     """
 
     def __init__(self, model, *, num_pages: int | None = None, page_size: int = memory.DEFAULT_PAGE_SIZE,
@@ -79,7 +79,7 @@ class PrefixCache:
             num_pages = 4 * -(-model.config.max_positions // self.page_size)
         self.num_pages = checks.check_int("num_pages", num_pages, 1)
         self.cache_dtype = check_cache_dtype(model.config.dtype if cache_dtype is None else cache_dtype)
-        self.mesh = None if mesh is None else sharding.check_mesh(mesh)
+        self.mesh = None if mesh is None else sharding.check_paged_mesh(mesh)
         run_config = model.config if mesh is None else sharding.check_config(model.config, self.mesh)
         empty = PagedKVCache.allocate(run_config, 1, num_pages=num_pages, page_size=page_size, max_len=page_size,
                                       dtype=self.cache_dtype)
@@ -97,12 +97,12 @@ class PrefixCache:
 
     def check(self, model, cache_dtype: str, page_size: int, mesh=None):
         """ValueError unless `model`, `cache_dtype`, `page_size` and `mesh` are the ones this cache was built for."""
-        if (mesh is None) != (self.mesh is None) or (mesh is not None and mesh.devices.tolist()
-                                                     != self.mesh.devices.tolist()):
-            raise ValueError("this PrefixCache's pool is laid out for " + (
-                "one device" if self.mesh is None else f"a mesh of {self.mesh.devices.size} devices") + (
-                "; the call runs on one device" if mesh is None else "; the call runs on another mesh") +
-                ": build it with jaxkv.PrefixCache(..., mesh=) of the engine's mesh")
+        devices = lambda m: None if m is None else m.devices.tolist()  # noqa: E731
+        if devices(mesh) != devices(self.mesh):
+            built = "one device" if self.mesh is None else f"a mesh of {self.mesh.devices.size} devices"
+            runs = "one device" if mesh is None else "another mesh"
+            raise ValueError(f"this PrefixCache's pool is laid out for {built}; the call runs on {runs}: build it "
+                             f"with jaxkv.PrefixCache(..., mesh=) of the call's mesh")
         if self.lent_to is not None:
             raise ValueError("this PrefixCache's pool is in use by a jaxkv.Engine with requests in flight: finish "
                              "them (engine.results()) first")

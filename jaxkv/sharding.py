@@ -114,6 +114,10 @@ BATCH_SPEC = spec((shapes.BATCH,))  # the leading (batch) axis of tokens, start,
 # An MLA cache [B, 1, S, R + E] and its scales [B, 1, S]: over "data" only, the row replicated over "model".
 LATENT_SPEC = spec((shapes.BATCH, LATENT, shapes.SEQUENCE, RANK))  # P("data", None, None, None)
 LATENT_SCALE_SPEC = spec((shapes.BATCH, LATENT, shapes.SEQUENCE))
+# A paged pool [P, K, page_size, H] and its scales [P, K, page_size]: over KV heads only (any sequence may read any
+# page, so pages do not split over "data").
+PAGE_POOL_SPEC = P(None, MODEL, None, None)
+PAGE_SCALE_SPEC = P(None, MODEL, None)
 
 
 def check_mesh(mesh) -> Mesh:
@@ -138,11 +142,26 @@ def data_size(mesh: Mesh) -> int:
     return mesh.shape[DATA]
 
 
+def _repeated_heads(K: int, M: int) -> int:
+    """K' = K if the model axis M divides it, else lcm(K, M) (module docstring, "KV-head replication")."""
+    return K if K % M == 0 else math.lcm(K, M)
+
+
 def sharded_kv_heads(config: Config, mesh: Mesh) -> int:
     """K' = the KV heads the model runs with on `mesh`: K if the model axis divides it, else lcm(K, M). An MLA
     model keeps its one latent row (replicated over "model", not repeated: module docstring)."""
-    K, M = config.n_kv_heads, model_size(mesh)
-    return K if K % M == 0 or config.mla is not None else math.lcm(K, M)
+    return config.n_kv_heads if config.mla is not None else _repeated_heads(config.n_kv_heads, model_size(mesh))
+
+
+def check_paged_mesh(mesh) -> Mesh:
+    """`check_mesh` for a paged cache (the engine, paged `generate`, a `PrefixCache`): ValueError unless its "data"
+    axis is 1. Sequences anywhere may share any page, so a pool splits over KV heads on "model" only."""
+    mesh = check_mesh(mesh)
+    if data_size(mesh) != 1:
+        raise ValueError(f"a paged cache splits heads and FFN over the mesh's 'model' axis only (sequences anywhere "
+                         f"may share a page): its 'data' axis must be 1, got {data_size(mesh)} (run one per data "
+                         f"shard)")
+    return mesh
 
 
 def check_config(config: Config, mesh: Mesh) -> Config:
@@ -168,8 +187,7 @@ def check_config(config: Config, mesh: Mesh) -> Config:
             raise ValueError(f"{name} ({width}) must be divisible by the mesh's 'model' axis ({M})")
     changes = {"n_kv_heads": sharded_kv_heads(config, mesh)}
     if config.global_kv_heads is not None:
-        K = config.global_kv_heads
-        changes["global_kv_heads"] = K if K % M == 0 else math.lcm(K, M)
+        changes["global_kv_heads"] = _repeated_heads(config.global_kv_heads, M)
     return config.replace(**changes)
 
 
@@ -215,7 +233,7 @@ def paged_cache_shardings(cache, mesh: Mesh):
     """NamedShardings for a PagedKVCache: the pools ([P, K, page_size, H]) and their scales split over KV heads on
     "model"; page tables, lengths, counts and flags replicated (every device reads every sequence's pages of its
     own heads). The "data" axis does not split a pool: sequences anywhere may share any page."""
-    pool, scale, rep = (NamedSharding(mesh, P(None, MODEL, None, None)), NamedSharding(mesh, P(None, MODEL, None)),
+    pool, scale, rep = (NamedSharding(mesh, PAGE_POOL_SPEC), NamedSharding(mesh, PAGE_SCALE_SPEC),
                         NamedSharding(mesh, P()))
     return type(cache)(keys=tuple(pool for _ in cache.keys), values=tuple(pool for _ in cache.values),
                        page_table=rep, lengths=rep, refcounts=rep, overflowed=rep,
@@ -327,7 +345,7 @@ def shard_paged_attention(fn, mesh: Mesh):
     sequence's queries of its own heads ([B, T, N/M, H]) over its own KV heads of the pools ([P, K/M, ps, H],
     `paged_cache_shardings`), with the page tables, lengths and slots whole (replicated), and returns its heads'
     outputs. No collective: a head's attention reads only its own KV head."""
-    q_spec, pool_spec, scale_spec = P(None, None, MODEL, None), P(None, MODEL, None, None), P(None, MODEL, None)
+    q_spec = P(None, None, MODEL, None)
 
     def sharded(q, k_pages, v_pages, page_table, lengths, q_slots, *, k_scale=None, v_scale=None, **kwargs):
         scales = () if k_scale is None else (k_scale, v_scale)
@@ -336,7 +354,7 @@ def shard_paged_attention(fn, mesh: Mesh):
             ks, vs = scales if scales else (None, None)
             return fn(q, k_pages, v_pages, page_table, lengths, q_slots, k_scale=ks, v_scale=vs, **kwargs)
 
-        in_specs = (q_spec, pool_spec, pool_spec, P(), P(), P()) + (scale_spec,) * len(scales)
+        in_specs = (q_spec, PAGE_POOL_SPEC, PAGE_POOL_SPEC, P(), P(), P()) + (PAGE_SCALE_SPEC,) * len(scales)
         return jax.shard_map(per_shard, mesh=mesh, in_specs=in_specs, out_specs=q_spec, check_vma=False)(
             q, k_pages, v_pages, page_table, lengths, q_slots, *scales)
 
