@@ -1,7 +1,7 @@
 """generate: ragged batches, padding safety, capacity invariance, stop handling, errors, compile counts."""
 
 import dataclasses
-import sys
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -190,7 +190,7 @@ def test_bad_input_is_refused_before_compute(kwargs, match, monkeypatch):
         raise AssertionError("compute started for bad input")
 
     for name in ("_prefill", "_decode_loop"):
-        monkeypatch.setattr(sys.modules["jaxkv.generate"], name, no_compute)
+        monkeypatch.setattr(importlib.import_module("jaxkv.generate"), name, no_compute)
     with pytest.raises(ValueError, match=match):
         jaxkv.generate(model, **kwargs)
 
@@ -220,7 +220,7 @@ def test_refusal_check_sees_compute(monkeypatch):
     def no_compute(*a, **k):
         raise AssertionError("compute started")
 
-    monkeypatch.setattr(sys.modules["jaxkv.generate"], "_prefill", no_compute)
+    monkeypatch.setattr(importlib.import_module("jaxkv.generate"), "_prefill", no_compute)
     with pytest.raises(AssertionError, match="compute started"):
         jaxkv.generate(model_for("learned"), [[1]], max_new_tokens=2)
 

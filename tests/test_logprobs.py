@@ -1,7 +1,7 @@
 """Log-probabilities: `generate(..., logprobs=k)` on every path, and `jaxkv.score`, each against log_softmax of the
 no-cache forward pass (`jaxkv.logits`) over prompt + tokens, recomputed here in numpy."""
 
-import sys
+import importlib
 
 import jax
 import numpy as np
@@ -133,7 +133,7 @@ def test_bad_logprobs_are_refused_before_compute(k, monkeypatch):
         raise AssertionError("compute started for bad input")
 
     for name in ("_prefill", "_decode_loop", "_prefill_paged"):
-        monkeypatch.setattr(sys.modules["jaxkv.generate"], name, no_compute)
+        monkeypatch.setattr(importlib.import_module("jaxkv.generate"), name, no_compute)
     with pytest.raises(ValueError, match="logprobs must be"):
         jaxkv.generate(model_for("gqa"), PROMPTS, max_new_tokens=2, logprobs=k)
     with pytest.raises(ValueError, match="logprobs must be"):
@@ -209,7 +209,7 @@ def test_score_splits_a_batch_whose_logits_would_not_fit(monkeypatch):
     prompts, conts = [[1 + i, 2] for i in range(5)], [[3, 4 + i] for i in range(5)]
     whole = jaxkv.score(model, prompts, conts)
     # Two rows' worth of [Tc=16, V] float32 logits: batches of 2, 2 and 1.
-    monkeypatch.setattr(sys.modules["jaxkv.score"], "LOGITS_BYTES", 2 * 16 * model.config.vocab_size * 4)
+    monkeypatch.setattr(importlib.import_module("jaxkv.score"), "LOGITS_BYTES", 2 * 16 * model.config.vocab_size * 4)
     split = jaxkv.score(model, prompts, conts)
     for a, b in zip(whole, split):
         np.testing.assert_allclose(a, b, atol=ATOL)
@@ -232,13 +232,13 @@ def test_score_bad_input_is_refused_before_compute(prompts, conts, match, monkey
     def no_compute(*a, **kw):
         raise AssertionError("compute started for bad input")
 
-    monkeypatch.setattr(sys.modules["jaxkv.score"], "_score_batch", no_compute)
+    monkeypatch.setattr(importlib.import_module("jaxkv.score"), "_score_batch", no_compute)
     with pytest.raises(ValueError, match=match):
         jaxkv.score(model_for("learned"), prompts, conts)  # max_positions 256
 
 
 def test_score_bad_settings_are_refused(monkeypatch):
-    monkeypatch.setattr(sys.modules["jaxkv.score"], "_score_batch", None)
+    monkeypatch.setattr(importlib.import_module("jaxkv.score"), "_score_batch", None)
     with pytest.raises(ValueError, match="cache_dtype must be one of"):
         jaxkv.score(model_for("gqa"), [[1]], [[2]], cache_dtype="int4")
     with pytest.raises(ValueError, match="unknown attention implementation"):
