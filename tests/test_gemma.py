@@ -144,7 +144,8 @@ def test_params_have_the_decoder_layout(pair):
 def test_logits_match(pair):
     name, hf, model, _ = pair
     tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 30))  # 30 > window: the sliding layers slide
-    np.testing.assert_allclose(jaxkv.logits(model, tokens), hf_logits(hf, tokens), atol=GEMMA_LOGITS_ATOL, rtol=0, err_msg=name)
+    np.testing.assert_allclose(jaxkv.logits(model, tokens), hf_logits(hf, tokens), atol=GEMMA_LOGITS_ATOL, rtol=0,
+                               err_msg=name)
 
 
 def test_greedy_generation_is_token_identical(pair):
@@ -184,7 +185,7 @@ FEATURES = {
 
 @pytest.mark.parametrize("name,feature", [(n, f) for n in FEATURES for f in FEATURES[n]])
 def test_each_feature_matters(tmp_path_factory, name, feature):
-    """The parity above would catch each feature mapped wrong: without it jaxkv's logits move well past the tolerance."""
+    """The parity above would catch each feature mapped wrong: without it jaxkv's logits move well past ATOL."""
     hf, model, _ = loaded(name, tmp_path_factory)
     tokens = np.random.default_rng(1).integers(0, VOCAB, (1, 30))
     ref = hf_logits(hf, tokens)

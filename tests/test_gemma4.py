@@ -131,7 +131,8 @@ def test_params_have_the_decoder_layout(pair):
 def test_logits_match(pair):
     name, hf, model, _ = pair
     tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 30))  # 30 > window: the sliding layers slide
-    np.testing.assert_allclose(jaxkv.logits(model, tokens), hf_logits(hf, tokens), atol=GEMMA_LOGITS_ATOL, rtol=0, err_msg=name)
+    np.testing.assert_allclose(jaxkv.logits(model, tokens), hf_logits(hf, tokens), atol=GEMMA_LOGITS_ATOL, rtol=0,
+                               err_msg=name)
 
 
 def test_greedy_generation_is_token_identical(tmp_path_factory):
