@@ -103,8 +103,9 @@ def hf_beam_search(hf, prompts, stops, *, num_beams, length_penalty, early_stopp
     return result
 
 
-@pytest.mark.parametrize("early_stopping", [True, False, "never"])
-@pytest.mark.parametrize("num_beams", [1, 2, 4])
+# One beam is greedy search (test_one_beam_is_greedy_generate; greedy == transformers in test_hf_parity). Four
+# beams with each early_stopping rule; two beams with the rules whose stopping differs most (each case compiles).
+@pytest.mark.parametrize("num_beams, early_stopping", [(4, True), (4, False), (4, "never"), (2, True), (2, "never")])
 def test_hypotheses_and_scores_equal_transformers(pair, num_beams, early_stopping):
     hf, model, stops = pair
     for length_penalty in [0.5, 1.0, 2.0]:
@@ -141,7 +142,7 @@ def test_the_settings_matter(pair):
     assert "stop" in reasons and len(lengths) >= 3  # stop tokens reached at different steps
 
 
-@pytest.mark.parametrize("name", ["gqa", "sliding", "learned"])
+@pytest.mark.parametrize("name", ["sliding", "learned"])  # a window; learned positions
 def test_one_beam_is_greedy_generate(name):
     model = model_for(name)
     prompts = [[5, 9, 2, 77, 31, 8], [3] * 20, [60, 1]]

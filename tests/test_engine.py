@@ -59,7 +59,7 @@ def assert_all_free(engine):
     assert not np.asarray(state.decoding).any()
 
 
-@pytest.mark.parametrize("slots", [1, 3, 8])
+@pytest.mark.parametrize("slots", [3, 8])  # one slot (width 1): test_decode_computes_only_the_occupied_width
 def test_greedy_tokens_and_logprobs_equal_each_request_alone(slots):
     model = model_for("gqa")
     rng = np.random.default_rng(slots)
@@ -294,7 +294,8 @@ def test_bad_requests_are_refused_at_submit_and_queue_nothing():
         Engine("not a model", slots=1, max_len=8)
 
 
-@pytest.mark.parametrize("kwargs", [dict(cache_dtype="int8"), dict(cache_dtype="bfloat16"), dict(attention="pallas")])
+# int8 pools read by the Pallas kernel in one engine (each case compiles every engine program once more)
+@pytest.mark.parametrize("kwargs", [dict(cache_dtype="bfloat16"), dict(cache_dtype="int8", attention="pallas")])
 def test_quantized_caches_and_the_pallas_decode_kernel(kwargs):
     """The engine's cache dtypes and decode kernel are `generate`'s paged ones (Pallas in interpret mode on CPU).
     A quantized cache is not bit-exact against generate (the engine's prompt chunk attends over its own K/V as
@@ -366,7 +367,8 @@ def test_on_a_mesh_a_prefix_cache_built_for_it_is_shared():
                prefix_cache=jaxkv.PrefixCache(model, num_pages=48, page_size=8))
 
 
-@pytest.mark.parametrize("model_axis", [2, 4])
+# a 4-way axis over 2 KV heads (repeated): test_on_a_mesh_a_prefix_cache_built_for_it_is_shared
+@pytest.mark.parametrize("model_axis", [2])
 def test_on_a_mesh_the_pools_split_over_kv_heads_and_tokens_are_unchanged(model_axis):
     """Weights over "model" (Megatron), page pools over KV heads (2 heads repeated to 4 for a 4-way axis), the
     rest replicated: each request draws what generate of it alone draws."""
