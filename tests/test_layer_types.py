@@ -193,12 +193,10 @@ def test_bad_configs_are_refused(changes, message):
 
 @pytest.mark.parametrize("changes", [
     dict(),  # Gemma-3-shaped: q/k norms, per-layer rope bases
-    dict(attn_logit_softcap=2.0, final_logit_softcap=5.0, qk_norm=False, rope_local_theta=None,
-         rope_scaling=None),  # Gemma-2-shaped: capped scores (a small cap, so capping changes them)
     dict(kv_shared_layers=2, global_head_dim=16, global_kv_heads=1, global_values_from_keys=True, value_norm=True,
          norm_kind="rmsnorm_f32", rope_scaling=ProportionalRope(0.5), per_layer_input_dim=4, layer_scalar=True),
     # Gemma-4-shaped: the last two layers read layers 3 (a ring) and 2 (full length), wider global heads
-])
+])  # capped scores (Gemma 2) in both kernels and both bodies: tests/test_softcap.py
 def test_pallas_kernels_equal_xla_on_mixed_windows(changes):
     """The Pallas prefill and decode kernels (interpreted on CPU) on local rings and global full-length layers in
     one model, a prompt longer than the window and decode past several wraps: the same greedy tokens and logits."""

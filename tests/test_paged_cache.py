@@ -66,8 +66,10 @@ def contiguous_run(model, prompts, steps, cache_dtype=None):
 # --- paged == contiguous -----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-@pytest.mark.parametrize("page_size", [1, 5, 16])  # 5 divides none of the prompt lengths
+# Every config with pages of 5 (dividing none of the prompt lengths); pages of one slot and of 16 (longer than the
+# shortest prompt) on the default and the windowed config.
+@pytest.mark.parametrize("name, page_size", [*[(name, 5) for name in sorted(CONFIGS)], ("gqa", 1), ("sliding", 1),
+                                             ("gqa", 16), ("sliding", 16)])
 def test_paged_equals_contiguous(name, page_size):
     model = model_for(name)
     want_tokens, want_logits, _ = contiguous_run(model, PROMPTS, 12)

@@ -52,7 +52,7 @@ def test_conftest_provides_eight_devices():
     assert jax.device_count() == 8, "tests/conftest.py sets --xla_force_host_platform_device_count=8"
 
 
-@pytest.mark.parametrize("shape", [(8, 1), (4, 2), (2, 4), (1, 8)])
+@pytest.mark.parametrize("shape", [(8, 1), (2, 4), (1, 8)])  # data only, both axes, model only
 def test_mesh_generation_equals_single_device(shape):
     mesh = mesh_of(*shape)
     model = model_for(GQA)
