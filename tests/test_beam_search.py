@@ -132,9 +132,9 @@ def test_the_settings_matter(pair):
     outcome = {(lp, es): str(jaxkv.beam_search(model, BATCH, num_beams=4, max_new_tokens=NEW,
                                                length_penalty=lp, early_stopping=es, num_return_sequences=4,
                                                stop_tokens=stops).tokens)
-               for lp, es in itertools.product([0.5, 1.0, 2.0], [True, False, "never"])}
-    assert any(len({outcome[lp, es] for es in (True, False, "never")}) > 1 for lp in (0.5, 1.0, 2.0))
-    assert any(len({outcome[lp, es] for lp in (0.5, 1.0, 2.0)}) > 1 for es in (True, False, "never"))
+               for lp, es in itertools.product([0.5, 2.0], [True, "never"])}  # the extremes of each
+    assert any(len({outcome[lp, es] for es in (True, "never")}) > 1 for lp in (0.5, 2.0))
+    assert any(len({outcome[lp, es] for lp in (0.5, 2.0)}) > 1 for es in (True, "never"))
     got = jaxkv.beam_search(model, BATCH, num_beams=4, max_new_tokens=NEW, num_return_sequences=4,
                             stop_tokens=stops)
     reasons = {h.finish_reason for hyps in got for h in hyps}

@@ -26,7 +26,8 @@ def _free_port() -> int:
 
 def _run_processes(data: int, model: int, num_processes: int = 2) -> list[dict]:
     port = _free_port()
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0",
+           "JAX_PLATFORMS": "cpu"}  # optimization level 0 as tests/conftest.py
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(port), str(i), str(num_processes), str(data),
                                str(model)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(num_processes)]

@@ -188,7 +188,8 @@ def test_tensor_parallel_server_answers_as_generate():
 
     from test_server import start_server
 
-    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0",
+           "JAX_PLATFORMS": "cpu"}  # optimization level 0 as tests/conftest.py
     proc, url = start_server(["--model", "tiny", "--slots", "1", "--max-len", "128", "--tensor-parallel-size", "2"],
                              env=env)
     try:
