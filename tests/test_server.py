@@ -126,6 +126,11 @@ PROMPT = "The quick brown fox"
 
 def test_models_health_and_metrics_format(url, client):
     assert [m.id for m in client.models.list().data] == ["tiny-chat"]
+    assert client.models.retrieve("tiny-chat").id == "tiny-chat"
+    with pytest.raises(openai.NotFoundError, match="The model 'gpt-4' does not exist") as missing:
+        client.models.retrieve("gpt-4")
+    assert missing.value.code == "model_not_found"
+    assert httpx.get(url + "/v1/models/tiny-chat").status_code == 401  # no bearer token
     assert httpx.get(url + "/health").json() == {"status": "ok"}
     text = httpx.get(url + "/metrics").text  # Prometheus text by default
     for name in ("jaxkv_requests_total", "jaxkv_slots_free", "jaxkv_pages_held", "jaxkv_sequences_waiting",

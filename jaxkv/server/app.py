@@ -452,12 +452,24 @@ async def chat_completions(request: Request) -> Response:
     return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
+def _model_card(state: ServerState) -> dict:
+    return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "jaxkv",
+            "max_model_len": state.max_len}
+
+
 async def models(request: Request) -> Response:
     state: ServerState = request.app.state.jaxkv
     _authorize(request, state)
-    return JSONResponse({"object": "list", "data": [{"id": state.model_name, "object": "model",
-                                                      "created": state.created, "owned_by": "jaxkv",
-                                                      "max_model_len": state.max_len}]})
+    return JSONResponse({"object": "list", "data": [_model_card(state)]})
+
+
+async def model(request: Request) -> Response:
+    """OpenAI's "retrieve model" (`client.models.retrieve(name)`): the served model by its name or an alias, else
+    404 model_not_found."""
+    state: ServerState = request.app.state.jaxkv
+    _authorize(request, state)
+    _check_model(request.path_params["model"], state)
+    return JSONResponse(_model_card(state))
 
 
 async def health(request: Request) -> Response:
@@ -563,6 +575,7 @@ class _CountStatus:
 def create_app(state: ServerState, lifespan=None) -> Starlette:
     routes = [Route("/health", health, methods=["GET"]), Route("/metrics", metrics, methods=["GET"]),
               Route("/v1/models", models, methods=["GET"]),
+              Route("/v1/models/{model:path}", model, methods=["GET"]),  # a name may hold slashes (org/name)
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/chat/completions", chat_completions, methods=["POST"])]
     handlers = {ApiError: _error_response, HTTPException: _error_response, Exception: _error_response}
