@@ -54,7 +54,7 @@ class _State:
 
 def _placed(state: _State, mesh) -> _State:
     """On a mesh, the cache keeps its layout (pools split over KV heads; `sharding.paged_cache_shardings`)."""
-    return state if mesh is None else state.replace(cache=sharding.constrain_cache(state.cache, mesh))
+    return state.replace(cache=sharding.constrain_cache(state.cache, mesh))
 
 
 def _free_pages(state: _State) -> jax.Array:

@@ -86,9 +86,7 @@ def _forward(params, tokens, cache, *, config, attention, prefill=False, last_on
         positions = jnp.where(active[:, None], positions, -1)
     logits, cache = Decoder(config, mesh).apply({"params": params}, tokens, positions, cache,
                                                 prefill=prefill, last_only=last_only, attention=attention)
-    if mesh is not None:
-        cache = sharding.constrain_cache(cache, mesh)
-    return logits, cache
+    return logits, sharding.constrain_cache(cache, mesh)
 
 
 def _check_config(config):
@@ -111,9 +109,8 @@ def _check_batch_ids(name: str, ids, batch: int | None = None, length: bool = Fa
 
 @functools.partial(jax.jit, static_argnames=("config", "capacity", "attention", "cache_dtype", "ring", "mesh"))
 def _prefill(params, tokens, start, *, config, capacity, attention, cache_dtype, ring, mesh):
-    cache = KVCache.allocate(config, tokens.shape[0], capacity, dtype=cache_dtype, start=start, ring=ring)
-    if mesh is not None:
-        cache = sharding.constrain_cache(cache, mesh)
+    cache = sharding.constrain_cache(KVCache.allocate(config, tokens.shape[0], capacity, dtype=cache_dtype,
+                                                      start=start, ring=ring), mesh)
     logits, cache = _forward(params, tokens, cache, config=config, attention=attention, prefill=True,
                              last_only=True, mesh=mesh)
     return logits[:, 0], cache
@@ -814,10 +811,6 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top
     return _generation(model, req, loop, prefill_time, decode_time)
 
 
-def _constrained(cache, mesh):
-    return cache if mesh is None else sharding.constrain_cache(cache, mesh)
-
-
 @functools.partial(jax.jit, static_argnames=("config", "attention", "num_pages", "page_size", "max_pages",
                                              "cache_dtype", "mesh"))
 def _prefill_paged(params, tokens, positions, parents, *, config, attention, num_pages, page_size, max_pages,
@@ -825,11 +818,12 @@ def _prefill_paged(params, tokens, positions, parents, *, config, attention, num
     """Prefills right-padded prompts (positions -1 after each) into a fresh pool, then forks the rows that decode
     from them: row r continues prompt parents[r] (-1: an empty filler row) -> (float32[R, V] logits, cache). With
     a mesh the pools are split over KV heads (`sharding.paged_cache_shardings`)."""
-    cache = _constrained(PagedKVCache.allocate(config, tokens.shape[0], num_pages=num_pages, page_size=page_size,
-                                               max_len=max_pages * page_size, dtype=cache_dtype), mesh)
+    cache = PagedKVCache.allocate(config, tokens.shape[0], num_pages=num_pages, page_size=page_size,
+                                  max_len=max_pages * page_size, dtype=cache_dtype)
+    cache = sharding.constrain_cache(cache, mesh)
     logits, cache = Decoder(config, mesh).apply({"params": params}, tokens, positions, cache, prefill=True,
                                                 last_only=True, attention=attention)
-    return logits[jnp.maximum(parents, 0), 0], _constrained(cache.fork(parents), mesh)
+    return logits[jnp.maximum(parents, 0), 0], sharding.constrain_cache(cache.fork(parents), mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "attention", "mesh"))
@@ -837,9 +831,10 @@ def _prefill_suffix(params, tokens, positions, cache, parents, *, config, attent
     """Prefills right-padded prompt suffixes (positions -1 after each) into a cache whose rows already hold their
     cached prefixes, attending over those pages -> (float32[R, V] logits of the rows forked by `parents`, the
     prefilled page table, the forked cache)."""
-    logits, cache = Decoder(config, mesh).apply({"params": params}, tokens, positions, _constrained(cache, mesh),
-                                                last_only=True, attention=attention)
-    return logits[jnp.maximum(parents, 0), 0], cache.page_table, _constrained(cache.fork(parents), mesh)
+    cache = sharding.constrain_cache(cache, mesh)
+    logits, cache = Decoder(config, mesh).apply({"params": params}, tokens, positions, cache, last_only=True,
+                                                attention=attention)
+    return logits[jnp.maximum(parents, 0), 0], cache.page_table, sharding.constrain_cache(cache.fork(parents), mesh)
 
 
 def _generate_paged(model: Model, prompts, *, n, page_size, max_new_tokens, temperature, top_k, top_p, min_p,

@@ -241,11 +241,13 @@ def paged_cache_shardings(cache, mesh: Mesh):
                        value_scales=tuple(scale for _ in cache.value_scales), page_size=cache.page_size)
 
 
-def constrain_cache(cache, mesh: Mesh):
+def constrain_cache(cache, mesh: Mesh | None):
     """The cache with sharding constraints on every leaf (inside jit): K/V stay split over batch and KV heads (a
-    paged cache's pools over KV heads)."""
+    paged cache's pools over KV heads). No mesh (one device): the cache as it is."""
     from jaxkv.paged_cache import PagedKVCache
 
+    if mesh is None:
+        return cache
     shardings = (paged_cache_shardings if isinstance(cache, PagedKVCache) else cache_shardings)(cache, mesh)
     return jax.lax.with_sharding_constraint(cache, shardings)
 

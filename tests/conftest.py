@@ -11,7 +11,8 @@ import os
 # optimization level 0 cut a sample of test files' CPU time by 26-37% (BUILD_NOTES.md, "The test suite"). The HLO
 # passes, and so every program's structure and what the HLO tests read, are unchanged. Outside the tests (the
 # library, its commands, the benchmarks) XLA's defaults apply.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
+FAST_COMPILE = "--xla_backend_optimization_level=0"  # also in the XLA_FLAGS of the tests' own subprocesses
+os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {FAST_COMPILE}")
 # No persistent compilation cache in tests (tests/test_compile_cache.py turns it on in its own processes): compile
 # counts and compile times must not depend on what an earlier run left on disk.
 os.environ.setdefault("JAXKV_COMPILE_CACHE", "0")

@@ -13,6 +13,7 @@ import pytest
 
 import jaxkv
 from multiprocess_worker import CONFIG, NEW_TOKENS, PROMPTS, SEED
+from conftest import FAST_COMPILE
 
 WORKER = Path(__file__).with_name("multiprocess_worker.py")
 TIMEOUT_S = 240
@@ -26,8 +27,8 @@ def _free_port() -> int:
 
 def _run_processes(data: int, model: int, num_processes: int = 2) -> list[dict]:
     port = _free_port()
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0",
-           "JAX_PLATFORMS": "cpu"}  # optimization level 0 as tests/conftest.py
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count=4 {FAST_COMPILE}",
+           "JAX_PLATFORMS": "cpu"}
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(port), str(i), str(num_processes), str(data),
                                str(model)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(num_processes)]

@@ -11,6 +11,7 @@ import pytest
 
 import jaxkv
 from jaxkv.server.text import TextStream
+from conftest import FAST_COMPILE
 
 # One worker runs this module, so its in-process app (a module fixture) is built once, not once per xdist worker.
 pytestmark = pytest.mark.xdist_group("server_app")
@@ -188,8 +189,7 @@ def test_tensor_parallel_server_answers_as_generate():
 
     from test_server import start_server
 
-    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0",
-           "JAX_PLATFORMS": "cpu"}  # optimization level 0 as tests/conftest.py
+    env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count=2 {FAST_COMPILE}", "JAX_PLATFORMS": "cpu"}
     proc, url = start_server(["--model", "tiny", "--slots", "1", "--max-len", "128", "--tensor-parallel-size", "2"],
                              env=env)
     try:
