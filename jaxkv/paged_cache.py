@@ -17,7 +17,8 @@ device array of fixed shape in one registered pytree, so the cache goes through 
 `lax.while_loop` and donation like `KVCache`, and every operation here is a pure, jittable function:
 
   reserve(num_new)   pages for each row's next num_new[b] slots, taken from the free pages (lowest index first)
-  write(layer, ...)  K/V of new tokens into their slots, through the page table (a scatter; dropped if no page)
+  write(layer, ...)  K/V of new tokens into their slots, through the page table (a scatter; dropped if no page,
+                     and for every token of an overflowed row)
   advance(num_new)   lengths += num_new
   fork(parents)      a new batch whose row i continues sequence parents[i]: the table rows are gathered and the
                      counts adjusted; the partly filled last page of a sequence is copied (copy-on-write) for every
@@ -25,9 +26,10 @@ device array of fixed shape in one registered pytree, so the cache goes through 
   release(rows)      drops the rows' pages (count - 1) and empties them
 
 Running out of pages. The host refuses a call whose need it knows before any compute (`jaxkv.memory`). Inside a
-compiled loop, a row that needs a page when none is free gets none: its writes are dropped (a scatter to an
-out-of-range page), `overflowed[b]` turns true and the decoder gives that row NaN logits. Other rows' pages are never
-touched.
+compiled loop, a row that needs a page when none is free gets none (`reserve`), and a fork's child that finds no
+free page for its copy of a shared partly filled page stays on that page: either way `overflowed[b]` turns true, the
+decoder gives that row NaN logits, and from then on none of its writes lands anywhere (each is a scatter to an
+out-of-range page) until the row is released. Other rows' pages are never touched.
 
 Keys only (multi-head latent attention, `Config.mla`). An MLA model caches one latent row [c ; k_rope] of R + E
 per token and layer and no values (its values are the row's first R columns, `jaxkv.attention.mla`): the pools are
@@ -169,12 +171,14 @@ class PagedKVCache:
 
     def _slots(self, num_tokens: int, valid):
         """(page int32[B, T], offset int32[B, T]) of each row's next `num_tokens` slots; page P (out of range, so a
-        scatter drops it) where the token is not valid or the row has no page there."""
+        scatter drops it) where the token is not valid, the row has no page there, or the row is overflowed: a
+        starved row writes nowhere (a copy-on-write fork that found no free page leaves it on a page a sibling
+        writes and reads; its own output is NaN anyway)."""
         slot = self.positions(num_tokens)  # [B, T]
         entry = slot // self.page_size
         M = self.page_table.shape[1]
         page = jnp.take_along_axis(self.page_table, jnp.clip(entry, 0, M - 1), axis=1)
-        ok = valid & (entry < M) & (page >= 0)
+        ok = valid & ~self.overflowed[:, None] & (entry < M) & (page >= 0)
         return jnp.where(ok, page, self.num_pages), slot % self.page_size
 
     def write(self, layer: int, k: jax.Array, v: jax.Array | None, valid=None) -> "PagedKVCache":
@@ -228,8 +232,9 @@ class PagedKVCache:
         rows = jnp.arange(B, dtype=jnp.int32)
         partial = (self.lengths % ps) != 0
         entry = jnp.clip(self.lengths // ps, 0, M - 1)
-        last = jnp.where(partial, self.page_table[rows, entry], NO_PAGE)  # [B]
-        # The first row holding each partly filled page keeps it.
+        # An overflowed row writes nowhere (`_slots`): it neither keeps nor copies its partly filled page.
+        last = jnp.where(partial & ~self.overflowed, self.page_table[rows, entry], NO_PAGE)  # [B]
+        # The first healthy row holding each partly filled page keeps it.
         first = jnp.full((P,), B, jnp.int32).at[jnp.where(last >= 0, last, P)].min(rows, mode="drop")
         copies = (last >= 0) & (first[jnp.maximum(last, 0)] != rows)  # [B]
         rank = jnp.cumsum(copies, dtype=jnp.int32) - 1
@@ -247,7 +252,7 @@ class PagedKVCache:
         key_scales, value_scales = tuple(map(copy, self.key_scales)), tuple(map(copy, self.value_scales))
         table = self.page_table.at[rows, entry].set(jnp.where(got, fresh, self.page_table[rows, entry]))
         refcounts = self.refcounts.at[fresh].add(1, mode="drop").at[src].add(-1, mode="drop")
-        # A copy that found no free page leaves the row on the shared page: it must not write there.
+        # A copy that found no free page leaves the row on the shared page: overflowed, so it writes nowhere.
         overflowed = self.overflowed | (copies & ~got)
         return dataclasses.replace(self, keys=keys, values=values, key_scales=key_scales, value_scales=value_scales,
                                    page_table=table, refcounts=refcounts, overflowed=overflowed)

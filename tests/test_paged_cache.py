@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxkv
-from conftest import CONFIGS, model_for
+from conftest import CONFIGS, model_for, recompute
 from jaxkv.paged_cache import PagedKVCache
 
 PROMPTS = [[5, 17, 3], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3], [2, 7, 1, 8, 2, 8, 1, 8]]
@@ -186,6 +186,68 @@ def test_a_row_without_pages_is_poisoned_and_others_are_untouched():
     assert refs.sum() == (table >= 0).sum() and refs.max() == 1
 
 
+def _starved_fork(config, dtype=None, filled=6):
+    """A 6-token row (page 4: one full page, a partial one) forked 3 ways with one page free: child 1 gets the
+    copy of the partial page, child 2 is starved (overflowed, left on the page child 0 keeps and writes)."""
+    cache = PagedKVCache.allocate(config, 1, num_pages=3, page_size=4, max_len=16, dtype=dtype).reserve(filled)
+    cache = cache.advance(filled).fork(jnp.array([0, 0, 0], jnp.int32))
+    assert np.asarray(cache.overflowed).tolist() == [False, False, True]
+    return cache
+
+
+def test_a_starved_fork_writes_nowhere_and_its_sibling_stays_exact():
+    """Issue 27 (1): the starved child's K/V used to land in the shared page its sibling reads (logits off by 1.2)."""
+    model = model_for("gqa")
+    prompt = PROMPTS[2][:6]
+    logits, cache = paged_prefill(model, [prompt], page_size=4, num_pages=3, max_len=16)
+    cache = cache.fork(jnp.array([0, 0, 0], jnp.int32))
+    assert np.asarray(cache.overflowed).tolist() == [False, False, True]
+    forked = cache
+    want = recompute(model, [prompt + [10, 11], prompt + [20, 21]])
+    pools = []
+    for starved_tokens in ((30, 31), (40, 41)):  # what the starved row feeds must change nothing stored
+        cache, seen = forked, []
+        for t in range(2):
+            logits, cache = paged_step(model, jnp.array([10 + t, 20 + t, starved_tokens[t]], jnp.int32), cache)
+            seen.append(np.asarray(logits))
+        for r in range(2):  # the healthy rows equal the no-cache reference, step by step
+            for t in range(2):
+                np.testing.assert_allclose(seen[t][r], want[r][6 + t], atol=ATOL, rtol=0)
+        assert np.isnan(seen[0][2]).all() and np.isnan(seen[1][2]).all()
+        pools.append([np.asarray(a) for a in (*cache.keys, *cache.values)])
+    for a, b in zip(*pools):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("kind", ["float32", "int8", "keys-only"])
+def test_a_starved_row_writes_nowhere_in_any_pool(kind):
+    """Every write path goes through `PagedKVCache.write`: plain, quantized (scales too) and MLA latent pools."""
+    from test_paged_mla import DENSE, RANK, ROPE
+    config = DENSE if kind == "keys-only" else TINY
+    cache = _starved_fork(config, None if kind == "keys-only" else kind)
+    K, H = (1, RANK + ROPE) if kind == "keys-only" else (1, TINY.head_dim)
+    k = jnp.ones((3, K, 1, H)) * jnp.array([1.0, 2.0, 3.0])[:, None, None, None]  # row r writes r + 1
+    after = cache.reserve(1)
+    after = after.write(0, k, None if kind == "keys-only" else -k)
+    table, starved_page = np.asarray(after.page_table), np.asarray(after.page_table)[2, 1]
+    for pool in (*after.keys[:1], *after.values[:1]):
+        stored = np.abs(np.asarray(pool, np.float32))
+        if kind == "int8":  # dequantized
+            stored = stored * np.asarray(after.key_scales[0])[..., None]
+        assert not np.isclose(stored, 3.0, atol=0.05).any()  # the starved row's value is nowhere
+        np.testing.assert_allclose(stored[table[0, 1], :, 2], 1.0, atol=0.05)  # the page's keeper wrote its own
+        assert starved_page == table[0, 1]
+    untouched = [np.asarray(a) for a in (*after.keys, *after.values, *after.key_scales, *after.value_scales)]
+    again = cache.reserve(1).write(0, k.at[2].set(7.0), None if kind == "keys-only" else -k.at[2].set(7.0))
+    for a, b in zip(untouched, (*again.keys, *again.values, *again.key_scales, *again.value_scales)):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    # Forked again with the starved row first and no page free: the healthy child keeps the shared page (a
+    # starved row neither keeps nor copies one), so it is not starved in turn.
+    refork = cache.fork(jnp.array([2, 0, 1], jnp.int32))
+    assert np.asarray(refork.overflowed).tolist() == [True, False, False]
+    assert np.asarray(refork.page_table)[1, 1] == np.asarray(cache.page_table)[0, 1]
+
+
 # --- refcounts ---------------------------------------------------------------------------------------------------
 
 TINY = jaxkv.Config(vocab_size=11, d_model=8, n_layers=1, n_heads=1, n_kv_heads=1, ffn_dim=8, max_positions=64)
@@ -208,9 +270,10 @@ def _check_counts(cache):
     held = np.bincount(table[table >= 0], minlength=PAGES)
     np.testing.assert_array_equal(refs, held)  # count of a page = table entries naming it
     lengths = np.asarray(cache.lengths)
-    for b in range(B):  # a row's partly filled last page is its own: nobody else reads what it writes next
-        if lengths[b] % PAGE and not cache.overflowed[b]:
-            assert refs[table[b, lengths[b] // PAGE]] == 1
+    healthy = ~np.asarray(cache.overflowed)
+    for b in range(B):  # a row's partly filled last page is its own: no other row that writes reads it
+        if lengths[b] % PAGE and healthy[b]:  # (a starved row may stay on it: it writes nowhere)
+            assert (table[healthy] == table[b, lengths[b] // PAGE]).sum() == 1
 
 
 @settings(max_examples=25, deadline=None)
