@@ -23,7 +23,7 @@ device array of fixed shape in one registered pytree, so the cache goes through 
   fork(parents)      a new batch whose row i continues sequence parents[i]: the table rows are gathered and the
                      counts adjusted; the partly filled last page of a sequence is copied (copy-on-write) for every
                      row but the first that continues it, so no write ever lands in a page another row reads
-  release(rows)      drops the rows' pages (count - 1) and empties them
+  release(rows)      drops the rows' pages (count - 1) and empties them (rows: a bool mask of B, or row indices)
 
 Running out of pages. The host refuses a call whose need it knows before any compute (`jaxkv.memory`). Inside a
 compiled loop, a row that needs a page when none is free gets none (`reserve`), and a fork's child that finds no
@@ -46,6 +46,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxkv.cache import quantize, zeroed_buffers
 from jaxkv.config import Config
@@ -258,14 +259,44 @@ class PagedKVCache:
                                    page_table=table, refcounts=refcounts, overflowed=overflowed)
 
     def release(self, rows) -> "PagedKVCache":
-        """Drops the pages of the rows where `rows` (bool[B]) is true (count - 1 each; a page at 0 is free) and
-        empties those rows (no pages, length 0)."""
-        rows = jnp.asarray(rows, bool)
+        """Drops the pages of the rows `rows` names (count - 1 each; a page at 0 is free) and empties those rows (no
+        pages, length 0). `rows` is either a bool mask of length B (true: release) or row indices: an int, or a
+        1-D sequence / array of ints (`[0, 1]`: rows 0 and 1; `[]`: none). Refused with a ValueError before any
+        compute: a mask of another length, indices of another shape, an index outside [0, B) or one given twice,
+        any other dtype. Under `jit` traced indices cannot be checked by value: one outside [0, B) is ignored."""
+        rows = self._row_mask(rows)
         dropped = jnp.where(rows[:, None], self.page_table, NO_PAGE)
         return dataclasses.replace(self, refcounts=self._count(dropped, -1, self.refcounts),
                                    page_table=jnp.where(rows[:, None], NO_PAGE, self.page_table),
                                    lengths=jnp.where(rows, 0, self.lengths),
                                    overflowed=jnp.where(rows, False, self.overflowed))
+
+    def _row_mask(self, rows) -> jax.Array:
+        """bool[B] from a bool mask or row indices (`release`), checked before any compute."""
+        B = self.batch
+        traced = isinstance(rows, jax.core.Tracer)
+        if not traced:
+            rows = np.asarray(rows)
+            if rows.size == 0 and rows.ndim == 1:  # [] (numpy makes it float64): no rows
+                rows = rows.astype(np.int32)
+        if rows.dtype == bool:
+            if rows.shape != (B,):
+                raise ValueError(f"release: a bool mask of {B} rows (one per row of the cache), got shape "
+                                 f"{tuple(rows.shape)}; or pass row indices")
+            return jnp.asarray(rows)
+        if not jnp.issubdtype(rows.dtype, jnp.integer):
+            raise ValueError(f"release takes row indices or a bool mask of {B} rows, got dtype {rows.dtype}")
+        if rows.ndim > 1:
+            raise ValueError(f"release: row indices must be an int or 1-D, got shape {tuple(rows.shape)}")
+        rows = rows.reshape(-1)
+        if not traced:
+            bad = rows[(rows < 0) | (rows >= B)]
+            if bad.size:
+                raise ValueError(f"release: row index {int(bad[0])} out of range for a cache of {B} rows")
+            if np.unique(rows).size != rows.size:
+                raise ValueError(f"release: row indices {rows.tolist()} name a row more than once")
+        rows = jnp.asarray(rows, jnp.int32)
+        return jnp.zeros((B,), bool).at[jnp.where((rows >= 0) & (rows < B), rows, B)].set(True, mode="drop")
 
     # --- layer buffers ------------------------------------------------------------------------------------------
 
@@ -290,5 +321,7 @@ def fork(cache: PagedKVCache, parents) -> PagedKVCache:
 
 
 def release(cache: PagedKVCache, rows) -> PagedKVCache:
-    """`cache.release(rows)`: the rows where `rows` (bool[B]) is true drop their pages and become empty."""
+    """`cache.release(rows)`: the rows `rows` names drop their pages and become empty. `rows`: a bool mask of
+    length B, or row indices (an int or a 1-D sequence / array of ints; `[0, 1]` is rows 0 and 1). A mask of
+    another length, indices out of range or repeated, or another shape or dtype: ValueError, before any compute."""
     return cache.release(rows)

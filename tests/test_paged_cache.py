@@ -293,6 +293,28 @@ def test_refcounts_stay_exact_and_nothing_leaks(ops):
     assert int(cache.pages_in_use()) == 0 and not np.asarray(cache.refcounts).any()
 
 
+def test_release_takes_row_indices_or_a_bool_mask():
+    """Issue 27 (6): `release(cache, [0, 1])` released row 1 only and `[1]` every row (indices read as a mask)."""
+    cache = PagedKVCache.allocate(TINY, 3, num_pages=8, page_size=PAGE, max_len=9).reserve(4).advance(4)  # 2 pages each
+    T, F = True, False
+    for rows, want in [([0, 1], [T, T, F]), ([1], [F, T, F]), ((2,), [F, F, T]), (np.array([2, 0]), [T, F, T]),
+                       (jnp.array([1], jnp.int32), [F, T, F]), (1, [F, T, F]), ([], [F, F, F]),
+                       ([T, F, T], [T, F, T]), (np.array([F, T, F]), [F, T, F]), (jnp.array([T, T, T]), [T, T, T])]:
+        for release in (jaxkv.release, _release):  # eager and traced
+            if release is _release and isinstance(rows, (list, tuple, int)) and not np.asarray(rows).size:
+                continue
+            got = release(cache, jnp.asarray(rows) if release is _release else rows)
+            assert np.asarray(got.lengths).tolist() == [0 if w else 4 for w in want], (rows, release)
+            assert int(got.pages_in_use()) == 2 * want.count(F)
+    for rows, match in [([3], "out of range"), ([-1], "out of range"), ([0, 0], "more than once"),
+                        ([[0, 1]], "1-D"), ([T, F], "bool mask of 3"), (np.array([0.5]), "indices or a bool mask"),
+                        (jnp.zeros((2,), bool), "bool mask of 3")]:
+        with pytest.raises(ValueError, match=match):
+            jaxkv.release(cache, rows)
+    with pytest.raises(ValueError, match="bool mask of 3"):
+        _release(cache, jnp.zeros((4,), bool))
+
+
 # --- generate(n=N) -----------------------------------------------------------------------------------------------
 
 
