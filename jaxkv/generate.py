@@ -25,6 +25,7 @@ it also runs across processes. `generate_pmap` is the data-parallel `jax.pmap` v
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
@@ -242,7 +243,7 @@ def _emit(state: LoopState, *, sampler, stop_ids, stream, rows, vocab_size):
     tokens = jnp.where(jnp.any(jnp.isnan(state.logits), axis=-1), -1, tokens)
     valid = (tokens >= 0) & (tokens < vocab_size)
     if stream is not None:
-        io_callback(stream, None, tokens, running & valid, ordered=True)
+        io_callback(functools.partial(_call_stream, stream), None, tokens, running & valid, ordered=True)
     out = lax.dynamic_update_slice(state.tokens, jnp.where(running, tokens, -1)[:, None], (0, state.step))
     if state.logprobs is not None:
         state = _record_logprobs(state, tokens)
@@ -250,6 +251,33 @@ def _emit(state: LoopState, *, sampler, stop_ids, stream, rows, vocab_size):
     state = state.replace(key=key, done=state.done | stopped, num_new=state.num_new + running.astype(jnp.int32),
                           step=state.step + 1, tokens=out)
     return state, jnp.where(running & valid, tokens, 0)
+
+
+# stream -> the exception it raised in a running loop. XLA reports a host callback's exception as an opaque
+# runtime error ("INTERNAL: ... CpuCallback error"), so the loop's caller re-raises the callback's own from here.
+# Keyed by the stream (hashed by value, as jit's static argument is): a compiled loop calls the stream it was
+# traced with, which equals the caller's.
+_stream_errors: dict = {}
+
+
+def _call_stream(stream, tokens, emitted):
+    try:
+        stream(tokens, emitted)
+    except BaseException as exc:
+        _stream_errors[stream] = exc
+        raise
+
+
+def _on_host_surfacing(stream, run):
+    """`run()` (a decode loop, read back to the host) -> its result; if `stream` raised in it, that exception."""
+    _stream_errors.pop(stream, None)
+    try:
+        return run()
+    except Exception as exc:
+        error = _stream_errors.pop(stream, None) if stream is not None else None
+        if error is not None:
+            raise error from exc
+        raise
 
 
 def _record_logprobs(state: LoopState, tokens) -> LoopState:
@@ -800,14 +828,13 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top
                                  cache_dtype=plan.cache_dtype, ring=plan.ring, mesh=mesh)
         logits.block_until_ready()
     with _Phase() as decode_time:
-        loop = _decode_loop(
+        loop = _on_host_surfacing(on_step, lambda: _on_host(_decode_loop(
             params, cache, logits, put(req.key, replicated), put(req.sampler, replicated),
             put(req.stop_ids, replicated), put(req.done, sharding.BATCH_SPEC),
             put(np.int32(req.max_new_tokens), replicated), config=config,
             max_steps=_steps_bound(plan.capacity, plan.ring and config.every_layer_sliding, req.max_new_tokens),
             rows=req.rows, attention=req.attention,
-            stream=on_step, mesh=mesh, logprobs=logprobs)
-        loop = _on_host(loop, sharding.to_host)
+            stream=on_step, mesh=mesh, logprobs=logprobs), sharding.to_host))
     return _generation(model, req, loop, prefill_time, decode_time)
 
 
@@ -829,11 +856,11 @@ def _prefill_paged(params, tokens, positions, parents, *, config, attention, num
 @functools.partial(jax.jit, static_argnames=("config", "attention", "mesh"))
 def _prefill_suffix(params, tokens, positions, cache, parents, *, config, attention, mesh=None):
     """Prefills right-padded prompt suffixes (positions -1 after each) into a cache whose rows already hold their
-    cached prefixes, attending over those pages -> (float32[R, V] logits of the rows forked by `parents`, the
-    prefilled page table, the forked cache)."""
+    cached prefixes, attending over those pages (as stored) and over their own fresh K/V (`Decoder`'s `chunk`)
+    -> (float32[R, V] logits of the rows forked by `parents`, the prefilled page table, the forked cache)."""
     cache = sharding.constrain_cache(cache, mesh)
     logits, cache = Decoder(config, mesh).apply({"params": params}, tokens, positions, cache, last_only=True,
-                                                attention=attention)
+                                                attention=attention, chunk=True)
     return logits[jnp.maximum(parents, 0), 0], cache.page_table, sharding.constrain_cache(cache.fork(parents), mesh)
 
 
@@ -865,53 +892,55 @@ def _generate_paged(model: Model, prompts, *, n, page_size, max_new_tokens, temp
         if not callable(stream):
             raise ValueError(f"stream must be a callable (row_index, token_id), got {stream!r}")
         on_step = _StepStream(stream, rows)
-    hits = [[] for _ in token_lists]  # cached pages of each prompt's prefix
     if prefix_cache is not None:
         prefix_cache.check(model, cache_dtype, page_size, mesh)
-        hits = [prefix_cache.match(p) for p in token_lists]
-        # The pages this call adds: everything the plan counts but the prefix pages it reuses.
-        prefix_cache.make_room(pages.pages_needed - sum(map(len, hits)), keep={p for h in hits for p in h})
-    hit = [len(h) * page_size for h in hits]  # tokens found in the cache
-    T = max(memory.MIN_PROMPT_BUCKET, memory._next_pow2(max(len(p) - h for p, h in zip(token_lists, hit))))
-    tokens = np.zeros((pages.prefill_batch, T), np.int32)
-    positions = np.full((pages.prefill_batch, T), -1, np.int32)
-    for b, (p, h) in enumerate(zip(token_lists, hit)):
-        tokens[b, :len(p) - h], positions[b, :len(p) - h] = p[h:], np.arange(h, len(p))
-    parents = np.full((pages.padded_rows,), -1, np.int32)
-    parents[:rows] = np.repeat(np.arange(pages.batch), n)
-    done = np.arange(pages.padded_rows) >= rows
+    # A call that fails at any point (a refused make_room, a sampler or stream that raises half way) leaves the
+    # prefix cache's index and pool as it found them.
+    with prefix_cache.transaction() if prefix_cache is not None else contextlib.nullcontext():
+        hits = [[] for _ in token_lists]  # cached pages of each prompt's prefix
+        if prefix_cache is not None:
+            hits = [prefix_cache.match(p) for p in token_lists]
+            # The pages this call adds: everything the plan counts but the prefix pages it reuses.
+            prefix_cache.make_room(pages.pages_needed - sum(map(len, hits)), keep={p for h in hits for p in h})
+        hit = [len(h) * page_size for h in hits]  # tokens found in the cache
+        T = max(memory.MIN_PROMPT_BUCKET, memory._next_pow2(max(len(p) - h for p, h in zip(token_lists, hit))))
+        tokens = np.zeros((pages.prefill_batch, T), np.int32)
+        positions = np.full((pages.prefill_batch, T), -1, np.int32)
+        for b, (p, h) in enumerate(zip(token_lists, hit)):
+            tokens[b, :len(p) - h], positions[b, :len(p) - h] = p[h:], np.arange(h, len(p))
+        parents = np.full((pages.padded_rows,), -1, np.int32)
+        parents[:rows] = np.repeat(np.arange(pages.batch), n)
+        done = np.arange(pages.padded_rows) >= rows
 
-    params, run_config = (model.params, config) if mesh is None else _sharded_params(model, mesh)
-    with _Phase() as prefill_time:
-        if prefix_cache is None:
-            logits, cache = _prefill_paged(params, jax.device_put(tokens), jax.device_put(positions),
-                                           jax.device_put(parents), config=run_config, attention=attention,
-                                           num_pages=pages.num_pages, page_size=page_size,
-                                           max_pages=pages.max_pages, cache_dtype=cache_dtype, mesh=mesh)
-        else:
-            table = np.full((pages.prefill_batch, pages.max_pages), -1, np.int32)
-            for b, h in enumerate(hits):
-                table[b, :len(h)] = h
-            lengths = np.zeros((pages.prefill_batch,), np.int32)
-            lengths[:len(hit)] = hit
-            logits, prefilled, cache = _prefill_suffix(params, jax.device_put(tokens),
-                                                       jax.device_put(positions), prefix_cache.cache(table, lengths),
-                                                       jax.device_put(parents), config=run_config,
-                                                       attention=attention, mesh=mesh)
-            cache = prefix_cache.remember(token_lists, np.asarray(prefilled), cache)
-        logits.block_until_ready()
-    with _Phase() as decode_time:
-        loop = _decode_loop(
-            params, cache, logits, jax.device_put(key), sample_fn, jax.device_put(stop_ids),
-            jax.device_put(done), jax.device_put(np.int32(max_new_tokens)), config=run_config,
-            max_steps=_steps_bound(cache.capacity, False, max_new_tokens), rows=sampler_rows, attention=attention,
-            stream=on_step, mesh=mesh, logprobs=logprobs)
-        loop = _on_host(loop)
-    cache = loop.cache
-    overflowed = bool(np.asarray(cache.overflowed).any())
-    peak = int(cache.pages_in_use())  # nothing is freed while decoding, so the end is the peak
-    if prefix_cache is not None:
-        prefix_cache.store(cache)  # the rows' pages released; the prefixes' stay cached
+        params, run_config = (model.params, config) if mesh is None else _sharded_params(model, mesh)
+        with _Phase() as prefill_time:
+            if prefix_cache is None:
+                logits, cache = _prefill_paged(params, jax.device_put(tokens), jax.device_put(positions),
+                                               jax.device_put(parents), config=run_config, attention=attention,
+                                               num_pages=pages.num_pages, page_size=page_size,
+                                               max_pages=pages.max_pages, cache_dtype=cache_dtype, mesh=mesh)
+            else:
+                table = np.full((pages.prefill_batch, pages.max_pages), -1, np.int32)
+                for b, h in enumerate(hits):
+                    table[b, :len(h)] = h
+                lengths = np.zeros((pages.prefill_batch,), np.int32)
+                lengths[:len(hit)] = hit
+                logits, prefilled, cache = _prefill_suffix(
+                    params, jax.device_put(tokens), jax.device_put(positions), prefix_cache.cache(table, lengths),
+                    jax.device_put(parents), config=run_config, attention=attention, mesh=mesh)
+                cache = prefix_cache.remember(token_lists, np.asarray(prefilled), cache)
+            logits.block_until_ready()
+        with _Phase() as decode_time:
+            loop = _on_host_surfacing(on_step, lambda: _on_host(_decode_loop(
+                params, cache, logits, jax.device_put(key), sample_fn, jax.device_put(stop_ids),
+                jax.device_put(done), jax.device_put(np.int32(max_new_tokens)), config=run_config,
+                max_steps=_steps_bound(cache.capacity, False, max_new_tokens), rows=sampler_rows,
+                attention=attention, stream=on_step, mesh=mesh, logprobs=logprobs)))
+        cache = loop.cache
+        overflowed = bool(np.asarray(cache.overflowed).any())
+        peak = int(cache.pages_in_use())  # nothing is freed while decoding, so the end is the peak
+        if prefix_cache is not None:
+            prefix_cache.store(cache)  # the rows' pages released; the prefixes' stay cached
     if overflowed:  # the plan sizes the pool for the whole call: a bug if this happens
         raise RuntimeError("the paged pool ran out of pages; the plan should have prevented it")
     plan = memory.CachePlan(batch=rows, padded_batch=pages.padded_rows, prompt_len=T,

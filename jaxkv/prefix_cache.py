@@ -15,7 +15,7 @@ one for the index while the page is cached. So a cached page is never handed out
 sequence holds is never freed by eviction, and when a call ends (its sequences released) the pages only the
 index holds stay, ready for the next call. When a call needs more free pages than there are, the least recently
 used cached blocks are dropped from the index (a prefix's later blocks before its earlier ones, since a match
-touches them last to first) until enough are free; if dropping them all is not enough, the call is refused
+and an adoption touch them last to first) until enough are free; if dropping them all is not enough, the call is refused
 before any compute, naming the pages needed and available.
 
 A prefix cache belongs to one model (config and parameters) and one cache dtype and page size: using it with
@@ -25,6 +25,7 @@ another is a ValueError, since the K/V it holds would be wrong for them.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import hashlib
 
@@ -80,18 +81,23 @@ class PrefixCache:
         self.num_pages = checks.check_int("num_pages", num_pages, 1)
         self.cache_dtype = check_cache_dtype(model.config.dtype if cache_dtype is None else cache_dtype)
         self.mesh = None if mesh is None else sharding.check_paged_mesh(mesh)
-        run_config = model.config if mesh is None else sharding.check_config(model.config, self.mesh)
-        empty = PagedKVCache.allocate(run_config, 1, num_pages=num_pages, page_size=page_size, max_len=page_size,
-                                      dtype=self.cache_dtype)
+        self._run_config = model.config if mesh is None else sharding.check_config(model.config, self.mesh)
+        self._pools = self._empty_pools()
+        self._index: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # key -> page, LRU first
+        self.lent_to = None  # the `jaxkv.Engine` running in this pool now, if any (it holds the pool meanwhile)
+
+    def _empty_pools(self) -> "_Pools":
+        empty = PagedKVCache.allocate(self._run_config, 1, num_pages=self.num_pages, page_size=self.page_size,
+                                      max_len=self.page_size, dtype=self.cache_dtype)
         if self.mesh is not None:  # as the engine places its pool: split over KV heads, the rest replicated
+            from jaxkv import sharding
+
             empty = jax.device_put(empty, sharding.paged_cache_shardings(empty, self.mesh))
         else:
             # Committed to the device, as the pool is once a program has returned it: jit keys on committedness,
             # so fresh arrays here would make every program compile twice (first use, then every later one).
             empty = jax.device_put(empty, jax.local_devices()[0])
-        self._pools = _Pools.of(empty)
-        self._index: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # key -> page, LRU first
-        self.lent_to = None  # the `jaxkv.Engine` running in this pool now, if any (it holds the pool meanwhile)
+        return _Pools.of(empty)
 
     # --- what generate asks of it -------------------------------------------------------------------------------
 
@@ -115,6 +121,21 @@ class PrefixCache:
             raise ValueError(f"this PrefixCache has pages of {self.page_size} slots, the call asks for "
                              f"{page_size}: drop page_size, or build another PrefixCache")
 
+    @contextlib.contextmanager
+    def transaction(self):
+        """A `generate` call's use of the cache: if the block raises (a refused call, a sampler or stream callback
+        that fails half way, an interrupt), the index and the pool are put back as they were, so no entry names a
+        page whose K/V never reached the pool. If the pool itself was lost (donated to a program that failed),
+        the cache starts empty: every entry it keeps is always complete and valid."""
+        index, pools = collections.OrderedDict(self._index), self._pools
+        try:
+            yield
+        except BaseException:
+            if any(leaf.is_deleted() for leaf in jax.tree.leaves(pools.arrays())):
+                index, pools = collections.OrderedDict(), self._empty_pools()
+            self._index, self._pools = index, pools
+            raise
+
     def match(self, tokens) -> list[int]:
         """The cached pages of the longest whole-page prefix of `tokens` (leaving at least one token), marked
         recently used, last block first."""
@@ -131,31 +152,45 @@ class PrefixCache:
 
     def make_room(self, needed: int, keep: set[int]):
         """Drops least recently used cached blocks (never pages in `keep`, which this call holds) until `needed`
-        pages are free; ValueError if even dropping every other block is not enough."""
+        pages are free; ValueError if even dropping every other block is not enough, with the index and the pool
+        left as they were (nothing dropped)."""
         refcounts = np.asarray(self._pools.refcounts).copy()
-        dropped, free = self.evict(needed, keep, refcounts)
+        victims, free = self._victims(needed, keep, refcounts)
         if free < needed:
             raise ValueError(f"the call needs {needed} free pages; the PrefixCache pool has {free} free of "
                              f"{self.num_pages} even after dropping every cached prefix it does not use: build it "
                              f"with more pages")
+        dropped = self._drop(victims)
         np.subtract.at(refcounts, dropped, 1)
         self._pools = dataclasses.replace(self._pools, refcounts=jax.device_put(refcounts))
 
     def evict(self, needed: int, keep: set[int], refcounts: np.ndarray) -> tuple[list[int], int]:
         """Drops least recently used blocks from the index (never pages in `keep`) until `needed` pages would be
-        free under `refcounts` (the pool's counts, read, not changed) -> (the dropped pages, whose index
-        reference the caller must remove from the pool's counts; the free pages after that)."""
+        free under `refcounts` (the pool's counts, read, not changed), or every droppable block is gone -> (the
+        dropped pages, whose index reference the caller must remove from the pool's counts; the free pages after
+        that)."""
+        victims, free = self._victims(needed, keep, refcounts)
+        return self._drop(victims), free
+
+    def _victims(self, needed: int, keep: set[int], refcounts: np.ndarray) -> tuple[list[bytes], int]:
+        """The keys `evict` would drop, least recently used first, and the free pages after dropping them; the
+        index is not changed."""
         counts = np.asarray(refcounts).copy()
         free = int((counts == 0).sum())
-        droppable = [(key, page) for key, page in self._index.items() if page not in keep]
-        dropped = []
-        while free < needed and droppable:
-            key, page = droppable.pop(0)
-            del self._index[key]
-            dropped.append(page)
+        victims = []
+        for key, page in self._index.items():
+            if free >= needed:
+                break
+            if page in keep:
+                continue
+            victims.append(key)
             counts[page] -= 1
             free += int(counts[page] == 0)
-        return dropped, free
+        return victims, free
+
+    def _drop(self, keys: list[bytes]) -> list[int]:
+        """Removes `keys` from the index -> their pages."""
+        return [self._index.pop(key) for key in keys]
 
     def remember(self, prompts, tables, cache: PagedKVCache) -> PagedKVCache:
         """After a prefill: the index takes a reference on every whole page of each prompt (`tables[b]` its page
@@ -167,13 +202,18 @@ class PrefixCache:
 
     def adopt(self, prompts, tables) -> list[int]:
         """Indexes the whole pages of each prompt (`tables[b]` its page table row) not indexed yet -> those pages:
-        the caller adds the index's reference to each in the pool's counts."""
+        the caller adds the index's reference to each in the pool's counts. Every whole block of the prompt is
+        marked recently used, last block first (as `match` does), so that a prefix's later blocks are evicted
+        before the earlier ones they extend: dropping an earlier block first would leave the later ones
+        unmatchable, holding pages no call can reuse."""
         pages = []
         for tokens, table in zip(prompts, tables):
-            for key, page in zip(_block_keys(tokens, self.page_size), table):
-                if key not in self._index and page >= 0:
-                    self._index[key] = int(page)
-                    pages.append(int(page))
+            blocks = [(key, int(page)) for key, page in zip(_block_keys(tokens, self.page_size), table) if page >= 0]
+            for key, page in reversed(blocks):
+                if key not in self._index:
+                    pages.append(page)
+                    self._index[key] = page
+                self._index.move_to_end(key)
         return pages
 
     def cache(self, page_table, lengths) -> PagedKVCache:
@@ -216,6 +256,9 @@ class _Pools:
     key_scales: tuple
     value_scales: tuple
     refcounts: jax.Array
+
+    def arrays(self) -> tuple:
+        return self.keys, self.values, self.key_scales, self.value_scales, self.refcounts
 
     @classmethod
     def of(cls, cache: PagedKVCache) -> "_Pools":

@@ -69,6 +69,71 @@ def test_a_call_the_pool_cannot_hold_is_refused_before_compute():
         jaxkv.generate(model, [HEADER + SUFFIXES[0]], max_new_tokens=8, prefix_cache=pc)
 
 
+def state(pc):
+    return list(pc._index.items()), np.asarray(pc._pools.refcounts).tolist()
+
+
+def test_a_call_that_fails_half_way_leaves_the_prefix_cache_as_it_was():
+    """Issue 27, item 2: a sampler that fails after the prefill and a stream callback that raises mid-decode leave
+    the index and pool as they were (no entry naming a page whose K/V never reached the pool); the callback's own
+    exception surfaces, not XLA's runtime error; later calls hit only what was cached and stay exact."""
+    import jax.numpy as jnp
+
+    model = model_for("gqa")
+    pc = jaxkv.PrefixCache(model, num_pages=64, page_size=8)
+    jaxkv.generate(model, [HEADER + SUFFIXES[0]], max_new_tokens=8, stop_tokens=[], prefix_cache=pc)
+    before = state(pc)
+    prompt = HEADER + SUFFIXES[1] + SUFFIXES[3]  # 40 tokens hit, 2 more whole pages that the call would cache
+
+    def wrong_shape(logits, key):
+        return jnp.argmax(logits, -1)[:, None].astype(jnp.int32)
+
+    with pytest.raises(ValueError, match="the sampler must return integer token ids of shape"):
+        jaxkv.generate(model, [prompt], max_new_tokens=8, stop_tokens=[], prefix_cache=pc, sampler=wrong_shape)
+    assert state(pc) == before
+
+    def fails(i, token):
+        raise KeyError("from the stream")
+
+    with pytest.raises(KeyError, match="from the stream"):
+        jaxkv.generate(model, [prompt], max_new_tokens=8, stop_tokens=[], prefix_cache=pc, stream=fails)
+    assert state(pc) == before
+    out = jaxkv.generate(model, [prompt], max_new_tokens=8, stop_tokens=[], prefix_cache=pc)
+    assert out.stats["prefix_hit_tokens"] == 40 and out.tokens[0] == alone(model, prompt)
+    with pytest.raises(KeyError, match="from the stream"):  # the plain cache's loop surfaces it too
+        jaxkv.generate(model, [prompt], max_new_tokens=8, stop_tokens=[], stream=fails)
+
+
+def test_a_refused_call_keeps_the_cached_prefixes_and_their_pages():
+    """Issue 27, item 7: make_room that cannot make enough room drops nothing (it dropped every cached block from
+    the index, kept their references, and so leaked their pages until every call was refused)."""
+    model = model_for("gqa")
+    pc = jaxkv.PrefixCache(model, num_pages=12, page_size=8)
+    jaxkv.generate(model, [HEADER + SUFFIXES[0]], max_new_tokens=8, stop_tokens=[], prefix_cache=pc)
+    before = state(pc)
+    assert pc.cached_pages == 5 and pc.free_pages() == 7
+    with pytest.raises(ValueError, match="needs 13 free pages; the PrefixCache pool has 12 free of 12"):
+        jaxkv.generate(model, [HEADER[::-1] * 2], max_new_tokens=24, prefix_cache=pc)
+    assert state(pc) == before
+    out = jaxkv.generate(model, [HEADER + SUFFIXES[1]], max_new_tokens=8, stop_tokens=[], prefix_cache=pc)
+    assert out.stats["prefix_hit_tokens"] == 40
+
+
+def test_eviction_drops_a_prefixs_last_block_first():
+    """Issue 27, item 15: blocks a call adopts enter the LRU order last block first, as a match touches them, so
+    eviction takes a prefix's later blocks before the earlier ones they extend (block 0 went first: the rest
+    could never match again and held their pages for nothing)."""
+    model = model_for("gqa")
+    pc = jaxkv.PrefixCache(model, num_pages=12, page_size=8)
+    first = HEADER[:25]  # 3 whole pages; 4 with its new token
+    jaxkv.generate(model, [first], max_new_tokens=2, stop_tokens=[], prefix_cache=pc)
+    other = RNG.integers(1, 97, 70).tolist()  # 70 + 8 - 1 slots: 10 pages of the 9 free, so one block goes
+    jaxkv.generate(model, [other], max_new_tokens=8, stop_tokens=[], prefix_cache=pc)
+    out = jaxkv.generate(model, [first + [7]], max_new_tokens=2, stop_tokens=[], prefix_cache=pc)
+    assert out.stats["prefix_hit_tokens"] == 16
+    assert out.tokens[0] == jaxkv.generate(model, [first + [7]], max_new_tokens=2, stop_tokens=[]).tokens[0]
+
+
 def test_a_prefix_cache_belongs_to_one_model_dtype_and_page_size():
     model = model_for("gqa")
     pc = jaxkv.PrefixCache(model, num_pages=16, page_size=8)
