@@ -222,7 +222,8 @@ class Engine:
         # the prefill dispatch's rows empty.
         self._staging: list[int | None] = [None] * (2 * self.prefill_rows)  # staging row -> request id
         self._results: dict[int, Result] = {}  # finished, not yet collected
-        self._events: list[Event] = []  # events produced between steps (cancellations), reported by the next
+        # Events not yet reported: cancellations (between steps) and what a `run` left early did not yield.
+        self._events: collections.deque[Event] = collections.deque()
         self._order: list[int] = []  # ids submitted and not yet collected, in submission order
         self._next_id = 0
         self._stats = collections.Counter()
@@ -284,7 +285,8 @@ class Engine:
         if req is None:
             return False
         self._finish(req, "cancelled")
-        self._events.append(Event(req.id, [], [], True, "cancelled"))  # reported by the next step
+        # Its callback gets the event now; run() / the next step report it.
+        self._events.append(self._notify(req, Event(req.id, [], [], True, "cancelled")))
         return True
 
     # --- running ------------------------------------------------------------------------------------------------
@@ -292,13 +294,29 @@ class Engine:
     def run(self) -> Iterator[Event]:
         """Runs until every submitted request has finished, yielding each `Event` as its tokens come out.
         Requests submitted meanwhile (from the loop consuming the events) join. Leaving the loop early is safe:
-        the requests stay where they were and a later `run` continues them."""
+        the requests stay where they were, the events not yet yielded stay queued, and a later `run` (or `step`)
+        reports them first, then continues."""
         while self._requests or self._events:
-            yield from self.step()
+            if not self._events:
+                self._events.extend(self._round())
+            while self._events:  # taken one at a time: a consumer that leaves keeps the rest queued
+                yield self._events.popleft()
 
     def step(self) -> list[Event]:
-        """One scheduling round: admit what fits, one prefill chunk, one decode dispatch -> the events."""
-        events, self._events = self._events, []
+        """One scheduling round: admit what fits, one prefill chunk, one decode dispatch -> the events (those
+        queued before it first: cancellations, and what a `run` left early did not yield)."""
+        events = list(self._events)
+        self._events.clear()
+        return events + self._round()
+
+    def _round(self) -> list[Event]:
+        if self.prefix_cache is not None and self.prefix_cache.lent_to not in (None, self):
+            # Two engines cannot run in one pool at once (each would step on its own copy of it). Nothing here
+            # has changed: this engine's requests wait, and it runs once the other has finished and given the
+            # pool back.
+            raise RuntimeError("this engine's PrefixCache pool is in use by another jaxkv.Engine with requests in "
+                               "flight: finish those (its results()) first, then step this one")
+        events = []
         if self._requests:
             self._take_pool()
             self._prefill_round()

@@ -183,6 +183,55 @@ def test_decode_computes_only_the_occupied_width():
     assert_all_free(engine)
 
 
+def test_leaving_run_early_loses_no_event_and_callbacks_see_cancels():
+    """Issue 27, item 5: a consumer that leaves `run` after each event (the README says leaving is safe) still gets
+    every token and every finish once, from later `run` calls; a request's callback gets its "cancelled" event."""
+    model = model_for("gqa")
+    prompts = [RNG.integers(1, 97, n).tolist() for n in (3, 17, 9)]
+    engine = Engine(model, slots=2, max_len=64, page_size=8, steps_per_dispatch=2, decode_widths=[2])
+    ids = [engine.submit(p, max_new_tokens=6, stop_tokens=[]) for p in prompts]
+    streamed, finished = {i: [] for i in ids}, []
+    while (event := next(engine.run(), None)) is not None:  # a fresh run each time, left after one event
+        streamed[event.id] += event.tokens
+        if event.finished:
+            finished.append(event.id)
+    assert sorted(finished) == ids
+    for r, p in zip(engine.results(), prompts):
+        assert r.tokens == streamed[r.id] == alone(model, p, 6).tokens[0]
+    got = []
+    running = engine.submit(prompts[1], max_new_tokens=6, stop_tokens=[], callback=got.append)
+    queued = [engine.submit(p, max_new_tokens=6, stop_tokens=[], callback=got.append) for p in prompts[::2]]
+    engine.step()
+    for rid in [running] + queued:
+        engine.cancel(rid)
+    cancelled = [(rid, "cancelled") for rid in [running] + queued]
+    assert [(e.id, e.finish_reason) for e in got if e.finished] == cancelled
+    assert [(e.id, e.finish_reason) for e in engine.step() if e.finished] == cancelled
+    assert_all_free(engine)
+
+
+def test_two_engines_on_one_prefix_cache_take_turns():
+    """Issue 27, item 8: while one engine runs in a prefix cache's pool, another on the same cache is refused
+    clearly (it would run on a stale copy of the pool), changes nothing, and runs once the first has finished."""
+    model = model_for("gqa")
+    pc = jaxkv.PrefixCache(model, num_pages=40, page_size=8)
+    first, second = (Engine(model, slots=2, max_len=96, prefix_cache=pc, prefill_chunk=16, decode_widths=[2])
+                     for _ in range(2))
+    prompt = RNG.integers(1, 97, 45).tolist()
+    first.submit(prompt, max_new_tokens=20, stop_tokens=[])
+    first.step()  # prefilled, 8 of its 20 tokens decoded
+    assert pc.lent_to is first
+    second.submit(prompt, max_new_tokens=20, stop_tokens=[])
+    with pytest.raises(RuntimeError, match="in use by another jaxkv.Engine"):
+        second.step()
+    assert second.pending == 1 and second.waiting == 1 and pc.lent_to is first
+    want = alone(model, prompt, 20).tokens[0]
+    assert first.results()[0].tokens == want and pc.lent_to is None
+    result = second.results()[0]
+    assert result.tokens == want and result.cached_tokens == 40  # the 5 whole pages the first engine cached
+    assert pc.lent_to is None and pc.free_pages() == 40 - pc.cached_pages
+
+
 def test_no_recompiles_when_a_prefix_cache_pool_comes_back():
     """With a prefix cache the pool goes back to the cache when the engine is idle and returns for the next run:
     the state is then made of program outputs, not fresh arrays; it must hit the same compiled programs (it did
