@@ -122,16 +122,16 @@ def test_a_refused_call_keeps_the_cached_prefixes_and_their_pages():
 def test_eviction_drops_a_prefixs_last_block_first():
     """Issue 27, item 15: blocks a call adopts enter the LRU order last block first, as a match touches them, so
     eviction takes a prefix's later blocks before the earlier ones they extend (block 0 went first: the rest
-    could never match again and held their pages for nothing)."""
+    could never match again and held their pages for nothing). The prompts' shapes are the eviction test's."""
     model = model_for("gqa")
     pc = jaxkv.PrefixCache(model, num_pages=12, page_size=8)
-    first = HEADER[:25]  # 3 whole pages; 4 with its new token
-    jaxkv.generate(model, [first], max_new_tokens=2, stop_tokens=[], prefix_cache=pc)
-    other = RNG.integers(1, 97, 70).tolist()  # 70 + 8 - 1 slots: 10 pages of the 9 free, so one block goes
+    jaxkv.generate(model, [HEADER + SUFFIXES[0]], max_new_tokens=8, stop_tokens=[], prefix_cache=pc)
+    assert pc.cached_pages == 5 and pc.free_pages() == 7
+    other = RNG.integers(1, 97, 52).tolist()  # 52 + 7 slots: 8 pages of the 7 free, so one cached block goes
     jaxkv.generate(model, [other], max_new_tokens=8, stop_tokens=[], prefix_cache=pc)
-    out = jaxkv.generate(model, [first + [7]], max_new_tokens=2, stop_tokens=[], prefix_cache=pc)
-    assert out.stats["prefix_hit_tokens"] == 16
-    assert out.tokens[0] == jaxkv.generate(model, [first + [7]], max_new_tokens=2, stop_tokens=[]).tokens[0]
+    out = jaxkv.generate(model, [HEADER + SUFFIXES[1]], max_new_tokens=8, stop_tokens=[], prefix_cache=pc)
+    assert out.stats["prefix_hit_tokens"] == 32  # HEADER's blocks 0-3; its block 4 was evicted
+    assert out.tokens[0] == alone(model, HEADER + SUFFIXES[1])
 
 
 def test_a_prefix_cache_belongs_to_one_model_dtype_and_page_size():
