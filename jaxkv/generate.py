@@ -753,8 +753,9 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top
         with a float32 scale per token per KV head). Default: the model's dtype.
       attention: "auto", "xla" or "pallas"; default config.attention ("auto": Pallas on GPU/TPU, XLA on CPU).
       stream: optional host callback `(prompt_index, token_id)`, called for every new token as the compiled loop
-        produces it (tokens after a stop token are not passed). With `mesh`, single-process only (each step's
-        [B] tokens are gathered to one device for the callback).
+        produces it (tokens after a stop token are not passed). If it raises, the loop stops and generate raises
+        that exception. With `mesh`, single-process only (each step's [B] tokens are gathered to one device for
+        the callback).
       n: samples per prompt. With n > 1 (or a page_size) the cache is paged (`jaxkv.paged_cache`): each prompt
         is prefilled once and its n samples fork from it, sharing its full pages (its partly filled last page is
         copied per sample). Results are prompt-major: tokens[i * n + j] is sample j of prompt i (`stream` gets that
@@ -764,7 +765,8 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top
         With a paged cache, max_len bounds each sequence's slots (its page table), not the pool.
       prefix_cache: a `jaxkv.PrefixCache` (prompt caching): the call runs in its page pool, reuses the pages of
         any prefix it holds (whole pages of token ids) and prefills only the rest; the new prompts' pages stay
-        cached for later calls. `stats` adds "prefix_hit_tokens" and "prefilled_tokens".
+        cached for later calls. `stats` adds "prefix_hit_tokens" and "prefilled_tokens". A call that raises
+        leaves the prefix cache as it found it.
       mesh: a `jax.sharding.Mesh` with axes ("data", "model"): the batch is split over "data" (padded up to a
         multiple of it), attention heads and the FFN hidden width over "model" (Megatron-style), the cache over
         batch and KV heads; see `jaxkv.sharding`, which also explains how KV heads fewer than the "model" axis
