@@ -254,6 +254,18 @@ def test_stop_strings_and_stop_ids(client, model):
     assert out.usage.completion_tokens == k + 1
 
 
+def test_a_stop_string_counts_as_stop_in_metrics(url, client, model):
+    """A sequence ended by a stop string finished with "stop", as its client was told, not "cancelled" (the server
+    ends it in the engine when the string appears)."""
+    full = jaxkv.generate(model, [PROMPT], max_new_tokens=40).text[0]
+    before = wait_idle(url)["finished"]
+    out = client.completions.create(model="tiny-chat", prompt=PROMPT, max_tokens=40, temperature=0, stop=[full[5:7]])
+    assert out.choices[0].finish_reason == "stop"
+    after = wait_idle(url)["finished"]
+    assert after.get("stop", 0) == before.get("stop", 0) + 1
+    assert after.get("cancelled", 0) == before.get("cancelled", 0)
+
+
 def test_chat_with_the_template(client, model, model_dir):
     from jaxkv.chat_template import ChatTemplate
 

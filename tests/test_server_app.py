@@ -1,17 +1,26 @@
 """The server's pieces without a network: the text stream (whole characters, stop strings), the app in process on a
 model without a tokenizer or chat template, and `jaxkv serve`'s argument errors."""
 
+import collections
+import dataclasses
 import json
 import socket
 import subprocess
 import sys
+import threading
 import time
 
+import jax
 import pytest
 
 import jaxkv
 from jaxkv.server.text import TextStream
 from conftest import FAST_COMPILE
+
+_compiles = []  # every XLA compile of this process (the in-process app's engine thread included)
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, duration, **kw: _compiles.append(event) if event == "/jax/core/compile/backend_compile_duration"
+    else None)
 
 # One worker runs this module, so its in-process app (a module fixture) is built once, not once per xdist worker.
 pytestmark = pytest.mark.xdist_group("server_app")
@@ -107,6 +116,191 @@ def test_what_needs_text_is_a_clear_400(app_client, body, path, words):
     assert r.status_code == 400 and words in r.json()["error"]["message"]
 
 
+@pytest.fixture(scope="module")
+def text_client(app_client, tokenizer):
+    """The same engine behind an app whose model also has the bundled byte-level tokenizer (test-tiny's 256 ids
+    are its byte tokens): text prompts, echo and logprobs in process, without a second engine."""
+    from starlette.testclient import TestClient
+
+    from jaxkv.server.app import create_app
+
+    _, state = app_client
+    text_state = dataclasses.replace(state, model=dataclasses.replace(state.model, tokenizer=tokenizer),
+                                     http=collections.Counter())
+    with TestClient(create_app(text_state)) as client:
+        yield client, text_state
+
+
+class _HeldTokenizer:
+    """The bundled tokenizer, whose encoding counts its calls and waits until `release` is set."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer, self.calls, self.release = tokenizer, 0, threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+    def _held(self, name, *args, **kwargs):
+        self.calls += 1
+        self.release.wait(10)
+        return getattr(self._tokenizer, name)(*args, **kwargs)
+
+    def encode(self, *args, **kwargs):
+        return self._held("encode", *args, **kwargs)
+
+    def encode_batch(self, *args, **kwargs):
+        return self._held("encode_batch", *args, **kwargs)
+
+
+def test_a_long_text_prompt_blocks_no_one(text_client):
+    """A text prompt too long for max_len whatever it encodes to is refused before tokenizing (the bundled
+    tokenizer's longest token, <|endoftext|>, is 13 characters: 64 tokens hold at most 832); one that may fit is
+    tokenized off the event loop: /health answers while it is."""
+    from starlette.testclient import TestClient
+
+    from jaxkv.server.app import create_app
+
+    _, state = text_client
+    held = _HeldTokenizer(state.tokenizer)
+    held_state = dataclasses.replace(state, model=dataclasses.replace(state.model, tokenizer=held))
+    with TestClient(create_app(held_state)) as client:
+        r = client.post("/v1/completions", json={"model": "test-tiny", "prompt": "x" * 5000, "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+        assert r.json()["error"]["param"] == "prompt" and held.calls == 0
+        out = {}
+        request = threading.Thread(target=lambda: out.update(r=client.post(
+            "/v1/completions", json={"model": "test-tiny", "prompt": "x" * 20, "max_tokens": 1})))
+        request.start()
+        deadline = time.time() + 10
+        while not held.calls and time.time() < deadline:
+            time.sleep(0.01)
+        started = time.perf_counter()
+        assert client.get("/health").status_code == 200
+        waited = time.perf_counter() - started
+        held.release.set()
+        request.join(30)
+    assert waited < 5, waited  # the tokenizer holds its request for up to 10 s, not the server
+    assert out["r"].status_code == 200, out["r"].text
+
+
+def test_echo_logprobs_never_compile_after_warm_up(text_client):
+    """Prompt scoring (echo + logprobs) runs programs `jaxkv serve` compiled at start (`warm_up_scoring`, one per
+    continuation-length bucket up to max_len): no request compiles, whatever its prompts' lengths and count."""
+    from jaxkv.server import worker
+
+    client, state = text_client
+    worker.warm_up_scoring(state.model, state.max_len)
+    before = len(_compiles)
+    for length, count, max_tokens in [(2, 1, 0), (17, 1, 0), (40, 3, 0), (64, 1, 0), (30, 2, 1), (5, 5, 0)]:
+        prompts = [[7 + i] * length for i in range(count)]
+        r = client.post("/v1/completions", json={"model": "test-tiny", "prompt": prompts, "max_tokens": max_tokens,
+                                                 "echo": True, "logprobs": 1, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert all(len(c["logprobs"]["tokens"]) == length + max_tokens for c in r.json()["choices"])
+    assert len(_compiles) == before
+
+
+def test_echo_only_scoring_is_checked_and_counted(text_client, monkeypatch):
+    """max_tokens 0 with echo: the prompt must fit max_len as any other (400 context_length_exceeded), and its
+    sequences count against the server's capacity (400 past it, 429 while the server is full)."""
+    client, state = text_client
+    echo = {"model": "test-tiny", "max_tokens": 0, "echo": True, "logprobs": 1}
+    r = client.post("/v1/completions", json={**echo, "prompt": [5] * (state.max_len + 1)})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert r.json()["error"]["param"] == "prompt"
+    assert client.post("/v1/completions", json={**echo, "prompt": [5] * state.max_len}).status_code == 200
+    r = client.post("/v1/completions", json={**echo, "prompt": [[5, 6]] * (state.worker.capacity + 1)})
+    assert r.status_code == 400 and "at most" in r.json()["error"]["message"], r.text
+    monkeypatch.setattr(state.worker, "capacity", 3)
+    with client.stream("POST", "/v1/completions", json={"model": "test-tiny", "prompt": [1, 2], "n": 2,
+                                                        "max_tokens": 60, "ignore_eos": True, "stream": True}) as s:
+        lines = s.iter_lines()
+        assert next(lines).startswith("data: {")  # two of the three sequences are held
+        r = client.post("/v1/completions", json={**echo, "prompt": [[5, 6], [7, 8]]})
+        assert r.status_code == 429, r.text
+
+
+_BIG = b"1" + b"0" * 400  # a JSON integer no float holds
+
+
+@pytest.mark.parametrize("raw,param", [
+    (b'{"model": "test-tiny", "prompt": [1], "temperature": ' + _BIG + b"}", "temperature"),
+    (b'{"model": "test-tiny", "prompt": [1], "top_p": ' + _BIG + b"}", "top_p"),
+    (b'{"model": "test-tiny", "prompt": [1], "max_tokens": 1' + b"0" * 5000 + b"}", None),  # past int()'s digits
+    (b'{"model": "test-tiny", "prompt": [1], "metadata": ' + b"[" * 100000 + b"]" * 100000 + b"}", None),
+    (b'{"model": "test-tiny", "prompt": "\\ud800abc", "max_tokens": 2}', "prompt"),  # a lone surrogate
+], ids=["huge-int-temperature", "huge-int-top_p", "int-past-int()", "deeply-nested", "lone-surrogate"])
+def test_bad_input_is_a_400_not_a_500(text_client, raw, param):
+    client, _ = text_client
+    r = client.post("/v1/completions", content=raw, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("kwargs", [{"messages": []}, {"add_generation_prompt": False}, {"tools": []}])
+def test_chat_template_kwargs_may_not_set_the_requests_own_arguments(app_client, kwargs):
+    client, _ = app_client
+    r = client.post("/v1/chat/completions", json={"model": "test-tiny", "messages": [{"role": "user", "content": "hi"}],
+                                                  "chat_template_kwargs": kwargs})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text
+
+
+def test_client_errors_say_invalid_request_error(app_client, monkeypatch):
+    """413 and 405 are the client's (OpenAI's "invalid_request_error"); a model name that is not valid Unicode is
+    still answered in JSON."""
+    from jaxkv.server import app
+
+    client, _ = app_client
+    r = client.get("/v1/completions")
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
+    r = client.post("/v1/completions", content=b'{"model": "\\udc00x", "prompt": [1]}')
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    monkeypatch.setattr(app, "MAX_BODY_BYTES", 64)
+    r = client.post("/v1/completions", json={"model": "test-tiny", "prompt": list(range(64))})
+    assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_bug_is_a_counted_500_and_the_connection_stays_up(app_client, monkeypatch):
+    """An unexpected exception is answered as OpenAI's JSON 500 by the app itself, counted in /metrics, and not
+    re-raised to the server (uvicorn drops a keep-alive connection whose app raised, after its answer)."""
+    from jaxkv.server import protocol
+
+    client, _ = app_client
+
+    def broken(body):
+        raise RuntimeError("a bug")
+
+    before = client.get("/metrics?format=json").json()["responses"].get("500", 0)
+    monkeypatch.setattr(protocol, "completion_request", broken)
+    r = client.post("/v1/completions", json={"model": "test-tiny", "prompt": [1]})  # TestClient re-raises what an
+    # app raises: reaching the next line means the app answered and returned, as uvicorn needs it to
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    assert "RuntimeError: a bug" in r.json()["error"]["message"]
+    assert client.get("/metrics?format=json").json()["responses"].get("500", 0) == before + 1
+
+
+def test_greedy_accepts_sampling_filters_and_engine_refusals_name_their_field(app_client):
+    """temperature 0 with top_p / top_k / min_p is greedy (as OpenAI and vLLM accept it); what the engine would
+    refuse is a 400 naming the field."""
+    from jaxkv.server import worker
+
+    client, state = app_client
+    body = {"model": "test-tiny", "prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    greedy = client.post("/v1/completions", json=body).json()["choices"][0]["token_ids"]
+    for extra in ({"top_p": 0.95}, {"top_k": 40}, {"min_p": 0.05}, {"top_p": 0.5, "top_k": 3, "min_p": 0.2}):
+        r = client.post("/v1/completions", json={**body, **extra})
+        assert r.status_code == 200, (extra, r.text)
+        assert r.json()["choices"][0]["token_ids"] == greedy
+    for extra, param in (({"temperature": 1, "top_k": 2**40}, "top_k"),
+                         ({"stop_token_ids": list(range(40))}, "stop_token_ids"),
+                         ({"stop": list(range(40))}, "stop")):
+        r = client.post("/v1/completions", json={**body, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+    # whatever else the engine refuses names the field its message starts with
+    assert worker.engine_param("the request needs 9 pages of 16 slots; the pool has 4") == "max_tokens"
+    assert worker.engine_param("top_p must be in (0, 1], got 2") == "top_p"
+
+
 def run_serve(*args, timeout=120):
     return subprocess.run([sys.executable, "-m", "jaxkv.cli", "serve", *args], capture_output=True, text=True,
                           timeout=timeout)
@@ -145,36 +339,53 @@ def test_the_issue_flags_parse():
             args.api_key) == ("tiny", "0.0.0.0", 8001, 4, 128, "int8", 8, "K")
 
 
-def test_sigint_lets_the_stream_finish_and_exits_0():
+def test_sigint_lets_the_stream_finish_then_cancels_the_rest_cleanly_and_exits_0():
+    """SIGINT: a stream that can finish within --shutdown-timeout does; past it, every sequence still running or
+    queued (63 of a 64-sample stream on 2 slots, about 30 s of decoding) is cancelled: each choice's last chunk
+    has a finish_reason, then [DONE], before the connection closes."""
     import signal
-    import threading
-    import time
 
     import httpx
 
     from test_server import start_server
 
-    proc, url = start_server(["--preset", "test-tiny", "--slots", "2", "--max-len", "512"])
+    proc, url = start_server(["--preset", "test-tiny", "--slots", "2", "--max-len", "512", "--shutdown-timeout", "2"])
     try:
-        lines = []
+        lines, rest = [], []
 
-        def stream():
+        def stream(out, **body):
             with httpx.stream("POST", url + "/v1/completions", timeout=60,
-                              json={"model": "test-tiny", "prompt": [1, 2, 3], "max_tokens": 400, "stream": True,
-                                    "ignore_eos": True, "temperature": 0}) as r:
-                lines.extend(line for line in r.iter_lines() if line)
+                              json={"model": "test-tiny", "prompt": [1, 2, 3], "stream": True, "ignore_eos": True,
+                                    "temperature": 0, **body}) as r:
+                out.extend(line for line in r.iter_lines() if line)
 
-        t = threading.Thread(target=stream)
+        def metric(name):
+            return httpx.get(url + "/metrics?format=json").json()[name]
+
+        t = threading.Thread(target=stream, args=(lines,), kwargs={"max_tokens": 400})
         t.start()
         deadline = time.time() + 30
-        while not httpx.get(url + "/metrics?format=json").json()["sequences_running"] and time.time() < deadline:
+        while not metric("sequences_running") and time.time() < deadline:
+            time.sleep(0.01)
+        cut = threading.Thread(target=stream, args=(rest,), kwargs={"max_tokens": 500, "n": 64})
+        cut.start()  # after the first: its 64 sequences queue behind it for the second slot
+        while metric("sequences_held") < 65 and time.time() < deadline:
             time.sleep(0.01)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
         t.join(60)
+        cut.join(60)
         assert lines[-1] == "data: [DONE]"  # finished, not cut off
         tokens = [tok for line in lines[:-1] for tok in json.loads(line[6:])["choices"][0]["token_ids"]]
         assert len(tokens) == 400
+        assert rest and rest[-1] == "data: [DONE]", rest[-3:]  # cancelled, and told so, not cut off
+        finish = {}
+        for line in rest[:-1]:
+            for choice in json.loads(line[6:])["choices"]:
+                if choice["finish_reason"] is not None:
+                    finish[choice["index"]] = choice["finish_reason"]
+        assert sorted(finish) == list(range(64))
+        assert set(finish.values()) <= {"length", "cancelled"} and "cancelled" in finish.values()
         assert "Traceback" not in proc.stderr.read()
     finally:
         if proc.poll() is None:
@@ -207,3 +418,4 @@ def test_tensor_parallel_server_answers_as_generate():
         assert proc.wait(timeout=60) == 0
     r = run_serve("--model", "tiny", "--tensor-parallel-size", "64", "--port", "0")
     assert r.returncode == 2 and "needs that many devices" in r.stderr and "Traceback" not in r.stderr
+

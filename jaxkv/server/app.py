@@ -18,10 +18,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
 import hmac
 import json
 import secrets
+import sys
 import time
+import traceback
 import uuid
 
 from starlette.applications import Starlette
@@ -36,6 +39,7 @@ from jaxkv.server.protocol import ApiError
 from jaxkv.server.text import TextStream, token_pieces
 
 MAX_BODY_BYTES = 64 << 20  # a request body larger than this is refused (413) before it is read
+BIG_BODY_BYTES = 1 << 20  # a body larger than this is parsed off the event loop
 
 
 @dataclasses.dataclass
@@ -55,6 +59,12 @@ class ServerState:
     @property
     def tokenizer(self):
         return self.model.tokenizer
+
+    @functools.cached_property
+    def max_prompt_chars(self) -> int | None:
+        """The most characters a text prompt of max_len tokens can have (`protocol.text_char_limit`): a longer one
+        is refused before it is tokenized. None: no bound (the body limit bounds the work)."""
+        return None if self.tokenizer is None else protocol.text_char_limit(self.tokenizer, self.max_len)
 
 
 @dataclasses.dataclass
@@ -87,17 +97,24 @@ def _authorize(request: Request, state: ServerState):
                        code="invalid_api_key")
 
 
-async def _body(request: Request):
+async def _body(request: Request, parse):
+    """The request body read, decoded and checked (`parse`: a `protocol` function) -> its parsed request. A large
+    body is decoded and checked on a thread, so a 64 MB one holds up no other client."""
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
         raise ApiError(f"the request body is larger than {MAX_BODY_BYTES} bytes", status=413)
     raw = await request.body()
     if len(raw) > MAX_BODY_BYTES:
         raise ApiError(f"the request body is larger than {MAX_BODY_BYTES} bytes", status=413)
+    big = len(raw) > BIG_BODY_BYTES
     try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ApiError(f"the request body is not valid JSON: {e}") from None
+        body = await asyncio.to_thread(json.loads, raw) if big else json.loads(raw)
+    except RecursionError:
+        raise ApiError("the request body is not valid JSON here: it is nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer past int()'s 4,300 digits
+        reason = "it holds an integer of more than 4300 digits" if "4300" in str(e) else str(e)
+        raise ApiError(f"the request body is not valid JSON: {reason}") from None
+    return await asyncio.to_thread(parse, body) if big else parse(body)
 
 
 def _check_model(name: str, state: ServerState):
@@ -106,25 +123,76 @@ def _check_model(name: str, state: ServerState):
                        param="model", code="model_not_found")
 
 
-def _prompt_ids(prompt, state: ServerState, param: str = "prompt") -> list[int]:
-    """A prompt's token ids: text is encoded as `jaxkv.generate` encodes it (with the tokenizer's special tokens)."""
+def _context_exceeded(state: ServerState, what: str, length: str) -> ApiError:
+    return ApiError(f"This model's maximum context length is {state.max_len} tokens. However, you requested "
+                    f"{length} in the {what}. Please reduce the length of the {what}.", param=what,
+                    code="context_length_exceeded")
+
+
+def _check_text(text: str, state: ServerState, what: str):
+    """A text about to be tokenized: refused (400) if it is longer than any text of max_len tokens can be, before
+    the work of tokenizing it, or if it is not Unicode (a lone surrogate, which JSON's escapes can write)."""
+    limit = state.max_prompt_chars
+    if limit is not None and len(text) > limit:
+        raise _context_exceeded(state, what, f"{len(text)} characters (more than {state.max_len} tokens of this "
+                                             f"tokenizer can hold: at most {limit})")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError(f"the {what} is not valid Unicode: a lone surrogate (U+{ord(text[e.start]):04X}) at "
+                       f"character {e.start}", param=what) from None
+
+
+async def _encode(state: ServerState, texts: list[str], *, special_tokens: bool) -> list[list[int]]:
+    """The token ids of each text, encoded on a thread (`encode_batch` lets go of the GIL): the event loop, and
+    so every other client, goes on while a long prompt is tokenized."""
+    tokenizer = state.tokenizer
+
+    def encode():
+        if hasattr(tokenizer, "encode_batch"):
+            return [e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=special_tokens)]
+        return [tokenizer.encode(t, add_special_tokens=special_tokens).ids for t in texts]
+
+    return await asyncio.to_thread(encode)
+
+
+async def _prompt_ids(prompts: list, state: ServerState, param: str = "prompt") -> list[list[int]]:
+    """Each prompt's token ids: text is encoded as `jaxkv.generate` encodes it (with the tokenizer's special
+    tokens), off the event loop, once its length says it may fit; a prompt of ids longer than max_len is refused
+    before its ids are looked at."""
     vocab = state.model.config.vocab_size
-    if isinstance(prompt, str):
-        if state.tokenizer is None:
-            raise ApiError("this model has no tokenizer: pass the prompt as token ids", param=param)
-        ids = state.tokenizer.encode(prompt).ids
-        if not ids:
-            raise ApiError("the prompt encodes to no tokens", param=param)
-        return ids
-    bad = [t for t in prompt if not 0 <= t < vocab]
-    if bad:
-        raise ApiError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param=param)
-    return list(prompt)
+    texts = [p for p in prompts if isinstance(p, str)]
+    if texts and state.tokenizer is None:
+        raise ApiError("this model has no tokenizer: pass the prompt as token ids", param=param)
+    for p in prompts:
+        if isinstance(p, str):
+            _check_text(p, state, param)
+        elif len(p) > state.max_len:
+            raise _context_exceeded(state, param, f"{len(p)} tokens")
+    encoded = iter(await _encode(state, texts, special_tokens=True) if texts else [])
+    out = []
+    for p in prompts:
+        if isinstance(p, str):
+            ids = next(encoded)
+            if not ids:
+                raise ApiError("the prompt encodes to no tokens", param=param)
+        else:
+            bad = [t for t in p if not 0 <= t < vocab]
+            if bad:
+                raise ApiError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param=param)
+            ids = list(p)
+        out.append(ids)
+    return out
 
 
 def _budget(s: protocol.Sampling, prompt: list[int], state: ServerState, what: str) -> int:
-    """The new tokens a sequence may make: max_tokens (or, unset, all that fit), checked against the context."""
+    """The new tokens a sequence may make: max_tokens (or, unset, all that fit), checked against the context. With
+    max_tokens 0 (echo only: the prompt scored, nothing generated) the prompt alone must fit."""
     room = state.max_len - len(prompt)
+    if s.max_tokens == 0:
+        if room < 0:
+            raise _context_exceeded(state, what, f"{len(prompt)} tokens")
+        return 0
     want = room if s.max_tokens is None else s.max_tokens
     if room < 1 or want > room:
         raise ApiError(f"This model's maximum context length is {state.max_len} tokens. However, you requested "
@@ -137,11 +205,15 @@ def _budget(s: protocol.Sampling, prompt: list[int], state: ServerState, what: s
 def _calls(s: protocol.Sampling, prompts: list[list[int]], budgets: list[int], state: ServerState):
     """The engine.submit arguments of every sequence (prompt-major, n per prompt) and each one's stop ids."""
     eos = [] if s.ignore_eos else list(state.model.config.eos_ids)
-    stop_ids = eos + [t for t in s.stop_token_ids if t not in eos]
+    stop_ids = list(dict.fromkeys(eos + list(s.stop_token_ids)))
     vocab = state.model.config.vocab_size
     for t in stop_ids:
         if not 0 <= t < vocab:
             raise ApiError(f"stop token id {t} is outside the vocabulary [0, {vocab})", param="stop")
+    if len(stop_ids) > protocol.MAX_STOP_IDS:
+        raise ApiError(f"at most {protocol.MAX_STOP_IDS} stop token ids per request, the model's {len(eos)} "
+                       f"end-of-sequence ids included (ignore_eos leaves those out), got {len(stop_ids)}",
+                       param="stop_token_ids")
     base = secrets.randbits(62) if s.seed is None else s.seed
     calls = []
     for prompt, budget in zip(prompts, budgets):
@@ -189,7 +261,7 @@ async def _updates(request: Request, state: ServerState, choices: list[_Choice],
                 if c.text.stopped:  # a stop string: keep only the tokens that made the text, end the sequence
                     del c.tokens[c.text.tokens_used:], c.logprobs[c.text.tokens_used:], c.tops[c.text.tokens_used:]
                     c.finish_reason = "stop"
-                    worker.cancel([c.handle])
+                    worker.cancel([c.handle], reason="stop")
                 elif item.finished:
                     delta += c.text.finish()
                     c.finish_reason = item.finish_reason
@@ -314,7 +386,7 @@ async def _accept(request: Request, endpoint: str, parse):
     state: ServerState = request.app.state.jaxkv
     state.http[endpoint] += 1
     _authorize(request, state)
-    req = parse(await _body(request))
+    req = await _body(request, parse)
     _check_model(req.model, state)
     return state, req
 
@@ -322,19 +394,25 @@ async def _accept(request: Request, endpoint: str, parse):
 async def completions(request: Request) -> Response:
     state, req = await _accept(request, "completions", protocol.completion_request)
     s = req.sampling
-    prompts = [_prompt_ids(p, state) for p in req.prompts]
     if s.stop and state.tokenizer is None:
         raise ApiError("stop strings need a model with a tokenizer: pass stop token ids", param="stop")
     if state.tokenizer is None and (req.echo or s.logprobs is not None):
         raise ApiError("echo and logprobs need a model with a tokenizer (they are text)",
                        param="echo" if req.echo else "logprobs")
-    budgets = [_budget(s, p, state, "prompt") if s.max_tokens != 0 else 0 for p in prompts]
+    # echo only scores each prompt once, whatever n; a request that could never be held is refused before any work
+    per_prompt = s.n if s.max_tokens != 0 else 1
+    state.worker.check_count(len(req.prompts) * per_prompt, "n" if per_prompt > 1 else "prompt")
+    prompts = await _prompt_ids(req.prompts, state)
+    budgets = [_budget(s, p, state, "prompt") for p in prompts]
     token_ids = s.return_token_ids or state.tokenizer is None
     echoed = [p if isinstance(p, str) else state.tokenizer.decode(ids, skip_special_tokens=False)
               for p, ids in zip(req.prompts, prompts)] if req.echo else None
     prompt_part = None
     if req.echo and s.logprobs is not None:  # the prompt's own log-probabilities, as evaluation harnesses ask
-        prompt_part = await _prompt_logprobs(state, prompts, s.logprobs)
+        with state.worker.hold(len(prompts)):  # held against the server's capacity (429) as engine sequences are
+            # one prompt at a time: each runs a program compiled at start (`worker.warm_up_scoring`: one per length
+            # bucket, batch 1), and the engine steps between them, so running streams go on
+            prompt_part = [(await _prompt_logprobs(state, [p], s.logprobs))[0] for p in prompts]
     cid, created = "cmpl-" + uuid.uuid4().hex, int(time.time())
 
     def choice_json(c: _Choice, text: str, first: int, whole: bool) -> dict:
@@ -410,12 +488,18 @@ async def chat_completions(request: Request) -> Response:
                        code="no_chat_template")
     from jaxkv.chat_template import ChatTemplateError
 
-    try:
-        rendered = state.chat_template.render(req.messages, add_generation_prompt=req.add_generation_prompt,
-                                              **req.template_kwargs)
+    try:  # on a thread, as the tokenizing below: long messages hold up no other client
+        rendered = await asyncio.to_thread(state.chat_template.render, req.messages,
+                                           add_generation_prompt=req.add_generation_prompt, **req.template_kwargs)
     except ChatTemplateError as e:
         raise ApiError(str(e), param="messages") from None
-    prompt = state.tokenizer.encode(rendered, add_special_tokens=False).ids  # the template wrote any BOS
+    except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError, RecursionError) as e:
+        # the template's own code failed on what this request gave it (a chat_template_kwargs value of a type it
+        # does not expect, say): the request's to change
+        raise ApiError(f"the chat template failed on these messages: {type(e).__name__}: {e}",
+                       param="messages") from None
+    _check_text(rendered, state, "messages")
+    prompt = (await _encode(state, [rendered], special_tokens=False))[0]  # the template wrote any BOS
     if not prompt:
         raise ApiError("the messages render to an empty prompt", param="messages")
     s = req.sampling
@@ -482,7 +566,8 @@ async def health(request: Request) -> Response:
 _GAUGES = {  # metrics name -> (worker snapshot key, help)
     "jaxkv_sequences_running": ("sequences_running", "Sequences prefilling or decoding in the engine."),
     "jaxkv_sequences_waiting": ("sequences_waiting", "Sequences queued for a cache row (the queue)."),
-    "jaxkv_sequences_held": ("sequences_held", "Sequences submitted and not yet answered (the 429 limit counts these)."),
+    "jaxkv_sequences_held": ("sequences_held", "Sequences submitted and not yet answered, and prompts being scored "
+                                               "(the 429 limit counts these)."),
     "jaxkv_slots_total": ("slots_total", "Decode slots of the engine."),
     "jaxkv_slots_free": ("slots_free", "Decode slots no sequence holds."),
     "jaxkv_pages_total": ("pages_total", "KV-cache pages in the pool."),
@@ -528,7 +613,8 @@ async def metrics(request: Request) -> Response:
     metric("jaxkv_client_disconnects_total", "counter", "Requests cancelled before their end: the client left "
            "(or the server stopped before they could finish).",
            [("", m["disconnects"])])
-    metric("jaxkv_sequences_finished_total", "counter", "Sequences finished, by engine finish reason.",
+    metric("jaxkv_sequences_finished_total", "counter", "Sequences finished, by finish reason (stop: a stop token "
+           "or a stop string; cancelled: the client left, or the server stopped).",
            [(f'{{reason="{k}"}}', v) for k, v in sorted(m["finished"].items())])
     for name, (key, help_) in _COUNTERS.items():
         metric(name, "counter", help_, [("", m[key])])
@@ -555,7 +641,10 @@ def _error_response(request: Request, exc: Exception) -> Response:
 
 
 class _CountStatus:
-    """ASGI middleware counting responses by status (for /metrics)."""
+    """ASGI middleware counting responses by status (for /metrics), and answering a bug's exception itself: a JSON
+    500 (counted), after which the app returns normally, so the server keeps the connection (uvicorn drops a
+    keep-alive connection whose app raised, without telling the client). Mid-response there is nothing to answer:
+    the exception goes on to the server, which ends the connection."""
 
     def __init__(self, app, state: ServerState):
         self.app, self.state = app, state
@@ -563,13 +652,24 @@ class _CountStatus:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        started = False
 
         async def counting_send(message):
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 self.state.http[f"status_{message['status']}"] += 1
             await send(message)
 
-        await self.app(scope, receive, counting_send)
+        try:
+            await self.app(scope, receive, counting_send)
+        except Exception as exc:
+            if started:
+                raise
+            print(f"jaxkv serve: internal error answering {scope.get('method')} {scope.get('path')}:",
+                  file=sys.stderr)
+            traceback.print_exc()
+            await _error_response(None, exc)(scope, receive, counting_send)
 
 
 def create_app(state: ServerState, lifespan=None) -> Starlette:

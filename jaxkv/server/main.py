@@ -12,8 +12,10 @@ programs compiled by one warm-up request, and only then are connections accepted
 compile. `--port 0` takes a free port; the "listening on" line on stdout names it.
 
 SIGINT or SIGTERM stops accepting connections, lets in-flight requests finish for up to --shutdown-timeout
-seconds, cancels the rest (their slots and pages freed), stops the engine thread and exits with status 0. A
-second SIGINT exits at once.
+seconds, then cancels every sequence still running or queued (their slots and pages freed): each response ends as
+it should (a stream's choices get a last chunk with finish_reason "cancelled", then [DONE]; a whole answer is
+sent with what was made); a client that has not read its response CANCEL_GRACE seconds later is cut off. Then it
+stops the engine thread and exits with status 0. A second SIGINT exits at once.
 
 `--tensor-parallel-size N` splits the weights (Megatron-style: heads and FFN widths) and the page pools (over KV
 heads, the prefix cache's too) across the first N devices, as `jaxkv.Engine(mesh=...)` does on a ("data",
@@ -31,6 +33,7 @@ import time
 from jaxkv import checks, memory
 
 EXIT_USAGE = 2
+CANCEL_GRACE = 5.0  # seconds responses have to end themselves after the shutdown timeout cancelled their sequences
 
 
 class _Parser(argparse.ArgumentParser):
@@ -121,7 +124,7 @@ def build(args):
     from jaxkv import checkpoint, sharding
     from jaxkv.chat_template import ChatTemplate
     from jaxkv.server.app import ServerState
-    from jaxkv.server.worker import EngineWorker
+    from jaxkv.server.worker import EngineWorker, warm_up_scoring
 
     if args.preset is not None:
         from jaxkv.config import PRESETS
@@ -162,7 +165,12 @@ def build(args):
                           num_pages=None if prefix_cache is not None else num_pages,
                           steps_per_dispatch=args.steps_per_dispatch, prefill_chunk=args.prefill_chunk,
                           mesh=mesh)
+    scoring = None
+    if model.tokenizer is not None:  # echo + logprobs scores prompts (`jaxkv.score`): its programs too, meanwhile
+        scoring = _started(warm_up_scoring, model, max_len)
     engine.warm_up()  # compiles every engine program (each decode width) before the first client
+    if scoring is not None:
+        scoring()
     worker = EngineWorker(engine, max_waiting=args.max_waiting)
     aliases = {args.model} if args.model else set()
     state = ServerState(model=model, worker=worker, model_name=args.served_model_name or name, aliases=aliases,
@@ -171,14 +179,41 @@ def build(args):
     return state, engine
 
 
-def _server(app, args):
+def _started(fn, *args):
+    """fn(*args) started on a thread -> a function that waits for it to end and re-raises what it raised."""
+    import threading
+
+    out = {}
+
+    def run():
+        try:
+            fn(*args)
+        except BaseException as e:  # re-raised by the waiter, on the main thread
+            out["error"] = e
+
+    thread = threading.Thread(target=run, name=f"jaxkv-{fn.__name__}", daemon=True)
+    thread.start()
+
+    def wait():
+        thread.join()
+        if "error" in out:
+            raise out["error"]
+
+    return wait
+
+
+def _server(app, args, worker):
+    import asyncio
     import contextlib
 
     import uvicorn
 
     class Server(uvicorn.Server):
         """uvicorn's server with signal handling that exits 0 after a graceful stop (uvicorn re-raises the
-        signal once it has stopped, which makes the exit status that of a killed process)."""
+        signal once it has stopped, which makes the exit status that of a killed process), and a shutdown that
+        ends what is still running at --shutdown-timeout by cancelling its sequences (each response then ends
+        itself: last chunks, [DONE]) rather than uvicorn's cancelling of the tasks, which cuts each open stream
+        mid-body; uvicorn's cut stays, CANCEL_GRACE seconds later, for a client that does not read."""
 
         @contextlib.contextmanager
         def capture_signals(self):
@@ -188,8 +223,16 @@ def _server(app, args):
                 finally:
                     self._captured_signals.clear()  # stopped cleanly: nothing to re-raise
 
-    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout,
-                            lifespan="on", access_log=args.log_level in ("info", "debug"))
+        async def shutdown(self, sockets=None):
+            timer = asyncio.get_running_loop().call_later(args.shutdown_timeout, worker.stop)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
+
+    config = uvicorn.Config(app, log_level=args.log_level, lifespan="on",
+                            timeout_graceful_shutdown=args.shutdown_timeout + CANCEL_GRACE,
+                            access_log=args.log_level in ("info", "debug"))
     return Server(config)
 
 
@@ -229,7 +272,7 @@ def main(argv=None) -> int:
             state.worker.close()
             print("jaxkv serve: stopped", flush=True)
 
-    server = _server(create_app(state, lifespan), args)
+    server = _server(create_app(state, lifespan), args, state.worker)
     server.run(sockets=[sock])
     return 0 if server.started else 1
 

@@ -22,6 +22,10 @@ MAX_N = 64  # samples per prompt (each takes an engine slot)
 MAX_STOP = 16  # stop strings per request
 MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs; the engine reports at most this many alternatives
 MAX_SEED = 2**63 - 1
+MAX_STOP_IDS = 32  # stop token ids per sequence, the model's end-of-sequence ids included (jaxkv.engine.STOP_SLOTS)
+INT32_MAX = 2**31 - 1  # the largest top_k the sampler holds
+# chat_template_kwargs may not set what the request sets itself (the template's own arguments)
+TEMPLATE_ARGUMENTS = ("messages", "add_generation_prompt", "tools", "documents")
 
 
 class ApiError(Exception):
@@ -31,11 +35,13 @@ class ApiError(Exception):
                  type: str | None = None):
         super().__init__(message)
         self.message, self.status, self.param, self.code = message, status, param, code
-        self.type = type or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                             429: "rate_limit_error"}.get(status, "server_error")
+        self.type = type or {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(
+            status, "invalid_request_error" if status < 500 else "server_error")  # a 4xx is the client's, as OpenAI
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        # a message quoting the client's text may hold a lone surrogate (a JSON \ud800 escape): escaped, so it encodes
+        message = self.message.encode("utf-8", "backslashreplace").decode("utf-8")
+        return {"error": {"message": message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 @dataclasses.dataclass
@@ -83,6 +89,14 @@ def _type_name(value) -> str:
             type(None): "null"}.get(type(value), type(value).__name__)
 
 
+def _show(value) -> str:
+    """A client's value for an error message: its repr, cut short (a 4,000-digit integer is not repeated back)."""
+    if isinstance(value, int) and abs(value) >= 10**40:
+        return f"an integer of {len(str(abs(value)))} digits"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _int(body, name, default=None, lo=None, hi=None, *, nullable=True):
     value = body.get(name, default)
     if value is None and nullable:
@@ -91,10 +105,10 @@ def _int(body, name, default=None, lo=None, hi=None, *, nullable=True):
         if isinstance(value, float) and value.is_integer():  # 16.0 from a client that writes every number as float
             value = int(value)
         else:
-            raise ApiError(f"'{name}' must be an integer, got {_type_name(value)} {value!r}", param=name)
+            raise ApiError(f"'{name}' must be an integer, got {_type_name(value)} {_show(value)}", param=name)
     if lo is not None and value < lo or hi is not None and value > hi:
         bounds = f">= {lo}" if hi is None else f"between {lo} and {hi}"
-        raise ApiError(f"'{name}' must be {bounds}, got {value}", param=name)
+        raise ApiError(f"'{name}' must be {bounds}, got {_show(value)}", param=name)
     return value
 
 
@@ -102,10 +116,13 @@ def _float(body, name, default, lo, hi, *, lo_open=False):
     value = body.get(name, default)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ApiError(f"'{name}' must be a number, got {_type_name(value)} {value!r}", param=name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(value, float)
+                                                                         and not math.isfinite(value)):
+        raise ApiError(f"'{name}' must be a number, got {_type_name(value)} {_show(value)}", param=name)
+    # compared as given: an integer too large for a float (JSON allows 1 followed by 400 zeros) is out of range
     if value < lo or value > hi or (lo_open and value == lo):
-        raise ApiError(f"'{name}' must be {'>' if lo_open else '>='} {lo} and <= {hi}, got {value}", param=name)
+        raise ApiError(f"'{name}' must be {'>' if lo_open else '>='} {lo} and <= {hi}, got {_show(value)}",
+                       param=name)
     return float(value)
 
 
@@ -114,7 +131,7 @@ def _bool(body, name, default=False):
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise ApiError(f"'{name}' must be a boolean, got {_type_name(value)} {value!r}", param=name)
+        raise ApiError(f"'{name}' must be a boolean, got {_type_name(value)} {_show(value)}", param=name)
     return value
 
 
@@ -158,7 +175,7 @@ def _model(body) -> str:
 def _sampling(body, *, default_max_tokens: int | None, logprobs: int | None, max_tokens_name="max_tokens",
               min_tokens: int = 1) -> Sampling:
     max_tokens = _int(body, max_tokens_name, default_max_tokens, lo=min_tokens)
-    top_k = _int(body, "top_k", None, lo=-1)
+    top_k = _int(body, "top_k", None, lo=-1, hi=INT32_MAX)
     stop = body.get("stop")
     stop_strings, stop_ids = [], list(_token_ids(body["stop_token_ids"], "stop_token_ids")
                                       if body.get("stop_token_ids") is not None else [])
@@ -172,6 +189,9 @@ def _sampling(body, *, default_max_tokens: int | None, logprobs: int | None, max
         raise ApiError("'stop' must be a string, a list of strings or a list of token ids", param="stop")
     if len(stop_strings) > MAX_STOP or any(not s for s in stop_strings):
         raise ApiError(f"'stop' takes at most {MAX_STOP} non-empty strings", param="stop")
+    if len(stop_ids) > MAX_STOP_IDS:
+        raise ApiError(f"at most {MAX_STOP_IDS} stop token ids per request, got {len(stop_ids)}",
+                       param="stop_token_ids" if body.get("stop_token_ids") else "stop")
     options = body.get("stream_options")
     if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}):
         raise ApiError("'stream_options' must be an object with at most 'include_usage'", param="stream_options")
@@ -184,9 +204,12 @@ def _sampling(body, *, default_max_tokens: int | None, logprobs: int | None, max
     _neutral(body, "frequency_penalty", 0, "no repetition penalties")
     _neutral(body, "presence_penalty", 0, "no repetition penalties")
     _neutral(body, "logit_bias", {}, "no logit bias")
-    return Sampling(max_tokens=max_tokens, temperature=_float(body, "temperature", 1.0, 0.0, 2.0),
-                    top_p=_float(body, "top_p", None, 0.0, 1.0, lo_open=True),
-                    top_k=None if top_k in (None, -1, 0) else top_k, min_p=_float(body, "min_p", None, 0.0, 1.0),
+    temperature = _float(body, "temperature", 1.0, 0.0, 2.0)
+    top_p, min_p = _float(body, "top_p", None, 0.0, 1.0, lo_open=True), _float(body, "min_p", None, 0.0, 1.0)
+    if temperature == 0:  # greedy: a filter changes nothing (OpenAI and vLLM accept it, and many clients send top_p)
+        top_k = top_p = min_p = None
+    return Sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                    top_k=None if top_k in (None, -1, 0) else top_k, min_p=min_p,
                     n=_int(body, "n", 1, lo=1, hi=MAX_N), seed=_int(body, "seed", None, lo=-MAX_SEED - 1, hi=MAX_SEED),
                     stop=stop_strings, stop_token_ids=stop_ids, ignore_eos=_bool(body, "ignore_eos"),
                     logprobs=logprobs, stream=stream, include_usage=include_usage,
@@ -265,6 +288,83 @@ def chat_request(body) -> ChatRequest:
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise ApiError("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
+    taken = [k for k in TEMPLATE_ARGUMENTS if k in kwargs]
+    if taken:
+        raise ApiError(f"'chat_template_kwargs' may not set {taken[0]!r}: the request sets it (its own "
+                       f"'{taken[0]}' field, or jaxkv serve for tools and documents)", param="chat_template_kwargs")
     return ChatRequest(model=model, messages=messages, add_generation_prompt=_bool(body, "add_generation_prompt",
                                                                                     True),
                        template_kwargs=kwargs, sampling=sampling)
+
+
+# --- how long a text prompt can be --------------------------------------------------------------------------------
+
+# A normalizer's worst shrink (characters in / characters out); None: no bound (it may delete characters).
+# Unicode composition merges at most 4 code points into one (the longest canonical decomposition is 4).
+_NORMALIZER_SHRINK = {"NFC": 4, "NFKC": 4, "NFD": 1, "NFKD": 1, "Lowercase": 1, "Prepend": 1, "ByteLevel": 1}
+# Pre-tokenizers that keep every character (the others, Whitespace, WhitespaceSplit, BertPreTokenizer,
+# CharDelimiterSplit, drop some); Split and Punctuation keep them unless their behavior is "Removed".
+_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "Split", "Punctuation"}
+
+
+def _shrink(normalizer) -> int | None:
+    if normalizer is None:
+        return 1
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        factor = 1
+        for child in normalizer.get("normalizers") or []:
+            f = _shrink(child)
+            if f is None:
+                return None
+            factor *= f
+        return factor
+    if kind == "Replace":  # a fixed string replaced by a non-empty one: their length ratio; a regex, or "": unbounded
+        pattern, content = normalizer.get("pattern") or {}, normalizer.get("content") or ""
+        if set(pattern) != {"String"} or not pattern["String"] or not content:
+            return None
+        return -(-len(pattern["String"]) // len(content))
+    return _NORMALIZER_SHRINK.get(kind)
+
+
+def _keeps_characters(pre_tokenizer) -> bool:
+    if pre_tokenizer is None:
+        return True
+    kind = pre_tokenizer.get("type")
+    if kind == "Sequence":
+        return all(_keeps_characters(p) for p in pre_tokenizer.get("pretokenizers") or [])
+    return kind in _KEEPING_PRE_TOKENIZERS and pre_tokenizer.get("behavior") != "Removed"
+
+
+def text_char_limit(tokenizer, max_len: int) -> int | None:
+    """The most characters a text of at most `max_len` tokens can have under `tokenizer` (a `tokenizers.Tokenizer`),
+    so that a longer prompt is refused before any tokenizing; None where the tokenizer gives no such bound.
+
+    Sound when every character of the text reaches some token: then a token covers at most as many characters as
+    its own text has UTF-8 bytes (a byte-level piece "Ġthe", a "▁the" or a byte-fallback "<0x41>" each cover
+    fewer), times what the normalizer may merge (Unicode composition: 4 code points into one). Tokenizers that
+    may drop characters have no bound: a normalizer that strips or deletes (Strip, StripAccents, BertNormalizer,
+    Nmt, Precompiled, a regex Replace), a pre-tokenizer that drops whitespace or delimiters, an added token that
+    absorbs the spaces around it (lstrip / rstrip), a model that maps a run of unknown characters to one token
+    (WordPiece, WordLevel, BPE with fuse_unk and no byte fallback, Unigram without byte fallback)."""
+    import json
+
+    try:
+        spec = json.loads(tokenizer.to_str())
+        vocab = tokenizer.get_vocab(with_added_tokens=True)
+    except Exception:  # not a tokenizers.Tokenizer: no bound known
+        return None
+    if any(t.get("lstrip") or t.get("rstrip") for t in spec.get("added_tokens") or []):
+        return None
+    model = spec.get("model") or {}
+    kind = model.get("type")
+    if kind == "BPE":
+        if model.get("unk_token") is not None and model.get("fuse_unk") and not model.get("byte_fallback"):
+            return None
+    elif kind != "Unigram" or not model.get("byte_fallback"):
+        return None
+    shrink = _shrink(spec.get("normalizer"))
+    if shrink is None or not _keeps_characters(spec.get("pre_tokenizer")) or not vocab:
+        return None
+    longest = max(len(piece.encode("utf-8", "surrogatepass")) for piece in vocab)
+    return max_len * longest * shrink

@@ -11,9 +11,14 @@ chunk and a decode dispatch. So the engine lives on its own thread, and the two 
     of its sequences, then each sequence's `Result` once it has finished (taken from the engine, so nothing
     accumulates there).
 
-A sequence is counted from `submit` until its Result is handed over; `submit` refuses (429) what would take the
-count past the engine's slots, its staging rows and `max_waiting`, so a burst of clients queues a bounded number
-of requests instead of growing memory without limit.
+A sequence is counted from `submit` until its Result is handed over, and a prompt being scored (echo + logprobs)
+while `hold` holds it; `submit` and `hold` refuse (429) what would take the count past the engine's slots, its
+staging rows and `max_waiting`, so a burst of clients queues a bounded number of requests instead of growing
+memory without limit.
+
+Prompt scoring runs `jaxkv.score` one prompt at a time, so that its programs are one per continuation-length
+bucket, all compiled at start (`warm_up_scoring`): no request compiles on the engine thread, which would stall
+every stream.
 
 Between steps the worker publishes a snapshot of counters and gauges (`metrics`), read by /metrics without touching
 the engine from another thread.
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import threading
 import time
 import traceback
@@ -37,6 +43,7 @@ class Handle:
         self.queue, self.index = queue, index
         self.id: int | None = None  # the engine's request id, set by the worker when it submits
         self.done = False
+        self.ended_by: str | None = None  # why the server cancelled it ("stop": a stop string), for /metrics
 
 
 class EngineWorker:
@@ -48,6 +55,7 @@ class EngineWorker:
         self._wake = threading.Event()
         self._handles: dict[int, tuple[Handle, asyncio.AbstractEventLoop]] = {}
         self._held = 0  # sequences submitted (or in the inbox) whose Result has not been handed over
+        self._scoring = 0  # prompts being scored (`hold`)
         self._stopping = False
         self.failed: str | None = None  # set if the engine raised: the server then answers 503
         self.counters = collections.Counter()  # requests, tokens, finish reasons (worker thread only)
@@ -58,11 +66,16 @@ class EngineWorker:
         self._publish()
         self._thread.start()
 
-    def close(self, timeout: float = 30.0):
-        """Cancels whatever is still running (each gets its Result, finish_reason "cancelled") and stops."""
+    def stop(self):
+        """Refuses new work (503) and cancels every sequence, running or queued: each gets its Result, finish_reason
+        "cancelled", by the next step (so each response ends as it should). Returns at once."""
         with self._lock:
             self._stopping = True
         self._wake.set()
+
+    def close(self, timeout: float = 30.0):
+        """`stop`, then waits for the engine thread to end."""
+        self.stop()
         self._thread.join(timeout)
 
     # --- called from the event loop thread ------------------------------------------------------------------------
@@ -74,16 +87,9 @@ class EngineWorker:
         loop = asyncio.get_running_loop()
         handles = [Handle(queue, i) for i in range(len(calls))]
         future = loop.create_future()
-        if len(calls) > self.capacity:  # it could never be held, however idle the server: the request is wrong
-            raise ApiError(f"the request asks for {len(calls)} sequences (prompts x n); this server holds at most "
-                           f"{self.capacity} at once", param="n")
+        self.check_count(len(calls))
         with self._lock:
-            if self._stopping or self.failed:
-                raise ApiError("the server is shutting down" if self._stopping else f"the engine failed: {self.failed}",
-                               status=503, type="server_error")
-            if self._held + len(calls) > self.capacity:
-                raise ApiError(f"the server is at capacity ({self._held} sequences in flight or queued of "
-                               f"{self.capacity}): retry later", status=429, code="rate_limit_exceeded")
+            self._check_room(len(calls))
             self._held += len(calls)
             self._inbox.append(("submit", calls, handles, loop, future))
         self._wake.set()
@@ -94,9 +100,40 @@ class EngineWorker:
             raise
         return handles
 
-    def cancel(self, handles: list[Handle]):
-        """Ends these sequences now (thread-safe; each still gets its Result, "cancelled" unless it had finished)."""
+    def check_count(self, count: int, param: str = "n"):
+        """ApiError 400 if `count` sequences could never be held at once, however idle the server."""
+        if count > self.capacity:
+            raise ApiError(f"the request asks for {count} sequences (prompts x n); this server holds at most "
+                           f"{self.capacity} at once", param=param)
+
+    def _check_room(self, count: int):  # under the lock
+        if self._stopping or self.failed:
+            raise ApiError("the server is shutting down" if self._stopping else f"the engine failed: {self.failed}",
+                           status=503, type="server_error")
+        if self._held + self._scoring + count > self.capacity:
+            raise ApiError(f"the server is at capacity ({self._held + self._scoring} sequences in flight or queued "
+                           f"of {self.capacity}): retry later", status=429, code="rate_limit_exceeded")
+
+    @contextlib.contextmanager
+    def hold(self, count: int):
+        """Counts `count` sequences as held while the block runs (prompts being scored): ApiError 400, 429 or 503
+        as `submit` refuses them."""
+        self.check_count(count, "prompt")
+        with self._lock:
+            self._check_room(count)
+            self._scoring += count
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._scoring -= count
+
+    def cancel(self, handles: list[Handle], *, reason: str | None = None):
+        """Ends these sequences now (thread-safe; each still gets its Result, "cancelled" unless it had finished).
+        `reason`: what /metrics counts it as finishing by ("stop" for a stop string), else "cancelled"."""
         live = [h for h in handles if not h.done]
+        for handle in live:
+            handle.ended_by = reason or handle.ended_by
         if live:
             with self._lock:
                 self._inbox.append(("cancel", live))
@@ -155,7 +192,7 @@ class EngineWorker:
                 engine.take(rid)
             with self._lock:
                 self._held -= len(calls)
-            error = ApiError(str(exc)) if isinstance(exc, ValueError) else exc
+            error = ApiError(str(exc), param=engine_param(str(exc))) if isinstance(exc, ValueError) else exc
             loop.call_soon_threadsafe(_settle, future, None, error)
             return
         for handle, rid in zip(handles, ids):
@@ -189,7 +226,10 @@ class EngineWorker:
             handle.done = True
             with self._lock:
                 self._held -= 1
-            self.counters["finished_" + (result.finish_reason if result else "cancelled")] += 1
+            reason = result.finish_reason if result else "cancelled"
+            if reason == "cancelled" and handle.ended_by:
+                reason = handle.ended_by  # the server ended it, for a reason of its own (a stop string)
+            self.counters["finished_" + reason] += 1
             loop.call_soon_threadsafe(handle.queue.put_nowait, (handle.index, result))
 
     def _fail(self, message: str):
@@ -213,7 +253,7 @@ class EngineWorker:
         self.metrics = {
             "time": time.time(),
             "sequences_running": running, "sequences_waiting": engine.waiting,
-            "sequences_held": self._held,
+            "sequences_held": self._held + self._scoring,
             "slots_total": engine.slots, "slots_free": engine.free_slots,
             "pages_total": engine.num_pages, "pages_free": engine.free_pages,
             "pages_held": engine.held_pages(),
@@ -234,3 +274,36 @@ def _settle(future: asyncio.Future, result, error):
         future.set_exception(error)
     else:
         future.set_result(result)
+
+
+# The request field an engine refusal (`Engine.submit`'s ValueError) is about, by how its message begins: the
+# server checks these before submitting, so this names whatever it does not foresee.
+_ENGINE_PARAMS = (("max_new_tokens", "max_tokens"), ("prompt (", "max_tokens"), ("the request needs", "max_tokens"),
+                  ("temperature", "temperature"), ("top_k", "top_k"), ("top_p", "top_p"), ("min_p", "min_p"),
+                  ("seed", "seed"), ("at most", "stop_token_ids"), ("stop token", "stop_token_ids"),
+                  ("logprobs", "logprobs"), ("token id", "prompt"), ("submit takes", "prompt"))
+
+
+def engine_param(message: str) -> str | None:
+    """The request field an engine refusal names (its message's first words), or None."""
+    return next((param for start, param in _ENGINE_PARAMS if message.startswith(start)), None)
+
+
+def scoring_buckets(max_len: int) -> list[int]:
+    """The continuation lengths `jaxkv.score` pads a served prompt's scoring to (the prompt minus its first token:
+    at most max_len - 1 tokens): powers of two from its smallest bucket."""
+    from jaxkv.memory import MIN_PROMPT_BUCKET
+
+    buckets, top = [MIN_PROMPT_BUCKET], max(max_len - 1, 1)
+    while buckets[-1] < top:
+        buckets.append(buckets[-1] * 2)
+    return buckets
+
+
+def warm_up_scoring(model, max_len: int):
+    """Compiles every program prompt scoring may run for prompts of up to max_len tokens (`jaxkv.score` of one
+    prompt, with top logprobs, at each continuation bucket), by scoring a dummy prompt at each."""
+    from jaxkv.score import score
+
+    for bucket in scoring_buckets(max_len):
+        score(model, [[0]], [[0] * min(bucket, max(max_len - 1, 1))], top_logprobs=1)
