@@ -96,14 +96,16 @@ def _prefill(params, state: _State, rows, tokens, counts, *, config, mesh=None):
     """One prompt chunk per prefill row: tokens int32[R, C] (right-padded; counts int32[R] real, 0: no chunk)
     into staging rows `rows` int32[R] (cache rows S + j; -1: none), attending over the row's pages so far. Each
     row's last token's logits go to `staged[j]` (what the slot it moves to samples from first, once its prompt is
-    complete)."""
+    complete). A chunk attends over its own fresh K/V and over the row's earlier slots as stored (`Decoder`'s
+    `chunk`): a prompt prefilled in one chunk with no cached prefix reads nothing quantized, as generate's
+    prefill."""
     R, C = tokens.shape
     sub = _rows(state.cache, rows)
     t = jnp.arange(C, dtype=jnp.int32)[None, :]
     positions = jnp.where(t < counts[:, None], sub.lengths[:, None] + t, -1)  # [R, C], -1: padding
     # XLA attention: the Pallas paged kernel takes one query per sequence.
     logits, sub = Decoder(config, mesh).apply({"params": params}, tokens, positions, sub, last_only=True,
-                                              attention="xla")
+                                              attention="xla", chunk=True)
     S, Q = state.logits.shape[0], state.staged.shape[0]
     staged = state.staged.at[jnp.where(counts > 0, rows - S, Q)].set(logits[:, 0], mode="drop")
     state = _placed(state.replace(cache=_put_rows(state.cache, rows, sub), staged=staged), mesh)

@@ -87,10 +87,12 @@ def absorbed_attention(q_nope, q_rope, rows, wk_b, wv_b, start, q_offset, *, sca
 
 
 def paged_absorbed_attention(q_nope, q_rope, cache: PagedKVCache, layer: int, wk_b, wv_b, valid, *, scale: float,
-                             sliding_window: int | None = None):
+                             sliding_window: int | None = None, fresh_rows=None):
     """`absorbed_attention` over a keys-only `PagedKVCache` (after this chunk's rows are written): the queries of
-    the `valid` tokens (bool[B, T]) sit in each row's slots [lengths[b], lengths[b] + T). Plain XLA
-    (`jaxkv.attention.paged_mla`): there is no Pallas paged latent kernel yet. -> [B, T, N, dv]"""
+    the `valid` tokens (bool[B, T]) sit in each row's slots [lengths[b], lengths[b] + T). `fresh_rows` [B, T, R + E]:
+    a prompt chunk's own latent rows as computed, which it attends over instead of their stored (quantized) copy
+    (`paged_mla`'s `fresh`). Plain XLA (`jaxkv.attention.paged_mla`): there is no Pallas paged latent kernel yet.
+    -> [B, T, N, dv]"""
     dtype = q_nope.dtype
     R = wk_b.shape[-1]
     # 16-bit weights: a 16-bit product, as PyTorch rounds one (XLA:CPU has no unfused batched bf16 x bf16 -> f32 dot).
@@ -100,7 +102,8 @@ def paged_absorbed_attention(q_nope, q_rope, cache: PagedKVCache, layer: int, wk
     lengths = cache.lengths + jnp.sum(valid, axis=1, dtype=jnp.int32)  # this chunk's own rows included
     out = paged_mla.live_paged_mla_attention(
         q, cache.keys[layer], cache.page_table, lengths, cache.positions(q.shape[1]), latent_dim=R, scale=scale,
-        sliding_window=sliding_window, latent_scale=cache.scales(layer)[0])  # [B, T, N, R] float32
+        sliding_window=sliding_window, latent_scale=cache.scales(layer)[0],
+        fresh=None if fresh_rows is None else (fresh_rows, valid))  # [B, T, N, R] float32
     return jnp.einsum("btnr,nvr->btnv", out.astype(dtype), wv_b, preferred_element_type=jnp.float32).astype(dtype)
 
 
@@ -127,10 +130,10 @@ class MlaAttention(nn.Module):
     mesh: Mesh | None = None  # with a mesh, a Pallas kernel runs per shard (`jaxkv.sharding`'s MLA layout)
 
     @nn.compact
-    def __call__(self, x, rope, cache, start, prefill, attention: str):
-        """x [B, T, D]; rope: (cos, sin) [B, T, E]; start int32[B] -> ([B, T, D], cache). Slots and masking as
-        in `jaxkv.model.Attention`. `attention` picks the decode step's latent attention (`absorbed_attention`);
-        the expanded form (prefill, no cache) is plain XLA."""
+    def __call__(self, x, rope, cache, start, prefill, attention: str, chunk: bool = False):
+        """x [B, T, D]; rope: (cos, sin) [B, T, E]; start int32[B] -> ([B, T, D], cache). Slots, masking and
+        `chunk` as in `jaxkv.model.Attention`. `attention` picks the decode step's latent attention
+        (`absorbed_attention`); the expanded form (prefill, no cache) is plain XLA."""
         cfg, m = self.config, self.config.mla
         D, N, R, E = cfg.d_model, cfg.n_heads, m.kv_lora_rank, m.qk_rope_head_dim
         nope, dv, qk = m.qk_nope_head_dim, m.v_head_dim, m.qk_head_dim
@@ -175,10 +178,12 @@ class MlaAttention(nn.Module):
             q_offset = jnp.zeros((), jnp.int32)
             out = expanded_attention(q_nope, q_rope, c, k_rope, wk_b, wv_b, start, q_offset, scale=scale,
                                      sliding_window=cfg.layer_window(self.layer))
-        elif paged:  # decode, or a chunk continuing cached pages (the engine): the queries read their pages
-            cache = cache.write(self.layer, jnp.concatenate([c, k_rope], axis=-1)[:, None], None, start)
+        elif paged:  # decode, or a prompt chunk continuing cached pages (the engine): the queries read their pages
+            rows = jnp.concatenate([c, k_rope], axis=-1)  # [B, T, R + E]
+            cache = cache.write(self.layer, rows[:, None], None, start)
             out = paged_absorbed_attention(q_nope, q_rope, cache, self.layer, wk_b, wv_b, start, scale=scale,
-                                           sliding_window=cfg.layer_window(self.layer))  # [B, T, N, dv]
+                                           sliding_window=cfg.layer_window(self.layer),
+                                           fresh_rows=rows if chunk else None)  # [B, T, N, dv]
         else:
             q_offset = cache.length
             cache = cache.write(self.layer, jnp.concatenate([c, k_rope], axis=-1)[:, None], None)

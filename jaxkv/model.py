@@ -41,13 +41,14 @@ class Attention(nn.Module):
     mesh: Mesh | None = None  # with a mesh, a Pallas kernel runs per shard (`jaxkv.sharding.shard_attention`)
 
     @nn.compact
-    def __call__(self, x, rope, cache, start, prefill, attention: str, shared=None):
+    def __call__(self, x, rope, cache, start, prefill, attention: str, shared=None, chunk: bool = False):
         """x [B, T, D]; rope: (cos, sin) or None; start int32[B] -> ([B, T, D], cache, (k, v)).
 
         With a cache, the queries sit in slots [cache.length, cache.length + T) and attend over the cache (with
         `prefill`, the cache is empty and they attend over each other); without, they sit in slots [0, T) and
         attend over each other. With a `PagedKVCache`, `start` is instead bool[B, T], the tokens to store (right
-        padding is not), and the queries sit in each row's own slots [lengths[b], lengths[b] + T).
+        padding is not), and the queries sit in each row's own slots [lengths[b], lengths[b] + T); with `chunk`
+        (a prompt chunk, `Decoder`) they attend over the pages before the chunk and over their own fresh K/V.
 
         The third output is this layer's fresh keys and values ([B, K, T, H], after norms and rotation; None for a
         layer that computes none). A layer that shares another's K/V (`Config.kv_source`) computes none and
@@ -97,7 +98,7 @@ class Attention(nn.Module):
         q_offset, k_scale, v_scale, ring = jnp.zeros((), jnp.int32), None, None, False
         window = cfg.layer_window(self.layer)
         if isinstance(cache, PagedKVCache):
-            out, cache = self._paged(q, k, v, cache, start, prefill, attention)
+            out, cache = self._paged(q, k, v, cache, start, prefill, attention, chunk)
         elif cache is not None:
             q_offset = cache.length
             if source != self.layer:
@@ -133,12 +134,15 @@ class Attention(nn.Module):
             y = y + self.param("wo_bias", nn.initializers.zeros, (D,), dtype)
         return y, cache, fresh
 
-    def _paged(self, q, k, v, cache, valid, prefill, attention: str):
+    def _paged(self, q, k, v, cache, valid, prefill, attention: str, chunk: bool = False):
         """Writes k, v [B, K, T, H] (the `valid` tokens) through the page table and attends -> ([B, T, N, H], cache).
 
         Prefill (an empty cache, right-padded prompts): the prompt attends over its own fresh K/V, causally, as
-        for the contiguous cache; padding comes after every real token, so no real token sees it. Otherwise the
-        queries attend over their rows' pages, their own K/V included. A layer that shares another's K/V
+        for the contiguous cache; padding comes after every real token, so no real token sees it. A prompt chunk
+        (`chunk`, XLA whatever `attention` says): the queries attend over their rows' pages before the chunk, as
+        stored, and over the chunk's fresh K/V, causally (`paged_reference`'s `fresh`), so a prompt prefilled in
+        one chunk reads nothing quantized, as in prefill. Otherwise (decode) the queries attend over their rows'
+        pages, their own K/V included, as stored. A layer that shares another's K/V
         (`Config.kv_source`) writes nothing: in prefill k, v are its source's fresh K/V; otherwise it reads the
         source layer's pools, which that layer (an earlier one) has already written for these tokens."""
         cfg = self.config
@@ -155,7 +159,12 @@ class Attention(nn.Module):
         lengths = cache.lengths + jnp.sum(valid, axis=1, dtype=jnp.int32)  # this chunk's own slots included
         k_scale, v_scale = cache.scales(source)
         pools = (cache.keys[source], cache.values[source], cache.page_table, lengths)
-        if name == "pallas":
+        pool = paged_reference.prefers_pool(cache.num_pages, *cache.page_table.shape)
+        if chunk:  # k, v: this layer's (or its source layer's) fresh K/V of the chunk
+            fn = paged_reference.pool_attention if pool else paged_reference.live_paged_attention
+            out = fn(q, *pools, cache.positions(q.shape[1]), scale=scale, sliding_window=window, k_scale=k_scale,
+                     v_scale=v_scale, softcap=cfg.attn_logit_softcap, fresh=(k, v, valid))
+        elif name == "pallas":
             if q.shape[1] != 1:
                 raise NotImplementedError("the Pallas paged kernel decodes one token per sequence; a longer chunk "
                                           "over a paged cache needs attention='xla'")
@@ -170,8 +179,7 @@ class Attention(nn.Module):
             # Whichever XLA formulation reads less: the whole pool once (shared pages read once per step) or each
             # sequence's own pages (shared ones read once per sequence): for one query per sequence only the pages
             # in use, end to end (ragged); for a chunk, each table's live prefix.
-            fn = (paged_reference.pool_attention if paged_reference.prefers_pool(cache.num_pages, *cache.page_table.shape)
-                  else paged_reference.ragged_paged_attention if q.shape[1] == 1
+            fn = (paged_reference.pool_attention if pool else paged_reference.ragged_paged_attention if q.shape[1] == 1
                   else paged_reference.live_paged_attention)
             out = fn(q, *pools, cache.positions(q.shape[1]), scale=scale, sliding_window=window,
                      k_scale=k_scale, v_scale=v_scale, softcap=cfg.attn_logit_softcap)
@@ -184,17 +192,20 @@ class Block(nn.Module):
     mesh: Mesh | None = None
 
     @nn.compact
-    def __call__(self, x, rope, cache, start, prefill, attention: str, shared=None, layer_input=None):
+    def __call__(self, x, rope, cache, start, prefill, attention: str, shared=None, layer_input=None,
+                 chunk: bool = False):
         """-> (x, cache, this layer's fresh K/V or None); `shared`: the fresh K/V of the layer this one reads
-        (`Config.kv_source`); `layer_input` [B, T, P]: its per-layer input (`Config.per_layer_input_dim`)."""
+        (`Config.kv_source`); `layer_input` [B, T, P]: its per-layer input (`Config.per_layer_input_dim`);
+        `chunk`: a prompt chunk over a paged cache (`Decoder`)."""
         cfg = self.config
         if cfg.mla is not None:
             attn = MlaAttention(cfg, self.layer, self.mesh, name="attn")
-            h, cache = attn(Norm(cfg, name="attn_norm")(x), rope, cache, start, prefill, attention)
+            h, cache = attn(Norm(cfg, name="attn_norm")(x), rope, cache, start, prefill, attention, chunk)
             fresh = None
         else:
             attn = Attention(cfg, self.layer, self.mesh, name="attn")
-            h, cache, fresh = attn(Norm(cfg, name="attn_norm")(x), rope, cache, start, prefill, attention, shared)
+            h, cache, fresh = attn(Norm(cfg, name="attn_norm")(x), rope, cache, start, prefill, attention, shared,
+                                   chunk)
         if cfg.post_norms:  # Gemma 2/3/4: each branch's output normalized before the residual add
             h = Norm(cfg, name="post_attn_norm")(h)
         x = x + h
@@ -248,7 +259,7 @@ class Decoder(nn.Module):
 
     @nn.compact
     def __call__(self, tokens, positions, cache: KVCache | None = None, *, prefill: bool = False,
-                 last_only: bool = False, attention: str | None = None):
+                 last_only: bool = False, attention: str | None = None, chunk: bool = False):
         """Runs T tokens through the model.
 
         Args:
@@ -262,6 +273,12 @@ class Decoder(nn.Module):
             shorter than T keeps the last S).
           last_only: compute logits for the last token only ([B, 1, V]), all generation needs after prefill.
           attention: implementation name; defaults to config.attention.
+          chunk: (a `PagedKVCache` only, not with `prefill`) the tokens are a chunk of prompt continuing each
+            row (the engine's chunked prefill, a suffix after a prefix-cache hit): they attend over the row's
+            earlier slots as stored (quantized in an int8/fp8 pool) and over the chunk's own fresh K/V, as
+            prefill attends over a whole prompt's, so a prompt prefilled in one chunk from an empty row gives
+            prefill's logits (up to float32 rounding) whatever the cache dtype. Plain XLA attention. Without
+            it (a decode step) every query reads every slot as stored, its own included.
 
         Returns:
           (float32[B, T or 1, V] logits, the updated cache or None). A row's logits are NaN when its tokens do
@@ -272,6 +289,9 @@ class Decoder(nn.Module):
         dtype = jnp.dtype(cfg.dtype)
         T = tokens.shape[1]
         attention = attention or cfg.attention
+        if chunk and (prefill or not isinstance(cache, PagedKVCache)):
+            raise ValueError("chunk=True continues a PagedKVCache's rows with a prompt chunk: not with prefill=True "
+                             "or another cache")
         embedding = self.param("embedding", fan_in_init(cfg.d_model), (cfg.vocab_size, cfg.d_model), dtype)
         x = jnp.take(embedding, tokens, axis=0)  # [B, T, D]
         if cfg.embed_scale is not None:  # Gemma: sqrt(D), rounded to the dtype first as transformers does
@@ -316,7 +336,8 @@ class Decoder(nn.Module):
             layer_rope = None if rope is None else rope[_rope_key(cfg, layer)]
             layer_input = None if layer_inputs is None else layer_inputs[:, :, layer]
             x, cache, kv = Block(cfg, layer, self.mesh, name=f"layer_{layer}")(
-                x, layer_rope, cache, start, prefill, attention, fresh.get(cfg.kv_source(layer)), layer_input)
+                x, layer_rope, cache, start, prefill, attention, fresh.get(cfg.kv_source(layer)), layer_input,
+                chunk)
             if layer in sources and kv is not None:
                 fresh[layer] = kv
         if cache is not None:

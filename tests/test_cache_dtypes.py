@@ -206,3 +206,22 @@ def test_perplexity_gates_on_held_out_text():
     assert 2.0 < ppl["float32"] < 4.0  # the model's held-out perplexity: a broken cache would be far off
     for dtype, gate in [("bfloat16", 0.01), ("int8", 0.01), ("float8_e4m3fn", 0.03)]:
         assert abs(ppl[dtype] / ppl["float32"] - 1) <= gate, (dtype, ppl)
+
+
+@pytest.mark.parametrize("cache_dtype", ["int8", "float8_e4m3fn"])
+def test_engine_with_a_quantized_cache_equals_generate(cache_dtype):
+    """Issue 27 (16): the engine's prompt chunk attended over its own K/V as stored (quantized), generate's prefill
+    over the fresh K/V, so greedy tokens differed (these prompts did, for one dtype or both). A prompt prefilled
+    in one chunk with no cached prefix now reads nothing quantized; so does generate's first prefix-cache call."""
+    from jaxkv.engine import Engine
+    model = model_for("gqa")
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(1, 97, int(n)).tolist() for n in rng.integers(3, 40, 24)]
+    prompts = [prompts[i] for i in (0, 4, 18)]  # 27, 20 and 8 tokens: one chunk each
+    engine = Engine(model, slots=2, max_len=64, page_size=8, decode_widths=[2], cache_dtype=cache_dtype)
+    got = [r.tokens for r in engine.generate(prompts, max_new_tokens=8, stop_tokens=[])]
+    want = jaxkv.generate(model, prompts, max_new_tokens=8, stop_tokens=[], cache_dtype=cache_dtype).tokens
+    assert got == want
+    pc = jaxkv.PrefixCache(model, num_pages=24, page_size=8, cache_dtype=cache_dtype)
+    first = jaxkv.generate(model, prompts, max_new_tokens=8, stop_tokens=[], cache_dtype=cache_dtype, prefix_cache=pc)
+    assert first.stats["prefix_hit_tokens"] == 0 and first.tokens == want

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 import jaxkv
 from conftest import CONFIGS, model_for, recompute
+from jaxkv.attention import paged_reference
 from jaxkv.paged_cache import PagedKVCache
 
 PROMPTS = [[5, 17, 3], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3], [2, 7, 1, 8, 2, 8, 1, 8]]
@@ -164,6 +165,51 @@ def test_sampled_forks_differ():
         logits, cache = paged_step(model, t, cache)
     rows = np.stack(rows, 1)
     assert len({tuple(r) for r in rows.tolist()}) == 3
+
+
+# --- prompt chunks (issue 27, item 16) -----------------------------------------------------------------------
+
+
+def _chunk(model, tokens, cache, **kwargs):
+    return _apply_chunk(model.params, *right_pad(tokens), cache, config=model.config, **kwargs)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "chunk"))
+def _apply_chunk(params, tokens, positions, cache, *, config, chunk=True):
+    positions = jnp.where(positions >= 0, positions + cache.lengths[:, None], -1)
+    logits, cache = jaxkv.Decoder(config).apply({"params": params}, tokens, positions, cache, chunk=chunk,
+                                                last_only=True, attention="xla")
+    return logits[:, -1], cache
+
+
+def _dequantized(cache):
+    """The same cache with float32 pools holding what the quantized pools store."""
+    import dataclasses
+    keys, values = ([a.astype(jnp.float32) * s[..., None] for a, s in zip(pools, scales)]
+                    for pools, scales in ((cache.keys, cache.key_scales), (cache.values, cache.value_scales)))
+    return dataclasses.replace(cache, keys=tuple(keys), values=tuple(values), key_scales=(), value_scales=())
+
+
+@pytest.mark.parametrize("name, num_pages", [("gqa", 64), ("sliding", 10)])  # per-sequence gather; whole pool
+def test_a_prompt_chunk_attends_its_own_fresh_kv_and_earlier_slots_as_stored(name, num_pages):
+    """A prompt in one chunk from empty rows gives prefill's logits whatever the cache dtype (float8 here); a
+    second chunk reads the first as stored: it equals the same chunk over a float32 pool holding the dequantized
+    first chunk. Before, a chunk read its own K/V as stored (quantized), unlike prefill."""
+    model = model_for(name)
+    prompts = [PROMPTS[1], PROMPTS[2]]  # 18 and 8 tokens (windowed config: past its window of 8)
+    allocate = functools.partial(PagedKVCache.allocate, model.config, 2, num_pages=num_pages, page_size=4, max_len=64)
+    assert paged_reference.prefers_pool(num_pages, 2, 16) == (num_pages == 10)
+    want, _ = _apply(model.params, *right_pad(prompts), allocate(dtype="float8_e4m3fn"), config=model.config,
+                     prefill=True)
+    got, _ = _chunk(model, prompts, allocate(dtype="float8_e4m3fn"))
+    np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
+    # Two chunks: the first 6 and 5 tokens, then the rest.
+    _, cache = _chunk(model, [PROMPTS[1][:6], PROMPTS[2][:5]], allocate(dtype="float8_e4m3fn"))
+    rest = [PROMPTS[1][6:], PROMPTS[2][5:]]
+    got, _ = _chunk(model, rest, cache)
+    spec, _ = _chunk(model, rest, _dequantized(cache))
+    np.testing.assert_allclose(got, spec, atol=ATOL, rtol=0)
+    assert np.abs(got - want).max() > 1e-4  # the first chunk really is read quantized
 
 
 # --- running out of pages ----------------------------------------------------------------------------------------

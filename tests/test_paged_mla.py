@@ -242,6 +242,19 @@ def test_prefix_cache_reuses_latent_pages(dense):
     assert pc.free_pages() == pc.num_pages - pc.cached_pages  # the calls gave every page back but the index's
 
 
+def test_a_latent_prompt_chunk_reads_its_own_fresh_rows(dense):
+    """Issue 27 (16): a prompt chunk from empty rows (the engine's prefill) gives prefill's logits over an int8
+    latent pool (up to the absorbed / expanded forms' rounding); it read its own rows quantized (off by 0.02)."""
+    cache = PagedKVCache.allocate(DENSE, 3, num_pages=32, page_size=4, max_len=32, dtype="int8")
+    T = max(map(len, PROMPTS))
+    tokens = jnp.asarray([p + [0] * (T - len(p)) for p in PROMPTS], jnp.int32)
+    positions = jnp.asarray([list(range(len(p))) + [-1] * (T - len(p)) for p in PROMPTS], jnp.int32)
+    apply = jax.jit(lambda params, cache, **mode: jaxkv.Decoder(DENSE).apply(
+        {"params": params}, tokens, positions, cache, last_only=True, **mode)[0], static_argnames=("prefill", "chunk"))
+    want = apply(dense.params, cache, prefill=True)
+    np.testing.assert_allclose(apply(dense.params, cache, chunk=True), want, atol=ATOL_REFERENCE, rtol=0)
+
+
 def test_engine_serves_an_mla_model(dense):
     engine = Engine(dense, slots=2, max_len=48, page_size=4, prefill_chunk=4, prefill_rows=2, decode_widths=[2])
     results = engine.generate([dict(prompt=p, max_new_tokens=NEW) for p in PROMPTS])  # chunked prefill too

@@ -7,7 +7,8 @@ attention with one KV head of width R + E whose values are the first R columns o
 read through the page table. Slots, lengths and masking are `jaxkv.attention.paged_reference`'s: sequence b holds
 slots [0, lengths[b]), no left padding, and the query in slot q sees slot s when s <= q, s < lengths[b] and
 (with a window) q - s < sliding_window. Dead slots may hold anything, NaN included: their scores are replaced by a
-finite negative and their rows selected away before the weighted sum.
+finite negative and their rows selected away before the weighted sum. A prompt chunk (`fresh`) reads its own
+latent rows as computed and the pages only before the chunk, as `jaxkv.attention.paged_reference` describes.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxkv.attention.paged_reference import gather_pages, live_mask
+from jaxkv.attention.paged_reference import fresh_mask, gather_pages, live_mask
 from jaxkv.attention.reference import MASKED, MIN_PREFIX, _softmax, prefix_lengths
 
 
@@ -32,7 +33,7 @@ def _check(q, latent_pages, page_table, latent_dim, latent_scale):
 
 
 def paged_mla_attention(q, latent_pages, page_table, lengths, q_slots, *, latent_dim: int, scale: float,
-                        sliding_window: int | None = None, latent_scale=None):
+                        sliding_window: int | None = None, latent_scale=None, fresh=None):
     """Absorbed latent attention of T queries per sequence over the sequence's pages of latent rows.
 
     Args:
@@ -46,6 +47,9 @@ def paged_mla_attention(q, latent_pages, page_table, lengths, q_slots, *, latent
       scale: multiplies the scores.
       sliding_window: if set, a query sees only the `sliding_window` most recent slots, itself included.
       latent_scale: float32[P, 1, page_size] dequantization scales of an int8/fp8 pool, else None.
+      fresh: None, or (rows [B, T, R + E], valid bool[B, T]): the queries are a prompt chunk and these its own
+        latent rows as computed (row t in slot q_slots[b, t], stored where valid): the pages are read only for
+        the slots before each row's chunk, q_slots[b, 0].
 
     Returns:
       [B, T, N, R] float32: each head's output in latent space, before the value up-projection. A query with no
@@ -56,6 +60,11 @@ def paged_mla_attention(q, latent_pages, page_table, lengths, q_slots, *, latent
     if latent_scale is not None:
         rows = rows * gather_pages(latent_scale, page_table)[:, 0, :, None]
     live = live_mask(lengths, q_slots, rows.shape[1], sliding_window)  # [B, T, S]
+    if fresh is not None:  # the chunk's own rows after the pages' slots before it
+        own, valid = fresh
+        live &= jnp.arange(rows.shape[1], dtype=jnp.int32)[None, None, :] < q_slots[:, :1, None]
+        rows = jnp.concatenate([rows, own.astype(jnp.float32)], axis=1)  # [B, S + T, R + E]
+        live = jnp.concatenate([live, fresh_mask(q_slots, valid, sliding_window)], axis=2)
     scores = jnp.einsum("btnc,bsc->bnts", q.astype(jnp.float32), rows) * scale  # [B, N, T, S]
     weights = _softmax(jnp.where(live[:, None], scores, MASKED))
     # A dead slot's weight is exactly 0, but 0 x NaN is NaN: dead rows are selected away, so garbage cannot leak.
@@ -65,11 +74,12 @@ def paged_mla_attention(q, latent_pages, page_table, lengths, q_slots, *, latent
 
 def live_paged_mla_attention(q, latent_pages, page_table, lengths, q_slots, *, latent_dim: int, scale: float,
                              sliding_window: int | None = None, latent_scale=None,
-                             min_prefix: int | None = MIN_PREFIX):
+                             min_prefix: int | None = MIN_PREFIX, fresh=None):
     """`paged_mla_attention` reading only the first m table entries of every sequence, m the shortest of a few
     static lengths (`reference.prefix_lengths`, so at most 1.5x what the longest sequence needs) that holds every
-    sequence's written slots: one `lax.switch` branch per length. A decode step then costs what the batch's
-    longest live sequence needs, not the table's full length (no query may read a page past every length)."""
+    sequence's written slots (with `fresh`, the slots before each chunk): one `lax.switch` branch per length. A
+    decode step then costs what the batch's longest live sequence needs, not the table's full length (no query
+    may read a page past every length)."""
     _check(q, latent_pages, page_table, latent_dim, latent_scale)
     ps = latent_pages.shape[2]
     M = page_table.shape[1]
@@ -77,14 +87,15 @@ def live_paged_mla_attention(q, latent_pages, page_table, lengths, q_slots, *, l
     kwargs = dict(latent_dim=latent_dim, scale=scale, sliding_window=sliding_window)
 
     def branch(m):
-        def attend(q, latent_pages, latent_scale, page_table, lengths, q_slots):
+        def attend(q, latent_pages, latent_scale, page_table, lengths, q_slots, fresh):
             return paged_mla_attention(q, latent_pages, page_table[:, :m], lengths, q_slots,
-                                       latent_scale=latent_scale, **kwargs)
+                                       latent_scale=latent_scale, fresh=fresh, **kwargs)
         return attend
 
-    args = (q, latent_pages, latent_scale, page_table, lengths, q_slots)
+    args = (q, latent_pages, latent_scale, page_table, lengths, q_slots, fresh)
     if len(pages) == 1:
         return branch(M)(*args)
-    needed = (jnp.max(lengths) + ps - 1) // ps  # table entries the longest sequence uses
+    read = lengths if fresh is None else q_slots[:, 0]  # a chunk reads its pages only before its own slots
+    needed = (jnp.max(read) + ps - 1) // ps  # table entries the longest sequence uses
     index = jnp.minimum(jnp.searchsorted(jnp.asarray(pages, jnp.int32), needed.astype(jnp.int32)), len(pages) - 1)
     return jax.lax.switch(index, [branch(m) for m in pages], *args)

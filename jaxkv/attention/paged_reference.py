@@ -15,6 +15,11 @@ masked with a finite negative and dead values are selected away (never multiplie
 Quantized pools (int8, float8_e4m3fn) pass `k_scale`, `v_scale` [P, K, page_size] and are dequantized as read.
 Computes in float32 whatever the pool dtype. `softcap` (Gemma 2's attention-logit soft-capping) caps the scaled
 scores before masking, as in `reference` (`reference.soft_cap`).
+
+A prompt chunk (`fresh`): the queries are a chunk of new tokens continuing their sequences (the engine's chunked
+prefill, a prompt's suffix after a prefix-cache hit). They then attend over the pages only for the slots before
+the chunk, as stored (quantized in an int8/fp8 pool), and over the chunk's own keys and values as computed, causally:
+as a whole prompt's prefill attends over its fresh K/V, so a prompt prefilled in one chunk reads nothing quantized.
 """
 
 from __future__ import annotations
@@ -45,8 +50,24 @@ def live_mask(lengths, q_slots, num_slots: int, sliding_window: int | None = Non
     return live
 
 
+def fresh_mask(q_slots, valid, sliding_window: int | None = None):
+    """bool[B, T, T]: which of the chunk's own fresh keys (key t in slot q_slots[b, t], stored where valid[b, t])
+    the query in slot q_slots[b, t'] may attend to."""
+    qs, ks = q_slots[:, :, None], q_slots[:, None, :]
+    live = valid[:, None, :] & (ks <= qs)
+    if sliding_window is not None:
+        live &= ks > qs - sliding_window
+    return live
+
+
+def _before_chunk(live, slot, q_slots):
+    """A pages' live mask [B, T, S] (slot [.., S] the sequence slot of each) cut to the slots before the chunk."""
+    return live & (slot < q_slots[:, :1, None])
+
+
 def paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale: float,
-                    sliding_window: int | None = None, k_scale=None, v_scale=None, softcap: float | None = None):
+                    sliding_window: int | None = None, k_scale=None, v_scale=None, softcap: float | None = None,
+                    fresh=None):
     """Softmax attention of T queries per sequence over the sequence's pages.
 
     Args:
@@ -59,6 +80,9 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale:
       sliding_window: if set, a query sees only the `sliding_window` most recent slots, itself included.
       k_scale, v_scale: float32[P, K, page_size] scales of an int8/fp8 pool, else None.
       softcap: if set, each scaled score s becomes softcap * tanh(s / softcap) before masking (Gemma 2); None: off.
+      fresh: None, or (k, v [B, K, T, H], valid bool[B, T]): the queries are a prompt chunk and these its own keys
+        and values as computed (key t in slot q_slots[b, t], stored where valid): the pages are read only for the
+        slots before each row's chunk, q_slots[b, 0] (module docstring).
 
     Returns:
       [B, T, N, H] in q's dtype. A query with no live slot gets a uniform average of zeros: finite.
@@ -69,6 +93,12 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale:
     k = dequantize(gather_pages(k_pages, page_table), None if k_scale is None else gather_pages(k_scale, page_table))
     v = dequantize(gather_pages(v_pages, page_table), None if v_scale is None else gather_pages(v_scale, page_table))
     live = live_mask(lengths, q_slots, k.shape[2], sliding_window)  # [B, T, S]
+    if fresh is not None:  # the chunk's own keys and values after the pages' slots before it
+        fresh_k, fresh_v, valid = fresh
+        live = _before_chunk(live, jnp.arange(k.shape[2], dtype=jnp.int32)[None, None, :], q_slots)
+        k = jnp.concatenate([k, fresh_k.astype(jnp.float32)], axis=2)
+        v = jnp.concatenate([v, fresh_v.astype(jnp.float32)], axis=2)
+        live = jnp.concatenate([live, fresh_mask(q_slots, valid, sliding_window)], axis=2)  # [B, T, S + T]
     written = jnp.any(live, axis=1)  # [B, S]: some query reads the slot
     v = jnp.where(written[:, None, :, None], v, 0.0)  # dead values selected away, NaN included
     # (dead keys need no select: their scores are replaced by MASKED, NaN or not)
@@ -80,11 +110,12 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale:
 
 
 def pool_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale: float,
-                   sliding_window: int | None = None, k_scale=None, v_scale=None, softcap: float | None = None):
+                   sliding_window: int | None = None, k_scale=None, v_scale=None, softcap: float | None = None,
+                   fresh=None):
     """`paged_attention` computed over the whole pool at once, each query masked to its own sequence's slots.
 
-    Same arguments and result. Instead of gathering each sequence's pages (B x M pages read and copied), every
-    query is scored against every page of the pool and a page counts for a sequence only where its page table
+    Same arguments (`fresh` included) and result. Instead of gathering each sequence's pages (B x M pages read and
+    copied), every query is scored against every page of the pool and a page counts for a sequence only where its page table
     names it. A page shared by many sequences (the prompt of N samples, a beam's prefix) is then read once per
     step, not once per sequence, at the price of B x more (cheap) multiply-adds and of reading free pages too: the
     better choice when the pool is not much larger than what the batch holds (`prefers_pool`).
@@ -105,44 +136,57 @@ def pool_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale: 
     live = (slot <= qs) & (slot < lengths[:, None, None])  # [B, T, P * ps]
     if sliding_window is not None:
         live &= slot > qs - sliding_window
+    if fresh is not None:
+        live = _before_chunk(live, slot, q_slots)
     k = dequantize(k_pages, k_scale)  # [P, K, ps, H]
     v = dequantize(v_pages, v_scale)
     read = jnp.any(live, axis=(0, 1)).reshape(P, 1, ps, 1)  # slots some query reads; the rest selected away
     k, v = (jnp.where(read, x, 0.0) for x in (k, v))
     qg = q.astype(jnp.float32).reshape(B, T, K, N // K, H)  # [B, T, K, G, H]
     scores = soft_cap(jnp.einsum("btkgh,pksh->bkgtps", qg, k).reshape(B, K, N // K, T, P * ps) * scale, softcap)
-    weights = _softmax(jnp.where(live[:, None, None], scores, MASKED)).reshape(B, K, N // K, T, P, ps)
-    out = jnp.einsum("bkgtps,pksh->btkgh", weights, v)  # [B, T, K, G, H]
+    scores = jnp.where(live[:, None, None], scores, MASKED)
+    if fresh is None:
+        weights = _softmax(scores).reshape(B, K, N // K, T, P, ps)
+        out = jnp.einsum("bkgtps,pksh->btkgh", weights, v)  # [B, T, K, G, H]
+        return out.reshape(B, T, N, H).astype(q.dtype)
+    # A prompt chunk: one softmax over the pool's slots before the chunk and the chunk's own fresh K/V.
+    fresh_k, fresh_v, valid = (x.astype(jnp.float32) if x.dtype != bool else x for x in fresh)
+    own = soft_cap(jnp.einsum("btkgh,bksh->bkgts", qg, fresh_k) * scale, softcap)  # [B, K, G, T, T]
+    own = jnp.where(fresh_mask(q_slots, valid, sliding_window)[:, None, None], own, MASKED)
+    weights = _softmax(jnp.concatenate([scores, own], axis=-1))
+    pool_w, own_w = weights[..., :P * ps].reshape(B, K, N // K, T, P, ps), weights[..., P * ps:]
+    out = jnp.einsum("bkgtps,pksh->btkgh", pool_w, v) + jnp.einsum("bkgts,bksh->btkgh", own_w, fresh_v)
     return out.reshape(B, T, N, H).astype(q.dtype)
 
 
 def live_paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale: float,
                          sliding_window: int | None = None, k_scale=None, v_scale=None,
-                         min_prefix: int | None = MIN_PREFIX, softcap: float | None = None):
+                         min_prefix: int | None = MIN_PREFIX, softcap: float | None = None, fresh=None):
     """`paged_attention` reading only the first m table entries of every sequence, m the shortest of a few
     static lengths (`reference.prefix_lengths` in slots, so at most 1.5x what the longest sequence needs) that
-    holds every sequence's written slots: one `lax.switch` branch per length. A decode step then costs what the
-    batch's longest live sequence needs, not the table's full length (a page past every length holds nothing any
-    query may read)."""
+    holds every sequence's written slots (with `fresh`, the slots before each chunk): one `lax.switch` branch per
+    length. A decode step then costs what the batch's longest live sequence needs, not the table's full length (a
+    page past every length holds nothing any query may read)."""
     ps = k_pages.shape[2]
     M = page_table.shape[1]
     pages = sorted({min(M, -(-n // ps)) for n in prefix_lengths(M * ps, min_prefix)})
     kwargs = dict(scale=scale, sliding_window=sliding_window, softcap=check_softcap(softcap))
 
     def branch(m):
-        def attend(q, k_pages, v_pages, k_scale, v_scale, page_table, lengths, q_slots):
+        def attend(q, k_pages, v_pages, k_scale, v_scale, page_table, lengths, q_slots, fresh):
             return paged_attention(q, k_pages, v_pages, page_table[:, :m], lengths, q_slots, k_scale=k_scale,
-                                   v_scale=v_scale, **kwargs)
+                                   v_scale=v_scale, fresh=fresh, **kwargs)
         return attend
 
     if len(pages) == 1:
         return paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, k_scale=k_scale, v_scale=v_scale,
-                               **kwargs)
-    needed = (jnp.max(lengths) + ps - 1) // ps  # table entries the longest sequence uses
+                               fresh=fresh, **kwargs)
+    read = lengths if fresh is None else q_slots[:, 0]  # a chunk reads its pages only before its own slots
+    needed = (jnp.max(read) + ps - 1) // ps  # table entries the longest sequence uses
     index = jnp.searchsorted(jnp.asarray(pages, jnp.int32), needed.astype(jnp.int32))
     index = jnp.minimum(index, len(pages) - 1)
     return jax.lax.switch(index, [branch(m) for m in pages], q, k_pages, v_pages, k_scale, v_scale, page_table,
-                          lengths, q_slots)
+                          lengths, q_slots, fresh)
 
 
 def ragged_paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale: float,
