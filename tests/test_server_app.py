@@ -419,3 +419,66 @@ def test_tensor_parallel_server_answers_as_generate():
     r = run_serve("--model", "tiny", "--tensor-parallel-size", "64", "--port", "0")
     assert r.returncode == 2 and "needs that many devices" in r.stderr and "Traceback" not in r.stderr
 
+
+# --- issue 27, item 4: logprob text, offsets and bytes around multi-byte characters and a BOS, in process --------
+
+
+@pytest.fixture(scope="module")
+def bos_client(app_client):
+    """The same engine behind an app whose model has the bundled byte-level tokenizer (test-tiny's 256 ids are its
+    byte tokens) with a BOS ("<s>", id 0) added to text prompts, and a chat template: no second engine."""
+    import collections
+    import dataclasses
+
+    from starlette.testclient import TestClient
+
+    from jaxkv.chat_template import ChatTemplate
+    from jaxkv.server.app import create_app
+    from test_server_text import byte_level
+
+    _, state = app_client
+    bos_state = dataclasses.replace(state, model=dataclasses.replace(state.model, tokenizer=byte_level(bos=True)),
+                                    chat_template=ChatTemplate("{% for m in messages %}{{ m['content'] }}{% endfor %}"),
+                                    http=collections.Counter())
+    with TestClient(create_app(bos_state)) as client:
+        yield client, bos_state
+
+
+def test_logprob_offsets_index_the_text_around_multibyte_characters_and_a_bos(bos_client):
+    """Each listed token's text is at its text_offset in the returned text (echoed prompt + completion): before,
+    every offset after "é" was off (a piece per byte, each U+FFFD), and all of them 3 too large for the "<s>" the
+    tokenizer put in front of the text prompt (now listed as "", the text does not contain it)."""
+    client, state = bos_client
+    prompt = "café au lait, naïve 😀 ok"
+    ids = state.tokenizer.encode(prompt).ids
+    assert ids[0] == 0 and state.tokenizer.decode(ids[:1], skip_special_tokens=False) == "<s>"
+    for max_tokens in (0, 8):
+        r = client.post("/v1/completions", json={"model": "test-tiny", "prompt": prompt, "max_tokens": max_tokens,
+                                                 "echo": True, "logprobs": 2, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        choice, usage = r.json()["choices"][0], r.json()["usage"]
+        text, lp = choice["text"], choice["logprobs"]
+        assert text.startswith(prompt) and usage["prompt_tokens"] == len(ids)
+        assert len(lp["tokens"]) == len(ids) + max_tokens and lp["tokens"][0] == ""
+        assert "".join(lp["tokens"][:len(ids)]) == prompt
+        assert lp["text_offset"][len(ids):len(ids) + 1] == ([len(prompt)] if max_tokens else [])
+        for token, offset in zip(lp["tokens"], lp["text_offset"]):
+            assert text[offset:offset + len(token)] == token, (token, offset)
+        assert text.startswith("".join(lp["tokens"]))  # (a character the completion left unfinished: U+FFFD)
+
+
+def test_chat_logprob_bytes_are_each_tokens_own(bos_client):
+    """logprobs.content[i].bytes, and the alternatives' bytes, are the token's own bytes (token i is byte i): before,
+    a token inside a character had U+FFFD's [239, 191, 189]. The tokens' bytes join to the content's UTF-8."""
+    client, state = bos_client
+    r = client.post("/v1/chat/completions", json={
+        "model": "test-tiny", "messages": [{"role": "user", "content": "naïve 😀 ’"}], "max_tokens": 16,
+        "temperature": 0, "ignore_eos": True, "logprobs": True, "top_logprobs": 20, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    items = choice["logprobs"]["content"]
+    assert [bytes(i["bytes"]) for i in items] == [b"" if t == 0 else bytes([t]) for t in choice["token_ids"]]
+    assert b"".join(bytes(i["bytes"]) for i in items).decode("utf-8", "replace") == choice["message"]["content"]
+    alternatives = [bytes(a["bytes"]) for i in items for a in i["top_logprobs"]]
+    assert len(alternatives) == 16 * 20 and all(len(a) <= 1 for a in alternatives)
+    assert any(a and a[0] >= 0x80 for a in alternatives)  # bytes of longer characters were among them

@@ -36,7 +36,7 @@ from starlette.routing import Route
 from jaxkv.engine import Event, Result
 from jaxkv.server import protocol
 from jaxkv.server.protocol import ApiError
-from jaxkv.server.text import TextStream, token_pieces
+from jaxkv.server.text import TextStream, added_tokens, prompt_text
 
 MAX_BODY_BYTES = 64 << 20  # a request body larger than this is refused (413) before it is read
 BIG_BODY_BYTES = 1 << 20  # a body larger than this is parsed off the event loop
@@ -302,36 +302,44 @@ def _usage(prompts, choices) -> dict:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-def _completion_logprobs(state, tokens, logprobs, tops, context, offset, prompt_part=None) -> dict:
-    """OpenAI's completions logprobs block: tokens, token_logprobs, top_logprobs ({text: logprob}, the chosen token
-    always among them), text_offset."""
-    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    if prompt_part is not None:
-        out = prompt_part
-        offset = out["text_offset"][-1] + len(out["tokens"][-1]) if out["tokens"] else offset
-    pieces, alts = token_pieces(state.tokenizer, tokens, context, [[i for i, _ in t] for t in tops] if tops else None)
+def _completion_logprobs(decoded, first, tokens, logprobs, tops, offset, prompt_part=None) -> dict:
+    """OpenAI's completions logprobs block for `tokens`, tokens first.. of `decoded` (a `text.Detokenizer`):
+    tokens, token_logprobs, top_logprobs ({text: logprob}, the chosen token always among them), text_offset
+    (from `offset`, appended to `prompt_part` when given).
+
+    Each token's text is what it adds to the returned text, so text_offset is the character offset of that text in
+    the returned text (the echoed prompt's included) and the texts join to it. A token inside a multi-byte
+    character is "" at the offset where the character will start, and the token completing it carries the whole
+    character (vLLM's convention); a special token the text skips, a BOS the tokenizer added to a text prompt, are
+    "". The stop token that ended the text is listed with its own text at the text's end (it is no part of it)."""
+    out = prompt_part if prompt_part is not None else {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                                       "text_offset": []}
     for j, token in enumerate(tokens):
+        piece, _ = decoded.entry(first + j, token)
         top = {}
         if tops:
-            for (i, lp), text in zip(tops[j], alts[j]):
+            for (_, lp), (text, _) in zip(tops[j], decoded.alternatives(first + j, [i for i, _ in tops[j]])):
                 top.setdefault(text, lp)
-        top.setdefault(pieces[j], logprobs[j])
-        out["tokens"].append(pieces[j])
+        top.setdefault(piece, logprobs[j])
+        out["tokens"].append(piece)
         out["token_logprobs"].append(logprobs[j])
         out["top_logprobs"].append(top)
         out["text_offset"].append(offset)
-        offset += len(pieces[j])
+        offset += len(piece)
     return out
 
 
-def _chat_logprobs(state, tokens, logprobs, tops, context) -> dict:
-    pieces, alts = token_pieces(state.tokenizer, tokens, context, [[i for i, _ in t] for t in tops] if tops else None)
+def _chat_logprobs(decoded, first, tokens, logprobs, tops) -> dict:
+    """OpenAI's chat logprobs for `tokens`, tokens first.. of `decoded` (a `text.Detokenizer`): each token's text
+    as in completions (`_completion_logprobs`), and its `bytes`: the token's own bytes (its vocabulary entry's: a
+    byte-level BPE token's bytes, a <0xC3> byte-fallback token's byte), so a character split over tokens is
+    rebuilt by joining them; the content's tokens' bytes join to the content's UTF-8."""
     content = []
-    for j, _ in enumerate(tokens):
-        top = [] if not tops else [{"token": text, "logprob": lp, "bytes": list(text.encode())}
-                                   for (_, lp), text in zip(tops[j], alts[j])]
-        content.append({"token": pieces[j], "logprob": logprobs[j], "bytes": list(pieces[j].encode()),
-                        "top_logprobs": top})
+    for j, token in enumerate(tokens):
+        piece, own = decoded.entry(first + j, token)
+        top = [] if not tops else [{"token": text, "logprob": lp, "bytes": list(raw)} for (_, lp), (text, raw)
+                                   in zip(tops[j], decoded.alternatives(first + j, [i for i, _ in tops[j]]))]
+        content.append({"token": piece, "logprob": logprobs[j], "bytes": list(own), "top_logprobs": top})
     return {"content": content, "refusal": None}
 
 
@@ -412,7 +420,8 @@ async def completions(request: Request) -> Response:
         with state.worker.hold(len(prompts)):  # held against the server's capacity (429) as engine sequences are
             # one prompt at a time: each runs a program compiled at start (`worker.warm_up_scoring`: one per length
             # bucket, batch 1), and the engine steps between them, so running streams go on
-            prompt_part = [(await _prompt_logprobs(state, [p], s.logprobs))[0] for p in prompts]
+            prompt_part = [(await _prompt_logprobs(state, [p], s.logprobs, [given]))[0]
+                           for p, given in zip(prompts, req.prompts)]
     cid, created = "cmpl-" + uuid.uuid4().hex, int(time.time())
 
     def choice_json(c: _Choice, text: str, first: int, whole: bool) -> dict:
@@ -425,8 +434,8 @@ async def completions(request: Request) -> Response:
             # Offsets count from the start of the answer's text (after the echoed prompt), in a stream too: each
             # chunk goes on where the last one ended, as the whole answer's offsets do.
             offset = (len(echoed[p]) if echoed else 0) + (0 if whole else c.text_offset)
-            logprobs = _completion_logprobs(state, c.tokens[first:], c.logprobs[first:], c.tops[first:],
-                                            c.prompt + c.tokens[:first], offset, head)
+            logprobs = _completion_logprobs(c.text.decoded, first, c.tokens[first:], c.logprobs[first:],
+                                            c.tops[first:], offset, head)
             if not whole:
                 c.text_offset += sum(len(piece) for piece in logprobs["tokens"])
         out = {"index": c.index, "text": text, "logprobs": logprobs,
@@ -460,24 +469,30 @@ async def completions(request: Request) -> Response:
     return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-async def _prompt_logprobs(state: ServerState, prompts, k: int) -> list[dict]:
-    """Each prompt's completions-style logprobs block (its first token has none), computed on the engine thread."""
+async def _prompt_logprobs(state: ServerState, prompts, k: int, texts) -> list[dict]:
+    """Each prompt's completions-style logprobs block (its first token has none), computed on the engine thread.
+    `texts`: the prompts as given; a text prompt's tokens are read as its echo shows it, the text as given: a
+    token the tokenizer added (a BOS) is "" at offset 0 (`text.added_tokens`); an id prompt's echo is its ids
+    decoded with their special tokens, and so are its tokens."""
     from jaxkv.score import score
 
     scored = [p for p in prompts if len(p) > 1]
     results = iter(await state.worker.call(lambda: score(state.model, [p[:1] for p in scored],
                                                          [p[1:] for p in scored], top_logprobs=max(k, 1)))
                    if scored else [])
-    out = []
-    for p in prompts:
-        first = state.tokenizer.decode(p[:1], skip_special_tokens=False)
+
+    def listing(p, given, r):  # off the event loop: a long prompt's listing is many decodes
+        decoded = prompt_text(state.tokenizer, p, added_tokens(state.tokenizer, given, p) if isinstance(given, str)
+                              else None)
+        first = decoded.pieces[0]
         part = {"tokens": [first], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [0]}
-        if len(p) > 1:
-            r = next(results)
+        if r is not None:
             tops = [t[:k] for t in r.top_logprobs] if k else []
-            part = _completion_logprobs(state, p[1:], list(r), tops, p[:1], len(first), part)
-        out.append(part)
-    return out
+            part = _completion_logprobs(decoded, 1, p[1:], list(r), tops, len(first), part)
+        return part
+
+    return [await asyncio.to_thread(listing, p, given, next(results) if len(p) > 1 else None)
+            for p, given in zip(prompts, texts)]
 
 
 async def chat_completions(request: Request) -> Response:
@@ -510,7 +525,7 @@ async def chat_completions(request: Request) -> Response:
     def logprobs_json(c, first):
         if s.logprobs is None:
             return None
-        return _chat_logprobs(state, c.tokens[first:], c.logprobs[first:], c.tops[first:], c.prompt + c.tokens[:first])
+        return _chat_logprobs(c.text.decoded, first, c.tokens[first:], c.logprobs[first:], c.tops[first:])
 
     def finish(c):
         return c.finish_reason if c.finish_reason != "error" else None
