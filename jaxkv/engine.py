@@ -16,7 +16,8 @@ The device state (`engine_programs._State`) is one pytree of fixed shape, thread
 
   _admit    a request takes a staging row: its page-table row holds the pages of its cached prefix, if any
   _prefill  one chunk of at most `prefill_chunk` prompt tokens for each of up to `prefill_rows` staging rows,
-            attending over the pages written so far; a row whose prompt is complete keeps its last logits
+            attending over the pages written before it (as stored) and its own fresh K/V (`Decoder`'s `chunk`);
+            a row whose prompt is complete keeps its last logits
   _decode   moves complete prefills into free slots (a page-table row, and the request's PRNG key, sampling
             settings, stop ids, token budget), then `steps_per_dispatch` decode steps in a `lax.scan` over the
             first W slots, W the smallest of `decode_widths` (powers of two up to S) holding every decoding slot
