@@ -12,11 +12,11 @@
                [--window W] [--tokens N] [--batch B] [--cache-dtype D] [--hbm-gib G [--weights-gib W]]
                [--plot FILE.png] [--json]
   jaxkv bench [options]     (see jaxkv bench --help; the same as python scripts/bench.py)
-  jaxkv bench sharing [options]   (parallel samples and prompt caching: jaxkv.bench_sharing)
-  jaxkv bench engine [options]    (continuous batching against static batches: jaxkv.bench_engine)
-  jaxkv bench beam [options]      (beam search: jaxkv.bench_beam)
-  jaxkv bench mla [options]       (multi-head latent attention against its GQA twin: jaxkv.bench_mla)
-  jaxkv bench layers [options]    (per-layer rings against full-length caches: jaxkv.bench_layers)
+  jaxkv bench sharing [options]   (parallel samples and prompt caching: jaxkv.bench.sharing)
+  jaxkv bench engine [options]    (continuous batching against static batches: jaxkv.bench.engine)
+  jaxkv bench beam [options]      (beam search: jaxkv.bench.beam)
+  jaxkv bench mla [options]       (multi-head latent attention against its GQA twin: jaxkv.bench.mla)
+  jaxkv bench layers [options]    (per-layer rings against full-length caches: jaxkv.bench.layers)
   jaxkv serve [options]     (an OpenAI-compatible HTTP server on the engine; see jaxkv serve --help;
                              needs pip install "jaxkv[serve]")
   jaxkv --version
@@ -42,8 +42,8 @@ from jaxkv.config import DTYPES, Config
 
 EXIT_USAGE = 2
 # `jaxkv bench NAME ...` -> the module whose main() runs it (also scripts/bench_NAME.py)
-BENCH_SCENARIOS = {"sharing": "jaxkv.bench_sharing", "engine": "jaxkv.bench_engine", "beam": "jaxkv.bench_beam",
-                   "mla": "jaxkv.bench_mla", "layers": "jaxkv.bench_layers"}
+BENCH_SCENARIOS = {"sharing": "jaxkv.bench.sharing", "engine": "jaxkv.bench.engine", "beam": "jaxkv.bench.beam",
+                   "mla": "jaxkv.bench.mla", "layers": "jaxkv.bench.layers"}
 EARLY_STOPPING = {"true": True, "false": False, "never": "never"}  # --early-stopping -> jaxkv.beam_search's value
 VERSION = "0.1.0"  # what --version says when the package metadata is missing (running from a source tree)
 
@@ -145,7 +145,7 @@ def _parser() -> argparse.ArgumentParser:
     mem.add_argument("--plot", metavar="FILE.png", default=None, help="draw cache size versus tokens to FILE.png")
     mem.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
-    # Listed for --help only: main() hands `jaxkv bench ...` to jaxkv.bench before this parser sees it.
+    # Listed for --help only: main() hands `jaxkv bench ...` to jaxkv.bench.decode before this parser sees it.
     commands.add_parser("bench", add_help=False,
                         help="decode benchmarks against the memory roofline and transformers (see jaxkv bench --help)")
     return parser
@@ -651,9 +651,9 @@ def main(argv=None) -> int:
 
         return importlib.import_module(BENCH_SCENARIOS[argv[1]]).main(argv[2:])
     if argv[:1] == ["bench"]:  # the benchmark has its own options (scripts/bench.py, same code)
-        from jaxkv import bench
+        from jaxkv.bench import decode
 
-        return bench.main(argv[1:])
+        return decode.main(argv[1:])
     try:
         args = _parser().parse_args(argv)
         result = _memory(args) if args.command == "memory" else _generate(args, started)

@@ -1,9 +1,9 @@
 """Continuous batching (`jaxkv.Engine`) against static batches of jaxkv.generate and transformers; the same as
-`jaxkv bench engine`. See jaxkv/bench_engine.py."""
+`jaxkv bench engine`. See jaxkv/bench/engine.py."""
 
 import sys
 
-from jaxkv.bench_engine import main
+from jaxkv.bench.engine import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -22,7 +22,7 @@ import sys
 import numpy as np
 
 import jaxkv
-from jaxkv.bench import Progress
+from jaxkv.bench.decode import Progress
 from jaxkv.memory import CACHE_DTYPES
 
 SCRIPTS = pathlib.Path(__file__).resolve().parent

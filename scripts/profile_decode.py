@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 import jaxkv
 from jaxkv import roofline
-from jaxkv.bench import decode_inputs
+from jaxkv.bench.decode import decode_inputs
 from jaxkv.cache import check_cache_dtype
 from jaxkv.checkpoint import cast
 from jaxkv.config import PRESETS
@@ -67,7 +67,7 @@ def parse_args(argv=None):
 
 def profile(args) -> dict:
     if args.config in ("mla-twin", "gqa-twin"):
-        from jaxkv.bench_mla import twins
+        from jaxkv.bench.mla import twins
 
         config = twins()[args.config == "mla-twin"]
     else:

@@ -13,17 +13,17 @@ torch = pytest.importorskip("torch")
 
 @pytest.fixture
 def settles(monkeypatch):
-    """The benchmarks pause 0.5 s before each timed phase (`bench._settle`, for the timings' quality, which these
+    """The benchmarks pause 0.5 s before each timed phase (`bench.settle`, for the timings' quality, which these
     tests do not judge): here the pauses are counted, not slept (12 s of this file's run)."""
-    from jaxkv import bench
+    from jaxkv.bench import decode as bench
 
     calls = []
-    monkeypatch.setattr(bench, "_settle", lambda: calls.append(None))
+    monkeypatch.setattr(bench, "settle", lambda: calls.append(None))
     return calls
 
 
 def test_to_hf_llama_gives_the_same_logits():
-    from jaxkv.bench import to_hf_llama
+    from jaxkv.bench.decode import to_hf_llama
 
     cfg = Config(vocab_size=97, d_model=48, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=80,
                  max_positions=64)
@@ -60,7 +60,7 @@ def test_profile_decode_accounts_for_the_step(tmp_path):
 def test_bench_runs_side_by_side_and_samples_the_roofline_beside_each_row(tmp_path, capsys, settles):
     import json
 
-    from jaxkv import bench
+    from jaxkv.bench import decode as bench
 
     assert bench.main(["--configs", "test-tiny", "--dtypes", "float32", "--batches", "1,2", "--reps", "2",
                        "--new-tokens", "40", "--no-curves", "--out", str(tmp_path)]) == 0
@@ -97,7 +97,7 @@ def test_gemv_meter_reads_its_whole_matrix():
 def test_progress_scales_the_time_left_by_how_the_finished_stages_went(monkeypatch):
     import io
 
-    from jaxkv import bench
+    from jaxkv.bench import decode as bench
 
     clock = iter([0.0, 0.0, 20.0, 20.0, 50.0, 50.0])  # stage 1 takes 20 s where 10 were estimated: 2x slower
     monkeypatch.setattr(bench.time, "perf_counter", lambda: next(clock))
@@ -116,7 +116,7 @@ def test_progress_scales_the_time_left_by_how_the_finished_stages_went(monkeypat
 
 def test_default_run_estimate_is_about_the_measured_36_minutes():
     """The up-front estimate against the reference run (docs/bench/bench.json: 36 minutes on the dev machine)."""
-    from jaxkv import bench
+    from jaxkv.bench import decode as bench
 
     args = bench.parse_args([])
     total = sum(seconds for _, seconds in bench.stages(args.configs.split(","), args))
@@ -128,7 +128,7 @@ def test_bench_help_answers_without_importing_jax():
     import sys
     import time
 
-    code = ("import sys\nfrom jaxkv import bench\ntry:\n    bench.main(['--help'])\nexcept SystemExit:\n    pass\n"
+    code = ("import sys\nfrom jaxkv.bench import decode as bench\ntry:\n    bench.main(['--help'])\nexcept SystemExit:\n    pass\n"
             "print('jax imported:', 'jax' in sys.modules)")
     t0 = time.perf_counter()
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -143,7 +143,7 @@ def test_replot_redraws_an_earlier_run_with_readable_powers_of_two_axes(tmp_path
     pytest.importorskip("matplotlib")
     from matplotlib.figure import Figure
 
-    from jaxkv import bench
+    from jaxkv.bench import decode as bench
 
     earlier = pathlib.Path(__file__).resolve().parents[1] / "docs" / "bench" / "bench.json"
     assert bench.main(["--replot", str(earlier), "--out", str(tmp_path)]) == 0
@@ -194,7 +194,8 @@ def test_engine_scenario_counts_what_it_reports(tmp_path, capsys, settles):
     """`jaxkv bench engine` end to end on the tiny preset: every path produces every requested token, the
     padding counts follow from the requests, the ratios from the measured seconds, and the engine's greedy
     tokens equal static jaxkv's."""
-    from jaxkv import bench_engine, cli
+    from jaxkv import cli
+    from jaxkv.bench import engine as bench_engine
 
     out = tmp_path / "engine.json"
     argv = ["--config", "test-tiny", "--requests", "7", "--slots", "3", "--min-prompt", "5", "--max-prompt", "30",
@@ -239,7 +240,7 @@ def test_beam_scenario_reports_time_bytes_and_matches(tmp_path, capsys, settles)
     from jaxkv.config import PRESETS
     from jaxkv.memory import kv_bytes_per_token
 
-    bench_beam = importlib.import_module("jaxkv.bench_beam")  # the module itself, whatever the package attribute
+    bench_beam = importlib.import_module("jaxkv.bench.beam")  # the module itself, whatever the package attribute
 
     out = tmp_path / "beam.json"
     assert bench_beam.main(["--quick", "--batch", "2", "--out", str(out)]) == 0
@@ -270,7 +271,7 @@ def test_16_bit_rows_compare_with_transformers_float32(tmp_path, capsys, settles
     bfloat16 run keeps to that, and whether ours keeps to its bfloat16 run as far (issue 16, target 3)."""
     import json
 
-    from jaxkv import bench
+    from jaxkv.bench import decode as bench
 
     assert bench.main(["--configs", "test-tiny", "--dtypes", "bfloat16", "--batches", "1", "--reps", "1",
                        "--new-tokens", "40", "--no-curves", "--out", str(tmp_path)]) == 0

@@ -255,18 +255,19 @@ def test_bad_beam_flag_fails_fast_before_jax():
 
 
 def test_bench_beam_is_handed_to_jaxkv_bench_beam(monkeypatch):
-    """`jaxkv bench beam ARGS` calls jaxkv.bench_beam.main(ARGS), imported only then."""
+    """`jaxkv bench beam ARGS` calls jaxkv.bench.beam.main(ARGS), imported only then."""
     import importlib.machinery
     import types
 
     seen = []
-    fake = types.ModuleType("jaxkv.bench_beam")
-    fake.__spec__ = importlib.machinery.ModuleSpec("jaxkv.bench_beam", None)  # find_spec reads it
+    fake = types.ModuleType("jaxkv.bench.beam")
+    fake.__spec__ = importlib.machinery.ModuleSpec("jaxkv.bench.beam", None)  # find_spec reads it
     fake.main = lambda argv: seen.append(argv) or 0
-    monkeypatch.setitem(sys.modules, "jaxkv.bench_beam", fake)
-    # The package's own dict, not setattr: monkeypatch.setattr would first read the old value through
-    # jaxkv.__getattr__, which imports "jaxkv.bench_beam" -- the fake, already in sys.modules -- and its undo would
-    # then leave the fake as jaxkv.bench_beam for every later test in the process.
-    monkeypatch.setitem(vars(jaxkv), "bench_beam", fake)
+    monkeypatch.setitem(sys.modules, "jaxkv.bench.beam", fake)
+    # The package's own dict, not setattr: its undo must put back exactly what was there (nothing, or the real
+    # module), never leave the fake as jaxkv.bench.beam for every later test in the process.
+    import jaxkv.bench
+
+    monkeypatch.setitem(vars(jaxkv.bench), "beam", fake)
     assert cli.main(["bench", "beam", "--quick"]) == 0
     assert seen == [["--quick"]]

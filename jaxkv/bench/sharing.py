@@ -54,7 +54,7 @@ def run(args) -> dict:
     import numpy as np
 
     import jaxkv
-    from jaxkv.bench import HFRunner, _settle
+    from jaxkv.bench.decode import HFRunner, settle
     from jaxkv.config import PRESETS
 
     config = PRESETS[args.config]
@@ -91,7 +91,7 @@ def run(args) -> dict:
         last[name] = fn(0)  # compiles
     for rep in range(args.reps):
         for name, fn in runners.items():
-            _settle()
+            settle()
             s, last[name] = _timed(lambda: fn(rep + 1))
             seconds[name].append(s)
         print(f"  round {rep + 1}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in seconds.items()), file=sys.stderr)

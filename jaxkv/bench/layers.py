@@ -32,7 +32,7 @@ WINDOW = 512
 
 
 def parse_args(argv=None):
-    from jaxkv.bench_mla import context_parser
+    from jaxkv.bench.mla import context_parser
 
     p, args = context_parser(argv, prog="jaxkv bench layers", description=__doc__.split("\n\n")[0],
                              contexts="4096,16384", quick=QUICK)
@@ -63,7 +63,7 @@ def run(args) -> dict:
 
     import jaxkv
     from jaxkv import memory
-    from jaxkv.bench_mla import step_seconds
+    from jaxkv.bench.mla import step_seconds
 
     model = jaxkv.Model.random(config(), seed=0)
     cfg = model.config

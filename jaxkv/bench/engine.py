@@ -112,7 +112,7 @@ class _HF:
     """transformers generate over static batches, left-padded, on the same weights."""
 
     def __init__(self, model):
-        from jaxkv.bench import HFRunner
+        from jaxkv.bench.decode import HFRunner
 
         self.model = HFRunner(model, "float32").model
 
@@ -164,7 +164,7 @@ def run(args) -> dict:
     import jax
 
     import jaxkv
-    from jaxkv.bench import _settle
+    from jaxkv.bench.decode import settle
     from jaxkv.config import PRESETS
 
     config = PRESETS[args.config]
@@ -193,7 +193,7 @@ def run(args) -> dict:
     last = {}
     for rep in range(args.reps):
         for name, fn in runners.items():
-            _settle()
+            settle()
             before = compiles[0]
             t = time.perf_counter()
             last[name] = fn(model, requests, args)

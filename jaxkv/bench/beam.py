@@ -95,7 +95,7 @@ class _HF:
     def __init__(self, model, prompts, args):
         import torch
 
-        from jaxkv.bench import HFRunner
+        from jaxkv.bench.decode import HFRunner
 
         self.model = HFRunner(model, "float32").model
         self.ids = torch.tensor(prompts, dtype=torch.int64)
@@ -146,7 +146,7 @@ def run(args) -> dict:
     import jax
 
     import jaxkv
-    from jaxkv.bench import _settle
+    from jaxkv.bench.decode import settle
     from jaxkv.config import PRESETS
 
     config = PRESETS[args.config]
@@ -178,7 +178,7 @@ def run(args) -> dict:
     for rep in range(args.reps):
         for K in beams:
             for name, fn in runners.items():
-                _settle()
+                settle()
                 before = compiles[0]
                 t = time.perf_counter()
                 last[K, name] = fn(K)

@@ -92,7 +92,7 @@ def step_seconds(model, batch: int, live: int, capacity: int, steps: int, ring: 
     cache's sliding-window layers are rings, `jaxkv.cache.layer_slots`)."""
     import jax
 
-    from jaxkv.bench import decode_inputs
+    from jaxkv.bench.decode import decode_inputs
     from jaxkv.generate import decode
 
     inputs = decode_inputs(model.config, batch, live, capacity, ring=ring)

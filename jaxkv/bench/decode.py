@@ -187,7 +187,7 @@ class HFRunner:
 # --- measurements -----------------------------------------------------------------------------------------------
 
 
-def _settle():
+def settle():
     """Lets the previous phase's worker threads go idle before the next is timed. OpenMP (torch) and XLA's thread
     pools spin for a while after their work ends; a bandwidth sample taken right after transformers' generate read
     a third slower than one taken before it (these machines have 2 cores)."""
@@ -235,19 +235,19 @@ def bench_decode(name: str, config: Config, dtype: str, batch: int, args, meter)
     c0 = _compile_seconds[0]
     ours, theirs, prefill, bandwidths = [], [], [], []
     for _ in range(args.reps):
-        _settle()
+        settle()
         stats = run().stats
         ours.append(stats["decode_tokens_per_s"])
         prefill.append(stats["prefill_s"] * 1e3)
         if hf is not None:
-            _settle()
+            settle()
             t0 = time.perf_counter()
             hf.generate(prompts, 1)
             t1 = time.perf_counter()
             hf_tokens = hf.generate(prompts, args.new_tokens)
             t2 = time.perf_counter()
             theirs.append(batch * (args.new_tokens - 1) / max((t2 - t1) - (t1 - t0), 1e-9))
-        _settle()
+        settle()
         bandwidths.append(statistics.median(meter.sample() for _ in range(3)))
     recompile_s = _compile_seconds[0] - c0
     live = args.prompt_len + (args.new_tokens - 1) / 2
