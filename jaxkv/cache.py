@@ -49,7 +49,7 @@ from jax import lax
 
 from jaxkv.attention.reference import live_mask
 from jaxkv.config import Config
-from jaxkv.memory import CACHE_DTYPES, QUANTIZED
+from jaxkv.memory import CACHE_DTYPES, QUANTIZED, layer_slots
 
 # The largest magnitude each quantized format holds: a token's absolute maximum maps here. int8 uses the symmetric
 # range [-127, 127] (so the scale is the same for both signs).
@@ -99,20 +99,6 @@ def quantize(x, cache_dtype: str):
     else:
         stored = jnp.clip(scaled, -qmax, qmax).astype(jnp.float8_e4m3fn)  # round-to-nearest in the cast
     return stored, scale
-
-
-def layer_slots(config: Config, max_len: int, ring: bool) -> tuple[tuple[int, bool], ...]:
-    """(slots, is a ring) of each layer of a cache of `max_len` slots: with `ring`, a layer with a sliding window
-    gets a ring of min(window, max_len) slots; every other layer max_len plain slots. A config whose every layer
-    slides (or none: no `ring`) has one geometry: every layer max_len slots, all rings or none. A layer that
-    shares another's K/V (`Config.kv_source`) stores nothing: 0 slots, with its source's ring flag. The planner
-    (`jaxkv.memory`) and `KVCache.allocate` both use this."""
-    if not ring or config.every_layer_sliding:
-        slots = [(max_len, bool(ring)) for _ in range(config.n_layers)]
-    else:
-        slots = [(min(w, max_len), True) if w is not None else (max_len, False) for w in config.layer_windows]
-    return tuple(slots[layer] if config.stores_kv(layer) else (0, slots[config.kv_source(layer)][1])
-                 for layer in range(config.n_layers))
 
 
 @functools.partial(jax.tree_util.register_dataclass,

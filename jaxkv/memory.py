@@ -121,6 +121,20 @@ class CacheGeometry:
                    layer_windows=None if config.layer_types is None else config.layer_windows, layer_shapes=shapes)
 
 
+def layer_slots(config: Config, max_len: int, ring: bool) -> tuple[tuple[int, bool], ...]:
+    """(slots, is a ring) of each layer of a cache of `max_len` slots: with `ring`, a layer with a sliding window
+    gets a ring of min(window, max_len) slots; every other layer max_len plain slots. A config whose every layer
+    slides (or none: no `ring`) has one geometry: every layer max_len slots, all rings or none. A layer that
+    shares another's K/V (`Config.kv_source`) stores nothing: 0 slots, with its source's ring flag. The planner
+    and `KVCache.allocate` both use this (here, so that jaxkv.cache imports this module and never the reverse)."""
+    if not ring or config.every_layer_sliding:
+        slots = [(max_len, bool(ring)) for _ in range(config.n_layers)]
+    else:
+        slots = [(min(w, max_len), True) if w is not None else (max_len, False) for w in config.layer_windows]
+    return tuple(slots[layer] if config.stores_kv(layer) else (0, slots[config.kv_source(layer)][1])
+                 for layer in range(config.n_layers))
+
+
 def _positive_int(name: str, value) -> int:
     # bool is an int subclass; True layers or tokens is a caller's mistake, not 1.
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
@@ -288,7 +302,7 @@ class CachePlan:
                      least MIN_CAPACITY, at most the model's max positions); a sliding-window model's ring holds
                      at most `window` slots. A model mixing layer kinds: the full layers' slots.
     ring:            the cache is a ring buffer of `capacity` slots; a model mixing layer kinds: its sliding
-                     layers are rings of min(window, capacity) slots (`jaxkv.cache.layer_slots`).
+                     layers are rings of min(window, capacity) slots (`jaxkv.memory.layer_slots`).
     requested_bytes: `kv_cache_bytes` for `batch` sequences of the longest prompt plus max_new_tokens: what the
                      call needs.
     allocated_bytes: padded_batch x capacity slots: what the cache arrays hold (`Generation.stats`
@@ -344,7 +358,7 @@ def plan_cache(config: Config, prompt_lengths, max_new_tokens: int, *, max_len: 
     window = config.sliding_window
     if window is not None and not config.every_layer_sliding:
         # Mixed layer kinds (Gemma 2/3): the full layers bound the sequence as a plain cache does; each sliding
-        # layer holds a ring of min(window, capacity) slots (`jaxkv.cache.layer_slots`).
+        # layer holds a ring of min(window, capacity) slots (`jaxkv.memory.layer_slots`).
         if max_len is not None and longest + max_new_tokens > max_len:
             raise ValueError(f"the longest prompt has {longest} tokens; prompt_len + max_new_tokens = "
                              f"{longest} + {max_new_tokens} = {longest + max_new_tokens} exceeds max_len={max_len}")
@@ -362,7 +376,6 @@ def plan_cache(config: Config, prompt_lengths, max_new_tokens: int, *, max_len: 
         # The padded prompt and the new tokens must fit: shrink the bucket (never below the longest prompt).
         prompt_len = min(bucket, capacity - max_new_tokens)
     padded_batch = -(-_next_pow2(len(lengths)) // batch_multiple) * batch_multiple
-    from jaxkv.cache import layer_slots  # here: jaxkv.cache imports this module
 
     per_slot = _layer_bytes_per_slot(CacheGeometry.of(config), cache_dtype)
     slot_bytes = sum(S * b for (S, _), b in zip(layer_slots(config, capacity, ring), per_slot))
