@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv.config import DTYPES, Config, LinearScaling, Mla, MoeConfig, ProportionalRope, RopeScaling, YarnScaling
-from jaxkv.model import Model, _layout, from_out_in, param_shapes, to_out_in
+from jaxkv.model import Model, weight_layout, from_out_in, param_shapes, to_out_in
 
 CONFIG_FILE = "jaxkv_config.json"
 PARAMS_DIR = "params"
@@ -90,7 +90,8 @@ def cast(model: Model, dtype: str | None) -> Model:
         return a if path[-1].key in ("router", "router_bias") else a.astype(jnp.dtype(dtype))
 
     params = jax.tree_util.tree_map_with_path(convert, model.params)
-    if _layout(config)[0] != _layout(model.config)[0]:  # the layout follows the dtype (`layers.stored_out_in`)
+    # the layout follows the dtype (`layers.stored_out_in`)
+    if weight_layout(config)[0] != weight_layout(model.config)[0]:
         params = jax.tree_util.tree_map(jnp.asarray, from_out_in(to_out_in(params, model.config), config))
     return Model(config, params, model.tokenizer)
 

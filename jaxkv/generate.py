@@ -514,9 +514,9 @@ def left_pad(prompts, *, length: int | None = None):
 
 _COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
                    "/jax/core/compile/backend_compile_duration")
-_compile_seconds = [0.0]  # running total of tracing + lowering + compiling in this process (all threads)
+compile_seconds = [0.0]  # running total of tracing + lowering + compiling in this process (all threads)
 jax.monitoring.register_event_duration_secs_listener(
-    lambda event, duration, **_: _compile_seconds.__setitem__(0, _compile_seconds[0] + duration)
+    lambda event, duration, **_: compile_seconds.__setitem__(0, compile_seconds[0] + duration)
     if event in _COMPILE_EVENTS else None)
 
 
@@ -524,11 +524,11 @@ class _Phase:
     """Wall time of a phase, split into compile time (from JAX's compile events) and the rest."""
 
     def __enter__(self):
-        self.t0, self.c0 = time.perf_counter(), _compile_seconds[0]
+        self.t0, self.c0 = time.perf_counter(), compile_seconds[0]
         return self
 
     def __exit__(self, *exc):
-        self.compile_s = _compile_seconds[0] - self.c0
+        self.compile_s = compile_seconds[0] - self.c0
         self.run_s = max(time.perf_counter() - self.t0 - self.compile_s, 0.0)
 
     @classmethod

@@ -29,7 +29,7 @@ from jax.sharding import Mesh
 
 from jaxkv import sharding
 from jaxkv.attention import mla, paged_mla
-from jaxkv.attention.reference import MASKED, _softmax, live_mask
+from jaxkv.attention.reference import MASKED, softmax, live_mask
 from jaxkv.config import Config
 from jaxkv.layers import Norm, apply_rope, fan_in_init, linear, mla_out_in
 from jaxkv.paged_cache import PagedKVCache
@@ -55,7 +55,7 @@ def expanded_attention(q_nope, q_rope, c, k_rope, wk_b, wv_b, start, q_offset, *
     scores = (jnp.einsum("btnk,bsnk->bnts", q_nope, k_nope, preferred_element_type=f32)
               + jnp.einsum("btne,bse->bnts", q_rope, k_rope, preferred_element_type=f32)) * scale  # [B, N, T, S]
     live = live_mask(start, q_offset, q_nope.shape[1], c.shape[1], sliding_window)  # [B, T, S]
-    weights = _softmax(jnp.where(live[:, None], scores, MASKED))
+    weights = softmax(jnp.where(live[:, None], scores, MASKED))
     return jnp.einsum("bnts,bsnv->btnv", weights, v.astype(f32)).astype(dtype)
 
 

@@ -372,7 +372,7 @@ def param_shapes(config: Config) -> dict:
     return jax.eval_shape(Decoder(config).init, jax.random.PRNGKey(0), tokens, tokens)["params"]
 
 
-def _layout(config: Config) -> tuple[frozenset[str], dict]:
+def weight_layout(config: Config) -> tuple[frozenset[str], dict]:
     """(the names `config` stores [in, out], name -> axis order of the [in, out] form): `layers.in_out_names`
     plus the mixture of experts' own (`jaxkv.moe.in_out_names`)."""
     if config.moe is None:
@@ -383,7 +383,7 @@ def _layout(config: Config) -> tuple[frozenset[str], dict]:
 
 def from_out_in(params, config: Config):
     """A parameter tree with every weight in the [out, in] form -> `config`'s layout (numpy)."""
-    names, orders = _layout(config)
+    names, orders = weight_layout(config)
 
     def convert(path, x):
         name = path[-1].key
@@ -395,7 +395,7 @@ def from_out_in(params, config: Config):
 def to_out_in(params, config: Config):
     """The inverse of `from_out_in`: every weight in the [out, in] form (numpy), e.g. for PyTorch.
     `jax.ShapeDtypeStruct` leaves (`param_shapes`) give the shapes of that form."""
-    names, orders = _layout(config)
+    names, orders = weight_layout(config)
 
     def convert(path, x):
         name = path[-1].key

@@ -195,7 +195,7 @@ def test_mla_moe_model_saves_loads_and_casts(tmp_path):
     MoeConfig included), and a cast to bfloat16 keeps the router in float32 (as transformers does) and lays the
     experts out for the new dtype."""
     from jaxkv.config import Mla, MoeConfig
-    from jaxkv.model import _layout
+    from jaxkv.model import weight_layout
 
     config = jaxkv.Config(vocab_size=64, d_model=32, n_layers=2, n_heads=4, ffn_dim=48,
                           mla=Mla(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8),
@@ -211,7 +211,7 @@ def test_mla_moe_model_saves_loads_and_casts(tmp_path):
     half = jaxkv.checkpoint.cast(model, "bfloat16")
     mlp = half.params["layer_1"]["mlp"]
     assert mlp["router"].dtype == jax.numpy.float32 and mlp["we_gate"].dtype == jax.numpy.bfloat16
-    assert _layout(half.config)[0] >= {"we_gate", "we_up", "we_down"}
+    assert weight_layout(half.config)[0] >= {"we_gate", "we_up", "we_down"}
     back = jaxkv.checkpoint.cast(half, "float32")
     assert jax.tree_util.tree_map(lambda a: a.shape, back.params) == jax.tree_util.tree_map(lambda a: a.shape,
                                                                                              model.params)

@@ -276,7 +276,7 @@ def _tpu_decode_fetches(lo, hi, *, num_slots, block_k, splits, ring=False):
     for b in range(len(lo)):
         for split in range(splits):
             for j in range(-(-num_blocks // splits)):
-                block, live = decode_kernel._tpu_step_block(b, split, j, lo_ref, hi_ref, block_k=block_k,
+                block, live = decode_kernel.tpu_step_block(b, split, j, lo_ref, hi_ref, block_k=block_k,
                                                             splits=splits, num_blocks=num_blocks, ring=ring)
                 if (b, int(block)) != previous:
                     fetched.append((b, int(block)))

@@ -98,8 +98,8 @@ GPU_MIN_DIM = 16
 TPU_ROW_MULTIPLE = 8
 TPU_LANES = 128
 
-_NT = (((1,), (1,)), ((), ()))  # contract the last dims: [R, H] x [C, H] -> [R, C]
-_NN = (((1,), (0,)), ((), ()))  # plain matmul: [R, C] x [C, H] -> [R, H]
+NT_DIMS = (((1,), (1,)), ((), ()))  # contract the last dims: [R, H] x [C, H] -> [R, C]
+NN_DIMS = (((1,), (0,)), ((), ()))  # plain matmul: [R, C] x [C, H] -> [R, H]
 
 
 # --- shared math (plain jnp/lax: lowers on Mosaic, Triton and the interpreter alike) ---------------------------
@@ -161,7 +161,7 @@ def load_scale(ref, *index):
     return None if ref is None else ref[index or (...,)]
 
 
-def _precision(dtype):
+def dot_precision(dtype):
     # float32 inputs: full-precision matmuls (no TF32 on GPU, 6-pass bf16 on TPU), to match the XLA reference.
     return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
@@ -191,9 +191,9 @@ def online_softmax_step(m_prev, l_prev, acc_prev, q, k, v, live, v_live, *, scal
       (m, l, acc) after the block.
     """
     dtype = q.dtype
-    precision = _precision(dtype)
+    precision = dot_precision(dtype)
     k, v = k.astype(dtype), v.astype(dtype)  # exact for int8/fp8 into q's dtype (`matmul_dtype`)
-    s = lax.dot_general(q, k, _NT, precision=precision, preferred_element_type=jnp.float32)  # [R, C]
+    s = lax.dot_general(q, k, NT_DIMS, precision=precision, preferred_element_type=jnp.float32)  # [R, C]
     if k_scale is not None:
         s = s * k_scale  # q.(k * ks) = (q.k) * ks: the keys dequantized, per column
     # Capped before the mask, so a dead slot gets MASKED itself (and a NaN key's NaN score is selected away).
@@ -208,7 +208,7 @@ def online_softmax_step(m_prev, l_prev, acc_prev, q, k, v, live, v_live, *, scal
         p = jnp.where(live, p * v_scale, 0.0)
     v = jnp.where(v_live, v, jnp.zeros((), dtype))
     # p is rounded to the matmul dtype (bf16 MXU / tensor-core inputs); the accumulation stays float32.
-    pv = lax.dot_general(p.astype(dtype), v, _NN, precision=precision, preferred_element_type=jnp.float32)
+    pv = lax.dot_general(p.astype(dtype), v, NN_DIMS, precision=precision, preferred_element_type=jnp.float32)
     return m, l, alpha * acc_prev + pv  # acc: [R, H]
 
 
@@ -307,7 +307,7 @@ def tpu_block(num_slots: int, block: int) -> int:
 # --- TPU (Mosaic) --------------------------------------------------------------------------------------------
 
 
-def _tpu_step_block(b, split, j, lo_ref, hi_ref, *, block_k: int, splits: int, num_blocks: int,
+def tpu_step_block(b, split, j, lo_ref, hi_ref, *, block_k: int, splits: int, num_blocks: int,
                     ring: bool = False):
     """(block index, whether it holds live slots) for grid step (b, split, j); used by index_map and body alike.
 
@@ -331,7 +331,7 @@ def _decode_kernel_tpu(lo_ref, hi_ref, q_ref, k_ref, v_ref, *refs, scale: float,
     step; scratch m, l, acc."""
     ks_ref, vs_ref, (acc_out, m_out, l_out, m_scr, l_scr, acc_scr) = split_scale_refs(refs, quantized)
     b, split, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-    block, live_step = _tpu_step_block(b, split, j, lo_ref, hi_ref, block_k=block_k, splits=splits,
+    block, live_step = tpu_step_block(b, split, j, lo_ref, hi_ref, block_k=block_k, splits=splits,
                                        num_blocks=num_blocks, ring=ring_slots is not None)
 
     pl.when(j == 0)(functools.partial(reset_softmax_state, m_scr, l_scr, acc_scr))
@@ -360,7 +360,7 @@ def _decode_tpu(q, k, v, k_scale, v_scale, lo, hi, *, scale: float, block_k: int
     block_k = tpu_block(S, block_k)
     num_blocks = cdiv(S, block_k)
     splits = max(1, min(splits, num_blocks))
-    step_block = functools.partial(_tpu_step_block, block_k=block_k, splits=splits, num_blocks=num_blocks,
+    step_block = functools.partial(tpu_step_block, block_k=block_k, splits=splits, num_blocks=num_blocks,
                                    ring=ring)
 
     def kv_map(b, h, split, j, lo_ref, hi_ref):

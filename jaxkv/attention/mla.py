@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxkv.attention.reference import MASKED, MIN_PREFIX, _decode_prefix, _softmax, live_mask, prefix_lengths
+from jaxkv.attention.reference import MASKED, MIN_PREFIX, decode_prefix, softmax, live_mask, prefix_lengths
 
 
 def attention(q, latent, start, q_offset, *, latent_dim: int, scale: float, latent_scale=None,
@@ -62,7 +62,7 @@ def attention(q, latent, start, q_offset, *, latent_dim: int, scale: float, late
         # of the buffer (rows[..., :R]) made XLA:CPU copy that slice of every layer's cache each step (~1 ms of
         # a 16 ms step at 4k slots, scripts/profile_decode.py --config mla-twin); E / (R + E) more multiply-adds
         # in the weighted sum cost less than that copy.
-        out = _decode_prefix(q.reshape(B, 1, N, C), rows, rows, start, q_offset, scale,
+        out = decode_prefix(q.reshape(B, 1, N, C), rows, rows, start, q_offset, scale,
                              sliding_window, row_scale, row_scale, ring, prefix_lengths(S, min_prefix))
         return out.reshape(B, 1, N, C)[..., :latent_dim].astype(jnp.float32)
     return full_attention(q, latent, start, q_offset, latent_dim=latent_dim, scale=scale, latent_scale=latent_scale,
@@ -79,7 +79,7 @@ def full_attention(q, latent, start, q_offset, *, latent_dim: int, scale: float,
         rows = rows * latent_scale[..., None].astype(jnp.float32)
     live = live_mask(start, q_offset, T, S, sliding_window, ring)  # [B, T, S]
     scores = jnp.einsum("btnc,bsc->bnts", q.astype(jnp.float32), rows) * scale
-    weights = _softmax(jnp.where(live[:, None], scores, MASKED))  # [B, N, T, S]
+    weights = softmax(jnp.where(live[:, None], scores, MASKED))  # [B, N, T, S]
     # A dead slot's weight is exactly 0, but 0 x NaN is NaN: dead rows are zeroed, so garbage there cannot leak.
     values = jnp.where(live[:, :, :, None].any(axis=1), rows[..., :latent_dim], 0.0)  # [B, S, R]
     return jnp.einsum("bnts,bsr->btnr", weights, values)

@@ -53,8 +53,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
-from jaxkv.attention.decode_kernel import (_NN, _NT, GPU_MIN_DIM, MASKED, TPU_ROW_MULTIPLE, _precision,
-                                           _tpu_step_block, block_range, cdiv, combine_splits, decode_masks,
+from jaxkv.attention.decode_kernel import (NN_DIMS, NT_DIMS, GPU_MIN_DIM, MASKED, TPU_ROW_MULTIPLE, dot_precision,
+                                           tpu_step_block, block_range, cdiv, combine_splits, decode_masks,
                                            default_splits, gpu_block, live_bounds, load_scale, matmul_dtype,
                                            next_pow2, online_softmax_step, pad_axis, reset_softmax_state,
                                            split_share, tpu_block)
@@ -78,7 +78,7 @@ def _latent_block(b, split, j, lo_ref, hi_ref, *, block_k: int, splits: int, num
     """(latent block index, whether step (b, split, j) folds it in): the TPU index map and body both call this.
 
     decode_kernel's clamped step with one KV head: steps past the split's share repeat its last block (no DMA)."""
-    return _tpu_step_block(b, split, j, lo_ref, hi_ref, block_k=block_k, splits=splits, num_blocks=num_blocks,
+    return tpu_step_block(b, split, j, lo_ref, hi_ref, block_k=block_k, splits=splits, num_blocks=num_blocks,
                            ring=ring)
 
 
@@ -178,10 +178,10 @@ def _fold_split_scores(m_prev, l_prev, acc_prev, q_lat, q_rope, c, k_rope, live,
     q_lat [M, R], q_rope [M, E] in the matmul dtype; c [block_k, R], k_rope [block_k, E] in the cache dtype;
     live bool[M, block_k]; v_live bool[block_k, R]; latent_scale f32[1, block_k] or None -> (m, l, acc)."""
     dtype = q_lat.dtype
-    precision = _precision(dtype)
+    precision = dot_precision(dtype)
     c, k_rope = c.astype(dtype), k_rope.astype(dtype)  # exact for int8/fp8 into q's dtype (`matmul_dtype`)
-    s = (lax.dot_general(q_lat, c, _NT, precision=precision, preferred_element_type=jnp.float32)
-         + lax.dot_general(q_rope, k_rope, _NT, precision=precision, preferred_element_type=jnp.float32))
+    s = (lax.dot_general(q_lat, c, NT_DIMS, precision=precision, preferred_element_type=jnp.float32)
+         + lax.dot_general(q_rope, k_rope, NT_DIMS, precision=precision, preferred_element_type=jnp.float32))
     if latent_scale is not None:
         s = s * latent_scale  # q . (row * s) = (q . row) * s, per column
     s = jnp.where(live, s * scale, MASKED)  # [M, block_k]
@@ -192,7 +192,7 @@ def _fold_split_scores(m_prev, l_prev, acc_prev, q_lat, q_rope, c, k_rope, live,
     if latent_scale is not None:
         p = jnp.where(live, p * latent_scale, 0.0)  # a dead slot's garbage scale cannot reach acc (0 * NaN)
     c = jnp.where(v_live, c, jnp.zeros((), dtype))
-    pv = lax.dot_general(p.astype(dtype), c, _NN, precision=precision, preferred_element_type=jnp.float32)
+    pv = lax.dot_general(p.astype(dtype), c, NN_DIMS, precision=precision, preferred_element_type=jnp.float32)
     return m, l, alpha * acc_prev + pv  # acc: [M, R]
 
 

@@ -50,7 +50,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
-from jaxkv.attention.decode_kernel import (GPU_MIN_DIM, MASKED, TPU_ROW_MULTIPLE, _tpu_step_block, block_range,
+from jaxkv.attention.decode_kernel import (GPU_MIN_DIM, MASKED, TPU_ROW_MULTIPLE, tpu_step_block, block_range,
                                            cdiv, decode_masks, live_bounds, load_scale, matmul_dtype, next_pow2,
                                            normalize, online_softmax_step, pad_axis, reset_softmax_state,
                                            scale_rows, split_scale_refs)
@@ -97,7 +97,7 @@ def check_pool(k_pages, v_pages, page_table, k_scale, v_scale):
 def _tpu_page(b, j, i, lo_ref, hi_ref, *, page_size: int, pages_per_block: int, num_groups: int):
     """(page position in the row's table, position of input i in the group, whether step j is live) for grid step
     (b, j): the group is clamped into the row's live groups, the page position into its live pages."""
-    group, live_step = _tpu_step_block(b, 0, j, lo_ref, hi_ref, block_k=page_size * pages_per_block, splits=1,
+    group, live_step = tpu_step_block(b, 0, j, lo_ref, hi_ref, block_k=page_size * pages_per_block, splits=1,
                                        num_blocks=num_groups)
     position = group * pages_per_block + i  # where input i's slots sit in the sequence, in pages
     first = lax.div(lo_ref[b], jnp.int32(page_size))

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv.attention.paged_reference import fresh_mask, gather_pages, live_mask
-from jaxkv.attention.reference import MASKED, MIN_PREFIX, _softmax, prefix_lengths
+from jaxkv.attention.reference import MASKED, MIN_PREFIX, softmax, prefix_lengths
 
 
 def _check(q, latent_pages, page_table, latent_dim, latent_scale):
@@ -66,7 +66,7 @@ def paged_mla_attention(q, latent_pages, page_table, lengths, q_slots, *, latent
         rows = jnp.concatenate([rows, own.astype(jnp.float32)], axis=1)  # [B, S + T, R + E]
         live = jnp.concatenate([live, fresh_mask(q_slots, valid, sliding_window)], axis=2)
     scores = jnp.einsum("btnc,bsc->bnts", q.astype(jnp.float32), rows) * scale  # [B, N, T, S]
-    weights = _softmax(jnp.where(live[:, None], scores, MASKED))
+    weights = softmax(jnp.where(live[:, None], scores, MASKED))
     # A dead slot's weight is exactly 0, but 0 x NaN is NaN: dead rows are selected away, so garbage cannot leak.
     values = jnp.where(jnp.any(live, axis=1)[..., None], rows[..., :latent_dim], 0.0)  # [B, S, R]
     return jnp.einsum("bnts,bsr->btnr", weights, values)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxkv.attention.reference import (MASKED, MIN_PREFIX, _softmax, check_softcap, dequantize, prefix_lengths,
+from jaxkv.attention.reference import (MASKED, MIN_PREFIX, softmax, check_softcap, dequantize, prefix_lengths,
                                       soft_cap)
 
 
@@ -104,7 +104,7 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale:
     # (dead keys need no select: their scores are replaced by MASKED, NaN or not)
     qg = q.astype(jnp.float32).reshape(B, T, K, N // K, H)  # [B, T, K, G, H]
     scores = soft_cap(jnp.einsum("btkgh,bksh->bkgts", qg, k) * scale, softcap)  # [B, K, G, T, S]
-    weights = _softmax(jnp.where(live[:, None, None], scores, MASKED))
+    weights = softmax(jnp.where(live[:, None, None], scores, MASKED))
     out = jnp.einsum("bkgts,bksh->btkgh", weights, v)  # [B, T, K, G, H]
     return out.reshape(B, T, N, H).astype(q.dtype)
 
@@ -146,14 +146,14 @@ def pool_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale: 
     scores = soft_cap(jnp.einsum("btkgh,pksh->bkgtps", qg, k).reshape(B, K, N // K, T, P * ps) * scale, softcap)
     scores = jnp.where(live[:, None, None], scores, MASKED)
     if fresh is None:
-        weights = _softmax(scores).reshape(B, K, N // K, T, P, ps)
+        weights = softmax(scores).reshape(B, K, N // K, T, P, ps)
         out = jnp.einsum("bkgtps,pksh->btkgh", weights, v)  # [B, T, K, G, H]
         return out.reshape(B, T, N, H).astype(q.dtype)
     # A prompt chunk: one softmax over the pool's slots before the chunk and the chunk's own fresh K/V.
     fresh_k, fresh_v, valid = (x.astype(jnp.float32) if x.dtype != bool else x for x in fresh)
     own = soft_cap(jnp.einsum("btkgh,bksh->bkgts", qg, fresh_k) * scale, softcap)  # [B, K, G, T, T]
     own = jnp.where(fresh_mask(q_slots, valid, sliding_window)[:, None, None], own, MASKED)
-    weights = _softmax(jnp.concatenate([scores, own], axis=-1))
+    weights = softmax(jnp.concatenate([scores, own], axis=-1))
     pool_w, own_w = weights[..., :P * ps].reshape(B, K, N // K, T, P, ps), weights[..., P * ps:]
     out = jnp.einsum("bkgtps,pksh->btkgh", pool_w, v) + jnp.einsum("bkgts,bksh->btkgh", own_w, fresh_v)
     return out.reshape(B, T, N, H).astype(q.dtype)

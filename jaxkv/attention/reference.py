@@ -126,7 +126,7 @@ def attention(q, k, v, start, q_offset, *, scale: float, sliding_window: int | N
         return full_attention(q, k, v, start, q_offset, scale=scale, sliding_window=sliding_window,
                               k_scale=k_scale, v_scale=v_scale, ring=ring, softcap=softcap)
     qg = q.reshape(B, k.shape[1], N // k.shape[1], H)  # [B, K, G, H]
-    out = _decode_prefix(qg, k, v, start, q_offset, scale, sliding_window, k_scale, v_scale, ring, lengths,
+    out = decode_prefix(qg, k, v, start, q_offset, scale, sliding_window, k_scale, v_scale, ring, lengths,
                          softcap)
     return out.reshape(B, 1, N, H).astype(q.dtype)
 
@@ -145,7 +145,7 @@ def full_attention(q, k, v, start, q_offset, *, scale: float, sliding_window: in
     k, v = dequantize(k, k_scale), dequantize(v, v_scale)
     scores = jnp.einsum("btkgh,bksh->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
     scores = jnp.where(live[:, None, None, :, :], soft_cap(scores, softcap), MASKED)  # [B, K, G, T, S]
-    weights = _softmax(scores)
+    weights = softmax(scores)
     out = jnp.einsum("bkgts,bksh->btkgh", weights, v)  # [B, T, K, G, H]
     return out.reshape(B, T, N, H).astype(q.dtype)
 
@@ -168,7 +168,7 @@ def masks_dead_values(num_slots: int, num_queries: int, min_prefix: int | None =
     return num_queries == 1 and len(prefix_lengths(num_slots, min_prefix)) > 1
 
 
-def _decode_prefix(q, k, v, start, q_offset, scale, sliding_window, k_scale, v_scale, ring, lengths, softcap=None):
+def decode_prefix(q, k, v, start, q_offset, scale, sliding_window, k_scale, v_scale, ring, lengths, softcap=None):
     """`_decode` over the shortest prefix in `lengths` holding every live index: q [B, K, G, H] -> [B, K, G, H].
 
     Slots past the query (index q_offset + 1 on) are dead, so only the first q_offset + 1 indices can be live; in a
@@ -193,7 +193,7 @@ def _decode_prefix(q, k, v, start, q_offset, scale, sliding_window, k_scale, v_s
     return jax.lax.switch(branch, [prefix(n) for n in lengths], q, k, v, k_scale, v_scale, start, q_offset)
 
 
-def _softmax(scores):
+def softmax(scores):
     scores = scores - jnp.max(scores, axis=-1, keepdims=True)
     weights = jnp.exp(scores)
     return weights / jnp.sum(weights, axis=-1, keepdims=True)
@@ -203,7 +203,7 @@ def _decode(q, k, v, live, scale, k_scale, v_scale, mask_values=False, softcap=N
     """One query per sequence: q [B, K, G, H], live bool[B, S] -> float32 [B, K, G, H]; `softcap` as `attention`'s.
 
     `mask_values` zeroes dead value slots (NaN included) before they are weighted. Only for a slice shorter than
-    the cache (`_decode_prefix`), where the select fuses into the copy XLA:CPU makes of the slice for the value
+    the cache (`decode_prefix`), where the select fuses into the copy XLA:CPU makes of the slice for the value
     reduction anyway. Over the whole just-updated buffer it adds a copy (2 ms of a 23 ms "small" step at 4,160
     slots) or, outside a switch, made XLA:CPU copy the buffer in the update (batch 3, tests/test_cache.py); there
     the cache write's zeroing of dead values is relied on instead.
@@ -231,7 +231,7 @@ def _decode(q, k, v, live, scale, k_scale, v_scale, mask_values=False, softcap=N
         # convert into the in-place update, materializing a float32 copy of the cache and copying the buffer
         # every step (tests/test_cache.py).
         scores = _sum_minor((k[:, :, None, :, :] * q.astype(k.dtype)[:, :, :, None, :]).astype(jnp.float32))
-        weights = _softmax(jnp.where(live[:, None, None, :], soft_cap(scores * scale, softcap), MASKED))  # [B, K, G, S]
+        weights = softmax(jnp.where(live[:, None, None, :], soft_cap(scores * scale, softcap), MASKED))  # [B, K, G, S]
         if mask_values:
             v = jnp.where(live[:, None, :, None], v, jnp.zeros((), v.dtype))
         return jnp.sum(weights.astype(v.dtype)[..., None] * v[:, :, None, :, :], axis=-2, dtype=jnp.float32)
@@ -240,7 +240,7 @@ def _decode(q, k, v, live, scale, k_scale, v_scale, mask_values=False, softcap=N
     if mask_values:
         v = jnp.where(live[:, None, :, None], v, 0.0)
     scores = soft_cap(_sum_minor(k[:, :, None, :, :] * q[:, :, :, None, :]) * scale, softcap)  # [B, K, G, S]
-    weights = _softmax(jnp.where(live[:, None, None, :], scores, MASKED))  # [B, K, G, S]
+    weights = softmax(jnp.where(live[:, None, None, :], scores, MASKED))  # [B, K, G, S]
     return jnp.sum(weights[..., None] * v[:, :, None, :, :], axis=-2)  # [B, K, G, H]
 
 

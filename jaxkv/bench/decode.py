@@ -220,7 +220,7 @@ def bench_decode(name: str, config: Config, dtype: str, batch: int, args, meter)
     measured beside it."""
     from jaxkv import roofline
     from jaxkv.checkpoint import cast
-    from jaxkv.generate import _compile_seconds
+    from jaxkv.generate import compile_seconds
 
     model = cast(jaxkv.Model.random(config, seed=0), dtype)
     rng = np.random.default_rng(0)
@@ -232,7 +232,7 @@ def bench_decode(name: str, config: Config, dtype: str, batch: int, args, meter)
     hf = HFRunner(model, dtype) if args.hf else None
     if hf is not None:
         hf.generate(prompts, 2)  # warm-up
-    c0 = _compile_seconds[0]
+    c0 = compile_seconds[0]
     ours, theirs, prefill, bandwidths = [], [], [], []
     for _ in range(args.reps):
         settle()
@@ -249,7 +249,7 @@ def bench_decode(name: str, config: Config, dtype: str, batch: int, args, meter)
             theirs.append(batch * (args.new_tokens - 1) / max((t2 - t1) - (t1 - t0), 1e-9))
         settle()
         bandwidths.append(statistics.median(meter.sample() for _ in range(3)))
-    recompile_s = _compile_seconds[0] - c0
+    recompile_s = compile_seconds[0] - c0
     live = args.prompt_len + (args.new_tokens - 1) / 2
     step_bytes = roofline.decode_bytes_per_step(config, batch, live, BYTES[dtype])
     tps = statistics.median(ours)
