@@ -11,22 +11,23 @@ the slots stay busy while output lengths vary.
         print(event.id, event.tokens, event.finished, event.finish_reason)
     results = engine.results()          # or: engine.generate([prompt_a, prompt_b], max_new_tokens=64)
 
-The device state (`engine_programs._State`) is one pytree of fixed shape, threaded through five compiled programs
+The device state (`engine_programs.State`) is one pytree of fixed shape, threaded through five compiled programs
 (`jaxkv/engine_programs.py`) and donated to each, so nothing recompiles once they are warm:
 
-  _admit    a request takes a staging row: its page-table row holds the pages of its cached prefix, if any
-  _prefill  one chunk of at most `prefill_chunk` prompt tokens for each of up to `prefill_rows` staging rows,
+  admit     a request takes a staging row: its page-table row holds the pages of its cached prefix, if any
+  prefill   one chunk of at most `prefill_chunk` prompt tokens for each of up to `prefill_rows` staging rows,
             attending over the pages written before it (as stored) and its own fresh K/V (`Decoder`'s `chunk`);
             a row whose prompt is complete keeps its last logits
-  _decode   moves complete prefills into free slots (a page-table row, and the request's PRNG key, sampling
+  decode    moves complete prefills into free slots (a page-table row, and the request's PRNG key, sampling
             settings, stop ids, token budget), then `steps_per_dispatch` decode steps in a `lax.scan` over the
             first W slots, W the smallest of `decode_widths` (powers of two up to S) holding every decoding slot
             (requests take the lowest free slots, and requests left in high slots move down into free low ones
-            first, so a lightly loaded engine computes a small batch): sample each decoding slot's next token (its own settings and key, so a request draws what
-            it would draw alone), record its log-probability, feed it back; a slot that finishes releases its
-            pages in the same step, and a step with no slot decoding skips the model (`lax.cond`)
-  _release  cancelled slots drop their pages
-  _refs     the prefix cache's index takes or drops its references on pages
+            first, so a lightly loaded engine computes a small batch): sample each decoding slot's next token
+            (its own settings and key, so a request draws what it would draw alone), record its
+            log-probability, feed it back; a slot that finishes releases its pages in the same step, and a step
+            with no slot decoding skips the model (`lax.cond`)
+  release   cancelled slots drop their pages
+  refs      the prefix cache's index takes or drops its references on pages
 
 The host scheduler (`Engine.step`) admits waiting requests in submission order into free staging rows (twice
 `prefill_rows` of them) while the pool can hold their worst case (prompt + max_new_tokens, less the pages of a
@@ -54,8 +55,8 @@ import numpy as np
 
 from jaxkv import checks, memory, sharding
 from jaxkv.cache import check_cache_dtype
-from jaxkv.engine_programs import (FINISH_REASONS, MAX_LOGPROBS, STOP_SLOTS, _admit, _allocate, _decode, _prefill,
-                                   _refs, _release, _State)
+from jaxkv import engine_programs as programs
+from jaxkv.engine_programs import FINISH_REASONS, MAX_LOGPROBS, STOP_SLOTS
 from jaxkv.generate import _key, _stop_ids, _token_lists
 from jaxkv.mla_attention import paged_attention_name
 from jaxkv.model import Model
@@ -214,7 +215,7 @@ class Engine:
             self.decode_widths = widths
         self.attention = paged_attention_name(attention or config.attention, config)  # MLA: "xla" (no paged kernel)
         self.prefix_cache = prefix_cache
-        self._state: _State | None = None  # allocated on first use
+        self._state: programs.State | None = None  # allocated on first use
         self._free = self.num_pages  # free pages as of the last dispatch
         self._requests: dict[int, _Request] = {}  # unfinished, by id
         self._waiting: collections.deque[int] = collections.deque()
@@ -425,12 +426,12 @@ class Engine:
         sampler = Sampler(temperature=np.zeros((S,), np.float32), top_k=np.zeros((S,), np.int32),
                           top_p=np.ones((S,), np.float32), min_p=np.zeros((S,), np.float32))
         for width in self.decode_widths:  # nothing decodes: each dispatch only compiles
-            self._state, _, free = _decode(self._params, self._state, none, none,
-                                           np.zeros((S, *self._key_shape), np.uint32), sampler,
-                                           np.full((S, STOP_SLOTS), -1, np.int32), np.zeros((S,), np.int32),
-                                           np.zeros((S,), np.int32), config=self._run_config,
-                                           attention=self.attention, steps=self.steps_per_dispatch, width=width,
-                                           mesh=self.mesh)
+            self._state, _, free = programs.decode(self._params, self._state, none, none,
+                                                   np.zeros((S, *self._key_shape), np.uint32), sampler,
+                                                   np.full((S, STOP_SLOTS), -1, np.int32), np.zeros((S,), np.int32),
+                                                   np.zeros((S,), np.int32), config=self._run_config,
+                                                   attention=self.attention, steps=self.steps_per_dispatch, width=width,
+                                                   mesh=self.mesh)
         self._free = int(free)
         self._return_pool()
         self.reset_stats()
@@ -450,9 +451,9 @@ class Engine:
             cache = self.prefix_cache.cache(table, np.zeros((S + Q,), np.int32))
             self.prefix_cache.lent_to = self
         else:
-            cache = _allocate(self._run_config, S + Q, num_pages=self.num_pages, page_size=self.page_size,
-                              max_len=self.max_len, dtype=self.cache_dtype)
-        self._state = _State(
+            cache = programs.allocate(self._run_config, S + Q, num_pages=self.num_pages, page_size=self.page_size,
+                                      max_len=self.max_len, dtype=self.cache_dtype)
+        self._state = programs.State(
             cache=cache, staged=jnp.zeros((Q, V), jnp.float32), logits=jnp.zeros((S, V), jnp.float32),
             keys=jnp.zeros((S, *self._key_shape), jnp.uint32), decoding=jnp.zeros((S,), bool),
             sampler=Sampler(temperature=jnp.zeros((S,), jnp.float32), top_k=jnp.zeros((S,), jnp.int32),
@@ -471,8 +472,8 @@ class Engine:
             self._state = jax.device_put(self._state, jax.local_devices()[0])
         # The two small programs a run may first need late (a cancel; an eviction), compiled now with no effect,
         # so that no request ever waits on a compile once the first has run.
-        self._state, _ = _release(self._state, np.zeros((S + Q,), bool), mesh=self.mesh)
-        self._state, free = _refs(self._state, _padded([], self.num_pages), np.int32(0), mesh=self.mesh)
+        self._state, _ = programs.release(self._state, np.zeros((S + Q,), bool), mesh=self.mesh)
+        self._state, free = programs.refs(self._state, _padded([], self.num_pages), np.int32(0), mesh=self.mesh)
         self._free = int(free)
 
     def _return_pool(self):
@@ -499,8 +500,8 @@ class Engine:
                 counts = np.asarray(self._state.cache.refcounts)
                 dropped, _ = self.prefix_cache.evict(need + self._pending_pages(), keep, counts)
                 if dropped:
-                    self._state, free = _refs(self._state, _padded(dropped, self.num_pages), np.int32(-1),
-                                                 mesh=self.mesh)
+                    self._state, free = programs.refs(self._state, _padded(dropped, self.num_pages), np.int32(-1),
+                                                      mesh=self.mesh)
                     self._free = int(free)
                 room = self._free - self._pending_pages()
             if room < need:
@@ -513,8 +514,8 @@ class Engine:
             req.cached = req.written = len(hits) * self.page_size
             req.hit_pages = tuple(hits)
             self._staging[j] = req.id
-            self._state, free = _admit(self._state, np.int32(req.row), table, np.int32(req.written),
-                                         mesh=self.mesh)
+            self._state, free = programs.admit(self._state, np.int32(req.row), table, np.int32(req.written),
+                                               mesh=self.mesh)
             self._free = int(free)
             self._stats["requests_admitted"] += 1
             self._stats["prefix_hit_tokens"] += req.cached
@@ -551,8 +552,8 @@ class Engine:
         if not chunked:
             return False
         t0 = time.perf_counter()
-        self._state, free = _prefill(self._params, self._state, rows, tokens, counts, config=self._run_config,
-                                     mesh=self.mesh)
+        self._state, free = programs.prefill(self._params, self._state, rows, tokens, counts, config=self._run_config,
+                                             mesh=self.mesh)
         self._free = int(free)
         self._stats["prefill_s"] += time.perf_counter() - t0
         self._stats["prefill_dispatches"] += 1
@@ -566,8 +567,8 @@ class Engine:
                     table = np.asarray(self._state.cache.page_table[req.row])
                     adopted = self.prefix_cache.adopt([req.prompt], [table])
                     if adopted:
-                        self._state, free = _refs(self._state, _padded(adopted, self.num_pages), np.int32(1),
-                                                     mesh=self.mesh)
+                        self._state, free = programs.refs(self._state, _padded(adopted, self.num_pages), np.int32(1),
+                                                          mesh=self.mesh)
                         self._free = int(free)
         return True
 
@@ -613,9 +614,9 @@ class Engine:
         sampler = Sampler(temperature=settings[0], top_k=settings[1].astype(np.int32), top_p=settings[2],
                           min_p=settings[3])
         t0 = time.perf_counter()
-        self._state, out, free = _decode(self._params, self._state, shifts, moves, keys, sampler, stop_ids, budget,
-                                         top, config=self._run_config, attention=self.attention,
-                                         steps=self.steps_per_dispatch, width=width, mesh=self.mesh)
+        self._state, out, free = programs.decode(self._params, self._state, shifts, moves, keys, sampler, stop_ids,
+                                                 budget, top, config=self._run_config, attention=self.attention,
+                                                 steps=self.steps_per_dispatch, width=width, mesh=self.mesh)
         tokens, chosen, top_ids, top_logp, codes = (np.asarray(x) for x in out)
         self._free = int(free)
         self._stats["decode_s"] += time.perf_counter() - t0
@@ -679,7 +680,7 @@ class Engine:
             if release:
                 rows = np.zeros((self.slots + len(self._staging),), bool)
                 rows[req.row] = True
-                self._state, free = _release(self._state, rows, mesh=self.mesh)
+                self._state, free = programs.release(self._state, rows, mesh=self.mesh)
                 self._free = int(free)
             if req.row < self.slots:
                 self._by_slot[req.row] = None

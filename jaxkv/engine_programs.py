@@ -1,6 +1,6 @@
 """The engine's device side: its state and the five compiled programs over it (`jaxkv.engine` schedules them).
 
-The state (`_State`) is one pytree of fixed shape, donated to each program, so nothing recompiles once they are
+The state (`State`) is one pytree of fixed shape, donated to each program, so nothing recompiles once they are
 warm. S decode slots, Q staging rows, M page-table entries, P pages, V vocabulary; letters as in `jaxkv.shapes`.
 """
 
@@ -26,7 +26,7 @@ FINISH_REASONS = (None, "stop", "length", "error")  # the decode step's finish c
 
 
 @flax.struct.dataclass
-class _State:
+class State:
     """Everything the device holds between dispatches: S decode slots and R staging rows.
 
     cache:    the paged cache, batch S + Q: rows [0, S) are the decode slots, rows S + j the Q staging rows where
@@ -52,12 +52,12 @@ class _State:
     top: jax.Array
 
 
-def _placed(state: _State, mesh) -> _State:
+def _placed(state: State, mesh) -> State:
     """On a mesh, the cache keeps its layout (pools split over KV heads; `sharding.paged_cache_shardings`)."""
     return state.replace(cache=sharding.constrain_cache(state.cache, mesh))
 
 
-def _free_pages(state: _State) -> jax.Array:
+def _free_pages(state: State) -> jax.Array:
     return jnp.sum(state.cache.refcounts == 0, dtype=jnp.int32)
 
 
@@ -79,7 +79,7 @@ def _put_rows(cache: PagedKVCache, rows, sub: PagedKVCache) -> PagedKVCache:
 
 
 @functools.partial(jax.jit, static_argnames=("mesh",), donate_argnames=("state",))
-def _admit(state: _State, row, table_row, length, *, mesh=None):
+def admit(state: State, row, table_row, length, *, mesh=None):
     """A request into staging row `row` of the cache: its page-table row holds the pages of its cached prefix
     (`length` slots), each taking a reference."""
     cache = state.cache
@@ -92,7 +92,7 @@ def _admit(state: _State, row, table_row, length, *, mesh=None):
 
 
 @functools.partial(jax.jit, static_argnames=("config", "mesh"), donate_argnames=("state",))
-def _prefill(params, state: _State, rows, tokens, counts, *, config, mesh=None):
+def prefill(params, state: State, rows, tokens, counts, *, config, mesh=None):
     """One prompt chunk per prefill row: tokens int32[R, C] (right-padded; counts int32[R] real, 0: no chunk)
     into staging rows `rows` int32[R] (cache rows S + j; -1: none), attending over the row's pages so far. Each
     row's last token's logits go to `staged[j]` (what the slot it moves to samples from first, once its prompt is
@@ -118,7 +118,7 @@ def _top(logits, k: int):
     return ids, logp
 
 
-def _shift(state: _State, shifts) -> _State:
+def _shift(state: State, shifts) -> State:
     """Slot s takes over the request decoding in slot shifts[s] (-1: none): its page-table row, length and
     per-slot state move (no page is copied or recounted) and the source slot empties. Destinations are free slots
     and sources decoding ones (the host's compaction), so the two sets are disjoint."""
@@ -144,7 +144,7 @@ def _shift(state: _State, shifts) -> _State:
                          budget=pick(state.budget), top=pick(state.top))
 
 
-def _move_in(state: _State, moves, keys, sampler: Sampler, stop_ids, budget, top) -> _State:
+def _move_in(state: State, moves, keys, sampler: Sampler, stop_ids, budget, top) -> State:
     """Slot s takes the request prefilled in staging row moves[s] (-1: none) with its settings: the staging row's
     page-table row and length move to the slot (no page is copied or recounted) and the staging row empties."""
     S = state.logits.shape[0]
@@ -170,7 +170,7 @@ def _move_in(state: _State, moves, keys, sampler: Sampler, stop_ids, budget, top
 
 @functools.partial(jax.jit, static_argnames=("config", "attention", "steps", "width", "mesh"),
                    donate_argnames=("state",))
-def _decode(params, state: _State, shifts, moves, keys, sampler, stop_ids, budget, top, *, config, attention,
+def decode(params, state: State, shifts, moves, keys, sampler, stop_ids, budget, top, *, config, attention,
             steps: int, width: int, mesh=None):
     """Moves decoding requests down into free slots (`_shift`), prefilled requests into free slots (`_move_in`),
     then `steps` decode steps over slots [0, width) ->
@@ -237,7 +237,7 @@ def _decode(params, state: _State, shifts, moves, keys, sampler, stop_ids, budge
 
 
 @functools.partial(jax.jit, static_argnames=("mesh",), donate_argnames=("state",))
-def _release(state: _State, rows, *, mesh=None):
+def release(state: State, rows, *, mesh=None):
     """Cache rows where `rows` (bool[S + Q]) is true drop their pages; such slots stop decoding."""
     S = state.logits.shape[0]
     state = _placed(state.replace(cache=state.cache.release(rows), decoding=state.decoding & ~rows[:S]), mesh)
@@ -245,7 +245,7 @@ def _release(state: _State, rows, *, mesh=None):
 
 
 @functools.partial(jax.jit, static_argnames=("mesh",), donate_argnames=("state",))
-def _refs(state: _State, pages, delta, *, mesh=None):
+def refs(state: State, pages, delta, *, mesh=None):
     """refcounts[pages] += delta (int32[n] pages, -1 entries ignored): the prefix cache's index references."""
     cache = state.cache
     flat = jnp.where(pages >= 0, pages, cache.num_pages)
@@ -255,6 +255,6 @@ def _refs(state: _State, pages, delta, *, mesh=None):
 
 
 @functools.partial(jax.jit, static_argnames=("config", "batch", "num_pages", "page_size", "max_len", "dtype"))
-def _allocate(config, batch, *, num_pages, page_size, max_len, dtype):
+def allocate(config, batch, *, num_pages, page_size, max_len, dtype):
     return PagedKVCache.allocate(config, batch, num_pages=num_pages, page_size=page_size, max_len=max_len,
                                  dtype=dtype)
