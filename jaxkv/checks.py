@@ -1,11 +1,14 @@
 """Argument checks shared by the API and the command line, without importing JAX.
 
 Every public entry point validates its arguments here before any compute (and the CLI before it imports JAX, so
-a bad flag fails in well under a second). Each check raises `ValueError` with a message naming the argument.
+a bad flag fails in well under a second). Each check raises `ArgumentError` (a `ValueError`) with a message naming
+the argument, and the argument's name as `argument`, so that a caller (`jaxkv serve`) can name the field it came
+from without reading the message.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 
@@ -15,24 +18,44 @@ INT32_MAX = 2**31 - 1
 SEED_RANGE = (-(2**63), 2**64)  # a seed is taken modulo 2**64: every 64-bit seed, signed or unsigned, is distinct
 
 
+class ArgumentError(ValueError):
+    """A refused argument: the ValueError every check raises, with the argument's name (`argument`)."""
+
+    def __init__(self, message: str, argument: str | None = None):
+        super().__init__(message)
+        self.argument = argument
+
+
+@contextlib.contextmanager
+def about(argument: str):
+    """The ValueErrors the block raises are about `argument` (an entry point's own name for what it checks): they
+    come out as ArgumentErrors naming it, with their messages."""
+    try:
+        yield
+    except ValueError as exc:
+        if isinstance(exc, ArgumentError) and exc.argument == argument:
+            raise
+        raise ArgumentError(str(exc), argument) from exc
+
+
 def check_int(name: str, value, minimum: int, maximum: int | None = None) -> int:
     """`value` as an int in [minimum, maximum]. bool, float and str are refused (True tokens is a mistake)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        raise ArgumentError(f"{name} must be an integer, got {value!r}", name)
     if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+        raise ArgumentError(f"{name} must be >= {minimum}, got {value}", name)
     if maximum is not None and value > maximum:
-        raise ValueError(f"{name} must be <= {maximum}, got {value}")
+        raise ArgumentError(f"{name} must be <= {maximum}, got {value}", name)
     return int(value)
 
 
 def check_float(name: str, value) -> float:
     """`value` as a finite float. Numbers only: the string "0.5" is refused rather than parsed."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise ValueError(f"{name} must be a number, got {value!r}")
+        raise ArgumentError(f"{name} must be a number, got {value!r}", name)
     value = float(value)
     if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
+        raise ArgumentError(f"{name} must be finite, got {value}", name)
     return value
 
 
@@ -51,18 +74,18 @@ def _per_row(name: str, value, rows: int | None, check):
         return check(value)
     arr = list(np.asarray(value, dtype=object).ravel()) if isinstance(value, np.ndarray) else list(value)
     if isinstance(value, np.ndarray) and value.ndim != 1:
-        raise ValueError(f"{name} per row must be 1-D, got shape {value.shape}")
+        raise ArgumentError(f"{name} per row must be 1-D, got shape {value.shape}", name)
     if rows is None:
-        raise ValueError(f"{name} must be a single value here, got a sequence")
+        raise ArgumentError(f"{name} must be a single value here, got a sequence", name)
     if len(arr) != rows:
-        raise ValueError(f"{name} has {len(arr)} values, one per prompt is {rows}")
+        raise ArgumentError(f"{name} has {len(arr)} values, one per prompt is {rows}", name)
     return [check(v) for v in arr]
 
 
 def _temperature(value):
     value = check_float("temperature", value)
     if value < 0:
-        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {value}")
+        raise ArgumentError(f"temperature must be >= 0 (0 is greedy), got {value}", "temperature")
     return value
 
 
@@ -76,7 +99,7 @@ def _top_p(value):
         return None
     value = check_float("top_p", value)
     if not 0.0 < value <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {value}")
+        raise ArgumentError(f"top_p must be in (0, 1], got {value}", "top_p")
     return value
 
 
@@ -85,7 +108,7 @@ def _min_p(value):
         return None
     value = check_float("min_p", value)
     if not 0.0 <= value <= 1.0:
-        raise ValueError(f"min_p must be in [0, 1], got {value}")
+        raise ArgumentError(f"min_p must be in [0, 1], got {value}", "min_p")
     return value
 
 
@@ -106,6 +129,6 @@ def sampling(temperature=0.0, top_k=None, top_p=None, min_p=None, *, rows: int |
         for name in ("top_k", "top_p", "min_p"):
             values = out[name] if isinstance(out[name], list) else [out[name]]
             if any(v not in inactive[name] for v in values):
-                raise ValueError(f"{name} has no effect with temperature 0 (greedy decoding): set a temperature > 0 "
-                                 f"to sample, or drop {name}")
+                raise ArgumentError(f"{name} has no effect with temperature 0 (greedy decoding): set a temperature "
+                                    f"> 0 to sample, or drop {name}", name)
     return out

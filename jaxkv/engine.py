@@ -248,26 +248,29 @@ class Engine:
         produced; if it raises, this request ends with finish_reason "error" and the others go on.
         """
         config = self.config
-        prompt = _token_lists([prompt] if not isinstance(prompt, str) else prompt, config.vocab_size,
-                              self.model.tokenizer)
-        if len(prompt) != 1:
-            raise ValueError("submit takes one prompt (token ids or a string); use generate() for a list")
+        with checks.about("prompt"):  # each refusal names its argument (`checks.ArgumentError`)
+            prompt = _token_lists([prompt] if not isinstance(prompt, str) else prompt, config.vocab_size,
+                                  self.model.tokenizer)
+            if len(prompt) != 1:
+                raise ValueError("submit takes one prompt (token ids or a string); use generate() for a list")
         prompt = prompt[0]
-        max_new_tokens = checks.check_int("max_new_tokens", max_new_tokens, 1)
-        if len(prompt) + max_new_tokens > self.max_len:
-            raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
-                             f"engine's max_len ({self.max_len})")
-        pages = -(-(len(prompt) + max_new_tokens - 1) // self.page_size)
-        if pages > self.num_pages:
-            raise ValueError(f"the request needs {pages} pages of {self.page_size} slots; the pool has "
-                             f"{self.num_pages}")
+        with checks.about("max_new_tokens"):  # what a prompt that fits leaves room for
+            max_new_tokens = checks.check_int("max_new_tokens", max_new_tokens, 1)
+            if len(prompt) + max_new_tokens > self.max_len:
+                raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                                 f"engine's max_len ({self.max_len})")
+            pages = -(-(len(prompt) + max_new_tokens - 1) // self.page_size)
+            if pages > self.num_pages:
+                raise ValueError(f"the request needs {pages} pages of {self.page_size} slots; the pool has "
+                                 f"{self.num_pages}")
         s = checks.sampling(temperature, top_k, top_p, min_p)
         settings = (float(s["temperature"]), int(s["top_k"] or 0), 1.0 if s["top_p"] is None else float(s["top_p"]),
                     0.0 if s["min_p"] is None else float(s["min_p"]))
         key = np.asarray(_key(seed))
-        stop_ids = _stop_ids(stop_tokens, config)
-        if (stop_ids >= 0).sum() > STOP_SLOTS:
-            raise ValueError(f"at most {STOP_SLOTS} stop tokens per request, got {(stop_ids >= 0).sum()}")
+        with checks.about("stop_tokens"):
+            stop_ids = _stop_ids(stop_tokens, config)
+            if (stop_ids >= 0).sum() > STOP_SLOTS:
+                raise ValueError(f"at most {STOP_SLOTS} stop tokens per request, got {(stop_ids >= 0).sum()}")
         stop_ids = np.concatenate([stop_ids, np.full(STOP_SLOTS, -1, np.int32)])[:STOP_SLOTS]
         top = checks.check_int("logprobs", logprobs, 0, MAX_LOGPROBS)
         if callback is not None and not callable(callback):

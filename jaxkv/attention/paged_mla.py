@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxkv.attention.paged_reference import fresh_mask, gather_pages, live_mask
+from jaxkv.attention.paged_reference import before_chunk, fresh_mask, gather_pages, live_mask
 from jaxkv.attention.reference import MASKED, MIN_PREFIX, softmax, prefix_lengths
 
 
@@ -62,7 +62,7 @@ def paged_mla_attention(q, latent_pages, page_table, lengths, q_slots, *, latent
     live = live_mask(lengths, q_slots, rows.shape[1], sliding_window)  # [B, T, S]
     if fresh is not None:  # the chunk's own rows after the pages' slots before it
         own, valid = fresh
-        live &= jnp.arange(rows.shape[1], dtype=jnp.int32)[None, None, :] < q_slots[:, :1, None]
+        live = before_chunk(live, jnp.arange(rows.shape[1], dtype=jnp.int32)[None, None, :], q_slots)
         rows = jnp.concatenate([rows, own.astype(jnp.float32)], axis=1)  # [B, S + T, R + E]
         live = jnp.concatenate([live, fresh_mask(q_slots, valid, sliding_window)], axis=2)
     scores = jnp.einsum("btnc,bsc->bnts", q.astype(jnp.float32), rows) * scale  # [B, N, T, S]

@@ -60,7 +60,7 @@ def fresh_mask(q_slots, valid, sliding_window: int | None = None):
     return live
 
 
-def _before_chunk(live, slot, q_slots):
+def before_chunk(live, slot, q_slots):
     """A pages' live mask [B, T, S] (slot [.., S] the sequence slot of each) cut to the slots before the chunk."""
     return live & (slot < q_slots[:, :1, None])
 
@@ -95,7 +95,7 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale:
     live = live_mask(lengths, q_slots, k.shape[2], sliding_window)  # [B, T, S]
     if fresh is not None:  # the chunk's own keys and values after the pages' slots before it
         fresh_k, fresh_v, valid = fresh
-        live = _before_chunk(live, jnp.arange(k.shape[2], dtype=jnp.int32)[None, None, :], q_slots)
+        live = before_chunk(live, jnp.arange(k.shape[2], dtype=jnp.int32)[None, None, :], q_slots)
         k = jnp.concatenate([k, fresh_k.astype(jnp.float32)], axis=2)
         v = jnp.concatenate([v, fresh_v.astype(jnp.float32)], axis=2)
         live = jnp.concatenate([live, fresh_mask(q_slots, valid, sliding_window)], axis=2)  # [B, T, S + T]
@@ -137,7 +137,7 @@ def pool_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale: 
     if sliding_window is not None:
         live &= slot > qs - sliding_window
     if fresh is not None:
-        live = _before_chunk(live, slot, q_slots)
+        live = before_chunk(live, slot, q_slots)
     k = dequantize(k_pages, k_scale)  # [P, K, ps, H]
     v = dequantize(v_pages, v_scale)
     read = jnp.any(live, axis=(0, 1)).reshape(P, 1, ps, 1)  # slots some query reads; the rest selected away

@@ -192,7 +192,7 @@ class EngineWorker:
                 engine.take(rid)
             with self._lock:
                 self._held -= len(calls)
-            error = ApiError(str(exc), param=engine_param(str(exc))) if isinstance(exc, ValueError) else exc
+            error = api_error(exc) if isinstance(exc, ValueError) else exc
             loop.call_soon_threadsafe(_settle, future, None, error)
             return
         for handle, rid in zip(handles, ids):
@@ -276,17 +276,15 @@ def _settle(future: asyncio.Future, result, error):
         future.set_result(result)
 
 
-# The request field an engine refusal (`Engine.submit`'s ValueError) is about, by how its message begins: the
-# server checks these before submitting, so this names whatever it does not foresee.
-_ENGINE_PARAMS = (("max_new_tokens", "max_tokens"), ("prompt (", "max_tokens"), ("the request needs", "max_tokens"),
-                  ("temperature", "temperature"), ("top_k", "top_k"), ("top_p", "top_p"), ("min_p", "min_p"),
-                  ("seed", "seed"), ("at most", "stop_token_ids"), ("stop token", "stop_token_ids"),
-                  ("logprobs", "logprobs"), ("token id", "prompt"), ("submit takes", "prompt"))
+# The request field of each `Engine.submit` argument its refusals name (`checks.ArgumentError.argument`).
+_API_FIELDS = {"prompt": "prompt", "max_new_tokens": "max_tokens", "temperature": "temperature", "top_k": "top_k",
+               "top_p": "top_p", "min_p": "min_p", "seed": "seed", "stop_tokens": "stop_token_ids",
+               "logprobs": "logprobs"}
 
 
-def engine_param(message: str) -> str | None:
-    """The request field an engine refusal names (its message's first words), or None."""
-    return next((param for start, param in _ENGINE_PARAMS if message.startswith(start)), None)
+def api_error(exc: ValueError) -> ApiError:
+    """An engine refusal as the client's 400, naming the request field it is about (None if it names none)."""
+    return ApiError(str(exc), param=_API_FIELDS.get(getattr(exc, "argument", None)))
 
 
 def scoring_buckets(max_len: int) -> list[int]:
