@@ -11,7 +11,7 @@ XLA's compile. The directory:
                                 --no-compile-cache` sets it)
 
 A directory the user already gave JAX (`jax.config.update("jax_compilation_cache_dir", ...)` or
-JAX_COMPILATION_CACHE_DIR) is left as it is. Cold and warm first-call times: BUILD_NOTES.md ("First call").
+JAX_COMPILATION_CACHE_DIR) is left as it is. Cold and warm first-call times: docs/design/cli.md ("First call").
 """
 
 from __future__ import annotations

@@ -143,8 +143,8 @@ def apply_rope(x, cos, sin):
 
 
 # Weight matrices are stored [in, out] or [out, in], whichever made XLA:CPU's (jax 0.10) decode steps faster,
-# measured on whole models (BUILD_NOTES.md, "Weight layout"): [out, in] (the layout of transformers and of jaxkv
-# format 1) for matrices of 2**21 elements or more (a "medium" FFN's 1,024 x 2,816, and everything in larger
+# measured on whole models (docs/design/families.md, "Weight layout"): [out, in] (the layout of transformers and
+# of jaxkv format 1) for matrices of 2**21 elements or more (a "medium" FFN's 1,024 x 2,816, and everything in larger
 # models), [in, out] for smaller ones ("small": a batch-1 step 5% faster, batch 2-4 8-24%).
 OUT_IN_ELEMENTS = 1 << 21
 

@@ -5,7 +5,7 @@
 For every cache dtype: the perplexity of the held-out text scored through the cache (prefill one token, then one
 teacher-forced decode step per token: `jaxkv.evaluate.cached_nll`), its change against the float32 cache, and greedy
 agreement: P held-out prompts generate `--new-tokens` tokens with each cache dtype; the share of positions equal to
-the float32 cache's tokens and the mean index of the first difference. Prints a markdown table (BUILD_NOTES.md).
+the float32 cache's tokens and the mean index of the first difference. Prints a markdown table (docs/design/cache.md).
 
 The defaults take roughly 8 minutes on a 2-core CPU; it says its estimate up front and prints one line per stage
 (one per cache dtype) on stderr.

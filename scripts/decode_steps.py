@@ -5,7 +5,7 @@
 
 Each batch size is warmed up once (compiles excluded), then run --reps times; the figure is the median of
 stats["decode_s"] / stats["decode_steps"] (seconds per decode step, compile time excluded) and of the prefill.
-This is the measurement behind BUILD_NOTES.md's "Weight layout" table.
+This is the measurement behind docs/design/families.md's "Weight layout" table.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ preset model with a cache of `--capacity` slots holding `--live` tokens, once to
 `jax.profiler.trace`. The trace's per-op events (XLA:CPU records one per executed op) are summed per step and
 matched to the compiled HLO, then printed: the step time, the ops' total and the remainder (dispatch between ops),
 time by op kind (dots, fusions, ...), the dots' read rate over the weights, and the slowest ops with their HLO.
-This is the measurement behind the "where the time goes" figures in BUILD_NOTES.md.
+This is the measurement behind the "where the time goes" figures in docs/design/benchmarks.md.
 """
 
 from __future__ import annotations

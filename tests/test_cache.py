@@ -76,7 +76,7 @@ def test_decode_loop_updates_the_donated_cache_in_place():
 
 
 # bfloat16 is not in the list: XLA:CPU has no bfloat16 arithmetic and performs the first layer's cache update in
-# float32 (convert, update, convert back), so that layer's K/V buffers are copied every step (BUILD_NOTES.md).
+# float32 (convert, update, convert back), so that layer's K/V buffers are copied every step (docs/design/cache.md).
 @pytest.mark.parametrize("batch, cache_dtype", [(1, "float32"), (3, "float32"), (1, "int8"), (3, "int8"),
                                                 (1, "float16")])
 def test_compiled_decode_never_copies_the_cache(batch, cache_dtype):

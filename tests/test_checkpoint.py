@@ -156,7 +156,7 @@ def test_cast_follows_the_dtype_layout(tmp_path):
 def test_16_bit_weight_products_accumulate_in_float32():
     """Every product with a bfloat16 weight asks for a float32 result (rounded to bfloat16 afterwards, as PyTorch's
     bfloat16 matmul does): XLA:CPU's bfloat16 kernel is taken only then, 3x faster at batch 8 than a product with a
-    bfloat16 result (BUILD_NOTES.md, "bfloat16")."""
+    bfloat16 result (docs/design/benchmarks.md, "bfloat16")."""
     half = jaxkv.checkpoint.cast(model_for("gqa"), "bfloat16")
     tokens = jax.numpy.zeros((2, 1), jax.numpy.int32)
     jaxpr = jax.make_jaxpr(lambda p, t: jaxkv.Decoder(half.config).apply({"params": p}, t, t))(half.params, tokens)

@@ -37,7 +37,7 @@ def test_second_call_reuses_the_prefix_and_prefills_only_the_suffix():
 def test_sampled_calls_match_uncached_calls():
     """float32: the suffix attends over the cached prefix's pages, which hold exactly the K/V a fresh prefill
     computes, so sampled tokens match too. (An int8/fp8 pool stores the prefix quantized: a suffix prefilled after a
-    hit reads it dequantized, where an uncached prefill attends over the fresh float K/V; BUILD_NOTES.md.)"""
+    hit reads it dequantized, where an uncached prefill attends over the fresh float K/V; docs/design/cache.md.)"""
     model = model_for("mha")
     # 16 pages: the pool the uncached calls allocate (13 and 14 pages needed), so both run one compiled decode loop;
     # the second call still finds the first's 11 prompt pages (and 5 free ones for its own 4).

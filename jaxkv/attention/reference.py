@@ -43,8 +43,8 @@ import jax.numpy as jnp
 
 MASKED = -1e30  # large finite negative: exp(MASKED - max) underflows to exactly 0 for any live max
 # Decode reads a prefix of the cache of at least this many slots (`prefix_lengths`). 128 measured no faster at live
-# 128 or 300 and adds branches, each compiled per layer (BUILD_NOTES.md, "Decode attention bounded by the live
-# length").
+# 128 or 300 and adds branches, each compiled per layer (docs/design/attention.md, "Decode attention bounded by the
+# live length").
 MIN_PREFIX = 256
 
 
@@ -216,8 +216,8 @@ def _decode(q, k, v, live, scale, k_scale, v_scale, mask_values=False, softcap=N
 
     The scores' sum over the head dimension is a pairwise tree of adds (`_sum_minor`), not a reduce: XLA:CPU ran
     the reduce over the minor axis at about 0.5 GB/s; the tree is one elementwise fusion. The whole attention went
-    from 6.9 to 1.8 ms of a "small" batch-1 step (`scripts/profile_decode.py`; BUILD_NOTES.md, "Where the decode
-    time goes").
+    from 6.9 to 1.8 ms of a "small" batch-1 step (`scripts/profile_decode.py`; docs/design/benchmarks.md, "Where the
+    decode time goes").
     """
     # q is tiny; materialize it. Otherwise XLA fuses its producers (RoPE's cos, sin and concatenates) into the
     # scores' loop and recomputes them for every cache slot (measured: 10x slower scores). XLA:CPU never fuses a
