@@ -1,37 +1,23 @@
-"""Attention implementations, chosen by name. `reference` (plain XLA) is the spec the others are tested against.
+"""Attention: the specifications (plain XLA), the Pallas kernels and the one dispatch over them (`api`).
 
-"auto" picks the Pallas kernels on GPU and TPU and the XLA reference on CPU (where Pallas only interprets).
+Owns: `reference` (contiguous cache, the spec), `paged_reference` (paged cache, its XLA formulations),
+`mla_reference` and `paged_mla` (multi-head latent attention over a contiguous / paged latent cache), one module per
+Pallas kernel (`decode_kernel`, `prefill_kernel`, `paged_decode_kernel`, `mla_decode_kernel`; `pallas` their
+entry points) and `api`: `api.get(kind, impl)` is what every layer calls ("auto" picks the Pallas kernels on GPU
+and TPU, the XLA reference on CPU, and falls through to the reference where a kernel cannot serve a call).
+May import: jax, `jaxkv.sharding` (api only, for the shard_map wrappers); nothing above the layers.
+
+`IMPLEMENTATIONS`, `NAMES`, `resolve` and `get` are the contiguous kind's names of before the one dispatch, kept
+for users: `get(name)` is `api.function("contiguous", name)`.
 """
 
 from __future__ import annotations
 
-import jax
+import functools
 
-from jaxkv.attention import reference
+from jaxkv.attention import api
 
-IMPLEMENTATIONS = {"xla": reference.attention}
-
-try:  # Pallas ships with jaxlib; a build without it simply has no "pallas" implementation.
-    from jaxkv.attention import pallas
-except ImportError:  # pragma: no cover
-    pass
-else:
-    IMPLEMENTATIONS["pallas"] = pallas.attention
-
-NAMES = ("auto", "xla", "pallas")
-
-
-def resolve(name: str) -> str:
-    """The concrete implementation name for `name` ("auto" resolved for the default backend)."""
-    if name not in NAMES:
-        raise ValueError(f"unknown attention implementation {name!r}; choose one of {list(NAMES)}")
-    if name == "auto":
-        return "pallas" if jax.default_backend() in ("gpu", "tpu") and "pallas" in IMPLEMENTATIONS else "xla"
-    if name not in IMPLEMENTATIONS:
-        raise ValueError(f"attention implementation {name!r} is not available in this build")
-    return name
-
-
-def get(name: str):
-    """The attention function registered under `name` (see `resolve`)."""
-    return IMPLEMENTATIONS[resolve(name)]
+IMPLEMENTATIONS = api.IMPLEMENTATIONS["contiguous"]  # the same dict: "xla", and "pallas" where Pallas is built
+NAMES = api.NAMES
+resolve = api.resolve  # resolve(name) -> the concrete name for the default backend (contiguous kind)
+get = functools.partial(api.function, "contiguous")  # get(name) -> the attention function, no fall-through

@@ -54,7 +54,7 @@ from jaxkv.attention.decode_kernel import (GPU_MIN_DIM, MASKED, TPU_ROW_MULTIPLE
                                            cdiv, decode_masks, live_bounds, load_scale, matmul_dtype, next_pow2,
                                            normalize, online_softmax_step, pad_axis, reset_softmax_state,
                                            scale_rows, split_scale_refs)
-from jaxkv.attention.reference import check_softcap
+from jaxkv.attention.reference import Unsupported, check_softcap
 
 # Slots per step a page group aims for when `pages_per_block` is not given. TPU: 128 slots (a lane-dense row of
 # scores), at most 8 pages (each page is its own BlockSpec'd input and DMA). GPU: 64 slots, as the contiguous
@@ -238,7 +238,7 @@ def _paged_gpu(q, k_pages, v_pages, k_scale, v_scale, page_table, lo, hi, *, sca
     B, K, R, H = q.shape
     P, _, page_size, _ = k_pages.shape
     if H & (H - 1):
-        raise ValueError(f"the GPU paged kernel needs a power-of-two head dim (Triton tensor sizes), got {H}; "
+        raise Unsupported(f"the GPU paged kernel needs a power-of-two head dim (Triton tensor sizes), got {H}; "
                          "padding it would copy the whole pool every step")
     flat = (P * K * page_size, H)
 

@@ -258,3 +258,18 @@ def prefers_pool(num_pages: int, batch: int, max_pages: int) -> bool:
     """Whether `pool_attention` is the cheaper formulation: the pool's pages (weighted by POOL_COST) against the
     batch's table entries (both static shapes). Pays off when many sequences share most of their pages."""
     return POOL_COST * num_pages <= batch * max_pages
+
+
+def xla_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale: float,
+                  sliding_window: int | None = None, k_scale=None, v_scale=None, softcap: float | None = None,
+                  fresh=None):
+    """The paged kind's XLA implementation (`jaxkv.attention.api`): `paged_attention`'s arguments and result, in
+    whichever formulation reads less, chosen from static shapes: the whole pool once (`pool_attention`: shared pages
+    read once per step), else for one query per sequence only the pages in use, end to end (`ragged_paged_attention`),
+    else each table's live prefix (`live_paged_attention`; a prompt chunk with `fresh` too)."""
+    kwargs = dict(scale=scale, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, softcap=softcap)
+    if prefers_pool(k_pages.shape[0], *page_table.shape):
+        return pool_attention(q, k_pages, v_pages, page_table, lengths, q_slots, fresh=fresh, **kwargs)
+    if q.shape[1] == 1 and fresh is None:
+        return ragged_paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, **kwargs)
+    return live_paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, fresh=fresh, **kwargs)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import jax
 
 from jaxkv.attention import decode_kernel, paged_decode_kernel, prefill_kernel
+from jaxkv.attention.reference import Unsupported
 
 PLATFORMS = ("tpu", "gpu")
 
@@ -82,8 +83,8 @@ def attention(q, k, v, start, q_offset, *, scale: float, sliding_window: int | N
         # Not only unimplemented: once a ring of S = window slots is full, a chunk's later queries overwrite the
         # oldest slots its earlier queries still see, so no kernel could read what the reference's ring formula
         # assumes (`reference` module docstring).
-        raise NotImplementedError("Pallas attention over a ring cache supports decode (T == 1) only, got "
-                                  f"T={q.shape[1]}; prefill attends over the fresh prompt K/V (ring=False)")
+        raise Unsupported("Pallas attention over a ring cache supports decode (T == 1) only, got "
+                          f"T={q.shape[1]}; prefill attends over the fresh prompt K/V (ring=False)")
     return prefill_kernel.prefill_attention(q, k, v, start, q_offset, scale=scale, sliding_window=sliding_window,
                                             platform=platform, block_q=prefill_block_q,
                                             block_k=prefill_block_k, interpret=interpret, **cache)
@@ -91,7 +92,8 @@ def attention(q, k, v, start, q_offset, *, scale: float, sliding_window: int | N
 
 def paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale: float,
                     sliding_window: int | None = None, k_scale=None, v_scale=None, interpret=None,
-                    platform: str | None = None, pages_per_block: int | None = None, softcap: float | None = None):
+                    platform: str | None = None, pages_per_block: int | None = None, softcap: float | None = None,
+                    fresh=None):
     """Softmax attention of one query per sequence over its pages, as a Pallas kernel.
 
     Args:
@@ -104,12 +106,16 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale:
       interpret: run in the Pallas interpreter; None means "only on CPU".
       platform: "tpu" (Mosaic) or "gpu" (Triton) kernel body; None picks the default backend's.
       pages_per_block: pages per grid step (TPU) or loop iteration (GPU).
+      fresh: `paged_reference.paged_attention`'s prompt-chunk argument; only None is served (else `Unsupported`).
 
     Returns:
       [B, T, N, H] in q's dtype; a query with no live slot gets 0.
     """
     if q.shape[1] != 1:
-        raise ValueError(f"Pallas paged attention takes one query per sequence (decode), got T={q.shape[1]}")
+        raise Unsupported(f"Pallas paged attention takes one query per sequence (decode), got T={q.shape[1]}")
+    if fresh is not None:
+        raise Unsupported("the Pallas paged kernel reads every slot as stored; a prompt chunk attending over its own "
+                          "fresh K/V (`fresh`) is the XLA formulation's")
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     platform = platform or default_platform()

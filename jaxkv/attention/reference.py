@@ -41,6 +41,12 @@ import math
 import jax
 import jax.numpy as jnp
 
+class Unsupported(NotImplementedError, ValueError):
+    """A case an implementation cannot serve (a shape, dtype, platform, ring, chunk, ...), raised while tracing,
+    before any compute. A NotImplementedError, so `jaxkv.attention.api` falls through to the next implementation for
+    "auto"; a ValueError, as a call that names the implementation asked for something it does not take."""
+
+
 MASKED = -1e30  # large finite negative: exp(MASKED - max) underflows to exactly 0 for any live max
 # Decode reads a prefix of the cache of at least this many slots (`prefix_lengths`). 128 measured no faster at live
 # 128 or 300 and adds branches, each compiled per layer (docs/design/attention.md, "Decode attention bounded by the
