@@ -248,7 +248,7 @@ def test_chat_template_kwargs_may_not_set_the_requests_own_arguments(app_client,
 def test_client_errors_say_invalid_request_error(app_client, monkeypatch):
     """413 and 405 are the client's (OpenAI's "invalid_request_error"); a model name that is not valid Unicode is
     still answered in JSON."""
-    from jaxkv.server import app
+    from jaxkv.server import intake as app  # the body limit lives where bodies are read
 
     client, _ = app_client
     r = client.get("/v1/completions")
