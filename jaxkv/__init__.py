@@ -40,12 +40,12 @@ _EXPORTS = {
     "generate_pmap": "jaxkv.generate",
     "kv_cache_bytes": "jaxkv.memory",
     "left_pad": "jaxkv.generate",
-    "load": "jaxkv.checkpoint",
+    "load": "jaxkv.io.checkpoint",
     "logits": "jaxkv.model",
     "plan_cache": "jaxkv.memory",
     "prefill": "jaxkv.generate",
     "release": "jaxkv.paged_cache",
-    "save": "jaxkv.checkpoint",
+    "save": "jaxkv.io.checkpoint",
     "score": "jaxkv.score",
 }
 
