@@ -118,39 +118,14 @@ def _listen(host: str, port: int) -> socket.socket:
 
 def build(args):
     """The model, engine and app state for checked `args` (imports JAX) -> (state, engine)."""
-    import numpy as np
-
     import jaxkv
-    from jaxkv import checkpoint, sharding
     from jaxkv.chat_template import ChatTemplate
-    from jaxkv.server.app import ServerState
+    from jaxkv.server.state import ServerState
     from jaxkv.server.worker import EngineWorker, warm_up_scoring
 
-    if args.preset is not None:
-        from jaxkv.config import PRESETS
-
-        config = PRESETS[args.preset]
-        if args.dtype is not None:
-            import dataclasses
-
-            config = dataclasses.replace(config, dtype=args.dtype)
-        model, directory, name = jaxkv.Model.random(config), None, args.preset
-    else:
-        source = args.model or "tiny"
-        model = jaxkv.load(source, dtype=args.dtype)
-        directory = checkpoint.TINY_DIR if source == "tiny" else source
-        name = "tiny" if source == "tiny" else os.path.basename(os.path.normpath(source))
+    model, directory, name = _model(args)
     config = model.config
-    mesh = None
-    if args.tensor_parallel_size > 1:
-        import jax
-
-        if jax.device_count() < args.tensor_parallel_size:
-            raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size} needs that many devices; "
-                             f"{jax.device_count()} found ({jax.devices()[0].platform})")
-        devices = jax.devices()[:args.tensor_parallel_size]
-        mesh = jax.sharding.Mesh(np.asarray(devices).reshape(1, -1), ("data", "model"))
-        sharding.check_config(config, mesh)  # heads and FFN widths must divide over N: a clear error, before compute
+    mesh = _mesh(args, config)
     max_len = min(config.max_positions, 2048) if args.max_len is None else args.max_len
     if max_len > config.max_positions:
         raise ValueError(f"--max-len {max_len} exceeds the model's max positions ({config.max_positions})")
@@ -177,6 +152,45 @@ def build(args):
                         max_len=max_len, chat_template=ChatTemplate.from_directory(directory),
                         api_key=args.api_key)
     return state, engine
+
+
+def _model(args):
+    """The model to serve -> (model, its checkpoint directory or None, its default served name): --preset's random
+    weights, else --model's checkpoint (tiny by default)."""
+    import jaxkv
+    from jaxkv import checkpoint
+
+    if args.preset is not None:
+        from jaxkv.config import PRESETS
+
+        config = PRESETS[args.preset]
+        if args.dtype is not None:
+            import dataclasses
+
+            config = dataclasses.replace(config, dtype=args.dtype)
+        return jaxkv.Model.random(config), None, args.preset
+    source = args.model or "tiny"
+    model = jaxkv.load(source, dtype=args.dtype)
+    directory = checkpoint.TINY_DIR if source == "tiny" else source
+    return model, directory, "tiny" if source == "tiny" else os.path.basename(os.path.normpath(source))
+
+
+def _mesh(args, config):
+    """With --tensor-parallel-size N > 1, a ("data", "model") mesh of 1 x N over the first N devices, else None."""
+    if args.tensor_parallel_size <= 1:
+        return None
+    import jax
+    import numpy as np
+
+    from jaxkv import sharding
+
+    if jax.device_count() < args.tensor_parallel_size:
+        raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size} needs that many devices; "
+                         f"{jax.device_count()} found ({jax.devices()[0].platform})")
+    devices = jax.devices()[:args.tensor_parallel_size]
+    mesh = jax.sharding.Mesh(np.asarray(devices).reshape(1, -1), ("data", "model"))
+    sharding.check_config(config, mesh)  # heads and FFN widths must divide over N: a clear error, before compute
+    return mesh
 
 
 def _started(fn, *args):
