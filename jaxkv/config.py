@@ -151,7 +151,7 @@ class Mla:
 
 @dataclasses.dataclass(frozen=True)
 class MoeConfig:
-    """A DeepSeek mixture of experts (`jaxkv.moe`); letters as in `jaxkv.shapes`.
+    """A mixture of experts (DeepSeek-V2 / V3, Qwen3-MoE, Mixtral; `jaxkv.layers.moe`); letters as in `jaxkv.shapes`.
 
     Attributes:
       n_routed_experts: X.
@@ -159,6 +159,8 @@ class MoeConfig:
       moe_ffn_dim: I, one expert's hidden width (HF `moe_intermediate_size`).
       n_shared_experts: experts every token uses, run as one SwiGLU of width n_shared_experts * I (0: none).
       first_dense_layers: layers [0, first_dense_layers) keep the dense MLP (HF `first_k_dense_replace`).
+      dense_layers: further layers, anywhere, that keep the dense MLP (Qwen3-MoE's `mlp_only_layers` and the
+        layers `decoder_sparse_step` skips); sorted, no repeats.
       scoring: "softmax" (V2) or "sigmoid" (V3) of the float32 router logits.
       topk_method: "greedy" (the A best scores), "group_limited_greedy" (V2: experts in n_group groups, a group
         scored by its best expert, only the topk_group best groups eligible) or "noaux_tc" (V3: the choice uses
@@ -175,6 +177,7 @@ class MoeConfig:
     moe_ffn_dim: int
     n_shared_experts: int = 0
     first_dense_layers: int = 0
+    dense_layers: tuple[int, ...] = ()
     scoring: MoeScoring = "softmax"
     topk_method: MoeTopkMethod = "greedy"
     n_group: int = 1
@@ -191,6 +194,10 @@ class MoeConfig:
             value = getattr(self, name)
             _check(isinstance(value, int) and not isinstance(value, bool) and value >= 0,
                    f"moe.{name} must be an integer >= 0, got {value!r}")
+        _check(isinstance(self.dense_layers, tuple) and all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.dense_layers)
+               and list(self.dense_layers) == sorted(set(self.dense_layers)),
+               f"moe.dense_layers must be a sorted tuple of distinct layer indices, got {self.dense_layers!r}")
         X, A = self.n_routed_experts, self.experts_per_token
         _check(A <= X, f"moe.experts_per_token ({A}) exceeds moe.n_routed_experts ({X})")
         _check(self.scoring in ("softmax", "sigmoid"), f"moe.scoring must be 'softmax' or 'sigmoid', got "
@@ -224,7 +231,7 @@ class MoeConfig:
         return self.n_shared_experts * self.moe_ffn_dim
 
     def is_moe_layer(self, layer: int) -> bool:
-        return layer >= self.first_dense_layers
+        return layer >= self.first_dense_layers and layer not in self.dense_layers
 
     def param_count(self, d_model: int) -> int:
         """One MoE layer's parameters: router (+ correction bias), X experts and the shared experts."""
@@ -294,8 +301,8 @@ class Config:
       mla: multi-head latent attention (`Mla`) instead of grouped-query attention. The cache then holds one row of
         R + E per token (MQA with one KV head of that width, keys only): n_kv_heads is 1 and head_dim is R + E,
         the cache's geometry (filled in when omitted); the attention's own widths are the `Mla` fields.
-      moe: a mixture of experts (`MoeConfig`) in place of the dense MLP from layer moe.first_dense_layers on
-        (the dense layers before it keep ffn_dim).
+      moe: a mixture of experts (`MoeConfig`) in place of the dense MLP from layer moe.first_dense_layers on,
+        except moe.dense_layers (the dense layers keep ffn_dim; `MoeConfig.is_moe_layer`).
       dtype: parameter and activation dtype; softmax, norms and logits are computed in float32 whatever it is.
       attention: default attention implementation: "auto" (Pallas on GPU/TPU, XLA on CPU), "xla" or "pallas".
     """

@@ -215,3 +215,22 @@ def test_mla_moe_model_saves_loads_and_casts(tmp_path):
     back = jaxkv.checkpoint.cast(half, "float32")
     assert jax.tree_util.tree_map(lambda a: a.shape, back.params) == jax.tree_util.tree_map(lambda a: a.shape,
                                                                                              model.params)
+
+
+def test_moe_dense_layers_pick_the_mlp_per_layer_and_round_trip(tmp_path):
+    """MoeConfig.dense_layers (Qwen3-MoE's mlp_only_layers / decoder_sparse_step): a dense MLP on those layers,
+    experts on the others, beside first_dense_layers; the config and params round-trip through save/load (JSON
+    lists back to a tuple)."""
+    from jaxkv.config import MoeConfig
+
+    moe = MoeConfig(n_routed_experts=4, experts_per_token=2, moe_ffn_dim=16, first_dense_layers=1, dense_layers=(2,))
+    config = jaxkv.Config(vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=48, moe=moe)
+    assert [moe.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
+    model = jaxkv.Model.random(config, seed=0)
+    assert ["router" in model.params[f"layer_{i}"]["mlp"] for i in range(4)] == [False, True, False, True]
+    jaxkv.save(model, tmp_path / "m")
+    loaded = jaxkv.load(tmp_path / "m")
+    assert loaded.config == config and leaves_equal(loaded.params, model.params)
+    for bad in [(2, 1), (1, 1), (-1,), [2]]:
+        with pytest.raises(ValueError, match="moe.dense_layers"):
+            MoeConfig(n_routed_experts=4, experts_per_token=2, moe_ffn_dim=16, dense_layers=bad)

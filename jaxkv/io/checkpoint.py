@@ -55,7 +55,10 @@ def config_from_dict(data: dict, *, source: str) -> Config:
     if data.get("mla") is not None:
         data["mla"] = _nested(Mla, data["mla"], "mla", source)
     if data.get("moe") is not None:
-        data["moe"] = _nested(MoeConfig, data["moe"], "moe", source)
+        moe = data["moe"]
+        if isinstance(moe, dict) and isinstance(moe.get("dense_layers"), list):  # JSON has no tuples
+            moe = dict(moe, dense_layers=tuple(moe["dense_layers"]))
+        data["moe"] = _nested(MoeConfig, moe, "moe", source)
     if "eos_ids" in data:
         data["eos_ids"] = tuple(data["eos_ids"])
     if data.get("layer_types") is not None:
