@@ -42,13 +42,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxkv import checks, memory
-from jaxkv.cache import check_cache_dtype
+from jaxkv import checks
+from jaxkv.cache import planner as memory
+from jaxkv.cache.paged import PagedKVCache
 from jaxkv.config import Config
-from jaxkv.generate import _forward, _Phase, _prefill_paged, _stop_ids, _token_lists
-from jaxkv.mla_attention import paged_attention_name
+from jaxkv.decoding import programs, request, step
+from jaxkv.decoding.phase import Phase
 from jaxkv.model import Model
-from jaxkv.paged_cache import PagedKVCache
 
 NEG = -1.0e9  # transformers' score of an impossible choice (added, in float32, exactly as it adds it)
 EARLY_STOPPING = (True, False, "never")
@@ -150,10 +150,10 @@ def _choose(state: _Beams, *, stop_ids, max_new_tokens, length_penalty, early_st
     V = state.logits.shape[-1]
     t = state.step
     length = t + 1  # tokens generated once this step's token is appended
-    logp = jax.nn.log_softmax(state.logits, axis=-1).reshape(B, W, V) + state.running[:, :, None]
+    logp = step.log_probs(state.logits).reshape(B, W, V) + state.running[:, :, None]
     values, index = lax.top_k(logp.reshape(B, W * V), candidates)  # [B, C], best first
     parent, token = index // V, index % V
-    ends = jnp.any(token[:, :, None] == stop_ids[None, None, :], axis=-1) | (length >= max_new_tokens)  # [B, C]
+    ends = step.matches_stop(token, stop_ids) | (length >= max_new_tokens)  # [B, C]
     extended = lax.dynamic_update_slice_in_dim(_take(state.seqs, parent), token[:, :, None], t, axis=2)  # [B, C, S]
 
     # The next beams: the best W candidates that do not end.
@@ -223,7 +223,7 @@ def _search(params, cache: PagedKVCache, logits, real, stop_ids, max_new_tokens,
         parents = jnp.where(state.live[:, None], _take(rows, parent), -1).reshape(BW)
         active = parents >= 0
         cache = state.cache.fork(parents)
-        logits, cache = _forward(params, jnp.where(active, token.reshape(BW), 0)[:, None], cache, config=config,
+        logits, cache = programs.forward(params, jnp.where(active, token.reshape(BW), 0)[:, None], cache, config=config,
                                  attention=attention, active=active)
         state = state.replace(cache=cache, logits=logits[:, 0], peak=jnp.maximum(state.peak, cache.pages_in_use()),
                               starved=state.starved | jnp.any(cache.overflowed))
@@ -290,12 +290,11 @@ def beam_search(model: Model, prompts, *, num_beams: int, max_new_tokens: int, l
     early_stopping = _check_early_stopping(early_stopping)
     if num_beams == 1:  # transformers runs greedy search: the first hypothesis to end is the answer
         early_stopping = True
-    token_lists = _token_lists(prompts, config.vocab_size, model.tokenizer)
-    stop_ids = _stop_ids(stop_tokens, config)
-    cache_dtype = check_cache_dtype(config.dtype if cache_dtype is None else cache_dtype)
-    attention = paged_attention_name(attention or config.attention, config)  # MLA: "xla" (no paged kernel)
-    if max_len is not None:
-        max_len = checks.check_int("max_len", max_len, 1)
+    token_lists = request.token_lists(prompts, config.vocab_size, model.tokenizer)
+    stop_ids = request.stop_ids(stop_tokens, config)
+    cache_dtype = request.cache_dtype(config, cache_dtype)
+    attention = request.attention(config, attention, paged=True)  # MLA: "xla" (no paged kernel)
+    max_len = request.optional_int("max_len", max_len)
     page_size = checks.check_int("page_size", page_size, 1)
     lengths = [len(p) for p in token_lists]
     plan = memory.plan_pages(config, lengths, max_new_tokens, n=num_beams, page_size=page_size,
@@ -309,20 +308,17 @@ def beam_search(model: Model, prompts, *, num_beams: int, max_new_tokens: int, l
                              f"cannot hold them")
     B, W = plan.prefill_batch, num_beams
     T = plan.prompt_len
-    tokens = np.zeros((B, T), np.int32)
-    positions = np.full((B, T), -1, np.int32)
-    for b, p in enumerate(token_lists):
-        tokens[b, :len(p)], positions[b, :len(p)] = p, np.arange(len(p))
+    tokens, positions = request.right_pad(token_lists, rows=B, length=T)
     real = np.arange(B) < len(token_lists)
     parents = np.where(np.repeat(real, W), np.repeat(np.arange(B), W), -1).astype(np.int32)
     candidates = min((1 + len(stop_ids)) * W, W * config.vocab_size)
 
-    with _Phase() as prefill_time:
-        logits, cache = _prefill_paged(model.params, jax.device_put(tokens), jax.device_put(positions),
+    with Phase() as prefill_time:
+        logits, cache = programs.prefill_paged(model.params, jax.device_put(tokens), jax.device_put(positions),
                                        jax.device_put(parents), config=config, attention=attention, num_pages=pool,
                                        page_size=page_size, max_pages=plan.max_pages, cache_dtype=cache_dtype)
         start_pages = int(cache.pages_in_use())
-    with _Phase() as search_time:
+    with Phase() as search_time:
         state = _search(model.params, cache, logits, jax.device_put(real), jax.device_put(stop_ids),
                         jnp.int32(max_new_tokens), jnp.float32(length_penalty), config=config,
                         attention=attention, early_stopping=early_stopping, num_beams=W, candidates=candidates)

@@ -10,6 +10,11 @@ the left-padded prompts (the last prompt token's logits predict c_0), then runs 
 one more chunk over that cache (its logits at j predict c_{j+1}). Padding after a continuation has position -1: its
 hidden state is zeroed, and no real token attends to it (it comes after them all).
 
+`cached_nll` (what a cache dtype costs in accuracy) runs the way generation does instead: prefill a prefix, then
+one decode step per token through the cache, feeding the true next token (teacher forcing), so every token's
+log-likelihood comes from logits computed over a cache in the chosen dtype. `jaxkv.logits` is the no-cache float
+reference.
+
 Shapes are bucketed as in `generate` (batch, prompt length and continuation length each a power of two), so
 repeated calls compile once per bucket, not once per length. The [B, Tc, V] logits of a batch are bounded by
 `LOGITS_BYTES`: more pairs than fit become several batches of one shape.
@@ -22,18 +27,20 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
-from jaxkv import attention as attention_impls
-from jaxkv import checks, memory
-from jaxkv.cache import KVCache, check_cache_dtype
+from jaxkv import checks
+from jaxkv.cache import planner as memory
 from jaxkv.config import Config
-from jaxkv.generate import MAX_TOP_LOGPROBS, _prefill, _token_lists, left_pad
+from jaxkv.decoding import programs, request
+from jaxkv.decoding.request import MAX_TOP_LOGPROBS, left_pad
 from jaxkv.model import Decoder, Model
 from jaxkv.sampling import greedy, token_logprobs
 
 # The float32 logits of one batch's continuation chunk ([B, Tc, V]) stay below this: a 128k vocabulary and 512-token
 # continuations give 4 rows per batch, rather than gigabytes of logits for a large evaluation set.
 LOGITS_BYTES = 1 << 30
+CAPACITY_ROUNDING = 64  # cached_nll's capacities are rounded up to a multiple of this (never past max positions)
 
 
 class Score(list):
@@ -65,8 +72,8 @@ def _score_batch(params, prompts, start, continuations, lengths, *, config: Conf
     log-probabilities). Entries past a row's length are garbage."""
     B, Tp = prompts.shape
     Tc = continuations.shape[1]
-    first, cache = _prefill(params, prompts, start, config=config, capacity=Tp + Tc, attention=attention,
-                            cache_dtype=cache_dtype, ring=False, mesh=None)  # [B, V]: predicts c_0
+    first, cache = programs.prefill(params, prompts, start, config=config, capacity=Tp + Tc, attention=attention,
+                                    cache_dtype=cache_dtype, ring=False, mesh=None)  # [B, V]: predicts c_0
     real = jnp.arange(Tc)[None, :] < lengths[:, None]  # [B, Tc]
     positions = jnp.where(real, cache.positions(Tc), -1)
     rest, _ = Decoder(config).apply({"params": params}, continuations, positions, cache, attention=attention)
@@ -98,8 +105,8 @@ def score(model: Model, prompts, continuations, *, cache_dtype: str | None = Non
       ValueError: for any bad argument, before any compute.
     """
     config = model.config
-    prompt_lists = _token_lists(prompts, config.vocab_size, model.tokenizer, "prompt")
-    cont_lists = _token_lists(continuations, config.vocab_size, model.tokenizer, "continuation", special_tokens=False)
+    prompt_lists = request.token_lists(prompts, config.vocab_size, model.tokenizer, "prompt")
+    cont_lists = request.token_lists(continuations, config.vocab_size, model.tokenizer, "continuation", special_tokens=False)
     if len(prompt_lists) != len(cont_lists):
         raise ValueError(f"{len(prompt_lists)} prompts and {len(cont_lists)} continuations: pass one continuation "
                          f"per prompt")
@@ -107,19 +114,19 @@ def score(model: Model, prompts, continuations, *, cache_dtype: str | None = Non
         if len(p) + len(c) > config.max_positions:
             raise ValueError(f"pair {i}: the prompt ({len(p)} tokens) and continuation ({len(c)}) exceed the model's "
                              f"max positions ({config.max_positions})")
-    cache_dtype = check_cache_dtype(config.dtype if cache_dtype is None else cache_dtype)
-    attention = attention_impls.resolve(attention or config.attention)
+    cache_dtype = request.cache_dtype(config, cache_dtype)
+    attention = request.attention(config, attention)
     k = checks.check_int("top_logprobs", top_logprobs, 0, MAX_TOP_LOGPROBS)
     top = MAX_TOP_LOGPROBS if k else 0  # one compiled program for every k > 0
 
-    Tp = max(memory.MIN_PROMPT_BUCKET, memory._next_pow2(max(map(len, prompt_lists))))
-    Tc = max(memory.MIN_PROMPT_BUCKET, memory._next_pow2(max(map(len, cont_lists))))
+    Tp = max(memory.MIN_PROMPT_BUCKET, memory.next_pow2(max(map(len, prompt_lists))))
+    Tc = max(memory.MIN_PROMPT_BUCKET, memory.next_pow2(max(map(len, cont_lists))))
     fit = max(1, LOGITS_BYTES // (Tc * config.vocab_size * 4))
-    rows = min(memory._next_pow2(len(prompt_lists)), 1 << (fit.bit_length() - 1))  # powers of two
+    rows = min(memory.next_pow2(len(prompt_lists)), 1 << (fit.bit_length() - 1))  # powers of two
     out = []
     for lo in range(0, len(prompt_lists), rows):
         batch_prompts, batch_conts = prompt_lists[lo:lo + rows], cont_lists[lo:lo + rows]
-        filler = memory._next_pow2(len(batch_prompts)) - len(batch_prompts)  # a short last batch: its own bucket
+        filler = memory.next_pow2(len(batch_prompts)) - len(batch_prompts)  # a short last batch: its own bucket
         tokens, start = left_pad(batch_prompts + [[0]] * filler, length=Tp)
         conts = np.zeros((len(batch_prompts) + filler, Tc), np.int32)
         lengths = np.zeros((len(conts),), np.int32)
@@ -136,3 +143,56 @@ def score(model: Model, prompts, continuations, *, cache_dtype: str | None = Non
                         for j in range(len(c))]
             out.append(Score(logprobs[b, :len(c)], best[b, :len(c)].all(), tops))
     return out
+
+
+# --- teacher-forced scoring through the decode step -------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("config", "attention"))
+def _teacher_forced_nll(params, logits, cache, targets, *, config: Config, attention: str):
+    """logits [B, V] predict targets[:, 0]; each later target is predicted after feeding the one before it."""
+
+    def body(carry, target_and_next):
+        logits, cache = carry
+        target, feed = target_and_next
+        nll = -jax.nn.log_softmax(logits, axis=-1)[jnp.arange(target.shape[0]), target]
+        logits, cache = programs.forward(params, feed[:, None], cache, config=config, attention=attention)
+        return (logits[:, 0], cache), nll
+
+    # Target i is scored from the current logits, then fed so the next logits predict target i + 1.
+    _, nll = lax.scan(body, (logits, cache), (targets.T, targets.T))
+    return nll.T  # [B, N]
+
+
+def cached_nll(model: Model, tokens, *, prefix: int = 1, cache_dtype: str | None = None,
+               attention: str | None = None) -> np.ndarray:
+    """float32[B, N - prefix]: -log p(token t | tokens < t) for t = prefix .. N-1, through the KV cache.
+
+    Args:
+      tokens: int[B, N] (or one list of ids), all rows the same length.
+      prefix: tokens prefilled before scoring starts (>= 1).
+      cache_dtype: the cache dtype to measure ("float32", "bfloat16", "float16", "int8", "float8_e4m3fn").
+    """
+    cfg = model.config
+    arr = np.asarray(tokens, np.int32)
+    if arr.ndim == 1:
+        arr = arr[None]
+    if arr.ndim != 2 or not 1 <= prefix < arr.shape[1]:
+        raise ValueError(f"tokens must be [batch, N] with 1 <= prefix < N, got shape {arr.shape}, prefix {prefix}")
+    if ((arr < 0) | (arr >= cfg.vocab_size)).any():
+        raise ValueError(f"token ids must be in [0, {cfg.vocab_size})")
+    if arr.shape[1] > cfg.max_positions:
+        raise ValueError(f"{arr.shape[1]} tokens exceed the model's max positions ({cfg.max_positions})")
+    cache_dtype = request.cache_dtype(cfg, cache_dtype)
+    attention = request.attention(cfg, attention)
+    capacity = min(-(-arr.shape[1] // CAPACITY_ROUNDING) * CAPACITY_ROUNDING, cfg.max_positions)
+    ring = cfg.sliding_window is not None and capacity > cfg.sliding_window
+    if ring:
+        capacity = cfg.sliding_window
+    B = arr.shape[0]
+    logits, cache = programs.prefill(model.params, jnp.asarray(arr[:, :prefix]), jnp.zeros((B,), jnp.int32),
+                                     config=cfg, capacity=capacity, attention=attention, cache_dtype=cache_dtype,
+                                     ring=ring, mesh=None)
+    nll = _teacher_forced_nll(model.params, logits, cache, jnp.asarray(arr[:, prefix:]), config=cfg,
+                              attention=attention)
+    return np.asarray(nll)

@@ -244,7 +244,7 @@ def paged_cache_shardings(cache, mesh: Mesh):
 def constrain_cache(cache, mesh: Mesh | None):
     """The cache with sharding constraints on every leaf (inside jit): K/V stay split over batch and KV heads (a
     paged cache's pools over KV heads). No mesh (one device): the cache as it is."""
-    from jaxkv.paged_cache import PagedKVCache
+    from jaxkv.cache.paged import PagedKVCache
 
     if mesh is None:
         return cache
@@ -293,6 +293,27 @@ def shard_params(params, config: Config, mesh: Mesh):
     sharded_config = check_config(config, mesh)
     params = replicate_kv_heads(params, config, sharded_config)
     return jax.tree.map(global_array, params, param_shardings(params, mesh, config)), sharded_config
+
+
+class _LastSharded:
+    """`shard_params` remembered for the last (params, config, mesh): repeated `generate(..., mesh=)` calls on
+    one model do not re-copy its weights. Keyed by the params' identity (a pytree of arrays is not hashable) and
+    by the config (the same params under a `dataclasses.replace`d config may shard or lay out differently). One
+    entry: holding more would keep old models' device copies alive."""
+
+    def __init__(self):
+        self.entry = None
+
+    def __call__(self, params, config: Config, mesh: Mesh):
+        entry = self.entry
+        if entry is not None and entry[0] is params and entry[1] == config and entry[2] == mesh:
+            return entry[3], entry[4]
+        sharded, sharded_config = shard_params(params, config, mesh)
+        self.entry = (params, config, mesh, sharded, sharded_config)
+        return sharded, sharded_config
+
+
+sharded_weights = _LastSharded()  # (params, config, mesh) -> (sharded params, their config)
 
 
 def replicated(x, mesh: Mesh):

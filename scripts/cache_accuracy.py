@@ -3,7 +3,7 @@
     python scripts/cache_accuracy.py [--windows N] [--greedy-prompts P] [--new-tokens 256] [--json FILE]
 
 For every cache dtype: the perplexity of the held-out text scored through the cache (prefill one token, then one
-teacher-forced decode step per token: `jaxkv.evaluate.cached_nll`), its change against the float32 cache, and greedy
+teacher-forced decode step per token: `jaxkv.score.cached_nll`), its change against the float32 cache, and greedy
 agreement: P held-out prompts generate `--new-tokens` tokens with each cache dtype; the share of positions equal to
 the float32 cache's tokens and the mean index of the first difference. Prints a markdown table (docs/design/cache.md).
 
@@ -23,7 +23,7 @@ import numpy as np
 
 import jaxkv
 from jaxkv.bench.decode import Progress
-from jaxkv.memory import CACHE_DTYPES
+from jaxkv.cache.dtypes import CACHE_DTYPES
 
 SCRIPTS = pathlib.Path(__file__).resolve().parent
 
@@ -61,7 +61,7 @@ def stages(windows: int, prompts: int, new_tokens: int, dtypes=CACHE_DTYPES) -> 
 
 
 def perplexities(model, windows: np.ndarray, dtypes=CACHE_DTYPES, progress=None) -> dict[str, float]:
-    from jaxkv.evaluate import cached_nll
+    from jaxkv.score import cached_nll
 
     out = {}
     for dt in dtypes:

@@ -20,9 +20,9 @@ import pytest
 
 import jaxkv
 from conftest import model_for
-from jaxkv import memory
+from jaxkv.cache import planner as memory
 from jaxkv.checkpoint_hf import load_hf
-from jaxkv.generate import _prefill_paged
+from jaxkv.decoding.programs import prefill_paged as _prefill_paged
 
 bs = importlib.import_module("jaxkv.beam_search")  # the module (jaxkv.beam_search is the function)
 

@@ -189,8 +189,8 @@ def test_bad_input_is_refused_before_compute(kwargs, match, monkeypatch):
     def no_compute(*a, **k):
         raise AssertionError("compute started for bad input")
 
-    for name in ("_prefill", "_decode_loop"):
-        monkeypatch.setattr(importlib.import_module("jaxkv.generate"), name, no_compute)
+    for module, name in (("jaxkv.decoding.programs", "prefill"), ("jaxkv.decoding.loop", "decode_loop")):
+        monkeypatch.setattr(importlib.import_module(module), name, no_compute)
     with pytest.raises(ValueError, match=match):
         jaxkv.generate(model, **kwargs)
 
@@ -220,7 +220,7 @@ def test_refusal_check_sees_compute(monkeypatch):
     def no_compute(*a, **k):
         raise AssertionError("compute started")
 
-    monkeypatch.setattr(importlib.import_module("jaxkv.generate"), "_prefill", no_compute)
+    monkeypatch.setattr(importlib.import_module("jaxkv.decoding.programs"), "prefill", no_compute)
     with pytest.raises(AssertionError, match="compute started"):
         jaxkv.generate(model_for("learned"), [[1]], max_new_tokens=2)
 
@@ -240,7 +240,7 @@ def test_seeds_use_their_full_range():
     assert len({tuple(sample(s)) for s in (2**63, 2**64 - 1, 7, 2**33)}) == 4
     assert sample(-1) == sample(2**64 - 1)  # seeds are taken modulo 2**64 (two's complement for negatives)
     # Small seeds keep jax.random.PRNGKey's key, so earlier results reproduce.
-    from jaxkv.generate import _key
+    from jaxkv.decoding.request import prng_key as _key
 
     np.testing.assert_array_equal(_key(12345), np.asarray(jax.random.PRNGKey(12345)))
 

@@ -132,8 +132,9 @@ def test_bad_logprobs_are_refused_before_compute(k, monkeypatch):
     def no_compute(*a, **kw):
         raise AssertionError("compute started for bad input")
 
-    for name in ("_prefill", "_decode_loop", "_prefill_paged"):
-        monkeypatch.setattr(importlib.import_module("jaxkv.generate"), name, no_compute)
+    for module, name in (("jaxkv.decoding.programs", "prefill"), ("jaxkv.decoding.loop", "decode_loop"),
+                         ("jaxkv.decoding.programs", "prefill_paged")):
+        monkeypatch.setattr(importlib.import_module(module), name, no_compute)
     with pytest.raises(ValueError, match="logprobs must be"):
         jaxkv.generate(model_for("gqa"), PROMPTS, max_new_tokens=2, logprobs=k)
     with pytest.raises(ValueError, match="logprobs must be"):

@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 
 import jaxkv
-from jaxkv import memory
+from jaxkv.cache import planner as memory
 from jaxkv.attention import mla, paged_mla
 from jaxkv.cache import quantize
 from jaxkv.config import Mla, MoeConfig
 from jaxkv.engine import Engine
-from jaxkv.generate import _forward
-from jaxkv.paged_cache import PagedKVCache
+from jaxkv.decoding.programs import forward as _forward
+from jaxkv.cache.paged import PagedKVCache
 
 # Tolerances, keyed by what is compared, each with its reason.
 ATOL_REFERENCE = 1e-5  # float32 paged vs contiguous: the same products, only the softmax's padding differs

@@ -1,44 +1,7 @@
-"""The continuous-batching engine: requests come and go through a fixed number of slots of one paged cache.
+"""The engine's host side: `Engine`, the scheduler that admits requests into slots, runs prefill chunks and decode
+dispatches (`jaxkv.engine.programs`), and turns their outputs into events (`jaxkv.engine.outputs`).
 
-`jaxkv.generate` decodes a static batch: every row runs until the longest is done, and new work waits for the whole
-batch. Here a request takes a slot when one is free, and gives it back (with its pages) the step it finishes, so
-the slots stay busy while output lengths vary.
-
-    engine = jaxkv.Engine(model, slots=16, max_len=1024)
-    a = engine.submit(prompt_a, max_new_tokens=64)
-    b = engine.submit(prompt_b, max_new_tokens=200, temperature=0.8, top_p=0.95, seed=1, logprobs=5)
-    for event in engine.run():          # events as tokens come out
-        print(event.id, event.tokens, event.finished, event.finish_reason)
-    results = engine.results()          # or: engine.generate([prompt_a, prompt_b], max_new_tokens=64)
-
-The device state (`engine_programs.State`) is one pytree of fixed shape, threaded through five compiled programs
-(`jaxkv/engine_programs.py`) and donated to each, so nothing recompiles once they are warm:
-
-  admit     a request takes a staging row: its page-table row holds the pages of its cached prefix, if any
-  prefill   one chunk of at most `prefill_chunk` prompt tokens for each of up to `prefill_rows` staging rows,
-            attending over the pages written before it (as stored) and its own fresh K/V (`Decoder`'s `chunk`);
-            a row whose prompt is complete keeps its last logits
-  decode    moves complete prefills into free slots (a page-table row, and the request's PRNG key, sampling
-            settings, stop ids, token budget), then `steps_per_dispatch` decode steps in a `lax.scan` over the
-            first W slots, W the smallest of `decode_widths` (powers of two up to S) holding every decoding slot
-            (requests take the lowest free slots, and requests left in high slots move down into free low ones
-            first, so a lightly loaded engine computes a small batch): sample each decoding slot's next token
-            (its own settings and key, so a request draws what it would draw alone), record its
-            log-probability, feed it back; a slot that finishes releases its pages in the same step, and a step
-            with no slot decoding skips the model (`lax.cond`)
-  release   cancelled slots drop their pages
-  refs      the prefix cache's index takes or drops its references on pages
-
-The host scheduler (`Engine.step`) admits waiting requests in submission order into free staging rows (twice
-`prefill_rows` of them) while the pool can hold their worst case (prompt + max_new_tokens, less the pages of a
-cached prefix), evicting cached prefixes the running requests do not use when it must; runs one prefill chunk
-(two when a free slot would otherwise stay empty, as many as it takes while nothing decodes); then one decode
-dispatch. A long prompt delays the running requests by a chunk or two per dispatch, never by its whole prefill.
-
-Why each request is independent of the batch it shares. Its rows of every matrix product, its own page-table row
-and its own PRNG key (split once per token it draws, as `generate`'s loop splits its key) are all that its tokens
-depend on: greedy tokens equal `jaxkv.generate` of the request alone, and sampled ones equal it too with the same
-seed, up to float rounding of the differently shaped programs.
+The package docstring (`jaxkv.engine`) says how the programs and the schedule fit together.
 """
 
 from __future__ import annotations
@@ -47,62 +10,21 @@ import collections
 import dataclasses
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv import checks, memory, sharding
-from jaxkv.cache import check_cache_dtype
-from jaxkv import engine_programs as programs
-from jaxkv.engine_programs import FINISH_REASONS, MAX_LOGPROBS, STOP_SLOTS
-from jaxkv.generate import _key, _stop_ids, _token_lists
-from jaxkv.mla_attention import paged_attention_name
+from jaxkv import checks, sharding
+from jaxkv.cache import planner as memory
+from jaxkv.cache.paged import NO_PAGE
+from jaxkv.cache.prefix import PrefixCache
+from jaxkv.decoding import request
+from jaxkv.engine import outputs, programs
+from jaxkv.engine.outputs import Event, Result
+from jaxkv.engine.programs import FINISH_REASONS, MAX_LOGPROBS, STOP_SLOTS
 from jaxkv.model import Model
-from jaxkv.paged_cache import NO_PAGE
 from jaxkv.sampling import Sampler
-
-class Event(NamedTuple):
-    """Tokens a request produced in one dispatch (one event per request per dispatch that touched it).
-
-    id: the request id `submit` returned. tokens: the new token ids (a stop token that ended it included).
-    logprobs: each new token's log-probability (temperature 1, before sampling filters). finished: the request
-    ended with this event; finish_reason: "stop", "length", "cancelled" or "error" then, else None.
-    top_logprobs: with `submit(logprobs=k)`, per new token its k most likely (id, log-probability), best first;
-    else None.
-    """
-
-    id: int
-    tokens: list[int]
-    logprobs: list[float]
-    finished: bool
-    finish_reason: str | None
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-
-
-@dataclasses.dataclass
-class Result:
-    """A finished request.
-
-    tokens: the generated ids (the stop token that ended it included). logprobs: the log-probability of each
-    under the model's distribution before sampling filters (temperature 1). top_logprobs: with `logprobs=k`,
-    per token the k most likely (id, log-probability), best first; else None. finish_reason: "stop" (a stop
-    token), "length" (max_new_tokens), "cancelled" (`Engine.cancel`) or "error" (`error` says what: a callback
-    raised, or the model's logits became NaN). prompt_tokens / cached_tokens: the prompt's length and how much of
-    it came from the prefix cache. text: the decoded tokens, when the model has a tokenizer.
-    """
-
-    id: int
-    tokens: list[int]
-    logprobs: list[float]
-    top_logprobs: list[list[tuple[int, float]]] | None
-    finish_reason: str
-    prompt_tokens: int
-    cached_tokens: int = 0
-    text: str | None = None
-    error: str | None = None
-
 
 # --- the host side --------------------------------------------------------------------------------------------
 
@@ -183,10 +105,8 @@ class Engine:
         self.max_len = checks.check_int("max_len", max_len, 2)
         if self.max_len > config.max_positions:
             raise ValueError(f"max_len={max_len} exceeds the model's max positions ({config.max_positions})")
-        self.cache_dtype = check_cache_dtype(config.dtype if cache_dtype is None else cache_dtype)
+        self.cache_dtype = request.cache_dtype(config, cache_dtype)
         if prefix_cache is not None:
-            from jaxkv.prefix_cache import PrefixCache
-
             if not isinstance(prefix_cache, PrefixCache):
                 raise ValueError(f"prefix_cache must be a jaxkv.PrefixCache, got {type(prefix_cache).__name__}")
             if num_pages is not None:
@@ -213,7 +133,7 @@ class Engine:
             if not widths or widths[-1] != self.slots:
                 raise ValueError(f"decode_widths must include slots ({self.slots}), got {list(decode_widths)}")
             self.decode_widths = widths
-        self.attention = paged_attention_name(attention or config.attention, config)  # MLA: "xla" (no paged kernel)
+        self.attention = request.attention(config, attention, paged=True)  # MLA: "xla" (no paged kernel)
         self.prefix_cache = prefix_cache
         self._state: programs.State | None = None  # allocated on first use
         self._free = self.num_pages  # free pages as of the last dispatch
@@ -229,7 +149,7 @@ class Engine:
         self._order: list[int] = []  # ids submitted and not yet collected, in submission order
         self._next_id = 0
         self._stats = collections.Counter()
-        self._key_shape = np.asarray(_key(0)).shape  # a PRNG key's raw words (2 for threefry)
+        self._key_shape = np.asarray(request.prng_key(0)).shape  # a PRNG key's raw words (2 for threefry)
 
     # --- requests -----------------------------------------------------------------------------------------------
 
@@ -249,7 +169,7 @@ class Engine:
         """
         config = self.config
         with checks.about("prompt"):  # each refusal names its argument (`checks.ArgumentError`)
-            prompt = _token_lists([prompt] if not isinstance(prompt, str) else prompt, config.vocab_size,
+            prompt = request.token_lists([prompt] if not isinstance(prompt, str) else prompt, config.vocab_size,
                                   self.model.tokenizer)
             if len(prompt) != 1:
                 raise ValueError("submit takes one prompt (token ids or a string); use generate() for a list")
@@ -266,9 +186,9 @@ class Engine:
         s = checks.sampling(temperature, top_k, top_p, min_p)
         settings = (float(s["temperature"]), int(s["top_k"] or 0), 1.0 if s["top_p"] is None else float(s["top_p"]),
                     0.0 if s["min_p"] is None else float(s["min_p"]))
-        key = np.asarray(_key(seed))
+        key = np.asarray(request.prng_key(seed))
         with checks.about("stop_tokens"):
-            stop_ids = _stop_ids(stop_tokens, config)
+            stop_ids = request.stop_ids(stop_tokens, config)
             if (stop_ids >= 0).sum() > STOP_SLOTS:
                 raise ValueError(f"at most {STOP_SLOTS} stop tokens per request, got {(stop_ids >= 0).sum()}")
         stop_ids = np.concatenate([stop_ids, np.full(STOP_SLOTS, -1, np.int32)])[:STOP_SLOTS]
@@ -620,7 +540,8 @@ class Engine:
         self._state, out, free = programs.decode(self._params, self._state, shifts, moves, keys, sampler, stop_ids,
                                                  budget, top, config=self._run_config, attention=self.attention,
                                                  steps=self.steps_per_dispatch, width=width, mesh=self.mesh)
-        tokens, chosen, top_ids, top_logp, codes = (np.asarray(x) for x in out)
+        out = outputs.DecodeOut(*(np.asarray(x) for x in out))
+        tokens, codes = out.tokens, out.codes
         self._free = int(free)
         self._stats["decode_s"] += time.perf_counter() - t0
         self._stats["decode_dispatches"] += 1
@@ -633,21 +554,8 @@ class Engine:
             req = self._requests.get(rid) if rid is not None else None
             if req is None:
                 continue
-            new, new_logp, new_top = [], [], []
-            for i in range(tokens.shape[0]):
-                code = int(codes[i, slot])
-                if code == 3:  # NaN logits: nothing was sampled (the decode step released the slot's pages)
-                    break
-                if tokens[i, slot] < 0:
-                    continue  # the slot did not decode at this step
-                new.append(int(tokens[i, slot]))
-                new_logp.append(float(chosen[i, slot]))
-                if req.top:
-                    new_top.append([(int(a), float(b)) for a, b in
-                                    zip(top_ids[i, slot, :req.top], top_logp[i, slot, :req.top])])
-                if code:
-                    break
-                req.written += 1  # fed back
+            new, new_logp, new_top, fed = outputs.slot_tokens(out, slot, req.top)
+            req.written += fed
             req.tokens += new
             req.logprobs += new_logp
             req.top_logprobs += new_top

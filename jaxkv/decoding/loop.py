@@ -1,0 +1,195 @@
+"""The compiled decode loop behind `generate` and `decode`: a `lax.while_loop` whose body runs one token per row
+through the model and picks the next with the one decode step (`jaxkv.decoding.step.select`).
+
+A row that emitted a stop token is done (its later tokens are -1, fed back as padding); the loop ends when every
+row is done or the step budget is out. With a `stream`, each step's tokens reach the host through an ordered
+io_callback, and an exception the stream raises surfaces as itself (`on_host_surfacing`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import NamedTuple
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import io_callback
+from jax.sharding import Mesh
+
+from jaxkv import sharding
+from jaxkv.cache import planner as memory
+from jaxkv.cache.contiguous import KVCache
+from jaxkv.cache.paged import PagedKVCache
+from jaxkv.config import Config
+from jaxkv.decoding import programs, step
+
+
+@flax.struct.dataclass
+class LoopState:
+    """The decode loop's carry.
+
+    cache:   the KV cache (its `length` is the slot the next token goes to).
+    logits:  float32[B, V], the logits the next token is sampled from.
+    key:     the PRNG key; split every step, the half used for sampling is never reused.
+    done:    bool[B], the sequence has stopped (a stop token, or an id outside the vocabulary); later tokens are -1.
+    num_new: int32[B], tokens emitted before and including the stop token.
+    step:    int32[], tokens emitted so far per row (the column the next one goes to).
+    tokens:  int32[B, max_steps], the emitted tokens, -1 where a row had stopped or the loop ended.
+    logprobs: float32[B, max_steps], log p(token) of each emitted token (`step.Selected.logprob`); garbage where
+             `tokens` is -1.
+    top_ids, top_logprobs: int32 and float32[B, max_steps, k], each step's k most likely tokens (k static, from
+             the shape; k = 0 records none).
+    """
+
+    cache: KVCache
+    logits: jax.Array
+    key: jax.Array
+    done: jax.Array
+    num_new: jax.Array
+    step: jax.Array
+    tokens: jax.Array
+    logprobs: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
+
+
+def emit(state: LoopState, *, sampler, stop_ids, stream, rows):
+    """Picks one token per row (`step.select`) and records it -> (state, int32[B] tokens to feed back).
+
+    The sampler sees the first `rows` rows (the caller's own, without batch padding). A row stops after a stop
+    token or an id outside the vocabulary (recorded as emitted, so the host can report it; never fed back).
+    With `stream`, the tokens and which rows emitted one go to the host as they are produced (an ordered
+    io_callback: the compiled loop stays one loop, the host sees every step in order).
+    """
+    key, sample_key = jax.random.split(state.key)
+    picked = step.select(state.logits, sample_key, sampler, stop_ids, top=state.top_ids.shape[-1], rows=rows)
+    tokens, running = picked.tokens, ~state.done
+    if stream is not None:
+        io_callback(functools.partial(call_stream, stream), None, tokens, running & picked.valid, ordered=True)
+
+    def column(buf, x):
+        return lax.dynamic_update_slice(buf, x[:, None], (0, state.step) + (0,) * (buf.ndim - 2))
+
+    state = state.replace(key=key, done=state.done | picked.stopped,
+                          num_new=state.num_new + running.astype(jnp.int32), step=state.step + 1,
+                          tokens=column(state.tokens, jnp.where(running, tokens, -1)),
+                          logprobs=column(state.logprobs, picked.logprob), top_ids=column(state.top_ids, picked.top_ids),
+                          top_logprobs=column(state.top_logprobs, picked.top_logprobs))
+    return state, jnp.where(running & picked.valid, tokens, 0)
+
+
+# stream -> the exception it raised in a running loop. XLA reports a host callback's exception as an opaque
+# runtime error ("INTERNAL: ... CpuCallback error"), so the loop's caller re-raises the callback's own from here.
+# Keyed by the stream (hashed by value, as jit's static argument is): a compiled loop calls the stream it was
+# traced with, which equals the caller's.
+_stream_errors: dict = {}
+
+
+def call_stream(stream, tokens, emitted):
+    try:
+        stream(tokens, emitted)
+    except BaseException as exc:
+        _stream_errors[stream] = exc
+        raise
+
+
+def on_host_surfacing(stream, run):
+    """`run()` (a decode loop, read back to the host) -> its result; if `stream` raised in it, that exception."""
+    _stream_errors.pop(stream, None)
+    try:
+        return run()
+    except Exception as exc:
+        error = _stream_errors.pop(stream, None) if stream is not None else None
+        if error is not None:
+            raise error from exc
+        raise
+
+
+class LoopOut(NamedTuple):
+    """What `decode_loop` returns (host code reads the first four and the log-probabilities; `LoopState` says
+    what each holds)."""
+
+    tokens: jax.Array  # int32[B, max_steps]
+    num_new: jax.Array  # int32[B]
+    done: jax.Array  # bool[B]
+    forward_passes: jax.Array  # int32[], the decode forward passes run
+    cache: KVCache
+    logprobs: jax.Array  # float32[B, max_steps]
+    top_ids: jax.Array  # int32[B, max_steps, k]
+    top_logprobs: jax.Array  # float32[B, max_steps, k]
+
+
+@functools.partial(jax.jit, static_argnames=("config", "max_steps", "rows", "attention", "stream", "mesh",
+                                             "logprobs"),
+                   donate_argnames=("cache",))
+def decode_loop(params, cache: KVCache, logits, key, sampler, stop_ids, done, steps, *, config: Config,
+                max_steps: int, rows: int | None, attention: str, stream: Callable | None, mesh: Mesh | None,
+                logprobs: int = 0) -> LoopOut:
+    """Emits up to `steps` (traced, <= max_steps) tokens per row, feeding back all but the last, and stops early
+    once every row is done (`done` may start true: batch filler rows). `logprobs`: k, the alternatives recorded
+    per token (static; 0 records only each token's own log-probability)."""
+    B = logits.shape[0]
+    state = LoopState(cache=cache, logits=logits, key=key, done=done, num_new=jnp.zeros((B,), jnp.int32),
+                      step=jnp.zeros((), jnp.int32), tokens=jnp.full((B, max_steps), -1, jnp.int32),
+                      logprobs=jnp.zeros((B, max_steps), jnp.float32),
+                      top_ids=jnp.zeros((B, max_steps, logprobs), jnp.int32),
+                      top_logprobs=jnp.zeros((B, max_steps, logprobs), jnp.float32))
+    pick = functools.partial(emit, sampler=sampler, stop_ids=stop_ids, stream=stream, rows=rows)
+    paged = isinstance(cache, PagedKVCache)
+
+    def body(carry):
+        state, feed = carry
+        logits, cache = programs.forward(params, feed[:, None], state.cache, config=config, attention=attention,
+                                         mesh=mesh, active=~state.done if paged else None)
+        return pick(state.replace(cache=cache, logits=logits[:, 0]))
+
+    # Pick, then (while a row runs and tokens are left) feed back and pick again: steps - 1 forward passes at
+    # most, the last token is never fed back, and a batch that stops at once runs none.
+    state, _ = lax.while_loop(lambda c: (c[0].step < steps) & ~jnp.all(c[0].done), body, pick(state))
+    out = LoopOut(tokens=state.tokens, num_new=state.num_new, done=state.done, forward_passes=state.step - 1,
+                  cache=state.cache, logprobs=state.logprobs, top_ids=state.top_ids,
+                  top_logprobs=state.top_logprobs)
+    if mesh is not None:  # everything but the cache, readable by every process
+        out = out._replace(**{name: sharding.replicated(getattr(out, name), mesh)
+                              for name in out._fields if name != "cache"})
+    return out
+
+
+def steps_bound(capacity: int, ring: bool, steps: int) -> int:
+    """The static size of the loop's token buffer: a plain cache can feed back at most `capacity` tokens, so one
+    bound per cache shape serves every `steps` (no recompile per max_new_tokens); a ring has no such bound, so
+    its steps are bucketed to powers of two."""
+    return capacity + 1 if not ring else max(64, memory.next_pow2(steps))
+
+
+def on_host(loop: LoopOut, to_host=np.asarray) -> LoopOut:
+    """`decode_loop`'s output with everything but the cache read to host arrays."""
+    return loop._replace(**{name: to_host(getattr(loop, name)) for name in loop._fields if name != "cache"})
+
+
+@dataclasses.dataclass(frozen=True)
+class StepStream:
+    """Adapts a per-token callback `(row, token)` to the per-step io_callback. Hashable by value, so the same user
+    callback reuses the compiled loop."""
+
+    callback: Callable
+    num_prompts: int
+
+    def __call__(self, tokens, emitted):
+        for b in range(self.num_prompts):  # filler rows (batch padding) are never reported
+            if emitted[b]:
+                self.callback(b, int(tokens[b]))
+
+
+def step_stream(stream, rows: int, what: str = "prompt_index") -> StepStream | None:
+    """A `generate(stream=...)` argument as the loop's stream (None: none), or ValueError."""
+    if stream is None:
+        return None
+    if not callable(stream):
+        raise ValueError(f"stream must be a callable ({what}, token_id), got {stream!r}")
+    return StepStream(stream, rows)

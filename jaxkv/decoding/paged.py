@@ -1,0 +1,120 @@
+"""`generate` on the paged cache (n > 1 samples per prompt, a page_size, a prefix cache): each prompt prefilled
+once (after its cached prefix, with a `jaxkv.PrefixCache`), its n samples forked from it, then the same decode
+loop as the contiguous path (`jaxkv.decoding.loop`)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import numpy as np
+
+from jaxkv import checks, sharding
+from jaxkv.cache import planner as memory
+from jaxkv.decoding import loop, programs, request, result
+from jaxkv.decoding.phase import Phase
+from jaxkv.model import Model
+
+
+def generate_paged(model: Model, prompts, *, n, page_size, max_new_tokens, temperature, top_k, top_p, min_p,
+                   sampler, seed, stop_tokens, cache_dtype, attention, stream, prefix_cache=None,
+                   max_len=None, logprobs=0, mesh=None) -> result.Generation:
+    """`generate` on a paged cache: each prompt prefilled once (after its cached prefix, with a prefix cache),
+    its n samples forked from it. With a mesh (data 1): weights Megatron-style over "model", the pools over KV
+    heads, everything else on every device, as `jaxkv.Engine` runs on one."""
+    config = model.config
+    token_lists = request.token_lists(prompts, config.vocab_size, model.tokenizer)
+    max_new_tokens = checks.check_int("max_new_tokens", max_new_tokens, 1)
+    stop_ids, key = request.stop_ids(stop_tokens, config), request.prng_key(seed)
+    cache_dtype = request.cache_dtype(config, cache_dtype)
+    attention = request.attention(config, attention, paged=True)
+    pages = memory.plan_pages(config, [len(p) for p in token_lists], max_new_tokens, n=n, page_size=page_size,
+                              cache_dtype=cache_dtype, max_len=request.optional_int("max_len", max_len))
+    rows = pages.batch * n
+    if sampler is None:  # per-prompt settings, repeated for each of the prompt's samples
+        settings = checks.sampling(temperature, top_k, top_p, min_p, rows=pages.batch)
+        temperature, top_k, top_p, min_p = ([v for v in settings[name] for _ in range(n)]
+                                            if isinstance(settings[name], list) else settings[name]
+                                            for name in ("temperature", "top_k", "top_p", "min_p"))
+    sample_fn, sampler_rows = request.sampler_for(temperature, top_k, top_p, min_p, sampler, rows, pages.padded_rows)
+    on_step = loop.step_stream(stream, rows, "row_index")
+    if prefix_cache is not None:
+        prefix_cache.check(model, cache_dtype, page_size, mesh)
+    params, run_config = (model.params, config) if mesh is None else sharding.sharded_weights(model.params, config,
+                                                                                              mesh)
+    parents = np.full((pages.padded_rows,), -1, np.int32)
+    parents[:rows] = np.repeat(np.arange(pages.batch), n)
+    done = np.arange(pages.padded_rows) >= rows
+    # A call that fails at any point (a refused make_room, a sampler or stream that raises half way) leaves the
+    # prefix cache's index and pool as it found them.
+    with prefix_cache.transaction() if prefix_cache is not None else contextlib.nullcontext():
+        with Phase() as prefill_time:
+            logits, cache, hit, tokens = _prefill(params, token_lists, parents, pages, prefix_cache,
+                                                  config=run_config, attention=attention, page_size=page_size,
+                                                  cache_dtype=cache_dtype, mesh=mesh)
+        with Phase() as decode_time:
+            out = loop.on_host_surfacing(on_step, lambda: loop.on_host(loop.decode_loop(
+                params, cache, logits, jax.device_put(key), sample_fn, jax.device_put(stop_ids),
+                jax.device_put(done), jax.device_put(np.int32(max_new_tokens)), config=run_config,
+                max_steps=loop.steps_bound(cache.capacity, False, max_new_tokens), rows=sampler_rows,
+                attention=attention, stream=on_step, mesh=mesh, logprobs=logprobs)))
+        overflowed = bool(np.asarray(out.cache.overflowed).any())
+        peak = int(out.cache.pages_in_use())  # nothing is freed while decoding, so the end is the peak
+        if prefix_cache is not None:
+            prefix_cache.store(out.cache)  # the rows' pages released; the prefixes' stay cached
+    if overflowed:  # the plan sizes the pool for the whole call: a bug if this happens
+        raise RuntimeError("the paged pool ran out of pages; the plan should have prevented it")
+    plan = memory.CachePlan(batch=rows, padded_batch=pages.padded_rows, prompt_len=tokens.shape[1],
+                            capacity=pages.max_pages * page_size, ring=False, cache_dtype=cache_dtype,
+                            requested_bytes=pages.requested_bytes, allocated_bytes=pages.allocated_bytes)
+    req = result.Request(token_lists=[p for p in token_lists for _ in range(n)], max_new_tokens=max_new_tokens,
+                         sampler=sample_fn, rows=sampler_rows, stop_ids=stop_ids, key=key, attention=attention,
+                         plan=plan, tokens=tokens, start=np.zeros((pages.prefill_batch,), np.int32), done=done)
+    gen = result.generation(model, req, out, prefill_time, decode_time)
+    page_bytes = memory.page_bytes(config, page_size, cache_dtype)
+    gen.stats.update({
+        "prompt_tokens": int(sum(len(p) for p in token_lists)),  # each prompt once, not once per sample
+        "n": n, "page_size": page_size,
+        "num_pages": pages.num_pages if prefix_cache is None else prefix_cache.num_pages,
+        # Pages held at the end (with a prefix cache: also the cached prefixes that other calls left).
+        "pages_in_use_peak": peak, "kv_bytes_in_use_peak": peak * page_bytes,
+        # What batch x n private contiguous sequences of prompt + max_new_tokens tokens would need.
+        "kv_cache_bytes_unshared": pages.unshared_bytes,
+        "prefix_hit_tokens": int(sum(hit)),
+        "prefilled_tokens": int(sum(len(p) for p in token_lists) - sum(hit)),
+    })
+    if prefix_cache is not None:
+        gen.stats["kv_cache_bytes"] = prefix_cache.nbytes()
+    return gen
+
+
+def _prefill(params, token_lists, parents, pages, prefix_cache, *, config, attention, page_size, cache_dtype,
+             mesh):
+    """Each prompt into the pool once (after its cached prefix, with a prefix cache, which remembers the new
+    prompts' pages), its rows forked by `parents` -> (float32[R, V] logits, the cache, the tokens each prompt
+    found cached, the right-padded prompt tokens)."""
+    hits = [[] for _ in token_lists]  # cached pages of each prompt's prefix
+    if prefix_cache is not None:
+        hits = [prefix_cache.match(p) for p in token_lists]
+        # The pages this call adds: everything the plan counts but the prefix pages it reuses.
+        prefix_cache.make_room(pages.pages_needed - sum(map(len, hits)), keep={p for h in hits for p in h})
+    hit = [len(h) * page_size for h in hits]  # tokens found in the cache
+    T = max(memory.MIN_PROMPT_BUCKET, memory.next_pow2(max(len(p) - h for p, h in zip(token_lists, hit))))
+    tokens, positions = request.right_pad(token_lists, rows=pages.prefill_batch, length=T, cached=hit)
+    if prefix_cache is None:
+        logits, cache = programs.prefill_paged(params, jax.device_put(tokens), jax.device_put(positions),
+                                               jax.device_put(parents), config=config, attention=attention,
+                                               num_pages=pages.num_pages, page_size=page_size,
+                                               max_pages=pages.max_pages, cache_dtype=cache_dtype, mesh=mesh)
+    else:
+        table = np.full((pages.prefill_batch, pages.max_pages), -1, np.int32)
+        for b, h in enumerate(hits):
+            table[b, :len(h)] = h
+        lengths = np.zeros((pages.prefill_batch,), np.int32)
+        lengths[:len(hit)] = hit
+        logits, prefilled, cache = programs.prefill_suffix(
+            params, jax.device_put(tokens), jax.device_put(positions), prefix_cache.cache(table, lengths),
+            jax.device_put(parents), config=config, attention=attention, mesh=mesh)
+        cache = prefix_cache.remember(token_lists, np.asarray(prefilled), cache)
+    logits.block_until_ready()
+    return logits, cache, hit, tokens

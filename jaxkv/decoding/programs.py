@@ -1,0 +1,73 @@
+"""The compiled forward programs every decoding path runs: a forward pass through the cache, the contiguous and
+paged prefills, one decode step. The entry points (`jaxkv.generate`, `beam_search`, `score`, the engine) check
+their arguments first (`jaxkv.decoding.request`); these assume checked, static-shaped inputs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv import sharding
+from jaxkv.cache.contiguous import KVCache
+from jaxkv.cache.paged import PagedKVCache
+from jaxkv.model import Decoder
+
+
+def forward(params, tokens, cache, *, config, attention, prefill=False, last_only=False, mesh=None, active=None):
+    """tokens int32[B, T] into the cache -> (float32[B, T or 1, V], cache). With a mesh, the cache keeps its
+    (data, model) sharding (a constraint on the way out, so SPMD propagation cannot choose to gather it).
+    `active` (bool[B], paged caches): rows that store their tokens; the others are padding, so a finished
+    sequence takes no more pages."""
+    positions = cache.positions(tokens.shape[1])
+    if active is not None:
+        positions = jnp.where(active[:, None], positions, -1)
+    logits, cache = Decoder(config, mesh).apply({"params": params}, tokens, positions, cache,
+                                                prefill=prefill, last_only=last_only, attention=attention)
+    return logits, sharding.constrain_cache(cache, mesh)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "capacity", "attention", "cache_dtype", "ring", "mesh"))
+def prefill(params, tokens, start, *, config, capacity, attention, cache_dtype, ring, mesh):
+    """Left-padded prompts (tokens int32[B, T], start int32[B]) into a fresh contiguous cache of `capacity`
+    slots -> (float32[B, V] the last token's logits, the cache)."""
+    cache = sharding.constrain_cache(KVCache.allocate(config, tokens.shape[0], capacity, dtype=cache_dtype,
+                                                      start=start, ring=ring), mesh)
+    logits, cache = forward(params, tokens, cache, config=config, attention=attention, prefill=True,
+                            last_only=True, mesh=mesh)
+    return logits[:, 0], cache
+
+
+@functools.partial(jax.jit, static_argnames=("config", "attention", "mesh"), donate_argnames=("cache",))
+def decode_step(params, tokens, cache: KVCache, *, config, attention, mesh):
+    """tokens int32[B] at slot `cache.length` -> (float32[B, V] logits, the cache, donated)."""
+    logits, cache = forward(params, tokens[:, None], cache, config=config, attention=attention, mesh=mesh)
+    return logits[:, 0], cache
+
+
+@functools.partial(jax.jit, static_argnames=("config", "attention", "num_pages", "page_size", "max_pages",
+                                             "cache_dtype", "mesh"))
+def prefill_paged(params, tokens, positions, parents, *, config, attention, num_pages, page_size, max_pages,
+                  cache_dtype, mesh=None):
+    """Prefills right-padded prompts (positions -1 after each) into a fresh pool, then forks the rows that decode
+    from them: row r continues prompt parents[r] (-1: an empty filler row) -> (float32[R, V] logits, cache). With
+    a mesh the pools are split over KV heads (`sharding.paged_cache_shardings`)."""
+    cache = PagedKVCache.allocate(config, tokens.shape[0], num_pages=num_pages, page_size=page_size,
+                                  max_len=max_pages * page_size, dtype=cache_dtype)
+    cache = sharding.constrain_cache(cache, mesh)
+    logits, cache = Decoder(config, mesh).apply({"params": params}, tokens, positions, cache, prefill=True,
+                                                last_only=True, attention=attention)
+    return logits[jnp.maximum(parents, 0), 0], sharding.constrain_cache(cache.fork(parents), mesh)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "attention", "mesh"))
+def prefill_suffix(params, tokens, positions, cache, parents, *, config, attention, mesh=None):
+    """Prefills right-padded prompt suffixes (positions -1 after each) into a cache whose rows already hold their
+    cached prefixes, attending over those pages (as stored) and over their own fresh K/V (`Decoder`'s `chunk`)
+    -> (float32[R, V] logits of the rows forked by `parents`, the prefilled page table, the forked cache)."""
+    cache = sharding.constrain_cache(cache, mesh)
+    logits, cache = Decoder(config, mesh).apply({"params": params}, tokens, positions, cache, last_only=True,
+                                                attention=attention, chunk=True)
+    return logits[jnp.maximum(parents, 0), 0], cache.page_table, sharding.constrain_cache(cache.fork(parents), mesh)

@@ -1,0 +1,113 @@
+"""The one decode step: what every decoding path does with a row's logits once the model has produced them.
+
+`select` is where a sampled token is checked: the logits go through `process_logits` (the one hook a strategy
+plugs into: a constraint mask, a speculative verifier's target distribution), the sampler picks a token per
+row, a row whose logits are NaN gets -1 and stops, stop ids are matched, and the token's log-probability (and
+the k most likely alternatives, when asked for) are read from the processed logits. `generate`, `decode` and
+the engine call `select`; beam search picks its tokens itself (top-k over beams) but through the same
+`log_probs` and `matches_stop`, so the hook and the stop rule are the same for every path.
+
+Letters as in `jaxkv.shapes`: B rows, V vocabulary, k alternatives, n stop-id slots (padded with -1).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxkv.sampling import token_logprobs
+
+
+def process_logits(logits):
+    """float32[B, V] -> float32[B, V]: the logits a token is picked from and its log-probability read from.
+
+    The identity today. It is the seam for what changes the distribution itself rather than how it is sampled
+    (a grammar's mask, a verifier's target): every decode path (`generate`, `decode`, the engine, beam search)
+    looks it up here when it is traced, so replacing it (and clearing JAX's compile caches) changes them all.
+    NaN rows are detected before it runs (a NaN row stops whatever the hook makes of it)."""
+    return logits
+
+
+def log_probs(logits):
+    """float32[B, V]: log_softmax of the processed logits (beam search's scores)."""
+    return jax.nn.log_softmax(process_logits(logits).astype(jnp.float32), axis=-1)
+
+
+def nan_rows(logits):
+    """bool[B]: rows whose logits hold a NaN: the model could not place the row's last token (a full cache, a
+    position past the model's range; see `jaxkv.model.Decoder`)."""
+    return jnp.any(jnp.isnan(logits), axis=-1)
+
+
+def matches_stop(tokens, stop_ids):
+    """bool[...]: tokens int32[...] that are one of the stop ids: int32[n] shared by every row, or int32[B, n]
+    one list per row (tokens [B]). Padding (-1) never matches, as no token is negative after `select`."""
+    if stop_ids.ndim == 2:
+        return jnp.any(tokens[:, None] == stop_ids, axis=-1)
+    return jnp.any(tokens[..., None] == stop_ids, axis=-1)
+
+
+class Selected(NamedTuple):
+    """What `select` returns for B rows.
+
+    tokens:   int32[B], the picked tokens; -1 where the row's logits were NaN.
+    nan:      bool[B], the row's logits were NaN.
+    valid:    bool[B], the token is in [0, V) (a custom sampler may return anything; -1 is not valid).
+    stopped:  bool[B], the row ends here: a stop id, or an invalid token (a NaN row included).
+    logprob:  float32[B], log p(token) under the processed logits at temperature 1, before the sampler's
+              filters (NaN where the token is not valid).
+    top_ids, top_logprobs: int32 and float32[B, k], the k most likely tokens under the same distribution, best
+              first (k = 0: none).
+    """
+
+    tokens: jax.Array
+    nan: jax.Array
+    valid: jax.Array
+    stopped: jax.Array
+    logprob: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
+
+
+def select(logits, key, sampler, stop_ids, *, top: int = 0, top_wanted=None, rows: int | None = None) -> Selected:
+    """One decode step's token choice for B rows of float32[B, V] logits (see the module docstring).
+
+    key: what `sampler` takes as its key (one PRNG key, or one per row for the engine's per-slot keys).
+    sampler: `(logits, key) -> int32[rows]`; it sees the first `rows` rows (None: all B), the rest get token 0
+      (batch filler that the caller ignores).
+    top: k, the alternatives read per row (static).
+    top_wanted: None, or a traced bool: read the k alternatives only when it is true (zeros otherwise), so a
+      batch where nobody asked for them does not pay for a top-k over the vocabulary.
+    """
+    B, V = logits.shape
+    nan = nan_rows(logits)
+    logits = process_logits(logits)
+    tokens = sampler(logits if rows is None else logits[:rows], key)
+    want = (B if rows is None else rows,)
+    if getattr(tokens, "shape", None) != want or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"the sampler must return integer token ids of shape {want}, got "
+                         f"{getattr(tokens, 'shape', None)} {getattr(tokens, 'dtype', type(tokens).__name__)}")
+    tokens = tokens.astype(jnp.int32)
+    if rows is not None and rows < B:
+        tokens = jnp.concatenate([tokens, jnp.zeros((B - rows,), jnp.int32)])
+    # A NaN row emits -1 and stops, rather than whatever id a sampler makes of NaN.
+    tokens = jnp.where(nan, -1, tokens)
+    valid = (tokens >= 0) & (tokens < V)
+    stopped = matches_stop(tokens, stop_ids) | ~valid
+
+    def alternatives(logits):
+        return token_logprobs(logits, tokens, top)
+
+    if top_wanted is None or top == 0:
+        logprob, top_ids, top_logprobs = alternatives(logits)
+    else:
+        def chosen_only(logits):
+            return (token_logprobs(logits, tokens)[0], jnp.zeros((B, top), jnp.int32),
+                    jnp.zeros((B, top), jnp.float32))
+
+        logprob, top_ids, top_logprobs = lax.cond(top_wanted, alternatives, chosen_only, logits)
+    return Selected(tokens=tokens, nan=nan, valid=valid, stopped=stopped, logprob=logprob, top_ids=top_ids,
+                    top_logprobs=top_logprobs)

@@ -1,0 +1,252 @@
+"""The engine's device side: its state and the five compiled programs over it (`jaxkv.engine` schedules them).
+
+The state (`State`) is one pytree of fixed shape, donated to each program, so nothing recompiles once they are
+warm. S decode slots, Q staging rows, M page-table entries, P pages, V vocabulary; letters as in `jaxkv.shapes`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxkv import sharding
+from jaxkv.cache.paged import NO_PAGE, PagedKVCache
+from jaxkv.decoding import programs, step
+from jaxkv.decoding.request import MAX_TOP_LOGPROBS, STOP_ID_SLOTS
+from jaxkv.model import Decoder
+from jaxkv.sampling import Sampler
+
+MAX_LOGPROBS = MAX_TOP_LOGPROBS  # top alternatives a request may ask for per token, as for `generate`
+STOP_SLOTS = 4 * STOP_ID_SLOTS  # stop ids per request (padded with -1): a fixed shape for every request
+FINISH_REASONS = (None, "stop", "length", "error")  # the decode step's finish codes 0..3
+
+
+@flax.struct.dataclass
+class State:
+    """Everything the device holds between dispatches: S decode slots and R staging rows.
+
+    cache:    the paged cache, batch S + Q: rows [0, S) are the decode slots, rows S + j the Q staging rows where
+              prompts are prefilled before they move into a free slot (their pages move with them, not copied)
+    staged:   float32[Q, V], the last prompt token's logits of each staging row whose prefill is complete
+    logits:   float32[S, V], what each decoding slot samples its next token from
+    keys:     uint32[S, 2], each slot's PRNG key, split once per token drawn
+    decoding: bool[S], the slot holds a request that has not finished
+    sampler:  `Sampler` with one setting per slot
+    stop_ids: int32[S, STOP_SLOTS], padded with -1
+    budget:   int32[S], tokens the slot's request may still emit
+    top:      int32[S], top alternatives wanted per token (0: none)
+    """
+
+    cache: PagedKVCache
+    staged: jax.Array
+    logits: jax.Array
+    keys: jax.Array
+    decoding: jax.Array
+    sampler: Sampler
+    stop_ids: jax.Array
+    budget: jax.Array
+    top: jax.Array
+
+
+def _placed(state: State, mesh) -> State:
+    """On a mesh, the cache keeps its layout (pools split over KV heads; `sharding.paged_cache_shardings`)."""
+    return state.replace(cache=sharding.constrain_cache(state.cache, mesh))
+
+
+def _free_pages(state: State) -> jax.Array:
+    return jnp.sum(state.cache.refcounts == 0, dtype=jnp.int32)
+
+
+def _rows(cache: PagedKVCache, rows) -> PagedKVCache:
+    """The cache's rows `rows` (int32[n], -1: an empty row) as a batch of their own over the same pools."""
+    used = rows >= 0
+    row = jnp.maximum(rows, 0)
+    return dataclasses.replace(cache, page_table=jnp.where(used[:, None], cache.page_table[row], NO_PAGE),
+                               lengths=jnp.where(used, cache.lengths[row], 0),
+                               overflowed=jnp.where(used, cache.overflowed[row], False))
+
+
+def _put_rows(cache: PagedKVCache, rows, sub: PagedKVCache) -> PagedKVCache:
+    """`sub` (from `_rows(cache, rows)`, then used) back into the cache: its pools and counts, its rows' tables."""
+    back = jnp.where(rows >= 0, rows, cache.batch)  # out of range for empty rows: dropped
+    return dataclasses.replace(sub, page_table=cache.page_table.at[back].set(sub.page_table, mode="drop"),
+                               lengths=cache.lengths.at[back].set(sub.lengths, mode="drop"),
+                               overflowed=cache.overflowed.at[back].set(sub.overflowed, mode="drop"))
+
+
+@functools.partial(jax.jit, static_argnames=("mesh",), donate_argnames=("state",))
+def admit(state: State, row, table_row, length, *, mesh=None):
+    """A request into staging row `row` of the cache: its page-table row holds the pages of its cached prefix
+    (`length` slots), each taking a reference."""
+    cache = state.cache
+    cache = dataclasses.replace(cache, page_table=cache.page_table.at[row].set(table_row),
+                                lengths=cache.lengths.at[row].set(length),
+                                overflowed=cache.overflowed.at[row].set(False),
+                                refcounts=cache._count(table_row, +1, cache.refcounts))
+    state = _placed(state.replace(cache=cache), mesh)
+    return state, _free_pages(state)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "mesh"), donate_argnames=("state",))
+def prefill(params, state: State, rows, tokens, counts, *, config, mesh=None):
+    """One prompt chunk per prefill row: tokens int32[R, C] (right-padded; counts int32[R] real, 0: no chunk)
+    into staging rows `rows` int32[R] (cache rows S + j; -1: none), attending over the row's pages so far. Each
+    row's last token's logits go to `staged[j]` (what the slot it moves to samples from first, once its prompt is
+    complete). A chunk attends over its own fresh K/V and over the row's earlier slots as stored (`Decoder`'s
+    `chunk`): a prompt prefilled in one chunk with no cached prefix reads nothing quantized, as generate's
+    prefill."""
+    R, C = tokens.shape
+    sub = _rows(state.cache, rows)
+    t = jnp.arange(C, dtype=jnp.int32)[None, :]
+    positions = jnp.where(t < counts[:, None], sub.lengths[:, None] + t, -1)  # [R, C], -1: padding
+    # XLA attention: the Pallas paged kernel takes one query per sequence.
+    logits, sub = Decoder(config, mesh).apply({"params": params}, tokens, positions, sub, last_only=True,
+                                              attention="xla", chunk=True)
+    S, Q = state.logits.shape[0], state.staged.shape[0]
+    staged = state.staged.at[jnp.where(counts > 0, rows - S, Q)].set(logits[:, 0], mode="drop")
+    state = _placed(state.replace(cache=_put_rows(state.cache, rows, sub), staged=staged), mesh)
+    return state, _free_pages(state)
+
+
+def _shift(state: State, shifts) -> State:
+    """Slot s takes over the request decoding in slot shifts[s] (-1: none): its page-table row, length and
+    per-slot state move (no page is copied or recounted) and the source slot empties. Destinations are free slots
+    and sources decoding ones (the host's compaction), so the two sets are disjoint."""
+    S = state.logits.shape[0]
+    cache = state.cache
+    moving = shifts >= 0
+    src = jnp.maximum(shifts, 0)
+    dst = jnp.where(moving, jnp.arange(S, dtype=jnp.int32), cache.batch)  # dropped where nothing moves
+    emptied = jnp.where(moving, src, cache.batch)
+    cache = dataclasses.replace(
+        cache, page_table=cache.page_table.at[dst].set(cache.page_table[src], mode="drop")
+        .at[emptied].set(NO_PAGE, mode="drop"),
+        lengths=cache.lengths.at[dst].set(cache.lengths[src], mode="drop").at[emptied].set(0, mode="drop"),
+        overflowed=cache.overflowed.at[dst].set(cache.overflowed[src], mode="drop").at[emptied].set(False,
+                                                                                                    mode="drop"))
+
+    def pick(x):
+        return jnp.where(moving.reshape((S,) + (1,) * (x.ndim - 1)), x[src], x)
+
+    decoding = pick(state.decoding).at[emptied].set(False, mode="drop")
+    return state.replace(cache=cache, logits=pick(state.logits), keys=pick(state.keys), decoding=decoding,
+                         sampler=jax.tree.map(pick, state.sampler), stop_ids=pick(state.stop_ids),
+                         budget=pick(state.budget), top=pick(state.top))
+
+
+def _move_in(state: State, moves, keys, sampler: Sampler, stop_ids, budget, top) -> State:
+    """Slot s takes the request prefilled in staging row moves[s] (-1: none) with its settings: the staging row's
+    page-table row and length move to the slot (no page is copied or recounted) and the staging row empties."""
+    S = state.logits.shape[0]
+    cache = state.cache
+    moving = moves >= 0
+    src = S + jnp.maximum(moves, 0)  # cache row of the staging row
+    dst = jnp.where(moving, jnp.arange(S, dtype=jnp.int32), cache.batch)  # dropped where nothing moves
+    table = cache.page_table.at[dst].set(cache.page_table[src], mode="drop")
+    lengths = cache.lengths.at[dst].set(cache.lengths[src], mode="drop")
+    overflowed = cache.overflowed.at[dst].set(cache.overflowed[src], mode="drop")
+    emptied = jnp.where(moving, src, cache.batch)
+    cache = dataclasses.replace(cache, page_table=table.at[emptied].set(NO_PAGE, mode="drop"),
+                                lengths=lengths.at[emptied].set(0, mode="drop"), overflowed=overflowed)
+
+    def pick(new, old):
+        return jnp.where(moving.reshape((S,) + (1,) * (old.ndim - 1)), new, old)
+
+    return state.replace(cache=cache, logits=pick(state.staged[jnp.maximum(moves, 0)], state.logits),
+                         keys=pick(keys, state.keys), decoding=state.decoding | moving,
+                         sampler=jax.tree.map(pick, sampler, state.sampler), stop_ids=pick(stop_ids, state.stop_ids),
+                         budget=pick(budget, state.budget), top=pick(top, state.top))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "attention", "steps", "width", "mesh"),
+                   donate_argnames=("state",))
+def decode(params, state: State, shifts, moves, keys, sampler, stop_ids, budget, top, *, config, attention,
+            steps: int, width: int, mesh=None):
+    """Moves decoding requests down into free slots (`_shift`), prefilled requests into free slots (`_move_in`),
+    then `steps` decode steps over slots [0, width) ->
+    (state, per step: int32[S] tokens (-1: the slot did not decode), float32[S] their log-probabilities, the top
+    alternatives, int32[S] finish codes (FINISH_REASONS)), int32[] free pages).
+
+    Only the first `width` (W) slots are computed: the host packs requests into the lowest free slots and picks the
+    smallest compiled width holding every decoding slot, so a lightly loaded engine does not pay for its empty
+    slots (a decode step's cost grows with its batch). Slots at or past W must not be decoding."""
+    state = _move_in(_shift(state, shifts), moves, keys, sampler, stop_ids, budget, top)
+    S, W = state.logits.shape[0], width
+    slots = jnp.arange(W, dtype=jnp.int32)
+
+    def live(state):
+        run, logits_w = state.decoding[:W], state.logits[:W]
+        sampler_w = jax.tree.map(lambda x: x[:W], state.sampler)
+        split = jax.vmap(jax.random.split)(state.keys[:W])  # [W, 2, key]: (the next key, this token's key)
+        # The one decode step: NaN rows (the model could not place the row's last token) get -1 and stop; the
+        # top alternatives are read only when a decoding slot asked for them.
+        picked = step.select(logits_w, split[:, 1], sampler_w, state.stop_ids[:W], top=MAX_LOGPROBS,
+                             top_wanted=jnp.any(run & (state.top[:W] > 0)))
+        tokens, nan, stopped = picked.tokens, picked.nan, picked.stopped
+        chosen, top_ids, top_logp = picked.logprob, picked.top_ids, picked.top_logprobs
+        budget = state.budget[:W] - run
+        finished = run & (stopped | (budget <= 0))
+        going = run & ~finished
+
+        def forward(state):
+            # The first W slots as a batch of their own: the staging rows take no part in decoding.
+            sub = _rows(state.cache, slots)
+            logits, sub = programs.forward(params, jnp.where(going, tokens, 0)[:, None], sub, config=config,
+                                   attention=attention, active=going, mesh=mesh)
+            return logits[:, 0], _put_rows(state.cache, slots, sub)
+
+        # The last token of a request is never fed back: a step where every slot finishes runs no model.
+        logits, cache = lax.cond(jnp.any(going), forward, lambda s: (s.logits[:W], s.cache), state)
+        # A finished request's pages are free at once (for the next admissions).
+        cache = cache.release(jnp.zeros((cache.batch,), bool).at[:W].set(finished))
+        code = jnp.where(finished, jnp.where(nan, 3, jnp.where(stopped, 1, 2)), 0)
+        keys = jnp.where(run[:, None], split[:, 0], state.keys[:W])
+        state = state.replace(cache=cache, logits=state.logits.at[:W].set(logits), keys=state.keys.at[:W].set(keys),
+                              decoding=state.decoding.at[:W].set(going), budget=state.budget.at[:W].set(budget))
+        state = _placed(state, mesh)
+
+        def full(x, fill):  # [W, ...] -> [S, ...]: the slots past W did not decode
+            return jnp.full((S,) + x.shape[1:], fill, x.dtype).at[:W].set(x)
+
+        return state, (full(jnp.where(run, tokens, -1), -1), full(chosen, 0), full(top_ids, 0), full(top_logp, 0),
+                       full(code, 0))
+
+    def idle(state):
+        return state, (jnp.full((S,), -1, jnp.int32), jnp.zeros((S,), jnp.float32),
+                       jnp.zeros((S, MAX_LOGPROBS), jnp.int32), jnp.zeros((S, MAX_LOGPROBS), jnp.float32),
+                       jnp.zeros((S,), jnp.int32))
+
+    def one_step(state, _):
+        return lax.cond(jnp.any(state.decoding), live, idle, state)
+
+    state, out = lax.scan(one_step, state, None, length=steps)
+    return state, out, _free_pages(state)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh",), donate_argnames=("state",))
+def release(state: State, rows, *, mesh=None):
+    """Cache rows where `rows` (bool[S + Q]) is true drop their pages; such slots stop decoding."""
+    S = state.logits.shape[0]
+    state = _placed(state.replace(cache=state.cache.release(rows), decoding=state.decoding & ~rows[:S]), mesh)
+    return state, _free_pages(state)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh",), donate_argnames=("state",))
+def refs(state: State, pages, delta, *, mesh=None):
+    """refcounts[pages] += delta (int32[n] pages, -1 entries ignored): the prefix cache's index references."""
+    cache = state.cache
+    flat = jnp.where(pages >= 0, pages, cache.num_pages)
+    cache = dataclasses.replace(cache, refcounts=cache.refcounts.at[flat].add(delta, mode="drop"))
+    state = _placed(state.replace(cache=cache), mesh)
+    return state, _free_pages(state)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "batch", "num_pages", "page_size", "max_len", "dtype"))
+def allocate(config, batch, *, num_pages, page_size, max_len, dtype):
+    return PagedKVCache.allocate(config, batch, num_pages=num_pages, page_size=page_size, max_len=max_len,
+                                 dtype=dtype)
