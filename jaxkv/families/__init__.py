@@ -7,7 +7,7 @@ architectures, config-field mapping, tensor names, ignored and redundant tensors
   llama.py     llama, mistral, qwen2          qwen3.py     qwen3
   gemma.py     gemma2, gemma3_text, gemma3    gemma4.py    gemma4_text, gemma4
   gpt2.py      gpt2                           deepseek.py  deepseek_v2, deepseek_v3
-  (and any other module here: each registers itself)
+  qwen3_moe.py qwen3_moe                      mixtral.py   mixtral
 
 Importing the package imports every module in it, so each family registers itself: adding one is a module here
 and its parity test, nothing else (docs/design/families.md). May import jaxkv.config (and numpy); the loader

@@ -87,8 +87,8 @@ def get(model_type: str) -> Family:
 
 
 def of_config(hf: dict, *, source: str) -> Family:
-    """The family of a parsed config.json, by `architectures[0]` (which names the model class, and so also tells
-    Gemma 3's text-only model from its multimodal one under model_type "gemma3")."""
+    """The family of a parsed config.json, by `architectures[0]` (the model class: what the loader has always
+    required, and what tells a multimodal checkpoint's class apart)."""
     archs = hf.get("architectures")
     supported = ", ".join(_BY_ARCHITECTURE)
     if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
