@@ -5,7 +5,9 @@ mutable "cache" collection. With a cache, the T new tokens' keys and values are 
 [cache.length, cache.length + T) and the queries attend over the cache. Without one (`cache=None`), the tokens
 attend causally to each other only: the no-cache recompute reference.
 
-This is the one place that picks the attention implementation.
+The Decoder assembles each layer from the pieces of `jaxkv.layers` its config asks for (GQA or MLA attention,
+dense MLP or mixture of experts, Gemma's extra norms and per-layer inputs); the attention implementation is
+asked of `jaxkv.attention.api` by the attention layers, by name ("auto", "xla", "pallas") and cache kind.
 """
 
 from __future__ import annotations
@@ -20,170 +22,20 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxkv import attention as attention_impls
-from jaxkv import compile_cache, sharding
-from jaxkv.attention import paged_reference
-from jaxkv.attention.reference import masks_dead_values
-from jaxkv.cache import KVCache
+from jaxkv import compile_cache
+from jaxkv.cache.contiguous import KVCache
 from jaxkv.config import Config
-from jaxkv.paged_cache import PagedKVCache
-from jaxkv.layers import (ALL_OUT_IN_ORDER, Mlp, Norm, activation, apply_rope, fan_in_init, in_out_names,
-                          linear, rope_angles, stored_out_in)
-from jaxkv.mla_attention import MlaAttention
-from jaxkv import moe as moe_lib
+from jaxkv.layers import moe as moe_lib
+from jaxkv.layers.gqa import Attention
+from jaxkv.layers.linear import ALL_OUT_IN_ORDER, fan_in_init, in_out_names, linear
+from jaxkv.layers.mla import MlaAttention
+from jaxkv.layers.mlp import Mlp, activation
+from jaxkv.layers.norms import Norm
+from jaxkv.layers.per_layer import PerLayerInputs
+from jaxkv.layers.rope import rope_angles
+from jaxkv.cache.paged import PagedKVCache
 
 compile_cache.setup()  # before anything compiles: programs come from / go to the persistent cache
-
-
-class Attention(nn.Module):
-    config: Config
-    layer: int
-    mesh: Mesh | None = None  # with a mesh, a Pallas kernel runs per shard (`jaxkv.sharding.shard_attention`)
-
-    @nn.compact
-    def __call__(self, x, rope, cache, start, prefill, attention: str, shared=None, chunk: bool = False):
-        """x [B, T, D]; rope: (cos, sin) or None; start int32[B] -> ([B, T, D], cache, (k, v)).
-
-        With a cache, the queries sit in slots [cache.length, cache.length + T) and attend over the cache (with
-        `prefill`, the cache is empty and they attend over each other); without, they sit in slots [0, T) and
-        attend over each other. With a `PagedKVCache`, `start` is instead bool[B, T], the tokens to store (right
-        padding is not), and the queries sit in each row's own slots [lengths[b], lengths[b] + T); with `chunk`
-        (a prompt chunk, `Decoder`) they attend over the pages before the chunk and over their own fresh K/V.
-
-        The third output is this layer's fresh keys and values ([B, K, T, H], after norms and rotation; None for a
-        layer that computes none). A layer that shares another's K/V (`Config.kv_source`) computes none and
-        caches nothing: it attends over `shared`, its source layer's fresh K/V, during prefill and without a
-        cache, and otherwise over the source layer's cache buffer, which that layer has already updated for these
-        tokens.
-        """
-        cfg = self.config
-        D, N = cfg.d_model, cfg.n_heads
-        K, H = cfg.layer_kv_heads(self.layer), cfg.layer_head_dim(self.layer)
-        source = cfg.kv_source(self.layer)
-        dtype = jnp.dtype(cfg.dtype)
-
-        def project(name, heads):
-            if out_in:
-                w = self.param(name, fan_in_init(D), (heads, H, D), dtype).reshape(heads * H, D)
-            else:
-                w = self.param(name, fan_in_init(D), (D, heads, H), dtype).reshape(D, heads * H)
-            y = linear(x, w, out_in).reshape(*x.shape[:2], heads, H)
-            if cfg.qkv_bias:
-                y = y + self.param(name + "_bias", nn.initializers.zeros, (heads, H), dtype)
-            return y
-
-        # One layout for all four projections, decided by the query width (KV-head replication on a mesh must not
-        # change it); by the config's head_dim, so every layer's projections share it (`layers.in_out_names`).
-        out_in = stored_out_in(D, N * cfg.head_dim, dtype)
-        q = project("wq", N)  # [B, T, N, H]
-        if cfg.qk_norm:  # Gemma 3, Qwen3: each head's query and key normalized before the rotation
-            q = Norm(cfg, dim=H, name="q_norm")(q)
-        if rope is not None:
-            q = apply_rope(q, *rope)
-        if source == self.layer:
-            k = project("wk", K)  # [B, T, K, H]
-            # Gemma 4's global layers: the values are the key projection's output, before its norm and rotation
-            v = k if cfg.layer_values_from_keys(self.layer) else project("wv", K)
-            if cfg.qk_norm:
-                k = Norm(cfg, dim=H, name="k_norm")(k)
-            if cfg.value_norm:  # Gemma 4: an RMS norm without a weight over each value head
-                v = Norm(cfg, dim=H, with_scale=False, name="v_norm")(v)
-            if rope is not None:
-                k = apply_rope(k, *rope)
-            k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, H], the cache layout
-            fresh = (k, v)
-        else:
-            k, v = shared
-            fresh = None
-        q_offset, k_scale, v_scale, ring = jnp.zeros((), jnp.int32), None, None, False
-        window = cfg.layer_window(self.layer)
-        if isinstance(cache, PagedKVCache):
-            out, cache = self._paged(q, k, v, cache, start, prefill, attention, chunk)
-        elif cache is not None:
-            q_offset = cache.length
-            if source != self.layer:
-                if not prefill:  # the source layer's buffer, already updated for these tokens
-                    k, v = cache.keys[source], cache.values[source]
-                    (k_scale, v_scale), ring = cache.scales(source), cache.layer_ring(source)
-            elif prefill:
-                # An empty cache: the prompt attends over its own fresh (unquantized) K/V, O(T^2), whatever the
-                # cache's size, dtype or ring layout; the cache only stores them. (Its dead slots hold zeros from
-                # the allocation or finite padding K/V: nothing to zero.)
-                cache = cache.write_prompt(self.layer, k, v)
-            else:
-                # The XLA path needs dead value slots finite (0 x NaN is NaN): zeroed by the write, unless the
-                # attention masks them itself (its live-prefix switch does).
-                zero = (attention_impls.resolve(attention) == "xla"
-                        and not masks_dead_values(cache.layer_capacity(self.layer), k.shape[2]))
-                cache = cache.write(self.layer, k, v, zero_dead_values=zero)
-                k, v = cache.keys[self.layer], cache.values[self.layer]
-                (k_scale, v_scale), ring = cache.scales(self.layer), cache.layer_ring(self.layer)
-        if not isinstance(cache, PagedKVCache):
-            attend = attention_impls.get(attention)
-            if self.mesh is not None and attention_impls.resolve(attention) == "pallas":
-                attend = sharding.shard_attention(attend, self.mesh)
-            out = attend(q, k, v, start, q_offset, scale=cfg.attention_scale, sliding_window=window,
-                         k_scale=k_scale, v_scale=v_scale, ring=ring,
-                         softcap=cfg.attn_logit_softcap)  # [B, T, N, H]
-        if out_in:
-            wo = self.param("wo", fan_in_init(N * H), (D, N, H), dtype).reshape(D, N * H)
-        else:
-            wo = self.param("wo", fan_in_init(N * H), (N, H, D), dtype).reshape(N * H, D)
-        y = linear(out.reshape(*out.shape[:2], N * H), wo, out_in)  # [B, T, D]
-        if cfg.out_bias:
-            y = y + self.param("wo_bias", nn.initializers.zeros, (D,), dtype)
-        return y, cache, fresh
-
-    def _paged(self, q, k, v, cache, valid, prefill, attention: str, chunk: bool = False):
-        """Writes k, v [B, K, T, H] (the `valid` tokens) through the page table and attends -> ([B, T, N, H], cache).
-
-        Prefill (an empty cache, right-padded prompts): the prompt attends over its own fresh K/V, causally, as
-        for the contiguous cache; padding comes after every real token, so no real token sees it. A prompt chunk
-        (`chunk`, XLA whatever `attention` says): the queries attend over their rows' pages before the chunk, as
-        stored, and over the chunk's fresh K/V, causally (`paged_reference`'s `fresh`), so a prompt prefilled in
-        one chunk reads nothing quantized, as in prefill. Otherwise (decode) the queries attend over their rows'
-        pages, their own K/V included, as stored. A layer that shares another's K/V
-        (`Config.kv_source`) writes nothing: in prefill k, v are its source's fresh K/V; otherwise it reads the
-        source layer's pools, which that layer (an earlier one) has already written for these tokens."""
-        cfg = self.config
-        scale, window = cfg.attention_scale, cfg.layer_window(self.layer)
-        source = cfg.kv_source(self.layer)
-        if source == self.layer:
-            cache = cache.write(self.layer, k, v, valid)
-        name = attention_impls.resolve(attention)
-        if prefill:
-            zero = jnp.zeros((q.shape[0],), jnp.int32)
-            out = attention_impls.get(name)(q, k, v, zero, jnp.zeros((), jnp.int32), scale=scale,
-                                            sliding_window=window, softcap=cfg.attn_logit_softcap)
-            return out, cache
-        lengths = cache.lengths + jnp.sum(valid, axis=1, dtype=jnp.int32)  # this chunk's own slots included
-        k_scale, v_scale = cache.scales(source)
-        pools = (cache.keys[source], cache.values[source], cache.page_table, lengths)
-        pool = paged_reference.prefers_pool(cache.num_pages, *cache.page_table.shape)
-        if chunk:  # k, v: this layer's (or its source layer's) fresh K/V of the chunk
-            fn = paged_reference.pool_attention if pool else paged_reference.live_paged_attention
-            out = fn(q, *pools, cache.positions(q.shape[1]), scale=scale, sliding_window=window, k_scale=k_scale,
-                     v_scale=v_scale, softcap=cfg.attn_logit_softcap, fresh=(k, v, valid))
-        elif name == "pallas":
-            if q.shape[1] != 1:
-                raise NotImplementedError("the Pallas paged kernel decodes one token per sequence; a longer chunk "
-                                          "over a paged cache needs attention='xla'")
-            from jaxkv.attention import pallas
-
-            attend = pallas.paged_attention
-            if self.mesh is not None:  # a kernel is not auto-partitioned: it runs per shard of the heads
-                attend = sharding.shard_paged_attention(attend, self.mesh)
-            out = attend(q, *pools, cache.positions(1), scale=scale, sliding_window=window, k_scale=k_scale,
-                         v_scale=v_scale, softcap=cfg.attn_logit_softcap)
-        else:
-            # Whichever XLA formulation reads less: the whole pool once (shared pages read once per step) or each
-            # sequence's own pages (shared ones read once per sequence): for one query per sequence only the pages
-            # in use, end to end (ragged); for a chunk, each table's live prefix.
-            fn = (paged_reference.pool_attention if pool else paged_reference.ragged_paged_attention if q.shape[1] == 1
-                  else paged_reference.live_paged_attention)
-            out = fn(q, *pools, cache.positions(q.shape[1]), scale=scale, sliding_window=window,
-                     k_scale=k_scale, v_scale=v_scale, softcap=cfg.attn_logit_softcap)
-        return out, cache
 
 
 class Block(nn.Module):
@@ -227,30 +79,10 @@ class Block(nn.Module):
 
 def ffn(config: Config, layer: int) -> nn.Module:
     """The feed-forward block of `layer` (named "mlp"): the dense `Mlp` of ffn_dim, or from layer
-    moe.first_dense_layers on (DeepSeek's `first_k_dense_replace`) the mixture of experts (`jaxkv.moe.Moe`)."""
+    moe.first_dense_layers on (DeepSeek's `first_k_dense_replace`) the mixture of experts (`jaxkv.layers.moe.Moe`)."""
     if config.moe is not None and config.moe.is_moe_layer(layer):
         return moe_lib.Moe(config.moe, config.d_model, config.dtype, name="mlp")
     return Mlp(config, config.layer_ffn_dim(layer), name="mlp")
-
-
-class PerLayerInputs(nn.Module):
-    """Gemma 4's per-layer inputs [B, T, L, P] (`Config.per_layer_input_dim`; transformers' get_per_layer_inputs
-    and project_per_layer_inputs): (norm(W x * D ** -0.5) + table[tokens] * sqrt(P)) * 2 ** -0.5, where x is the
-    scaled token embeddings [B, T, D]; the scales are rounded to the dtype first, as transformers' are."""
-
-    config: Config
-
-    @nn.compact
-    def __call__(self, tokens, x):
-        cfg = self.config
-        D, L, P, dtype = cfg.d_model, cfg.n_layers, cfg.per_layer_input_dim, jnp.dtype(cfg.dtype)
-        B, T = tokens.shape
-        table = self.param("embedding", fan_in_init(P), (cfg.vocab_size, L * P), dtype)
-        from_tokens = jnp.take(table, tokens, axis=0) * jnp.asarray(P ** 0.5, dtype)
-        w = self.param("projection", fan_in_init(D), (L * P, D), dtype)  # [out, in]
-        projected = (linear(x, w, True) * jnp.asarray(D ** -0.5, dtype)).reshape(B, T, L, P)
-        projected = Norm(cfg, dim=P, name="norm")(projected)
-        return (projected + from_tokens.reshape(B, T, L, P)) * jnp.asarray(2 ** -0.5, dtype)
 
 
 class Decoder(nn.Module):
@@ -374,7 +206,7 @@ def param_shapes(config: Config) -> dict:
 
 def weight_layout(config: Config) -> tuple[frozenset[str], dict]:
     """(the names `config` stores [in, out], name -> axis order of the [in, out] form): `layers.in_out_names`
-    plus the mixture of experts' own (`jaxkv.moe.in_out_names`)."""
+    plus the mixture of experts' own (`jaxkv.layers.moe.in_out_names`)."""
     if config.moe is None:
         return in_out_names(config), ALL_OUT_IN_ORDER
     return (in_out_names(config) | moe_lib.in_out_names(config.moe, config.d_model, config.dtype),

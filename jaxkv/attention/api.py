@@ -70,6 +70,13 @@ SHARDED = types.MappingProxyType({"contiguous": sharding.shard_attention, "paged
                                   "latent": sharding.shard_latent_attention})
 
 
+def kind_of(*, latent: bool, paged: bool) -> str:
+    """The kind of attention a model runs over a cache: `latent` for an MLA config, `paged` for a `PagedKVCache`."""
+    if latent:
+        return "paged_latent" if paged else "latent"
+    return "paged" if paged else "contiguous"
+
+
 def check(impl: str, kind: str = "contiguous") -> str:
     """`impl` itself, once known to name an implementation of `kind` in this build: ValueError for an unknown kind
     or name, `Unsupported` for a name the kind does not have (before anything is compiled)."""
