@@ -328,16 +328,7 @@ def beam_search(model: Model, prompts, *, num_beams: int, max_new_tokens: int, l
     if bool(state.starved) or bool(np.isnan(state.scores[:len(token_lists)]).any()):
         raise RuntimeError("the beams ran out of pages or positions; the plan should have prevented it")
 
-    stop_set = {int(t) for t in stop_ids if t >= 0}
-    hypotheses = []
-    for b in range(len(token_lists)):
-        hyps = []
-        for j in range(num_return_sequences):
-            row = state.hyps[b, j, :state.lengths[b, j]].tolist()
-            text = model.tokenizer.decode(row, skip_special_tokens=True) if model.tokenizer is not None else None
-            hyps.append(Hypothesis(tokens=row, score=float(state.scores[b, j]), logprob=float(state.sums[b, j]),
-                                   finish_reason="stop" if row and row[-1] in stop_set else "length", text=text))
-        hypotheses.append(hyps)
+    hypotheses = _hypotheses(model, state, len(token_lists), num_return_sequences, stop_ids)
     per_page = memory.page_bytes(config, page_size, cache_dtype)
     peak = max(int(state.peak), start_pages)
     steps = int(state.step)
@@ -355,3 +346,18 @@ def beam_search(model: Model, prompts, *, num_beams: int, max_new_tokens: int, l
         "compile_s": prefill_time.compile_s + search_time.compile_s,
     }
     return BeamSearchResult(hypotheses, stats)
+
+
+def _hypotheses(model: Model, state: _Beams, prompts: int, per_prompt: int, stop_ids) -> list[list[Hypothesis]]:
+    """The best `per_prompt` finished hypotheses of each prompt, from the final state on the host."""
+    stop_set = {int(t) for t in stop_ids if t >= 0}
+    hypotheses = []
+    for b in range(prompts):
+        hyps = []
+        for j in range(per_prompt):
+            row = state.hyps[b, j, :state.lengths[b, j]].tolist()
+            text = model.tokenizer.decode(row, skip_special_tokens=True) if model.tokenizer is not None else None
+            hyps.append(Hypothesis(tokens=row, score=float(state.scores[b, j]), logprob=float(state.sums[b, j]),
+                                   finish_reason="stop" if row and row[-1] in stop_set else "length", text=text))
+        hypotheses.append(hyps)
+    return hypotheses

@@ -71,20 +71,7 @@ def generate_paged(model: Model, prompts, *, n, page_size, max_new_tokens, tempe
                          sampler=sample_fn, rows=sampler_rows, stop_ids=stop_ids, key=key, attention=attention,
                          plan=plan, tokens=tokens, start=np.zeros((pages.prefill_batch,), np.int32), done=done)
     gen = result.generation(model, req, out, prefill_time, decode_time)
-    page_bytes = memory.page_bytes(config, page_size, cache_dtype)
-    gen.stats.update({
-        "prompt_tokens": int(sum(len(p) for p in token_lists)),  # each prompt once, not once per sample
-        "n": n, "page_size": page_size,
-        "num_pages": pages.num_pages if prefix_cache is None else prefix_cache.num_pages,
-        # Pages held at the end (with a prefix cache: also the cached prefixes that other calls left).
-        "pages_in_use_peak": peak, "kv_bytes_in_use_peak": peak * page_bytes,
-        # What batch x n private contiguous sequences of prompt + max_new_tokens tokens would need.
-        "kv_cache_bytes_unshared": pages.unshared_bytes,
-        "prefix_hit_tokens": int(sum(hit)),
-        "prefilled_tokens": int(sum(len(p) for p in token_lists) - sum(hit)),
-    })
-    if prefix_cache is not None:
-        gen.stats["kv_cache_bytes"] = prefix_cache.nbytes()
+    gen.stats.update(_pool_stats(config, token_lists, n, page_size, cache_dtype, pages, prefix_cache, peak, hit))
     return gen
 
 
@@ -118,3 +105,21 @@ def _prefill(params, token_lists, parents, pages, prefix_cache, *, config, atten
         cache = prefix_cache.remember(token_lists, np.asarray(prefilled), cache)
     logits.block_until_ready()
     return logits, cache, hit, tokens
+
+
+def _pool_stats(config, token_lists, n, page_size, cache_dtype, pages, prefix_cache, peak, hit) -> dict:
+    """What a paged call adds to `Generation.stats`: the pool, its peak, the prefix cache's hits."""
+    stats = {
+        "prompt_tokens": int(sum(len(p) for p in token_lists)),  # each prompt once, not once per sample
+        "n": n, "page_size": page_size,
+        "num_pages": pages.num_pages if prefix_cache is None else prefix_cache.num_pages,
+        # Pages held at the end (with a prefix cache: also the cached prefixes that other calls left).
+        "pages_in_use_peak": peak, "kv_bytes_in_use_peak": peak * memory.page_bytes(config, page_size, cache_dtype),
+        # What batch x n private contiguous sequences of prompt + max_new_tokens tokens would need.
+        "kv_cache_bytes_unshared": pages.unshared_bytes,
+        "prefix_hit_tokens": int(sum(hit)),
+        "prefilled_tokens": int(sum(len(p) for p in token_lists) - sum(hit)),
+    }
+    if prefix_cache is not None:
+        stats["kv_cache_bytes"] = prefix_cache.nbytes()
+    return stats

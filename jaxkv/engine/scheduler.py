@@ -496,17 +496,50 @@ class Engine:
         return True
 
     def _decode_dispatch(self) -> list[Event]:
-        S = self.slots
-        moves = np.full((S,), -1, np.int32)
-        keys = np.zeros((S, *self._key_shape), np.uint32)
-        settings = np.zeros((4, S), np.float32)
-        stop_ids = np.full((S, STOP_SLOTS), -1, np.int32)
-        budget = np.zeros((S,), np.int32)
-        top = np.zeros((S,), np.int32)
-        # Compaction: requests decoding in slots at or past the width their number needs move down into the free
-        # slots below it (their page-table rows and per-slot state move on the device, `_shift`; no page is
-        # copied), so a request left in a high slot does not keep the decode width up after the others finished.
-        shifts = np.full((S,), -1, np.int32)
+        shifts = self._compact()
+        moves, keys, sampler, stop_ids, budget, top = self._move_ready()
+        if not any(rid is not None for rid in self._by_slot):
+            return []
+        high = max(slot for slot, rid in enumerate(self._by_slot) if rid is not None) + 1
+        width = next(w for w in self.decode_widths if w >= high)
+        t0 = time.perf_counter()
+        self._state, out, free = programs.decode(self._params, self._state, shifts, moves, keys, sampler, stop_ids,
+                                                 budget, top, config=self._run_config, attention=self.attention,
+                                                 steps=self.steps_per_dispatch, width=width, mesh=self.mesh)
+        out = outputs.DecodeOut(*(np.asarray(x) for x in out))
+        self._free = int(free)
+        self._stats["decode_s"] += time.perf_counter() - t0
+        self._stats["decode_dispatches"] += 1
+        ran = int(np.sum(np.any(out.tokens >= 0, axis=1)))  # steps some slot decoded
+        self._stats["decode_steps"] += ran
+        self._stats["decode_rows_computed"] += ran * width
+        self._stats["decode_rows_used"] += int(np.sum(out.tokens >= 0))
+        events = []
+        for slot, rid in enumerate(self._by_slot):
+            req = self._requests.get(rid) if rid is not None else None
+            if req is None:
+                continue
+            new, new_logp, new_top, fed = outputs.slot_tokens(out, slot, req.top)
+            req.written += fed
+            req.tokens += new
+            req.logprobs += new_logp
+            req.top_logprobs += new_top
+            self._stats["generated_tokens"] += len(new)
+            code = int(out.codes[:, slot].max())  # a slot finishes at most once per dispatch
+            if code:
+                self._finish(req, FINISH_REASONS[code], "the model's logits became NaN" if code == 3 else None,
+                             release=False)
+            if new or code:
+                events.append(self._notify(req, Event(req.id, new, new_logp, bool(code), FINISH_REASONS[code],
+                                                      new_top if req.top else None)))
+        return events
+
+    def _compact(self) -> np.ndarray:
+        """Requests decoding in slots at or past the width their number needs move down into the free slots below
+        it (their page-table rows and per-slot state move on the device, `programs.decode`'s shift; no page is
+        copied), so a request left in a high slot does not keep the decode width up after the others finished
+        -> int32[S] shifts (slot s takes over slot shifts[s]; -1: none)."""
+        shifts = np.full((self.slots,), -1, np.int32)
         live = [slot for slot, rid in enumerate(self._by_slot) if rid is not None]
         if live:
             need = next(w for w in self.decode_widths if w >= len(live))
@@ -517,6 +550,18 @@ class Engine:
                 self._by_slot[dst], self._by_slot[src] = rid, None
                 self._requests[rid].row = dst
                 self._stats["slot_moves"] += 1
+        return shifts
+
+    def _move_ready(self):
+        """Prefilled requests into the lowest free slots, in submission order -> the decode program's moves and
+        the per-slot settings they bring (PRNG key, sampler, stop ids, budget, top alternatives)."""
+        S = self.slots
+        moves = np.full((S,), -1, np.int32)
+        keys = np.zeros((S, *self._key_shape), np.uint32)
+        settings = np.zeros((4, S), np.float32)
+        stop_ids = np.full((S, STOP_SLOTS), -1, np.int32)
+        budget = np.zeros((S,), np.int32)
+        top = np.zeros((S,), np.int32)
         ready = sorted((self._requests[rid] for rid in self._staging
                         if rid is not None and self._requests[rid].state == "ready"), key=lambda r: r.id)
         for slot in range(S):
@@ -530,44 +575,9 @@ class Engine:
                 req.row, req.state = slot, "decoding"
                 keys[slot], settings[:, slot], stop_ids[slot] = req.key, req.settings, req.stop_ids
                 budget[slot], top[slot] = req.max_new_tokens, req.top
-        if not any(rid is not None for rid in self._by_slot):
-            return []
-        high = max(slot for slot, rid in enumerate(self._by_slot) if rid is not None) + 1
-        width = next(w for w in self.decode_widths if w >= high)
         sampler = Sampler(temperature=settings[0], top_k=settings[1].astype(np.int32), top_p=settings[2],
                           min_p=settings[3])
-        t0 = time.perf_counter()
-        self._state, out, free = programs.decode(self._params, self._state, shifts, moves, keys, sampler, stop_ids,
-                                                 budget, top, config=self._run_config, attention=self.attention,
-                                                 steps=self.steps_per_dispatch, width=width, mesh=self.mesh)
-        out = outputs.DecodeOut(*(np.asarray(x) for x in out))
-        tokens, codes = out.tokens, out.codes
-        self._free = int(free)
-        self._stats["decode_s"] += time.perf_counter() - t0
-        self._stats["decode_dispatches"] += 1
-        ran = int(np.sum(np.any(tokens >= 0, axis=1)))  # steps some slot decoded
-        self._stats["decode_steps"] += ran
-        self._stats["decode_rows_computed"] += ran * width
-        self._stats["decode_rows_used"] += int(np.sum(tokens >= 0))
-        events = []
-        for slot, rid in enumerate(self._by_slot):
-            req = self._requests.get(rid) if rid is not None else None
-            if req is None:
-                continue
-            new, new_logp, new_top, fed = outputs.slot_tokens(out, slot, req.top)
-            req.written += fed
-            req.tokens += new
-            req.logprobs += new_logp
-            req.top_logprobs += new_top
-            self._stats["generated_tokens"] += len(new)
-            code = int(codes[:, slot].max())  # a slot finishes at most once per dispatch
-            if code:
-                self._finish(req, FINISH_REASONS[code], "the model's logits became NaN" if code == 3 else None,
-                             release=False)
-            if new or code:
-                events.append(self._notify(req, Event(req.id, new, new_logp, bool(code), FINISH_REASONS[code],
-                                                      new_top if req.top else None)))
-        return events
+        return moves, keys, sampler, stop_ids, budget, top
 
     def _notify(self, req: _Request, event: Event) -> Event:
         """The request's callback, if any, gets the event; if it raises, the request ends with "error" (its slot
