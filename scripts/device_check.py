@@ -37,7 +37,7 @@ import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 
 from jaxkv.attention import pallas, reference  # noqa: E402
-from jaxkv.cache import quantize  # noqa: E402
+from jaxkv.cache.storage import quantize  # noqa: E402
 
 
 def run_tests(interpret: bool) -> int:

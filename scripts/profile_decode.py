@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import jaxkv
 from jaxkv import roofline
 from jaxkv.bench.decode import decode_inputs
-from jaxkv.cache import check_cache_dtype
+from jaxkv.cache.dtypes import check_cache_dtype
 from jaxkv.checkpoint import cast
 from jaxkv.config import PRESETS
 from jaxkv.generate import _decode_args as decode_loop_args

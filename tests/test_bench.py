@@ -238,7 +238,7 @@ def test_beam_scenario_reports_time_bytes_and_matches(tmp_path, capsys, settles)
     import importlib
 
     from jaxkv.config import PRESETS
-    from jaxkv.memory import kv_bytes_per_token
+    from jaxkv.cache.planner import kv_bytes_per_token
 
     bench_beam = importlib.import_module("jaxkv.bench.beam")  # the module itself, whatever the package attribute
 

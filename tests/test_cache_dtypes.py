@@ -13,7 +13,7 @@ import pytest
 import jaxkv
 from jaxkv.attention import reference
 from jaxkv.cache import CACHE_DTYPES, quantize
-from jaxkv.memory import plan_cache
+from jaxkv.cache.planner import plan_cache
 from conftest import CONFIGS, model_for, left_pad
 
 SCRIPTS = pathlib.Path(__file__).resolve().parent.parent / "scripts"

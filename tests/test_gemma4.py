@@ -24,11 +24,12 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.gemma4")
 
 import jaxkv  # noqa: E402
-from jaxkv import memory, sharding  # noqa: E402
+from jaxkv import sharding  # noqa: E402
+from jaxkv.cache import planner as memory  # noqa: E402
 from jaxkv.checkpoint import config_from_dict, config_to_dict  # noqa: E402
 from jaxkv.checkpoint_hf import config_from_hf  # noqa: E402
 from jaxkv.config import ProportionalRope  # noqa: E402
-from jaxkv.paged_cache import PagedKVCache  # noqa: E402
+from jaxkv.cache.paged import PagedKVCache  # noqa: E402
 from test_hf_parity import (ATOL, BOS, EOS, MIN_MARGIN, NEW_TOKENS, PAD, assert_clear_margins,  # noqa: E402
                             greedy_cases, hf_greedy, hf_logits, per_row, saved_and_loaded)
 # Whole-sequence logits against transformers: twice test_hf_parity's ATOL. Gemma scales the embeddings by

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jaxkv
-from jaxkv import memory
+from jaxkv.cache import planner as memory
 from jaxkv.cache import KVCache
 from jaxkv.config import Config, LinearScaling, ProportionalRope
 from conftest import placed_like, recompute

@@ -1,6 +1,8 @@
-"""The package's layering, read from its imports (ast, nothing imported): what may import what."""
+"""The package's layering, read from its imports (ast, nothing imported): what may import what. Then the old
+module paths kept for users, which are imported."""
 
 import ast
+import importlib
 import pathlib
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "jaxkv"
@@ -89,5 +91,103 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_no_import_cycle_in_the_package():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]  # the check itself
     graph = module_graph()
-    assert "jaxkv.memory" in graph["jaxkv.cache"]  # it sees the package's real imports
+    assert "jaxkv.cache.geometry" in graph["jaxkv.cache.contiguous"]  # it sees the package's real imports
     assert cycles(graph) == []
+
+# old path -> the module it now is, kept (a sys.modules alias) for users and ../shared/repros
+OLD_PATHS = {"jaxkv.memory": "jaxkv.cache.planner", "jaxkv.paged_cache": "jaxkv.cache.paged",
+             "jaxkv.prefix_cache": "jaxkv.cache.prefix"}
+
+
+def is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def dotted_module(node, bound: dict[str, str]) -> str | None:
+    """The jaxkv module an expression such as `memory` or `jaxkv.cache.planner` names, given the local names the
+    file's imports bound to jaxkv modules; None for anything else."""
+    if isinstance(node, ast.Name):
+        return bound.get(node.id)
+    if isinstance(node, ast.Attribute):
+        base = dotted_module(node.value, bound)
+        return None if base is None else f"{base}.{node.attr}"
+    return None
+
+
+def private_uses(source: str, own: str, modules: set[str]) -> set[str]:
+    """The other jaxkv modules' private names module `own` (its `source`) uses: `from jaxkv.x import _y`, and `m._y` where `m` is a jaxkv
+    module the file imported (`from jaxkv import m`, `import jaxkv.m as m`, `import jaxkv` then `jaxkv.m._y`).
+    Dunders (`__version__`) are not private, and a module's own names are its own. A module kept at an old path
+    (`sys.modules[__name__] = module`) imports the module, not a private name: it is no offender, and a use through
+    an old path is named by the module it now is."""
+    tree = ast.parse(source)
+    bound, found = {}, set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "jaxkv":
+            for alias in node.names:
+                name = f"{node.module}.{alias.name}"
+                if name in modules:
+                    bound[alias.asname or alias.name] = name
+                elif is_private(alias.name) and node.module != own:
+                    found.add(f"{OLD_PATHS.get(node.module, node.module)}.{alias.name}")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "jaxkv":
+                    # `import jaxkv.x` binds jaxkv; `import jaxkv.x as m` binds m to jaxkv.x
+                    bound[alias.asname or "jaxkv"] = alias.name if alias.asname else "jaxkv"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and is_private(node.attr):
+            module = dotted_module(node.value, bound)
+            if module in modules and module != own:
+                found.add(f"{OLD_PATHS.get(module, module)}.{node.attr}")
+    return found
+
+
+# Private uses that other steps of issue 28 are removing now, file -> names; the test fails on any use not listed,
+# and an entry whose use is gone does no harm (delete it then).
+NEXT_POW2 = "jaxkv.cache.planner._next_pow2"
+KNOWN_PRIVATE_USES = {
+    # generate's private helpers, shared by the entry points: removed by the decoding/ step
+    "beam_search.py": {"jaxkv.generate._Phase", "jaxkv.generate._forward", "jaxkv.generate._prefill_paged",
+                       "jaxkv.generate._stop_ids", "jaxkv.generate._token_lists"},
+    "engine.py": {"jaxkv.generate._key", "jaxkv.generate._stop_ids", "jaxkv.generate._token_lists"},
+    "engine_programs.py": {"jaxkv.generate._forward"},
+    "evaluate.py": {"jaxkv.generate._forward"},
+    "score.py": {"jaxkv.generate._prefill", "jaxkv.generate._token_lists", NEXT_POW2},
+    # the planner's (the old jaxkv.memory's) _next_pow2, public now as planner.next_pow2: its callers switch to
+    # that name in their own steps (the decoding/ step for generate and decoding/, the CLI's for cli/)
+    "generate.py": {NEXT_POW2}, "decoding/loop.py": {NEXT_POW2}, "decoding/paged.py": {NEXT_POW2},
+    "cli/memory.py": {NEXT_POW2},
+}
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_no_module_uses_another_modules_private_names():
+    modules = set(module_graph())
+    # the check itself: each form it must catch, and what it must not (dunders, an alias module's `_module`)
+    sample = ("import jaxkv\nimport jaxkv.generate as g\nfrom jaxkv import memory\n"
+              "from jaxkv.generate import _forward, __doc__\nfrom jaxkv.cache import planner as _module\n"
+              "memory._next_pow2(1), g._key, jaxkv.memory._cache_dtype, _module.plan_cache, memory.__name__\n")
+    assert private_uses(sample, "jaxkv.sample", modules) == {
+        "jaxkv.generate._forward", NEXT_POW2, "jaxkv.generate._key", "jaxkv.cache.planner._cache_dtype"}
+    uses = {str(p.relative_to(PACKAGE)): private_uses(p.read_text(), module_name(p), modules)
+            for p in sorted(PACKAGE.rglob("*.py"))}
+    new = {f: sorted(names - KNOWN_PRIVATE_USES.get(f, set())) for f, names in uses.items()}
+    assert {f: names for f, names in new.items() if names} == {}
+
+
+
+def test_old_module_paths_are_the_new_modules_private_names_included():
+    for old, new in OLD_PATHS.items():
+        assert importlib.import_module(old) is importlib.import_module(new), old
+    from jaxkv.cache.prefix import _block_keys as block_keys
+    from jaxkv.prefix_cache import _block_keys  # as the repros import it
+
+    assert _block_keys is block_keys
+    import jaxkv
+
+    assert jaxkv.memory.plan_cache is jaxkv.plan_cache and jaxkv.cache.KVCache is jaxkv.KVCache

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import pytest
 
 import jaxkv
-from jaxkv import cli, memory
+from jaxkv import cli
+from jaxkv.cache import planner as memory
 from jaxkv.checkpoint import TINY_DIR, config_from_dict
 from conftest import CONFIGS
 

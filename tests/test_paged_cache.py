@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import jaxkv
 from conftest import CONFIGS, model_for, recompute
 from jaxkv.attention import paged_reference
-from jaxkv.paged_cache import PagedKVCache
+from jaxkv.cache.paged import PagedKVCache
 
 PROMPTS = [[5, 17, 3], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3], [2, 7, 1, 8, 2, 8, 1, 8]]
 ATOL = 1e-5  # float32: the paged and contiguous paths add the same terms, gathered in another layout

@@ -193,7 +193,7 @@ def run(args) -> dict:
 def figures(args, config, beams, seconds, splits, last, warm, timed_compiles) -> dict:
     """The JSON result: per K, each path's seconds and time split (medians over the rounds), jaxkv's pages and
     bytes (the last round's; the same every round), the ratios, matches."""
-    from jaxkv.memory import kv_bytes_per_token
+    from jaxkv.cache.planner import kv_bytes_per_token
 
     per_token = kv_bytes_per_token(config)
     r = {"args": vars(args), "kv_bytes_per_token": per_token, "beams": {}}

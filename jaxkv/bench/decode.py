@@ -297,7 +297,7 @@ def decode_inputs(config: Config, batch: int, live: int, capacity: int, cache_dt
     import jax
     import jax.numpy as jnp
 
-    from jaxkv.cache import KVCache
+    from jaxkv.cache.contiguous import KVCache
     from jaxkv.sampling import Sampler
 
     cache = dataclasses.replace(KVCache.allocate(config, batch, capacity, dtype=cache_dtype, ring=ring),

@@ -144,7 +144,7 @@ def warm_up(runners, model, requests, args):
     requests), generate's programs for every static batch shape (the batch's prompts and cache capacity, 2 new
     tokens); transformers' first call. -> the number of static batch shapes."""
     import jaxkv
-    from jaxkv.memory import plan_cache
+    from jaxkv.cache.planner import plan_cache
 
     few = [(p, min(m, 9)) for p, m in requests[:4]]
     jaxkv.Engine(model, slots=args.slots, max_len=args.max_prompt + args.max_new).warm_up()  # every decode width

@@ -53,7 +53,7 @@ def config():
 
 
 def cache_bytes(cfg, batch: int, slots: int, ring: bool) -> int:
-    from jaxkv.cache import KVCache
+    from jaxkv.cache.contiguous import KVCache
 
     return KVCache.allocate(cfg, batch, slots, ring=ring).nbytes()
 
@@ -62,7 +62,7 @@ def run(args) -> dict:
     import jax
 
     import jaxkv
-    from jaxkv import memory
+    from jaxkv.cache import planner as memory
     from jaxkv.bench.mla import step_seconds
 
     model = jaxkv.Model.random(config(), seed=0)

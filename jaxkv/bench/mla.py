@@ -81,7 +81,7 @@ def twins():
 
 def allocated_bytes(config, batch: int, slots: int) -> int:
     """Bytes of every array of a cache of `slots` slots, as allocated (not as planned)."""
-    from jaxkv.cache import KVCache
+    from jaxkv.cache.contiguous import KVCache
 
     cache = KVCache.allocate(config, batch, slots)
     return sum(x.nbytes for x in (*cache.keys, *cache.values, *cache.key_scales, *cache.value_scales))
@@ -105,7 +105,7 @@ def run(args) -> dict:
     import jax
 
     import jaxkv
-    from jaxkv import memory
+    from jaxkv.cache import planner as memory
 
     gqa, mla = twins()
     models = {"gqa": jaxkv.Model.random(gqa, seed=0), "mla": jaxkv.Model.random(mla, seed=0)}

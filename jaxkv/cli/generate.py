@@ -12,7 +12,8 @@ import pathlib
 import sys
 import time
 
-from jaxkv import checks, memory
+from jaxkv import checks
+from jaxkv.cache import planner as memory
 
 EARLY_STOPPING = {"true": True, "false": False, "never": "never"}  # --early-stopping -> jaxkv.beam_search's value
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import pathlib
 
-from jaxkv import memory
+from jaxkv.cache import planner as memory
 from jaxkv.cli.arguments import non_negative_float, positive_float, positive_int
 from jaxkv.config import DTYPES, Config
 

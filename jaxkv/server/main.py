@@ -30,7 +30,8 @@ import socket
 import sys
 import time
 
-from jaxkv import checks, memory
+from jaxkv import checks
+from jaxkv.cache import planner as memory
 
 EXIT_USAGE = 2
 CANCEL_GRACE = 5.0  # seconds responses have to end themselves after the shutdown timeout cancelled their sequences

@@ -290,7 +290,7 @@ def api_error(exc: ValueError) -> ApiError:
 def scoring_buckets(max_len: int) -> list[int]:
     """The continuation lengths `jaxkv.score` pads a served prompt's scoring to (the prompt minus its first token:
     at most max_len - 1 tokens): powers of two from its smallest bucket."""
-    from jaxkv.memory import MIN_PROMPT_BUCKET
+    from jaxkv.cache.planner import MIN_PROMPT_BUCKET
 
     buckets, top = [MIN_PROMPT_BUCKET], max(max_len - 1, 1)
     while buckets[-1] < top:

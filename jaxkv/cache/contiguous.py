@@ -1,4 +1,4 @@
-"""The KV cache: a registered pytree of preallocated, fixed-shape key and value arrays.
+"""The contiguous KV cache: a registered pytree of preallocated, fixed-shape key and value arrays.
 
 Only keys and values are cached (a multi-head latent attention model caches one latent row per token as its
 "key" and no values: `zeroed_buffers`). Queries, attention weights and hidden states of past tokens are never stored:
@@ -21,8 +21,8 @@ Sequence b's live slots are [start[b], length); the token in slot s has position
 Cache dtypes (`CACHE_DTYPES`). float32, bfloat16 and float16 store K and V as they are (cast on write). int8 and
 float8_e4m3fn are quantized on write, symmetrically, with one float32 scale per token per KV head (the absolute
 maximum over the head dimension maps to the format's largest value), kept beside the cache in `key_scales` /
-`value_scales` ([B, K, S] per layer); attention dequantizes as it reads. `jaxkv.kv_cache_bytes` counts exactly
-these leaves.
+`value_scales` ([B, K, S] per layer; `jaxkv.cache.storage`); attention dequantizes as it reads.
+`jaxkv.kv_cache_bytes` counts exactly these leaves.
 
 Ring buffers: a sliding-window layer only ever attends to the last `window` slots, so its cache needs only
 S = window slots. Absolute slot s (what `start`, `length` and positions count) is stored at index s mod S and
@@ -48,57 +48,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxkv.attention.reference import live_mask
+from jaxkv.cache.geometry import layer_slots
+from jaxkv.cache.storage import quantize, zeroed_buffers
 from jaxkv.config import Config
-from jaxkv.memory import CACHE_DTYPES, QUANTIZED, layer_slots
-
-# The largest magnitude each quantized format holds: a token's absolute maximum maps here. int8 uses the symmetric
-# range [-127, 127] (so the scale is the same for both signs).
-_QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
-
-
-def check_cache_dtype(cache_dtype) -> str:
-    """The canonical name of a cache dtype, or ValueError."""
-    try:
-        name = jnp.dtype(cache_dtype).name
-    except TypeError:
-        name = None
-    if name not in CACHE_DTYPES:
-        raise ValueError(f"cache_dtype must be one of {list(CACHE_DTYPES)}, got {cache_dtype!r}")
-    return name
-
-
-def zeroed_buffers(config: Config, shape, dtype=None):
-    """(keys, values, key_scales, value_scales): L zeroed K and V buffers in the cache dtype (`dtype`, default
-    config.dtype), and for int8/fp8 L float32 scale buffers of shape[:3] each (else empty). `shape` is one shape
-    for every layer, or a list of L shapes (per-layer geometry). Every buffer is distinct: all may be donated,
-    and one buffer cannot be donated twice.
-
-    An MLA config (`config.mla`) caches keys only: its values are the first R columns of the key row, so values
-    and value_scales are empty and no second buffer is ever allocated."""
-    name = check_cache_dtype(dtype or config.dtype)
-    shapes = [tuple(shape)] * config.n_layers if isinstance(shape, tuple) else [tuple(s) for s in shape]
-    buffers = lambda dt, cut=None: tuple(jnp.zeros(s[:cut], dt) for s in shapes)  # noqa: E731
-    scales = name in QUANTIZED
-    values = config.mla is None
-    return (buffers(name), buffers(name) if values else (),
-            buffers(jnp.float32, 3) if scales else (),
-            buffers(jnp.float32, 3) if scales and values else ())
-
-
-def quantize(x, cache_dtype: str):
-    """x [B, K, T, H] -> (values in cache_dtype, float32 scales [B, K, T]); symmetric, one scale per token and head.
-
-    A token whose head is all zeros gets scale 0 (and zeros), never a division by zero."""
-    x = x.astype(jnp.float32)
-    qmax = _QMAX[cache_dtype]
-    amax = jnp.max(jnp.abs(x), axis=-1)  # [B, K, T]
-    scale = amax / qmax
-    scaled = x / jnp.where(scale > 0, scale, 1.0)[..., None]
-    if cache_dtype == "int8":
-        stored = jnp.clip(jnp.round(scaled), -qmax, qmax).astype(jnp.int8)
-    else:
-        stored = jnp.clip(scaled, -qmax, qmax).astype(jnp.float8_e4m3fn)  # round-to-nearest in the cast
-    return stored, scale
 
 
 @functools.partial(jax.tree_util.register_dataclass,

@@ -1,0 +1,264 @@
+"""Prompt caching: a page pool kept across `generate` calls, and an index of the prefixes its pages hold.
+
+A prompt that many calls share (a system prompt, a few-shot header) is prefilled once: its K/V pages stay in the
+pool after the call, indexed by their token ids, and a later call whose prompt starts with the same tokens reuses
+those pages and prefills only the rest.
+
+Matching is in whole pages. A prompt is cut into page-sized blocks of token ids; block k's key is a chain of the
+keys before it and its own ids (`_block_keys`), so a key names the whole prefix up to that block, not just the
+block (the same 16 tokens after different prefixes have different K/V). The index maps a key to the page holding
+that block's K/V. A match stops at the first block not in the index, and always leaves at least one token to
+prefill (the last prompt token's logits start the sampling).
+
+Pages and references. The pool's refcounts count every holder: each sequence whose page table names the page, plus
+one for the index while the page is cached. So a cached page is never handed out as free, a page a running
+sequence holds is never freed by eviction, and when a call ends (its sequences released) the pages only the
+index holds stay, ready for the next call. When a call needs more free pages than there are, the least recently
+used cached blocks are dropped from the index (a prefix's later blocks before its earlier ones, since a match
+and an adoption touch them last to first) until enough are free; if dropping them all is not enough, the call is refused
+before any compute, naming the pages needed and available.
+
+A prefix cache belongs to one model (config and parameters) and one cache dtype and page size: using it with
+another is a ValueError, since the K/V it holds would be wrong for them.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import hashlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv import checks, sharding
+from jaxkv.cache import planner
+from jaxkv.cache.dtypes import check_cache_dtype
+from jaxkv.cache.paged import PagedKVCache
+from jaxkv.config import Config
+
+
+def _block_keys(tokens, page_size: int) -> list[bytes]:
+    """The chained keys of a prompt's whole page-sized blocks: key k digests key k - 1 and block k's ids."""
+    keys, previous = [], b""
+    for k in range(len(tokens) // page_size):
+        block = np.asarray(tokens[k * page_size:(k + 1) * page_size], np.int64).tobytes()
+        previous = hashlib.blake2b(previous + block, digest_size=16).digest()
+        keys.append(previous)
+    return keys
+
+
+class PrefixCache:
+    """A page pool shared by `jaxkv.generate` calls, reusing the pages of prefixes computed before.
+
+        pc = jaxkv.PrefixCache(model, num_pages=512)
+        out = jaxkv.generate(model, [system + question], max_new_tokens=64, prefix_cache=pc)
+        out.stats["prefix_hit_tokens"], out.stats["prefilled_tokens"]
+
+    Args:
+      model: the `jaxkv.Model` whose K/V the pool holds.
+      num_pages: pages in the pool (per layer): `jaxkv.planner.pool_bytes` gives its size in bytes. It must hold
+        a whole call's sequences (prompts and new tokens) besides whatever is cached. Default: four sequences of
+        the model's max positions.
+      page_size: token slots per page; prefixes match in whole pages of this many tokens.
+      cache_dtype: the pool's dtype (default: the model's), one of `jaxkv.cache.CACHE_DTYPES`.
+      mesh: for a `jaxkv.Engine` or paged `jaxkv.generate` on a ("data", "model") mesh (data 1): the pool is
+        allocated as theirs is, split over KV heads on "model" (repeated where the axis does not divide them,
+        `jaxkv.sharding`). Such a cache serves calls on that mesh only.
+    """
+
+    def __init__(self, model, *, num_pages: int | None = None, page_size: int = planner.DEFAULT_PAGE_SIZE,
+                 cache_dtype=None, mesh=None):
+        # A jaxkv.Model by what it holds (a Config and params): the cache package sits below the model and never
+        # imports it.
+        if not isinstance(getattr(model, "config", None), Config) or not hasattr(model, "params"):
+            raise ValueError(f"model must be a jaxkv.Model, got {type(model).__name__}")
+        self.config, self._params = model.config, model.params
+        self.page_size = checks.check_int("page_size", page_size, 1)
+        if num_pages is None:
+            num_pages = 4 * -(-model.config.max_positions // self.page_size)
+        self.num_pages = checks.check_int("num_pages", num_pages, 1)
+        self.cache_dtype = check_cache_dtype(model.config.dtype if cache_dtype is None else cache_dtype)
+        self.mesh = None if mesh is None else sharding.check_paged_mesh(mesh)
+        self._run_config = model.config if mesh is None else sharding.check_config(model.config, self.mesh)
+        self._pools = self._empty_pools()
+        self._index: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # key -> page, LRU first
+        self.lent_to = None  # the `jaxkv.Engine` running in this pool now, if any (it holds the pool meanwhile)
+
+    def _empty_pools(self) -> "_Pools":
+        empty = PagedKVCache.allocate(self._run_config, 1, num_pages=self.num_pages, page_size=self.page_size,
+                                      max_len=self.page_size, dtype=self.cache_dtype)
+        if self.mesh is not None:  # as the engine places its pool: split over KV heads, the rest replicated
+            empty = jax.device_put(empty, sharding.paged_cache_shardings(empty, self.mesh))
+        else:
+            # Committed to the device, as the pool is once a program has returned it: jit keys on committedness,
+            # so fresh arrays here would make every program compile twice (first use, then every later one).
+            empty = jax.device_put(empty, jax.local_devices()[0])
+        return _Pools.of(empty)
+
+    # --- what generate asks of it -------------------------------------------------------------------------------
+
+    def check(self, model, cache_dtype: str, page_size: int, mesh=None):
+        """ValueError unless `model`, `cache_dtype`, `page_size` and `mesh` are the ones this cache was built for."""
+        devices = lambda m: None if m is None else m.devices.tolist()  # noqa: E731
+        if devices(mesh) != devices(self.mesh):
+            built = "one device" if self.mesh is None else f"a mesh of {self.mesh.devices.size} devices"
+            runs = "one device" if mesh is None else "another mesh"
+            raise ValueError(f"this PrefixCache's pool is laid out for {built}; the call runs on {runs}: build it "
+                             f"with jaxkv.PrefixCache(..., mesh=) of the call's mesh")
+        if self.lent_to is not None:
+            raise ValueError("this PrefixCache's pool is in use by a jaxkv.Engine with requests in flight: finish "
+                             "them (engine.results()) first")
+        if model.config != self.config or model.params is not self._params:
+            raise ValueError("this PrefixCache holds K/V of another model: build one PrefixCache per model")
+        if cache_dtype != self.cache_dtype:
+            raise ValueError(f"this PrefixCache holds {self.cache_dtype} pages, the call asks for a {cache_dtype} "
+                             f"cache: build one PrefixCache per cache dtype")
+        if page_size != self.page_size:
+            raise ValueError(f"this PrefixCache has pages of {self.page_size} slots, the call asks for "
+                             f"{page_size}: drop page_size, or build another PrefixCache")
+
+    @contextlib.contextmanager
+    def transaction(self):
+        """A `generate` call's use of the cache: if the block raises (a refused call, a sampler or stream callback
+        that fails half way, an interrupt), the index and the pool are put back as they were, so no entry names a
+        page whose K/V never reached the pool. If the pool itself was lost (donated to a program that failed),
+        the cache starts empty: every entry it keeps is always complete and valid."""
+        index, pools = collections.OrderedDict(self._index), self._pools
+        try:
+            yield
+        except BaseException:
+            if any(leaf.is_deleted() for leaf in jax.tree.leaves(pools.arrays())):
+                index, pools = collections.OrderedDict(), self._empty_pools()
+            self._index, self._pools = index, pools
+            raise
+
+    def match(self, tokens) -> list[int]:
+        """The cached pages of the longest whole-page prefix of `tokens` (leaving at least one token), marked
+        recently used, last block first."""
+        keys = _block_keys(tokens[:len(tokens) - 1], self.page_size)
+        pages = []
+        for key in keys:
+            page = self._index.get(key)
+            if page is None:
+                break
+            pages.append(page)
+        for key in reversed(keys[:len(pages)]):  # later blocks are evicted before the prefix they extend
+            self._index.move_to_end(key)
+        return pages
+
+    def make_room(self, needed: int, keep: set[int]):
+        """Drops least recently used cached blocks (never pages in `keep`, which this call holds) until `needed`
+        pages are free; ValueError if even dropping every other block is not enough, with the index and the pool
+        left as they were (nothing dropped)."""
+        refcounts = np.asarray(self._pools.refcounts).copy()
+        victims, free = self._victims(needed, keep, refcounts)
+        if free < needed:
+            raise ValueError(f"the call needs {needed} free pages; the PrefixCache pool has {free} free of "
+                             f"{self.num_pages} even after dropping every cached prefix it does not use: build it "
+                             f"with more pages")
+        dropped = self._drop(victims)
+        np.subtract.at(refcounts, dropped, 1)
+        self._pools = dataclasses.replace(self._pools, refcounts=jax.device_put(refcounts))
+
+    def evict(self, needed: int, keep: set[int], refcounts: np.ndarray) -> tuple[list[int], int]:
+        """Drops least recently used blocks from the index (never pages in `keep`) until `needed` pages would be
+        free under `refcounts` (the pool's counts, read, not changed), or every droppable block is gone -> (the
+        dropped pages, whose index reference the caller must remove from the pool's counts; the free pages after
+        that)."""
+        victims, free = self._victims(needed, keep, refcounts)
+        return self._drop(victims), free
+
+    def _victims(self, needed: int, keep: set[int], refcounts: np.ndarray) -> tuple[list[bytes], int]:
+        """The keys `evict` would drop, least recently used first, and the free pages after dropping them; the
+        index is not changed."""
+        counts = np.asarray(refcounts).copy()
+        free = int((counts == 0).sum())
+        victims = []
+        for key, page in self._index.items():
+            if free >= needed:
+                break
+            if page in keep:
+                continue
+            victims.append(key)
+            counts[page] -= 1
+            free += int(counts[page] == 0)
+        return victims, free
+
+    def _drop(self, keys: list[bytes]) -> list[int]:
+        """Removes `keys` from the index -> their pages."""
+        return [self._index.pop(key) for key in keys]
+
+    def remember(self, prompts, tables, cache: PagedKVCache) -> PagedKVCache:
+        """After a prefill: the index takes a reference on every whole page of each prompt (`tables[b]` its page
+        table row) that it does not hold yet, so later calls can reuse them -> `cache` with those references."""
+        refcounts = np.asarray(cache.refcounts).copy()
+        for page in self.adopt(prompts, tables):
+            refcounts[page] += 1
+        return dataclasses.replace(cache, refcounts=jax.device_put(refcounts))
+
+    def adopt(self, prompts, tables) -> list[int]:
+        """Indexes the whole pages of each prompt (`tables[b]` its page table row) not indexed yet -> those pages:
+        the caller adds the index's reference to each in the pool's counts. Every whole block of the prompt is
+        marked recently used, last block first (as `match` does), so that a prefix's later blocks are evicted
+        before the earlier ones they extend: dropping an earlier block first would leave the later ones
+        unmatchable, holding pages no call can reuse."""
+        pages = []
+        for tokens, table in zip(prompts, tables):
+            blocks = [(key, int(page)) for key, page in zip(_block_keys(tokens, self.page_size), table) if page >= 0]
+            for key, page in reversed(blocks):
+                if key not in self._index:
+                    pages.append(page)
+                    self._index[key] = page
+                self._index.move_to_end(key)
+        return pages
+
+    def cache(self, page_table, lengths) -> PagedKVCache:
+        """A `PagedKVCache` over this pool for sequences with `page_table` / `lengths` (numpy); the rows' own
+        references are added to the counts. The pool moves into the returned cache (it may be donated): give it
+        back with `store`."""
+        p = self._pools
+        table = jnp.asarray(page_table, jnp.int32)
+        cache = PagedKVCache(keys=p.keys, values=p.values, page_table=table,
+                             lengths=jnp.asarray(lengths, jnp.int32), refcounts=p.refcounts,
+                             overflowed=jnp.zeros(table.shape[:1], bool), key_scales=p.key_scales,
+                             value_scales=p.value_scales, page_size=self.page_size)
+        return dataclasses.replace(cache, refcounts=cache._count(table, +1, cache.refcounts))
+
+    def store(self, cache: PagedKVCache):
+        """Takes the pool back from a finished call's cache, releasing its sequences' pages."""
+        self._pools = _Pools.of(cache.release(jnp.ones((cache.batch,), bool)))
+
+    # --- inspection ---------------------------------------------------------------------------------------------
+
+    @property
+    def cached_pages(self) -> int:
+        """Pages the index holds (whole blocks of prefixes computed before)."""
+        return len(self._index)
+
+    def free_pages(self) -> int:
+        return int((np.asarray(self._pools.refcounts) == 0).sum())
+
+    def nbytes(self) -> int:
+        return planner.pool_bytes(self.config, num_pages=self.num_pages, page_size=self.page_size,
+                                 cache_dtype=self.cache_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pools:
+    """The parts of a paged cache that outlive a call: the page pools and their refcounts."""
+
+    keys: tuple
+    values: tuple
+    key_scales: tuple
+    value_scales: tuple
+    refcounts: jax.Array
+
+    def arrays(self) -> tuple:
+        return self.keys, self.values, self.key_scales, self.value_scales, self.refcounts
+
+    @classmethod
+    def of(cls, cache: PagedKVCache) -> "_Pools":
+        return cls(cache.keys, cache.values, cache.key_scales, cache.value_scales, cache.refcounts)

@@ -1,0 +1,52 @@
+"""How cached K/V are stored: the zeroed per-layer buffers of a cache dtype, and int8/fp8 quantization on write.
+
+int8 and float8_e4m3fn are quantized symmetrically, with one float32 scale per token per KV head: the absolute
+maximum over the head dimension maps to the format's largest value. The scales live beside the cache
+(`key_scales` / `value_scales`); attention dequantizes as it reads (`jaxkv.attention.reference.dequantize`).
+Both the contiguous and the paged cache allocate and write through here.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jaxkv.cache.dtypes import QUANTIZED, check_cache_dtype
+from jaxkv.config import Config
+
+# The largest magnitude each quantized format holds: a token's absolute maximum maps here. int8 uses the symmetric
+# range [-127, 127] (so the scale is the same for both signs).
+QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
+
+
+def zeroed_buffers(config: Config, shape, dtype=None):
+    """(keys, values, key_scales, value_scales): L zeroed K and V buffers in the cache dtype (`dtype`, default
+    config.dtype), and for int8/fp8 L float32 scale buffers of shape[:3] each (else empty). `shape` is one shape
+    for every layer, or a list of L shapes (per-layer geometry). Every buffer is distinct: all may be donated,
+    and one buffer cannot be donated twice.
+
+    An MLA config (`config.mla`) caches keys only: its values are the first R columns of the key row, so values
+    and value_scales are empty and no second buffer is ever allocated."""
+    name = check_cache_dtype(dtype or config.dtype)
+    shapes = [tuple(shape)] * config.n_layers if isinstance(shape, tuple) else [tuple(s) for s in shape]
+    buffers = lambda dt, cut=None: tuple(jnp.zeros(s[:cut], dt) for s in shapes)  # noqa: E731
+    scales = name in QUANTIZED
+    values = config.mla is None
+    return (buffers(name), buffers(name) if values else (),
+            buffers(jnp.float32, 3) if scales else (),
+            buffers(jnp.float32, 3) if scales and values else ())
+
+
+def quantize(x, cache_dtype: str):
+    """x [B, K, T, H] -> (values in cache_dtype, float32 scales [B, K, T]); symmetric, one scale per token and head.
+
+    A token whose head is all zeros gets scale 0 (and zeros), never a division by zero."""
+    x = x.astype(jnp.float32)
+    qmax = QMAX[cache_dtype]
+    amax = jnp.max(jnp.abs(x), axis=-1)  # [B, K, T]
+    scale = amax / qmax
+    scaled = x / jnp.where(scale > 0, scale, 1.0)[..., None]
+    if cache_dtype == "int8":
+        stored = jnp.clip(jnp.round(scaled), -qmax, qmax).astype(jnp.int8)
+    else:
+        stored = jnp.clip(scaled, -qmax, qmax).astype(jnp.float8_e4m3fn)  # round-to-nearest in the cast
+    return stored, scale
