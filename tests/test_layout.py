@@ -157,7 +157,6 @@ KNOWN_PRIVATE_USES = {
     # the planner's (the old jaxkv.memory's) _next_pow2, public now as planner.next_pow2: its callers switch to
     # that name in their own steps (the decoding/ step for generate and decoding/, the CLI's for cli/)
     "generate.py": {NEXT_POW2}, "decoding/loop.py": {NEXT_POW2}, "decoding/paged.py": {NEXT_POW2},
-    "cli/memory.py": {NEXT_POW2},
 }
 
 

@@ -130,7 +130,7 @@ def run(args) -> dict:
         "local_layers": None if geometry.layer_windows is None else sum(w is not None for w in geometry.layer_windows),
         "param_count": model.param_count() if isinstance(model, Config) else None,
         "tokens": args.tokens, "batch": args.batch, "slots": memory.cache_slots(geometry, args.tokens),
-        "padded_batch": memory._next_pow2(args.batch),
+        "padded_batch": memory.next_pow2(args.batch),
         "n": args.n, "new_tokens": args.new_tokens, "page_size": args.page_size if args.n is not None else None,
         "hbm_bytes": hbm, "weights_bytes": weights, "weights_fit": None if hbm is None else weights <= hbm,
         "rows": rows,
