@@ -2,7 +2,7 @@
 
 The config is a static argument of every jitted function, so it must be hashable and immutable; every field is a
 plain Python value (tuples, not lists). It is validated on construction so a bad value fails with a clear message
-before any array is allocated.
+before any array is allocated. The RoPE scalings it may hold are `jaxkv.rope_scaling`'s (re-exported here).
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from typing import Literal
+
+from jaxkv.rope_scaling import LinearScaling, ProportionalRope, RopeScaling, YarnScaling, yarn_mscale
 
 FfnKind = Literal["swiglu", "geglu", "gelu"]
 NormKind = Literal["rmsnorm", "gemma_rmsnorm", "rmsnorm_f32", "layernorm"]
@@ -22,87 +24,6 @@ MoeTopkMethod = Literal["greedy", "group_limited_greedy", "noaux_tc"]
 
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_IMPLS = ("auto", "xla", "pallas")
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeScaling:
-    """Llama-3 style frequency scaling of RoPE (HF `rope_scaling` with `rope_type: llama3`)."""
-
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_positions: int
-
-    def __post_init__(self):
-        _check(self.factor >= 1.0, f"rope_scaling.factor must be >= 1, got {self.factor}")
-        _check(self.low_freq_factor > 0, f"rope_scaling.low_freq_factor must be > 0, got {self.low_freq_factor}")
-        _check(
-            self.high_freq_factor > self.low_freq_factor,
-            f"rope_scaling.high_freq_factor ({self.high_freq_factor}) must exceed low_freq_factor "
-            f"({self.low_freq_factor})",
-        )
-        _check(
-            self.original_max_positions >= 1,
-            f"rope_scaling.original_max_positions must be >= 1, got {self.original_max_positions}",
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class LinearScaling:
-    """Linear position interpolation (HF `rope_type: linear`, Gemma 3's global layers): every inverse frequency
-    divided by `factor`."""
-
-    factor: float
-
-    def __post_init__(self):
-        _check(isinstance(self.factor, (int, float)) and math.isfinite(self.factor) and self.factor > 0,
-               f"rope_scaling.factor must be a finite number > 0, got {self.factor!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class ProportionalRope:
-    """transformers' "proportional" rope type (Gemma 4's full-attention layers): only the first
-    int(rotary_fraction * H // 2) frequency pairs rotate, with the ordinary inverse frequencies over the whole head
-    (theta ** (-2i / H)); the remaining ones get frequency 0 (left unrotated). Every frequency is divided by
-    `factor`. H is the layer's own head dim (`Config.layer_head_dim`)."""
-
-    rotary_fraction: float
-    factor: float = 1.0
-
-    def __post_init__(self):
-        _check(isinstance(self.rotary_fraction, (int, float)) and not isinstance(self.rotary_fraction, bool)
-               and 0 < self.rotary_fraction <= 1,
-               f"rope_scaling.rotary_fraction must be in (0, 1], got {self.rotary_fraction!r}")
-        _check(isinstance(self.factor, (int, float)) and math.isfinite(self.factor) and self.factor > 0,
-               f"rope_scaling.factor must be a finite number > 0, got {self.factor!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class YarnScaling:
-    """YaRN frequency scaling of RoPE (HF `rope_parameters` with `rope_type: yarn`, as DeepSeek-V2/V3 use it).
-
-    Frequencies between the `beta_fast` and `beta_slow` rotation counts (over `original_max_positions`) ramp from
-    kept to divided by `factor`; cos and sin are multiplied by the attention factor (`attention_factor`, else
-    derived from `mscale` / `mscale_all_dim`: `layers.yarn_attention_factor`). An MLA model also multiplies its
-    softmax scale by mscale(factor, mscale_all_dim) squared (`Config.attention_scale`)."""
-
-    factor: float
-    original_max_positions: int
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    attention_factor: float | None = None
-    truncate: bool = True
-
-    def __post_init__(self):
-        _check(self.factor >= 1.0, f"rope_scaling.factor must be >= 1, got {self.factor}")
-        _check(self.original_max_positions >= 1,
-               f"rope_scaling.original_max_positions must be >= 1, got {self.original_max_positions}")
-        _check(self.beta_fast > 0 and self.beta_slow > 0,
-               f"rope_scaling.beta_fast and beta_slow must be > 0, got {self.beta_fast}, {self.beta_slow}")
-        _check(self.attention_factor is None or self.attention_factor > 0,
-               f"rope_scaling.attention_factor must be > 0, got {self.attention_factor}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -388,6 +309,10 @@ class Config:
         _check(self.norm_eps > 0 and math.isfinite(self.norm_eps), f"norm_eps must be > 0, got {self.norm_eps}")
         _check(self.positions in ("rope", "learned"),
                f"positions must be 'rope' or 'learned', got {self.positions!r}")
+        self._validate_parts()
+
+    def _validate_parts(self):
+        """The sub-configs (MLA, MoE) and the positions (RoPE, its scaling, windows, layer types)."""
         _check(self.mla is None or isinstance(self.mla, Mla),
                f"mla must be an Mla or None, got {type(self.mla).__name__}")
         _check(self.moe is None or isinstance(self.moe, MoeConfig),
@@ -426,6 +351,10 @@ class Config:
             _check(self.sliding_window is not None or "sliding_attention" not in self.layer_types,
                    "layer_types has sliding_attention layers but sliding_window is None")
             _check(self.mla is None, "layer_types is not supported with mla")
+        self._validate_gemma()
+
+    def _validate_gemma(self):
+        """Gemma's scalars and norms, the per-layer fields, eos ids, dtype and attention name."""
         _check(self.rope_local_theta is None or (self.positions == "rope" and self.rope_local_theta > 0
                                                  and math.isfinite(self.rope_local_theta)),
                f"rope_local_theta must be None or > 0 with rotary positions, got {self.rope_local_theta!r}")
@@ -629,11 +558,6 @@ class Config:
 
     def replace(self, **changes) -> "Config":
         return dataclasses.replace(self, **changes)
-
-
-def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    """YaRN's magnitude correction 0.1 mscale ln(factor) + 1 (1 for factor <= 1), as transformers computes it."""
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _check(ok: bool, message: str):
