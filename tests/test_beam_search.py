@@ -293,7 +293,7 @@ def test_bad_input_is_refused_before_compute(kwargs, match, monkeypatch):
     def no_compute(*a, **kw):
         raise AssertionError("compute started for bad input")
 
-    monkeypatch.setattr(bs, "_prefill_paged", no_compute)
+    monkeypatch.setattr(importlib.import_module("jaxkv.decoding.programs"), "prefill_paged", no_compute)
     monkeypatch.setattr(bs, "_search", no_compute)
     args = dict(prompts=[[5, 9, 2, 77, 31, 8, 14, 60, 2, 5]], num_beams=4, max_new_tokens=8) | kwargs
     with pytest.raises(ValueError, match=match):
