@@ -40,6 +40,8 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
 
 class Unsupported(NotImplementedError, ValueError):
     """A case an implementation cannot serve (a shape, dtype, platform, ring, chunk, ...), raised while tracing,
@@ -230,7 +232,7 @@ def _decode(q, k, v, live, scale, k_scale, v_scale, mask_values=False, softcap=N
     # dot into its consumers, and a dot with the identity is exact at HIGHEST precision (the default would round
     # to bf16 passes on TPU, TF32 on recent GPUs); an optimization barrier is expanded before fusion and does not
     # help.
-    q = jnp.einsum("bkgh,hj->bkgj", q, jnp.eye(q.shape[-1], dtype=q.dtype), precision=jax.lax.Precision.HIGHEST)
+    q = jnp.einsum("bkgh,hj->bkgj", q, np.eye(q.shape[-1], dtype=q.dtype), precision=jax.lax.Precision.HIGHEST)
     if k_scale is None and k.dtype != jnp.float32:
         # A 16-bit cache is read in its own dtype, products rounded to it and sums accumulated in float32 (as a
         # bf16 attention kernel does). Upcasting the whole just-updated buffer instead made XLA:CPU move the
