@@ -143,23 +143,6 @@ def private_uses(source: str, own: str, modules: set[str]) -> set[str]:
     return found
 
 
-# Private uses that other steps of issue 28 are removing now, file -> names; the test fails on any use not listed,
-# and an entry whose use is gone does no harm (delete it then).
-NEXT_POW2 = "jaxkv.cache.planner._next_pow2"
-KNOWN_PRIVATE_USES = {
-    # generate's private helpers, shared by the entry points: removed by the decoding/ step
-    "beam_search.py": {"jaxkv.generate._Phase", "jaxkv.generate._forward", "jaxkv.generate._prefill_paged",
-                       "jaxkv.generate._stop_ids", "jaxkv.generate._token_lists"},
-    "engine.py": {"jaxkv.generate._key", "jaxkv.generate._stop_ids", "jaxkv.generate._token_lists"},
-    "engine_programs.py": {"jaxkv.generate._forward"},
-    "evaluate.py": {"jaxkv.generate._forward"},
-    "score.py": {"jaxkv.generate._prefill", "jaxkv.generate._token_lists", NEXT_POW2},
-    # the planner's (the old jaxkv.memory's) _next_pow2, public now as planner.next_pow2: its callers switch to
-    # that name in their own steps (the decoding/ step for generate and decoding/, the CLI's for cli/)
-    "generate.py": {NEXT_POW2}, "decoding/loop.py": {NEXT_POW2}, "decoding/paged.py": {NEXT_POW2},
-}
-
-
 def module_name(path: pathlib.Path) -> str:
     parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -172,12 +155,11 @@ def test_no_module_uses_another_modules_private_names():
               "from jaxkv.generate import _forward, __doc__\nfrom jaxkv.cache import planner as _module\n"
               "memory._next_pow2(1), g._key, jaxkv.memory._cache_dtype, _module.plan_cache, memory.__name__\n")
     assert private_uses(sample, "jaxkv.sample", modules) == {
-        "jaxkv.generate._forward", NEXT_POW2, "jaxkv.generate._key", "jaxkv.cache.planner._cache_dtype"}
-    uses = {str(p.relative_to(PACKAGE)): private_uses(p.read_text(), module_name(p), modules)
+        "jaxkv.generate._forward", "jaxkv.cache.planner._next_pow2", "jaxkv.generate._key",
+        "jaxkv.cache.planner._cache_dtype"}
+    uses = {str(p.relative_to(PACKAGE)): sorted(private_uses(p.read_text(), module_name(p), modules))
             for p in sorted(PACKAGE.rglob("*.py"))}
-    new = {f: sorted(names - KNOWN_PRIVATE_USES.get(f, set())) for f, names in uses.items()}
-    assert {f: names for f, names in new.items() if names} == {}
-
+    assert {f: names for f, names in uses.items() if names} == {}
 
 
 def test_old_module_paths_are_the_new_modules_private_names_included():

@@ -185,9 +185,6 @@ def next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-_next_pow2 = next_pow2  # the old name: generate, score and the CLI still call memory._next_pow2
-
-
 @dataclasses.dataclass(frozen=True)
 class CachePlan:
     """How `generate` lays out a batch, and the cache bytes it asks for and allocates.
