@@ -118,32 +118,13 @@ class Decoder(nn.Module):
           `overflowed` / `check()` report the latter. A chunk longer than the capacity is a ValueError.
         """
         cfg = self.config
-        dtype = jnp.dtype(cfg.dtype)
         T = tokens.shape[1]
         attention = attention or cfg.attention
         if chunk and (prefill or not isinstance(cache, PagedKVCache)):
             raise ValueError("chunk=True continues a PagedKVCache's rows with a prompt chunk: not with prefill=True "
                              "or another cache")
-        embedding = self.param("embedding", fan_in_init(cfg.d_model), (cfg.vocab_size, cfg.d_model), dtype)
-        x = jnp.take(embedding, tokens, axis=0)  # [B, T, D]
-        if cfg.embed_scale is not None:  # Gemma: sqrt(D), rounded to the dtype first as transformers does
-            x = x * jnp.asarray(cfg.embed_scale, dtype)
+        x, embedding, rope, layer_inputs = _embed(self, tokens, positions)
         real = positions >= 0  # [B, T]
-        rope = None
-        if cfg.positions == "learned":
-            table = self.param("pos_embedding", fan_in_init(cfg.d_model), (cfg.max_positions, cfg.d_model), dtype)
-            # Padding tokens have negative positions; read row 0 for them (their state is zeroed just below).
-            x = x + jnp.take(table, jnp.maximum(positions, 0), axis=0)
-        else:
-            # One (cos, sin) per distinct (base, scaling, head dim) among the layers (Gemma 3/4: local and global).
-            rope = {}
-            for layer in range(cfg.n_layers):
-                if _rope_key(cfg, layer) not in rope:
-                    rope[_rope_key(cfg, layer)] = rope_angles(positions, cfg, layer)
-        layer_inputs = None
-        if cfg.per_layer_input_dim is not None:
-            layer_inputs = PerLayerInputs(cfg, name="per_layer_inputs")(tokens, x)  # [B, T, L, P]
-        x = jnp.where(real[..., None], x, jnp.zeros((), x.dtype))
 
         paged = isinstance(cache, PagedKVCache)
         if paged:
@@ -175,22 +156,61 @@ class Decoder(nn.Module):
         if cache is not None:
             cache = cache.advance(jnp.sum(real, axis=1, dtype=jnp.int32) if paged else T)
 
-        if last_only and paged:  # right padding: each row's last real token
-            last = T - 1 - jnp.argmax(real[:, ::-1], axis=1)  # [B]
-            x = jnp.take_along_axis(x, last[:, None, None], axis=1)  # [B, 1, D]
-        elif last_only:  # left padding (or none): the last column
-            x = x[:, -1:]
-        x = Norm(cfg, name="final_norm")(x)
-        if cfg.tie_embeddings:
-            logits = jnp.einsum("btd,vd->btv", x, embedding, preferred_element_type=jnp.float32)
-        else:
-            head = self.param("lm_head", fan_in_init(cfg.d_model), (cfg.vocab_size, cfg.d_model), dtype)
-            logits = jnp.einsum("btd,vd->btv", x, head, preferred_element_type=jnp.float32)
-        if cfg.final_logit_softcap is not None:  # Gemma 2: cap * tanh(logits / cap), in float32
-            cap = jnp.float32(cfg.final_logit_softcap)
-            logits = jnp.tanh(logits / cap) * cap
+        logits = _logits(self, x, embedding, real if last_only and paged else None, last_only)
         logits = jnp.where(poisoned[:, None, None], jnp.nan, logits)
         return logits, cache
+
+
+def _embed(module: Decoder, tokens, positions):
+    """The token (and learned position) embeddings of `module`'s config -> (x [B, T, D] with padding tokens
+    zeroed, the embedding table, the (cos, sin) per `_rope_key` or None, Gemma 4's per-layer inputs or None)."""
+    cfg = module.config
+    dtype = jnp.dtype(cfg.dtype)
+    embedding = module.param("embedding", fan_in_init(cfg.d_model), (cfg.vocab_size, cfg.d_model), dtype)
+    x = jnp.take(embedding, tokens, axis=0)  # [B, T, D]
+    if cfg.embed_scale is not None:  # Gemma: sqrt(D), rounded to the dtype first as transformers does
+        x = x * jnp.asarray(cfg.embed_scale, dtype)
+    real = positions >= 0  # [B, T]
+    rope = None
+    if cfg.positions == "learned":
+        table = module.param("pos_embedding", fan_in_init(cfg.d_model), (cfg.max_positions, cfg.d_model), dtype)
+        # Padding tokens have negative positions; read row 0 for them (their state is zeroed just below).
+        x = x + jnp.take(table, jnp.maximum(positions, 0), axis=0)
+    else:
+        # One (cos, sin) per distinct (base, scaling, head dim) among the layers (Gemma 3/4: local and global).
+        rope = {}
+        for layer in range(cfg.n_layers):
+            if _rope_key(cfg, layer) not in rope:
+                rope[_rope_key(cfg, layer)] = rope_angles(positions, cfg, layer)
+    layer_inputs = None
+    if cfg.per_layer_input_dim is not None:
+        layer_inputs = PerLayerInputs(cfg, name="per_layer_inputs")(tokens, x)  # [B, T, L, P]
+    x = jnp.where(real[..., None], x, jnp.zeros((), x.dtype))
+    return x, embedding, rope, layer_inputs
+
+
+def _logits(module: Decoder, x, embedding, real, last_only: bool):
+    """x [B, T, D] -> float32[B, T or 1, V] logits: the final norm and the head (the embedding if tied), soft-capped
+    where the config says. `last_only`: the last token's only, each row's last real one where `real` (bool[B, T],
+    right padding) is given, else the last column."""
+    cfg = module.config
+    T = x.shape[1]
+    if last_only and real is not None:  # right padding: each row's last real token
+        last = T - 1 - jnp.argmax(real[:, ::-1], axis=1)  # [B]
+        x = jnp.take_along_axis(x, last[:, None, None], axis=1)  # [B, 1, D]
+    elif last_only:  # left padding (or none): the last column
+        x = x[:, -1:]
+    x = Norm(cfg, name="final_norm")(x)
+    if cfg.tie_embeddings:
+        logits = jnp.einsum("btd,vd->btv", x, embedding, preferred_element_type=jnp.float32)
+    else:
+        shape = (cfg.vocab_size, cfg.d_model)
+        head = module.param("lm_head", fan_in_init(cfg.d_model), shape, jnp.dtype(cfg.dtype))
+        logits = jnp.einsum("btd,vd->btv", x, head, preferred_element_type=jnp.float32)
+    if cfg.final_logit_softcap is not None:  # Gemma 2: cap * tanh(logits / cap), in float32
+        cap = jnp.float32(cfg.final_logit_softcap)
+        logits = jnp.tanh(logits / cap) * cap
+    return logits
 
 
 def _rope_key(config: Config, layer: int):

@@ -10,8 +10,8 @@ Two forms, equal up to float rounding:
   expanded  (no cache, prefill): the fresh rows are up-projected to per-head keys and values and attended over
             causally, O(T^2) over the prompt as the other families' prefill; the cache only stores the rows.
   absorbed  (decode over the cache): W_kb is folded into the query (q_lat[n] = W_kb[n]^T q_nope[n]), the attention
-            runs over the cached rows themselves (`jaxkv.attention.mla_reference`), and W_vb is applied to its latent-space
-            output. A step reads R + E numbers per cached token and forms nothing per head of cache length.
+            runs over the cached rows themselves (`jaxkv.attention.mla_reference`), and W_vb is applied to its
+            latent-space output. A step reads R + E numbers per cached token and forms nothing per head of cache length.
 
 Parameters (the [out, in] form; `jaxkv.layers.linear.ALL_OUT_IN_ORDER` gives the stored layout of the first four):
   wq [N, nope+E, D]  or  wq_a [q_rank, D], q_norm/scale [q_rank], wq_b [N, nope+E, q_rank]   (q_lora_rank set)
@@ -22,6 +22,8 @@ The rotary columns (the last E of each head's query, the last E of wkv_a) use th
 """
 
 from __future__ import annotations
+
+import functools
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -130,15 +132,7 @@ class MlaAttention(nn.Module):
         paged = isinstance(cache, PagedKVCache)
         if paged:  # "pallas" asked for by name is refused even in prefill: never quietly run the XLA path instead
             api.check(attention, "paged_latent")
-
-        def dense(name, y, d_in, out_shape, bias=False):  # y [B, T, d_in] -> [B, T, *out_shape]
-            shape = (*out_shape, d_in) if out_in[name] else (d_in, *out_shape)
-            w = self.param(name, fan_in_init(d_in), shape, dtype)
-            w = w.reshape(-1, d_in) if out_in[name] else w.reshape(d_in, -1)
-            y = linear(y, w, out_in[name]).reshape(*y.shape[:2], *out_shape)
-            if bias:
-                y = y + self.param(name + "_bias", nn.initializers.zeros, out_shape, dtype)
-            return y
+        dense = functools.partial(_dense, self, out_in)
 
         if m.q_lora_rank is None:
             q = dense("wq", x, D, (N, qk))  # [B, T, N, nope + E]
@@ -189,3 +183,15 @@ class MlaAttention(nn.Module):
         if cfg.out_bias:
             y = y + self.param("wo_bias", nn.initializers.zeros, (D,), dtype)
         return y, cache
+
+
+def _dense(module: MlaAttention, out_in: dict, name: str, y, d_in: int, out_shape: tuple, bias: bool = False):
+    """y [B, T, d_in] -> [B, T, *out_shape] through `module`'s projection `name`, stored as `out_in[name]` says."""
+    dtype = jnp.dtype(module.config.dtype)
+    shape = (*out_shape, d_in) if out_in[name] else (d_in, *out_shape)
+    w = module.param(name, fan_in_init(d_in), shape, dtype)
+    w = w.reshape(-1, d_in) if out_in[name] else w.reshape(d_in, -1)
+    y = linear(y, w, out_in[name]).reshape(*y.shape[:2], *out_shape)
+    if bias:
+        y = y + module.param(name + "_bias", nn.initializers.zeros, out_shape, dtype)
+    return y

@@ -74,8 +74,8 @@ def yarn_attention_factor(y: YarnScaling) -> float:
 
 def rope_angles(positions, config: Config, layer: int = 0):
     """cos, sin: float32[B, T, H] for int32[B, T] positions (H: the rotated width, an MLA model's
-    qk_rope_head_dim; `Config.layer_head_dim` per layer), with `layer`'s rope base and scaling (`Config.layer_rope`: Gemma 3's sliding layers have
-    their own). Computed from the positions on the fly: no table sized by the config's max_positions is ever
+    qk_rope_head_dim; `Config.layer_head_dim` per layer), with `layer`'s rope base and scaling
+    (`Config.layer_rope`: Gemma 3's sliding layers have their own). Computed from the positions on the fly: no table sized by the config's max_positions is ever
     allocated. YaRN's attention factor is folded into both."""
     dim = config.layer_head_dim(layer) if config.mla is None else config.mla.qk_rope_head_dim
     theta, scaling = config.layer_rope(layer)
