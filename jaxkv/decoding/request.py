@@ -14,11 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv import attention as attention_impls
 from jaxkv import checks
+from jaxkv.attention import api
 from jaxkv.cache.dtypes import check_cache_dtype
 from jaxkv.config import Config
-from jaxkv.mla_attention import paged_attention_name
 from jaxkv.sampling import Sampler
 
 STOP_ID_SLOTS = 8  # stop ids are padded to a multiple of this (with -1, never a token) so their number is traced
@@ -147,7 +146,11 @@ def attention(config: Config, name: str | None, *, paged: bool = False) -> str:
     """The attention implementation of a request, resolved before compute: unknown names fail, and "auto"
     becomes a concrete static name for jit. Default the config's; `paged`: for the paged cache."""
     name = name or config.attention
-    return paged_attention_name(name, config) if paged else attention_impls.resolve(name)
+    # A paged loop's kind is the config's (an MLA config has no Pallas paged kernel: "auto" is "xla" there, a
+    # named "pallas" is refused); a contiguous one names the implementation for either kind, as the MLA layer
+    # asks for the latent kind itself.
+    kind = api.kind_of(latent=config.mla is not None, paged=True) if paged else "contiguous"
+    return api.resolve(name, kind)
 
 
 def optional_int(name: str, value, low: int = 1) -> int | None:
