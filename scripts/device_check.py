@@ -6,7 +6,7 @@ Run from the repository root on the accelerator machine:
     python scripts/device_check.py --bench-only   # benchmark only
     python scripts/device_check.py --tests-only
 
-1. Tests: `pytest tests/test_pallas_attention.py` with JAXKV_PALLAS_COMPILED=1, which that file reads to call the
+1. Tests: `pytest tests/attention/test_pallas.py` with JAXKV_PALLAS_COMPILED=1, which that file reads to call the
    kernels with interpret=False and only the device's kernel body (Triton on GPU, Mosaic on TPU).
 2. Benchmark (bfloat16), each kernel timed in a jitted `fori_loop` so that dispatch overhead is not measured:
    * decode: achieved HBM bandwidth = bytes of *live* K/V (and, for the int8 cache, their scales) read / time, at
@@ -44,7 +44,7 @@ def run_tests(interpret: bool) -> int:
     env = dict(os.environ)
     if not interpret:
         env["JAXKV_PALLAS_COMPILED"] = "1"
-    cmd = [sys.executable, "-m", "pytest", "-q", "tests/test_pallas_attention.py"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "tests/attention/test_pallas.py"]
     print(f"$ {'' if interpret else 'JAXKV_PALLAS_COMPILED=1 '}{' '.join(cmd[1:])}", flush=True)
     return subprocess.call(cmd, cwd=ROOT, env=env)
 

@@ -367,7 +367,7 @@ def test_readme_engine_example_runs():
     import pathlib
     import re
 
-    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
     blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "jaxkv.Engine(" in b]
     assert blocks, "README has no engine example"
     scope = {}

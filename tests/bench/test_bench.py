@@ -40,7 +40,7 @@ def test_profile_decode_accounts_for_the_step(tmp_path):
     import json
     import pathlib
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "profile_decode.py"
+    path = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "profile_decode.py"
     spec = importlib.util.spec_from_file_location("profile_decode", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -145,7 +145,7 @@ def test_replot_redraws_an_earlier_run_with_readable_powers_of_two_axes(tmp_path
 
     from jaxkv.bench import decode as bench
 
-    earlier = pathlib.Path(__file__).resolve().parents[1] / "docs" / "bench" / "bench.json"
+    earlier = pathlib.Path(__file__).resolve().parents[2] / "docs" / "bench" / "bench.json"
     assert bench.main(["--replot", str(earlier), "--out", str(tmp_path)]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "cached_vs_nocache.png", "step_vs_batch.png", "step_vs_cache_length.png"]
@@ -164,7 +164,7 @@ def test_cache_accuracy_says_how_long_before_its_minutes_of_work():
     import importlib.util
     import pathlib
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "cache_accuracy.py"
+    path = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "cache_accuracy.py"
     spec = importlib.util.spec_from_file_location("cache_accuracy", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

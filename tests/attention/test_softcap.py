@@ -20,10 +20,10 @@ from jaxkv.attention import pallas, paged_reference, reference
 # _run: compiled once per argument shapes (XLA:CPU optimisation level 0); TOLERANCES keyed by q's dtype, with their
 # reasons there (capping is elementwise with a derivative <= 1: it does not widen them); _inputs: q, k, v (and scales
 # of a quantized cache) from one seed; _ring_offsets: fresh, just-wrapped and steady-state ring (start, q_offset)s.
-from test_pallas_attention import BLOCKS, INTERPRET, PLATFORMS, TOLERANCES, _inputs, _ring_offsets, _run
+from test_pallas import BLOCKS, INTERPRET, PLATFORMS, TOLERANCES, _inputs, _ring_offsets, _run
 # _layout: page tables whose rows share pages, with every slot no row may read marked; _pool: float or quantized
 # pools of head dim 32; _poison: NaN in those slots; _edge_lengths: 0, 1, page - 1, page, page + 1, the whole table.
-from test_paged_kernel import _edge_lengths, _layout, _poison, _pool
+from test_paged_decode_kernel import _edge_lengths, _layout, _poison, _pool
 
 SCALE = 0.125  # with head dim 64 and unit normals the scores are O(1): a cap of 2.0 bends the larger ones a lot
 

@@ -16,7 +16,7 @@ from jaxkv.cache import CACHE_DTYPES, quantize
 from jaxkv.cache.planner import plan_cache
 from conftest import CONFIGS, model_for, left_pad
 
-SCRIPTS = pathlib.Path(__file__).resolve().parent.parent / "scripts"
+SCRIPTS = pathlib.Path(__file__).resolve().parents[2] / "scripts"
 
 
 def test_quantize_round_trip_error_is_bounded():

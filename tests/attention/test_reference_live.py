@@ -11,7 +11,7 @@ import pytest
 import jaxkv
 from conftest import model_for
 from jaxkv.attention import reference
-from test_cache import _is_copy_of, _is_whole_buffer_copy
+from test_contiguous import _is_copy_of, _is_whole_buffer_copy
 
 # The two paths do the same arithmetic on the same slots; only the float32 sums run over a different number of
 # (exactly zero) dead terms, which can change their order.

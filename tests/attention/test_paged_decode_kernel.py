@@ -19,7 +19,7 @@ from jaxkv.cache import quantize
 # _run: compiled once per argument shapes, at XLA:CPU optimisation level 0. TOLERANCES, keyed by q's dtype, with
 # their reasons there (the paged kernel shares the contiguous kernel's math; quantized pools give both sides the same
 # stored numbers and scales).
-from test_pallas_attention import TOLERANCES, _run
+from test_pallas import TOLERANCES, _run
 
 HEADS = {"mha": (2, 2), "gqa": (8, 2), "mqa": (4, 1)}  # (N, K)
 H = 32

@@ -291,7 +291,7 @@ def test_decode_continues_from_its_result():
 def test_readme_research_loop_runs():
     """The README's hand-written loop (prefill, a Python-side sampler, decode_step, stop handling) runs as shown
     and produces what generate produces."""
-    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
     loop = [b for b in blocks if "decode_step" in b and "prefill" in b]
     assert loop, "README has no research-loop example"

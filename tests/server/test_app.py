@@ -438,7 +438,7 @@ def bos_client(app_client):
 
     from jaxkv.chat_template import ChatTemplate
     from jaxkv.server.app import create_app
-    from test_server_text import byte_level
+    from test_text import byte_level
 
     _, state = app_client
     bos_state = dataclasses.replace(state, model=dataclasses.replace(state.model, tokenizer=byte_level(bos=True)),

@@ -111,7 +111,7 @@ def test_compiled_mla_decode_updates_the_latent_cache_in_place(batch, cache_dtyp
 
     import jaxkv
     from jaxkv.config import Mla
-    from test_cache import _is_whole_buffer_copy
+    from test_contiguous import _is_whole_buffer_copy
 
     config = jaxkv.Config(vocab_size=64, d_model=32, n_layers=2, n_heads=4, ffn_dim=48,
                           mla=Mla(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8))
