@@ -249,7 +249,18 @@ def _decode(q, k, v, live, scale, k_scale, v_scale, mask_values=False, softcap=N
         v = jnp.where(live[:, None, :, None], v, 0.0)
     scores = soft_cap(_sum_minor(k[:, :, None, :, :] * q[:, :, :, None, :]) * scale, softcap)  # [B, K, G, S]
     weights = softmax(jnp.where(live[:, None, None, :], scores, MASKED))  # [B, K, G, S]
+    if mask_values:
+        return _sum_slots(weights[..., None] * v[:, :, None, :, :])  # [B, K, G, H]
     return jnp.sum(weights[..., None] * v[:, :, None, :, :], axis=-2)  # [B, K, G, H]
+
+
+def _sum_slots(x):
+    """x.sum(-2) over a slice of the cache as a pairwise tree of slice-and-add (as `_sum_minor`): one elementwise
+    fusion that reads the slice where it lies. A reduce over a slice made XLA:CPU copy the slice first."""
+    while x.shape[-2] > 1 and x.shape[-2] % 2 == 0:
+        half = x.shape[-2] // 2
+        x = x[..., :half, :] + x[..., half:, :]
+    return jnp.sum(x, axis=-2)
 
 
 def _sum_minor(x):
