@@ -242,6 +242,7 @@ def _decode(q, k, v, live, scale, k_scale, v_scale, mask_values=False, softcap=N
         weights = softmax(jnp.where(live[:, None, None, :], soft_cap(scores * scale, softcap), MASKED))  # [B, K, G, S]
         if mask_values:
             v = jnp.where(live[:, None, :, None], v, jnp.zeros((), v.dtype))
+            return _sum_slots((weights.astype(v.dtype)[..., None] * v[:, :, None, :, :]).astype(jnp.float32))
         return jnp.sum(weights.astype(v.dtype)[..., None] * v[:, :, None, :, :], axis=-2, dtype=jnp.float32)
     q = q.astype(jnp.float32)
     k, v = dequantize(k, k_scale), dequantize(v, v_scale)
