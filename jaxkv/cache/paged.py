@@ -140,7 +140,7 @@ class PagedKVCache:
 
     # --- page bookkeeping ---------------------------------------------------------------------------------------
 
-    def _count(self, table, sign: int, refcounts):
+    def count_pages(self, table, sign: int, refcounts):
         """refcounts + sign for every page named in `table` (any shape; -1 entries ignored)."""
         flat = table.reshape(-1)
         return refcounts.at[jnp.where(flat >= 0, flat, self.num_pages)].add(sign, mode="drop")
@@ -222,7 +222,7 @@ class PagedKVCache:
         table = jnp.where(some[:, None], self.page_table[src], NO_PAGE)  # [B', M]
         lengths = jnp.where(some, self.lengths[src], 0)
         overflowed = some & self.overflowed[src]
-        refcounts = self._count(self.page_table, -1, self._count(table, +1, self.refcounts))
+        refcounts = self.count_pages(self.page_table, -1, self.count_pages(table, +1, self.refcounts))
         cache = dataclasses.replace(self, page_table=table, lengths=lengths, overflowed=overflowed,
                                     refcounts=refcounts)
         return cache._copy_shared_last_pages()
@@ -266,7 +266,7 @@ class PagedKVCache:
         any other dtype. Under `jit` traced indices cannot be checked by value: one outside [0, B) is ignored."""
         rows = self._row_mask(rows)
         dropped = jnp.where(rows[:, None], self.page_table, NO_PAGE)
-        return dataclasses.replace(self, refcounts=self._count(dropped, -1, self.refcounts),
+        return dataclasses.replace(self, refcounts=self.count_pages(dropped, -1, self.refcounts),
                                    page_table=jnp.where(rows[:, None], NO_PAGE, self.page_table),
                                    lengths=jnp.where(rows, 0, self.lengths),
                                    overflowed=jnp.where(rows, False, self.overflowed))

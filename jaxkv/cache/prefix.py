@@ -225,13 +225,17 @@ class PrefixCache:
                              lengths=jnp.asarray(lengths, jnp.int32), refcounts=p.refcounts,
                              overflowed=jnp.zeros(table.shape[:1], bool), key_scales=p.key_scales,
                              value_scales=p.value_scales, page_size=self.page_size)
-        return dataclasses.replace(cache, refcounts=cache._count(table, +1, cache.refcounts))
+        return dataclasses.replace(cache, refcounts=cache.count_pages(table, +1, cache.refcounts))
 
     def store(self, cache: PagedKVCache):
         """Takes the pool back from a finished call's cache, releasing its sequences' pages."""
         self._pools = _Pools.of(cache.release(jnp.ones((cache.batch,), bool)))
 
     # --- inspection ---------------------------------------------------------------------------------------------
+
+    def pages(self) -> list[int]:
+        """The pages the index holds (one reference each), least recently used first."""
+        return list(self._index.values())
 
     @property
     def cached_pages(self) -> int:

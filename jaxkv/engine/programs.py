@@ -87,7 +87,7 @@ def admit(state: State, row, table_row, length, *, mesh=None):
     cache = dataclasses.replace(cache, page_table=cache.page_table.at[row].set(table_row),
                                 lengths=cache.lengths.at[row].set(length),
                                 overflowed=cache.overflowed.at[row].set(False),
-                                refcounts=cache._count(table_row, +1, cache.refcounts))
+                                refcounts=cache.count_pages(table_row, +1, cache.refcounts))
     state = _placed(state.replace(cache=cache), mesh)
     return state, _free_pages(state)
 

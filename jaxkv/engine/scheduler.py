@@ -309,7 +309,7 @@ class Engine:
             return 0
         counts = np.asarray(self._state.cache.refcounts).copy()
         if self.prefix_cache is not None:
-            np.subtract.at(counts, list(self.prefix_cache._index.values()), 1)
+            np.subtract.at(counts, self.prefix_cache.pages(), 1)
         return int((counts > 0).sum())
 
     @property
