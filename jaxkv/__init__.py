@@ -6,6 +6,7 @@ and `dir(jaxkv)` work as with eager imports. A new public name is one more entry
 """
 
 import importlib as _importlib
+import importlib.abc as _importlib_abc
 import importlib.util as _importlib_util
 import sys as _sys
 import types as _types
@@ -50,6 +51,40 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
+
+# Modules that moved in the reshape (issue 28), old path -> new: the old path is the new module itself (the same
+# object in sys.modules, private names included, so `from jaxkv.prefix_cache import _block_keys` and a
+# monkeypatch through either path both work). New code imports the new path.
+_OLD_MODULES = {
+    "jaxkv.checkpoint": "jaxkv.io.checkpoint",
+    "jaxkv.checkpoint_fp8": "jaxkv.io.fp8",
+    "jaxkv.checkpoint_hf": "jaxkv.io.hf",
+    "jaxkv.engine_programs": "jaxkv.engine.programs",
+    "jaxkv.evaluate": "jaxkv.score",
+    "jaxkv.memory": "jaxkv.cache.planner",
+    "jaxkv.mla_attention": "jaxkv.layers.mla",
+    "jaxkv.moe": "jaxkv.layers.moe",
+    "jaxkv.paged_cache": "jaxkv.cache.paged",
+    "jaxkv.prefix_cache": "jaxkv.cache.prefix",
+}
+
+
+class _OldModules(_importlib_abc.MetaPathFinder, _importlib_abc.Loader):
+    """Imports an old path (`_OLD_MODULES`) as its new module: one table instead of a stub file per old path."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name in _OLD_MODULES:
+            return _importlib_util.spec_from_loader(name, self)
+        return None
+
+    def create_module(self, spec):
+        return _importlib.import_module(_OLD_MODULES[spec.name])  # its own name, spec and loader stay
+
+    def exec_module(self, module):
+        pass  # already executed, under its new name
+
+
+_sys.meta_path.insert(0, _OldModules())
 
 
 def __getattr__(name: str):

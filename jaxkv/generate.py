@@ -1,4 +1,4 @@
-"""Generation: prefill, the decode step, and the decode loop. Knows nothing of tokenizers.
+"""The generation entry points: `generate`, `generate_pmap`, `prefill`, `decode_step`, `decode`. Knows nothing of tokenizers.
 
 The pipeline for one `generate` call:
 

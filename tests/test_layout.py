@@ -95,8 +95,9 @@ def test_no_import_cycle_in_the_package():
     assert cycles(graph) == []
 
 # old path -> the module it now is, kept (a sys.modules alias) for users and ../shared/repros
-OLD_PATHS = {"jaxkv.memory": "jaxkv.cache.planner", "jaxkv.paged_cache": "jaxkv.cache.paged",
-             "jaxkv.prefix_cache": "jaxkv.cache.prefix"}
+import jaxkv  # noqa: E402 (only its table of moved modules: no JAX is imported)
+
+OLD_PATHS = dict(jaxkv._OLD_MODULES)  # old module path -> the module it is now
 
 
 def is_private(name: str) -> bool:
@@ -149,7 +150,7 @@ def module_name(path: pathlib.Path) -> str:
 
 
 def test_no_module_uses_another_modules_private_names():
-    modules = set(module_graph())
+    modules = set(module_graph()) | set(OLD_PATHS)  # an old path names its new module
     # the check itself: each form it must catch, and what it must not (dunders, an alias module's `_module`)
     sample = ("import jaxkv\nimport jaxkv.generate as g\nfrom jaxkv import memory\n"
               "from jaxkv.generate import _forward, __doc__\nfrom jaxkv.cache import planner as _module\n"
@@ -172,3 +173,64 @@ def test_old_module_paths_are_the_new_modules_private_names_included():
     import jaxkv
 
     assert jaxkv.memory.plan_cache is jaxkv.plan_cache and jaxkv.cache.KVCache is jaxkv.KVCache
+
+
+# --- the tests' own layout (issue 28, item 7) ---------------------------------------------------------------------
+
+TESTS = pathlib.Path(__file__).resolve().parent
+
+
+def imported_test_files(source: str) -> set[str]:
+    """The modules a test-suite file (`source`) imports that are test files: any dotted name with a component
+    starting with "test_" (`test_x`, `cache.test_x`, `from . import test_x`) or named `conftest`. Shared code is
+    imported from `helpers`; pytest loads conftest itself."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""] + [f"{node.module or ''}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        found.update(n.strip(".") for n in names
+                     if any(part.startswith("test_") or part == "conftest" for part in n.split(".")))
+    return found
+
+
+def test_no_test_file_imports_another_test_file():
+    # the check itself: each form it must catch, and what it must not
+    sample = ("import test_cache\nfrom test_hf_parity import build_hf\nfrom conftest import CONFIGS\n"
+              "from tests.cache import test_paged\nfrom . import test_x\nfrom helpers.hf import build_hf\n"
+              "import jaxkv\nfrom jaxkv.cache import contiguous\n"
+              "def f():\n    from test_compiles import count_compiles\n")
+    assert imported_test_files(sample) == {"test_cache", "test_hf_parity", "test_hf_parity.build_hf", "conftest",
+                                         "conftest.CONFIGS", "tests.cache.test_paged", "test_x",
+                                         "test_compiles", "test_compiles.count_compiles"}
+    files = sorted(TESTS.rglob("*.py"))
+    assert TESTS / "families" / "test_hf_parity.py" in files and TESTS / "helpers" / "hf.py" in files  # it sees them
+    offenders = {str(p.relative_to(TESTS)): sorted(imported_test_files(p.read_text())) for p in files}
+    assert {f: names for f, names in offenders.items() if names} == {}
+
+
+def package_dirs(root: pathlib.Path) -> set[str]:
+    """The sub-packages of `root` (folders holding an __init__.py), by name."""
+    return {p.parent.name for p in root.glob("*/__init__.py")}
+
+
+def missing_test_folders(package: pathlib.Path, tests: pathlib.Path) -> list[str]:
+    """The sub-packages of `package` with no `tests/<name>/` folder holding a test file."""
+    return sorted(name for name in package_dirs(package) if not list((tests / name).glob("test_*.py")))
+
+
+def test_each_package_of_jaxkv_has_a_test_folder(tmp_path):
+    # the check itself, on a sample: a package with a test folder, one with an empty folder, one with none
+    for name in ("a", "b", "c"):
+        (tmp_path / "pkg" / name).mkdir(parents=True)
+        (tmp_path / "pkg" / name / "__init__.py").write_text("")
+    (tmp_path / "tests" / "a").mkdir(parents=True)
+    (tmp_path / "tests" / "a" / "test_x.py").write_text("")
+    (tmp_path / "tests" / "b").mkdir()
+    assert missing_test_folders(tmp_path / "pkg", tmp_path / "tests") == ["b", "c"]
+    assert package_dirs(PACKAGE) >= {"cache", "attention", "layers", "families", "io", "decoding", "engine",
+                                     "server", "cli", "bench"}  # it sees the package's folders
+    assert missing_test_folders(PACKAGE, TESTS) == []
