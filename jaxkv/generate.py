@@ -1,4 +1,4 @@
-"""The generation entry points: `generate`, `generate_pmap`, `prefill`, `decode_step`, `decode`. Knows nothing of tokenizers.
+"""The generation entry points: generate, generate_pmap, prefill, decode_step, decode. Knows nothing of tokenizers.
 
 The pipeline for one `generate` call:
 
