@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import jaxkv
-from conftest import CONFIGS, model_for, left_pad, recompute
+from helpers.models import CONFIGS, model_for, left_pad, recompute
 
 # float32 on CPU: cached and recomputed logits differ only by summation order in the attention and matmuls.
 ATOL = {"float32": 1e-5}

@@ -13,7 +13,7 @@ import pytest
 
 import jaxkv
 from multiprocess_worker import CONFIG, NEW_TOKENS, PROMPTS, SEED
-from conftest import FAST_COMPILE
+from helpers.env import FAST_COMPILE
 
 WORKER = Path(__file__).with_name("multiprocess_worker.py")
 TIMEOUT_S = 240

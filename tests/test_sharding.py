@@ -3,8 +3,6 @@ and `generate_pmap`. Every sharded result is compared with single-device generat
 
 import importlib.util
 import math
-import pathlib
-import re
 
 import jax
 import numpy as np
@@ -14,7 +12,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jaxkv
 from jaxkv import sharding
 
-SCRIPTS = pathlib.Path(__file__).resolve().parent.parent / "scripts"
+from helpers import hlo
+from helpers.env import SCRIPTS
+
 
 # float32 throughout: the sharded matmuls sum the same products in a different order (partial sums over heads and
 # FFN columns, then an all-reduce), so logits differ from one device's in the last bits only.
@@ -158,17 +158,6 @@ def test_pmap_stop_tokens_and_finish_reasons_match():
     assert "stop" in got.finish_reasons
 
 
-def _collectives(text: str):
-    """(op, element count of its result) of every collective in compiled HLO text."""
-    found = []
-    for line in text.splitlines():
-        m = re.search(r"= \(?(\w+)\[([\d,]*)\][^ ]* (all-reduce|all-gather|all-to-all|collective-permute|"
-                      r"reduce-scatter)(-start)?\(", line)
-        if m:
-            found.append((m.group(3), math.prod(int(d) for d in m.group(2).split(",") if d)))
-    return found
-
-
 def test_decode_loop_never_moves_the_cache():
     """The compiled decode loop on a (2, 4) mesh: the expected all-reduces (attention output and FFN down
     projection, one each per layer, of [B/2, 1, D]) and no collective whose result is as large as one device's
@@ -185,7 +174,7 @@ def test_decode_loop_never_moves_the_cache():
     args = (params, cache, logits, put(jax.random.PRNGKey(0)), put(jaxkv.Sampler.make()),
             put(np.full((8,), -1, np.int32)))
     text = jaxkv.decode.lower(*args, config=config, steps=5, attention="xla", mesh=mesh).compile().as_text()
-    collectives = _collectives(text)
+    collectives = hlo.collectives(text)
     shard = (B // 2) * (config.n_kv_heads // 4) * S * config.head_dim  # one layer's keys on one device
     assert f"f32[{B // 2},{config.n_kv_heads // 4},{S},{config.head_dim}]" in text  # the cache is really split
     big = [c for c in collectives if c[1] >= shard]

@@ -18,7 +18,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jaxkv
 from jaxkv import sharding
 from jaxkv.config import Mla, MoeConfig
-from test_sharding import SCRIPTS, _collectives
+
+from helpers import hlo
+from helpers.env import SCRIPTS
 
 # float32 throughout: the sharded matmuls sum the same products in another order (partial sums over heads and
 # expert columns, then an all-reduce), so log-probabilities differ from one device's in the last bits only.
@@ -162,7 +164,7 @@ def test_decode_loop_reads_the_latent_in_place():
             put(np.full((8,), -1, np.int32)))
     text = jaxkv.decode.lower(*args, config=config, steps=5, attention="xla", mesh=mesh).compile().as_text()
     assert f"f32[{B // 2},1,{S},{C}]" in text
-    collectives = _collectives(text)
+    collectives = hlo.collectives(text)
     big = [c for c in collectives if c[1] >= (B // 2) * S * C]
     assert not big, big
     all_reduces = [c for c in collectives if c[0] == "all-reduce" and c[1] == (B // 2) * MLA.d_model]

@@ -111,7 +111,7 @@ def test_compiled_mla_decode_updates_the_latent_cache_in_place(batch, cache_dtyp
 
     import jaxkv
     from jaxkv.config import Mla
-    from test_contiguous import _is_whole_buffer_copy
+    from helpers.hlo import is_whole_buffer_copy
 
     config = jaxkv.Config(vocab_size=64, d_model=32, n_layers=2, n_heads=4, ffn_dim=48,
                           mla=Mla(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8))
@@ -123,5 +123,5 @@ def test_compiled_mla_decode_updates_the_latent_cache_in_place(batch, cache_dtyp
     short = {"float32": "f32", "int8": "s8"}[cache_dtype]
     # 2,048 slots: the live-prefix branches (`prefix_lengths`) in which the copies appeared; 48 showed none.
     assert f"= {short}[{batch},1,2048,24]" in text  # the check below looks for the right shape
-    copies = [ln.strip()[:120] for ln in text.splitlines() if _is_whole_buffer_copy(ln, batch * 2048 * 16)]
+    copies = [ln.strip()[:120] for ln in text.splitlines() if is_whole_buffer_copy(ln, batch * 2048 * 16)]
     assert not copies, copies[:3]

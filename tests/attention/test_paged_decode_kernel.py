@@ -15,15 +15,16 @@ import pytest
 
 from jaxkv.attention import decode_kernel, pallas, paged_reference
 from jaxkv.attention import paged_decode_kernel as pk
-from jaxkv.cache import quantize
-# _run: compiled once per argument shapes, at XLA:CPU optimisation level 0. TOLERANCES, keyed by q's dtype, with
-# their reasons there (the paged kernel shares the contiguous kernel's math; quantized pools give both sides the same
-# stored numbers and scales).
-from test_pallas import TOLERANCES, _run
+
+# kernels.run: compiled once per argument shapes, at XLA:CPU optimisation level 0. TOLERANCES, keyed by q's dtype, with
+# their reasons in helpers.tolerances (the paged kernel shares the contiguous kernel's math; quantized pools give both
+# sides the same stored numbers and scales).
+from helpers import kernels
+from helpers.kernels import TOLERANCES
 
 HEADS = {"mha": (2, 2), "gqa": (8, 2), "mqa": (4, 1)}  # (N, K)
-H = 32
-M = 5  # pages per sequence: the groups of 2 or 4 pages below do not divide it
+H = kernels.PAGED_HEAD_DIM
+M = kernels.PAGES_PER_SEQUENCE  # pages per sequence: the groups of 2 or 4 pages below do not divide it
 SCALE = 0.3
 
 
@@ -47,69 +48,20 @@ def _reference(window):
     return ref
 
 
-def _layout(lengths, page_size, seed):
-    """(page_table int32[B, M], live bool[P, page_size], P): row 0 owns its pages; every other row starts with a
-    prefix of row 0's pages (one page more than it fills, when row 0 has it: that page's tail is live for row 0 and
-    past the row's own length), then pages of its own; the pool has two free pages; physical ids are shuffled."""
-    rng = np.random.default_rng(seed)
-    needed = [-(-n // page_size) for n in lengths]
-    table = np.full((len(lengths), M), -1, np.int64)
-    table[0, :needed[0]] = np.arange(needed[0])
-    P = needed[0]
-    for b, n in enumerate(needed[1:], 1):
-        shared = min(n, needed[0], 1 + b % 2)
-        table[b, :shared] = table[0, :shared]
-        table[b, shared:n] = np.arange(P, P + n - shared)
-        P += n - shared
-    P += 2  # free pages
-    perm = rng.permutation(P)
-    table = np.where(table >= 0, perm[np.maximum(table, 0)], -1)
-    live = np.zeros((P, page_size), bool)
-    for b, n in enumerate(lengths):
-        for s in range(n):
-            live[table[b, s // page_size], s % page_size] = True
-    return jnp.asarray(table, jnp.int32), live, P
-
-
-def _pool(P, K, page_size, pool_dtype, rng):
-    """(k, v, scales): float pools in pool_dtype, or int8 / float8 pools quantized with the cache's `quantize` so
-    that kernel and reference read the same stored numbers; scales () for a float pool."""
-    k, v = (rng.normal(size=(P, K, page_size, H)).astype(np.float32) for _ in range(2))
-    if pool_dtype in ("int8", "float8_e4m3fn"):
-        (k, k_scale), (v, v_scale) = quantize(k, pool_dtype), quantize(v, pool_dtype)
-        return k, v, (k_scale, v_scale)
-    return jnp.asarray(k, pool_dtype), jnp.asarray(v, pool_dtype), ()
-
-
-def _poison(x, live):
-    """x [P, K, page_size, ...] with NaN at every slot no row may read (int8 has no NaN: unchanged)."""
-    if x.dtype == jnp.int8:
-        return x
-    dead = jnp.asarray(~live).reshape(live.shape[0], 1, live.shape[1], *([1] * (x.ndim - 3)))
-    return jnp.where(dead, jnp.nan, x).astype(x.dtype)
-
-
 def _check(platform, window, pages_per_block, q, kv_heads, lengths, page_size, pool_dtype, seed=0):
     """Kernel on the poisoned pool == reference on the clean one, for rows with length >= 1; length-0 rows are 0."""
-    table, live, P = _layout(lengths, page_size, seed)
-    k, v, scales = _pool(P, kv_heads, page_size, pool_dtype, np.random.default_rng(seed + 1))
+    table, live, P = kernels.page_layout(lengths, page_size, seed)
+    k, v, scales = kernels.page_pool(P, kv_heads, page_size, pool_dtype, np.random.default_rng(seed + 1))
     lengths = jnp.asarray(lengths, jnp.int32)
-    bad = [_poison(x, live) for x in (k, v, *scales)]
-    out = np.asarray(_run(_kernel(platform, window, pages_per_block), q, *bad[:2], table, lengths, *bad[2:]),
+    bad = [kernels.poison(x, live) for x in (k, v, *scales)]
+    out = np.asarray(kernels.run(_kernel(platform, window, pages_per_block), q, *bad[:2], table, lengths, *bad[2:]),
                      np.float32)
-    want = np.asarray(_run(_reference(window), q, k, v, table, lengths, *scales), np.float32)
+    want = np.asarray(kernels.run(_reference(window), q, k, v, table, lengths, *scales), np.float32)
     assert np.isfinite(out).all()
     empty = np.asarray(lengths) == 0
     np.testing.assert_array_equal(out[empty], 0.0)
     np.testing.assert_allclose(out[~empty], want[~empty], **TOLERANCES[jnp.dtype(q.dtype).name],
                                err_msg=f"lengths={np.asarray(lengths)}")
-
-
-def _edge_lengths(page_size):
-    """The whole table, 1, page - 1, page, page + 1, 0 (and the same set permuted, so that the long row is not
-    always the one that owns the shared pages)."""
-    lengths = [M * page_size, 1, page_size - 1, page_size, page_size + 1, 0]
-    return lengths, lengths[3:] + lengths[:3]
 
 
 # (page size, heads, q dtype, pool dtype, window, pages per block {platform: n} or None for the default): page sizes
@@ -130,7 +82,7 @@ def test_kernel_matches_reference(platform, page_size, heads, dtype, pool_dtype,
     N, K = HEADS[heads]
     q = jnp.asarray(np.random.default_rng(7).normal(size=(6, N, H)), dtype)
     ppb = (pages_per_block or {}).get(platform)
-    for seed, lengths in enumerate(_edge_lengths(page_size)):
+    for seed, lengths in enumerate(kernels.edge_lengths(page_size)):
         _check(platform, window, ppb, q, K, lengths, page_size, pool_dtype, seed)
 
 
@@ -138,12 +90,12 @@ def test_reference_ignores_poison():
     """The spec itself: NaN in every slot no row may read changes nothing (so the kernel tests may compare the
     kernel on a poisoned pool with the reference on a clean one)."""
     page_size, lengths = 4, jnp.asarray([20, 5, 0], jnp.int32)
-    table, live, P = _layout(list(np.asarray(lengths)), page_size, 0)
-    k, v, scales = _pool(P, 2, page_size, "float8_e4m3fn", np.random.default_rng(1))
+    table, live, P = kernels.page_layout(list(np.asarray(lengths)), page_size, 0)
+    k, v, scales = kernels.page_pool(P, 2, page_size, "float8_e4m3fn", np.random.default_rng(1))
     q = jnp.asarray(np.random.default_rng(2).normal(size=(3, 4, H)), jnp.float32)
     ref = _reference(3)
     clean = ref(q, k, v, table, lengths, *scales)
-    k_bad, v_bad, *bad_scales = (_poison(x, live) for x in (k, v, *scales))
+    k_bad, v_bad, *bad_scales = (kernels.poison(x, live) for x in (k, v, *scales))
     poisoned = ref(q, k_bad, v_bad, table, lengths, *bad_scales)
     np.testing.assert_array_equal(clean, poisoned)
 
@@ -154,8 +106,8 @@ def test_dispatch_takes_the_query_slot():
     page_size, lengths = 4, jnp.asarray([17, 9, 3], jnp.int32)
     # The last slot; an earlier one; one past the row's length (it sees slots 0..2 only, not the page's slot 3).
     q_slots = jnp.asarray([[16], [4], [5]], jnp.int32)
-    table, _, P = _layout(list(np.asarray(lengths)), page_size, 0)
-    k, v, _ = _pool(P, 2, page_size, "float32", np.random.default_rng(1))
+    table, _, P = kernels.page_layout(list(np.asarray(lengths)), page_size, 0)
+    k, v, _ = kernels.page_pool(P, 2, page_size, "float32", np.random.default_rng(1))
     q = jnp.asarray(np.random.default_rng(2).normal(size=(3, 1, 8, H)), jnp.float32)
     args = (q, k, v, table, lengths, q_slots)
     out = pallas.paged_attention(*args, scale=SCALE, sliding_window=6)

@@ -19,21 +19,23 @@ import jaxkv
 from jaxkv.cache import planner as memory
 from jaxkv.attention import mla, paged_mla
 from jaxkv.cache import quantize
-from jaxkv.config import Mla, MoeConfig
+from jaxkv.config import MoeConfig
 from jaxkv.engine import Engine
 from jaxkv.decoding.programs import forward as _forward
 from jaxkv.cache.paged import PagedKVCache
+
+from helpers.models import MLA_DENSE
 
 # Tolerances, keyed by what is compared, each with its reason.
 ATOL_REFERENCE = 1e-5  # float32 paged vs contiguous: the same products, only the softmax's padding differs
 SCORE_ATOL = 1e-4  # beam scores against transformers: float32 sums of log-probabilities (as test_beam_search)
 
-VOCAB = 160
-RANK, ROPE, NOPE, V_DIM, HEADS = 16, 8, 8, 12, 6
 PROMPTS = [[44, 9, 130, 2, 61], [7, 88, 19, 140, 33, 52, 101, 4, 66, 29, 150, 11, 93], [12, 5, 70]]
 NEW = 10
-MLA = Mla(kv_lora_rank=RANK, qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE, v_head_dim=V_DIM, q_lora_rank=24)
-DENSE = jaxkv.Config(vocab_size=VOCAB, d_model=48, n_layers=2, n_heads=HEADS, ffn_dim=64, mla=MLA)
+DENSE = MLA_DENSE  # the tiny dense MLA model (helpers.models), shared with the paged cache's write-path test
+MLA = DENSE.mla
+RANK, ROPE, NOPE, V_DIM = MLA.kv_lora_rank, MLA.qk_rope_head_dim, MLA.qk_nope_head_dim, MLA.v_head_dim
+HEADS = DENSE.n_heads
 CONFIGS = {
     "dense": DENSE,
     # DeepSeek-V3's shape: a dense first layer, then routed and shared experts
@@ -307,20 +309,18 @@ def deepseek(tmp_path_factory):
     """(HF DeepSeek-V3, jaxkv model of the same weights, stop tokens its greedy continuations reach)."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from test_beam_search import hf_greedy
-    from test_deepseek import MLA_LIKE
-    from test_hf_parity import build_hf
+    from helpers.hf import MLA_LIKE, build_hf, hf_greedy_uncached
 
     hf = build_hf("DeepseekV3Config", dict(MLA_LIKE, q_lora_rank=24), seed=5)
     directory = tmp_path_factory.mktemp("deepseek")
     hf.save_pretrained(directory, safe_serialization=True)
     model = jaxkv.load(directory)
-    out = [hf_greedy(hf, prompt, 12) for prompt in PROMPTS]  # transformers' own greedy: no jaxkv compile
+    out = [hf_greedy_uncached(hf, prompt, 12) for prompt in PROMPTS]  # transformers' own greedy: no jaxkv compile
     return hf, model, sorted({out[0][3], out[1][6], out[2][9]})
 
 
 def test_beam_search_equals_transformers_on_deepseek_v3(deepseek):
-    from test_beam_search import NEW as HF_NEW, hf_beam_search
+    from helpers.hf import BEAM_NEW as HF_NEW, hf_beam_search
 
     hf, model, stops = deepseek
     # each setting once (the settings are traced: one compiled search per beam count); test_beam_search covers

@@ -11,7 +11,6 @@ checked at many live lengths.
 """
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -20,43 +19,9 @@ import pytest
 
 import jaxkv
 from jaxkv.attention import decode_kernel, pallas, prefill_kernel, reference
-from jaxkv.cache import quantize
 
-# float32: kernel and reference accumulate in float32 but in a different order (block-wise online softmax vs one
-#   pass); the differences are a few ulps of O(1) outputs, ~1e-6, so 1e-5 leaves margin yet catches any masking
-#   or rescaling error (those are O(1e-2) and up).
-# bfloat16: the output is rounded to bfloat16 (relative step 2^-8 = 4e-3) and the kernel rounds the softmax
-#   probabilities to bfloat16 for the P.V matmul (as flash kernels do for the MXU / tensor cores) where the
-#   reference keeps them in float32: errors of a few 2^-8 on outputs of magnitude <= ~2.
-# Keyed by the query's dtype: a cache in another dtype (bfloat16, float16, int8 or fp8 with scales) holds the same
-#   numbers for both sides, and both compute in float32 from them (the kernel casts 1-byte caches exactly into q's
-#   dtype and applies the scales per score / probability column: a reordering of float32 products, ~1 ulp).
-TOLERANCES = {"float32": dict(atol=1e-5, rtol=1e-5), "bfloat16": dict(atol=2e-2, rtol=2e-2)}
-
-COMPILED = os.environ.get("JAXKV_PALLAS_COMPILED") == "1"
-PLATFORMS = [pallas.default_platform()] if COMPILED else ["tpu", "gpu"]
-INTERPRET = not COMPILED
-# Small blocks so that S = 300 spans several blocks and ends in a partial one (interpret mode is slow).
-BLOCKS = {"tpu": dict(decode_block_k=128, prefill_block_q=16, prefill_block_k=128),
-          "gpu": dict(decode_block_k=64, prefill_block_q=16, prefill_block_k=32)}
-HEADS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (4, 1)}  # (N, K): GQA is 4:1
-S = 300  # cache slots: not a multiple of any block size
-
-
-# The interpreted kernels are big XLA programs and compiling them is most of this file's run time; XLA:CPU's backend
-# optimisation level 0 compiles them ~40% faster (LLVM effort only: the HLO and its arithmetic are unchanged).
-# Device runs keep the default pipeline.
-_COMPILER_OPTIONS = None if COMPILED else {"xla_backend_optimization_level": 0}
-
-
-@functools.lru_cache(maxsize=None)
-def _compiled(fn, *arg_types):
-    return jax.jit(fn).lower(*arg_types).compile(_COMPILER_OPTIONS)
-
-
-def _run(fn, *args):
-    """fn(*args), compiled once per (fn, argument shapes and dtypes); start and q_offset stay traced."""
-    return _compiled(fn, *(jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) for a in args))(*args)
+from helpers import kernels
+from helpers.kernels import BLOCKS, INTERPRET, PLATFORMS, S, TOLERANCES
 
 
 @functools.lru_cache(maxsize=None)
@@ -79,30 +44,14 @@ def _reference(window, ring=False):
     return ref
 
 
-def _inputs(B, T, heads, H, dtype, num_slots=S, seed=0, cache_dtype=None):
-    """q [B, T, N, H] in dtype; k, v [B, K, S, H] in cache_dtype (default: dtype); and their scales
-    (float32 [B, K, S], or () for an unquantized cache)."""
-    N, K = HEADS[heads]
-    rng = np.random.default_rng(seed)
-    q, k, v = (rng.normal(size=shape).astype(np.float32)
-               for shape in [(B, T, N, H), (B, K, num_slots, H), (B, K, num_slots, H)])
-    cache_dtype = jnp.dtype(cache_dtype or dtype).name
-    if cache_dtype in ("int8", "float8_e4m3fn"):
-        (k, k_scale), (v, v_scale) = quantize(k, cache_dtype), quantize(v, cache_dtype)
-        scales = (k_scale, v_scale)
-    else:
-        k, v, scales = jnp.asarray(k, cache_dtype), jnp.asarray(v, cache_dtype), ()
-    return jnp.asarray(q, dtype), k, v, scales
-
-
 def _check(platform, window, q, k, v, start, q_offset, *, scales=(), ring=False, expected_from=None, **knobs):
     """Kernel vs reference on rows with at least one live key; every output finite. `scales`: (k_scale, v_scale)
     of a quantized cache. `expected_from`: (k, v, *scales) to compute the reference from instead (the clean cache
     of a poisoned one)."""
     start, q_offset = jnp.asarray(start, jnp.int32), jnp.int32(q_offset)
-    out = np.asarray(_run(_kernel(platform, window, ring, **knobs), q, k, v, start, q_offset, *scales), np.float32)
+    out = np.asarray(kernels.run(_kernel(platform, window, ring, **knobs), q, k, v, start, q_offset, *scales), np.float32)
     ref_cache = expected_from or (k, v, *scales)
-    want = np.asarray(_run(_reference(window, ring), q, *ref_cache[:2], start, q_offset, *ref_cache[2:]),
+    want = np.asarray(kernels.run(_reference(window, ring), q, *ref_cache[:2], start, q_offset, *ref_cache[2:]),
                       np.float32)
     T, num_slots = q.shape[1], k.shape[2]
     has_live = np.asarray(reference.live_mask(start, q_offset, T, num_slots, window, ring).any(-1))  # [B, T]
@@ -132,7 +81,7 @@ DECODE_CASES = [
 @pytest.mark.parametrize("platform", PLATFORMS)
 @pytest.mark.parametrize("heads,H,dtype,B,window,splits", DECODE_CASES)
 def test_decode_matches_reference(platform, heads, H, dtype, B, window, splits):
-    q, k, v, _ = _inputs(B, 1, heads, H, dtype)
+    q, k, v, _ = kernels.inputs(B, 1, heads, H, dtype)
     check = functools.partial(_check, platform, window, q, k, v, decode_splits=splits)
     bk = BLOCKS[platform]["decode_block_k"]
     # Live lengths 1, block-1, block, block+1 and the whole cache, starting at slot 0 (block-aligned).
@@ -153,7 +102,7 @@ def test_decode_ignores_poisoned_dead_slots(platform):
     not change the output: dead blocks are never read and dead slots of read blocks are masked."""
     B, q_offset = 3, 200
     start = np.array([37, 0, 150])
-    q, k, v, _ = _inputs(B, 1, "gqa", 64, "float32")
+    q, k, v, _ = kernels.inputs(B, 1, "gqa", 64, "float32")
     slot = np.arange(S)
     dead = (slot[None, :] < start[:, None]) | (slot[None, :] > q_offset)  # [B, S]
     poison = jnp.asarray(dead)[:, None, :, None]
@@ -164,7 +113,7 @@ def test_decode_ignores_poisoned_dead_slots(platform):
 
 @pytest.mark.parametrize("platform", PLATFORMS)
 def test_decode_large_logits_are_stable(platform):
-    q, k, v, _ = _inputs(3, 1, "gqa", 64, "float32")
+    q, k, v, _ = kernels.inputs(3, 1, "gqa", 64, "float32")
     # Scores in the thousands: exp overflows unless the running max is subtracted.
     _check(platform, None, q * 40.0, k * 40.0, v, [0, 10, 250], S - 1)
 
@@ -184,7 +133,7 @@ QUANTIZED_CASES = [
 @pytest.mark.parametrize("platform", PLATFORMS)
 @pytest.mark.parametrize("cache_dtype,dtype,window,splits", QUANTIZED_CASES)
 def test_decode_cache_dtypes_match_reference(platform, cache_dtype, dtype, window, splits):
-    q, k, v, scales = _inputs(3, 1, "gqa", 64, dtype, cache_dtype=cache_dtype)
+    q, k, v, scales = kernels.inputs(3, 1, "gqa", 64, dtype, cache_dtype=cache_dtype)
     # The kernels compute in float32 on the stored 16-bit numbers; the XLA reference rounds its products to the
     # cache dtype (a workaround for XLA:CPU, reference._decode). Compare with the exact math on the same numbers.
     exact = (k.astype(jnp.float32), v.astype(jnp.float32)) if not scales and k.dtype != jnp.float32 else None
@@ -202,7 +151,7 @@ def test_decode_quantized_ignores_poisoned_dead_slots(platform):
     through its score (masked after scaling) or its probability (zeroed after scaling)."""
     B, q_offset = 3, 200
     start = np.array([37, 0, 150])
-    q, k, v, (k_scale, v_scale) = _inputs(B, 1, "gqa", 64, "float32", cache_dtype="int8")
+    q, k, v, (k_scale, v_scale) = kernels.inputs(B, 1, "gqa", 64, "float32", cache_dtype="int8")
     slot = np.arange(S)
     dead = jnp.asarray((slot[None, :] < start[:, None]) | (slot[None, :] > q_offset))[:, None, :]  # [B, 1, S]
     bad_scales = jnp.where(dead, jnp.nan, k_scale), jnp.where(dead, jnp.nan, v_scale)
@@ -215,17 +164,6 @@ def test_decode_quantized_ignores_poisoned_dead_slots(platform):
 S_RING = 200  # a ring of S = window slots: not a multiple of either platform's decode block
 
 
-def _ring_offsets(num_slots):
-    """(start, q_offset) pairs: a fresh ring (q_offset < S, the slots past it never written), the first wrap,
-    steady state far past S (q_offset = 3 S + 5), with ragged starts: a row that started long ago (the whole
-    ring live), one that started a few slots back (its live slots wrap past index 0 or not), one whose start is
-    the query itself."""
-    wrapped = 3 * num_slots + 5
-    return [([0, 40, 69], 69), ([0, 0, 0], num_slots - 1), ([0, 1, num_slots], num_slots),
-            ([0, wrapped - 10, wrapped], wrapped), ([wrapped - 100, 2 * num_slots, wrapped - 3], wrapped),
-            ([0, wrapped - 7, wrapped - num_slots + 1], wrapped + num_slots - 7)]
-
-
 # (cache dtype, window, splits): window = S is what a sliding-window model allocates; window < S checks the
 # window and the ring bound separately.
 RING_CASES = [("float32", S_RING, None), ("int8", S_RING, 2), ("float32", 150, 3)]
@@ -234,8 +172,8 @@ RING_CASES = [("float32", S_RING, None), ("int8", S_RING, 2), ("float32", 150, 3
 @pytest.mark.parametrize("platform", PLATFORMS)
 @pytest.mark.parametrize("cache_dtype,window,splits", RING_CASES)
 def test_decode_ring_matches_reference(platform, cache_dtype, window, splits):
-    q, k, v, scales = _inputs(3, 1, "gqa", 64, "float32", num_slots=S_RING, cache_dtype=cache_dtype)
-    for start, q_offset in _ring_offsets(S_RING):
+    q, k, v, scales = kernels.inputs(3, 1, "gqa", 64, "float32", num_slots=S_RING, cache_dtype=cache_dtype)
+    for start, q_offset in kernels.ring_offsets(S_RING):
         _check(platform, window, q, k, v, start, q_offset, scales=scales, ring=True, decode_splits=splits)
 
 
@@ -244,9 +182,9 @@ def test_decode_ring_ignores_poisoned_dead_slots(platform):
     """NaN values and NaN scales of a float8 ring (float8_e4m3fn has a NaN) at every index the query may not see:
     the never-written tail of a fresh ring, slots older than a row's start, slots older than the window."""
     window = 150
-    q, k, v, (k_scale, v_scale) = _inputs(3, 1, "gqa", 64, "float32", num_slots=S_RING,
+    q, k, v, (k_scale, v_scale) = kernels.inputs(3, 1, "gqa", 64, "float32", num_slots=S_RING,
                                           cache_dtype="float8_e4m3fn")
-    for start, q_offset in _ring_offsets(S_RING)[::3]:
+    for start, q_offset in kernels.ring_offsets(S_RING)[::3]:
         live = reference.live_mask(jnp.asarray(start), q_offset, 1, S_RING, window, ring=True)[:, 0]  # [B, S]
         dead = ~live[:, None, :]  # [B, 1, S]
         assert dead.any()
@@ -326,7 +264,7 @@ PREFILL_CASES = [
 @pytest.mark.parametrize("platform", PLATFORMS)
 @pytest.mark.parametrize("heads,H,dtype,B,T,num_slots,window,q_offsets", PREFILL_CASES)
 def test_prefill_matches_reference(platform, heads, H, dtype, B, T, num_slots, window, q_offsets):
-    q, k, v, _ = _inputs(B, T, heads, H, dtype, num_slots=num_slots)
+    q, k, v, _ = kernels.inputs(B, T, heads, H, dtype, num_slots=num_slots)
     for q_offset in q_offsets:
         # Ragged left padding: no padding, a little, a lot, and a row whose only real token is the last query.
         for start in ([0, 3, T - 1], [q_offset + T - 1, 0, q_offset + 5]):
@@ -338,13 +276,13 @@ def test_prefill_quantized_cache_matches_reference(platform):
     """A chunk of prompt (q_offset > 0) over an int8 cache with a window: the prefill kernel dequantizes per key
     block as the decode kernel does."""
     T = 33
-    q, k, v, scales = _inputs(1, T, "gqa", 64, "float32", cache_dtype="int8")
+    q, k, v, scales = kernels.inputs(1, T, "gqa", 64, "float32", cache_dtype="int8")
     for q_offset in (0, 100):
         _check(platform, 40, q, k, v, [q_offset + 3], q_offset, scales=scales)
 
 
 def test_prefill_ring_is_not_implemented():
-    q, k, v, _ = _inputs(1, 4, "gqa", 64, "float32", num_slots=16)
+    q, k, v, _ = kernels.inputs(1, 4, "gqa", 64, "float32", num_slots=16)
     with pytest.raises(NotImplementedError, match="ring"):
         pallas.attention(q, k, v, jnp.zeros((1,), jnp.int32), jnp.int32(20), scale=0.125, sliding_window=16,
                          ring=True, interpret=INTERPRET)

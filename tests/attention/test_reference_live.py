@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 import jaxkv
-from conftest import model_for
+from helpers.hlo import is_copy_of, is_whole_buffer_copy
+from helpers.models import model_for
 from jaxkv.attention import reference
-from test_contiguous import _is_copy_of, _is_whole_buffer_copy
 
 # The two paths do the same arithmetic on the same slots; only the float32 sums run over a different number of
 # (exactly zero) dead terms, which can change their order.
@@ -148,7 +148,7 @@ def test_compiled_prefix_decode_never_copies_the_cache(batch, cache_dtype):
     assert f"= {short}[{batch},2,{capacity},16]" in text and " conditional(" in text
     scale_shape = f"[{batch},2,{capacity}]" if cache_dtype == "int8" else None
     copies = [ln.strip()[:120] for ln in text.splitlines()
-              if _is_whole_buffer_copy(ln, batch * 2 * capacity * 16) or (scale_shape and _is_copy_of(ln, scale_shape))]
+              if is_whole_buffer_copy(ln, batch * 2 * capacity * 16) or (scale_shape and is_copy_of(ln, scale_shape))]
     assert not copies, copies[:3]
 
 

@@ -17,13 +17,15 @@ import numpy as np
 import pytest
 
 from jaxkv.attention import pallas, paged_reference, reference
-# _run: compiled once per argument shapes (XLA:CPU optimisation level 0); TOLERANCES keyed by q's dtype, with their
-# reasons there (capping is elementwise with a derivative <= 1: it does not widen them); _inputs: q, k, v (and scales
-# of a quantized cache) from one seed; _ring_offsets: fresh, just-wrapped and steady-state ring (start, q_offset)s.
-from test_pallas import BLOCKS, INTERPRET, PLATFORMS, TOLERANCES, _inputs, _ring_offsets, _run
-# _layout: page tables whose rows share pages, with every slot no row may read marked; _pool: float or quantized
-# pools of head dim 32; _poison: NaN in those slots; _edge_lengths: 0, 1, page - 1, page, page + 1, the whole table.
-from test_paged_decode_kernel import _edge_lengths, _layout, _poison, _pool
+
+# From helpers.kernels: run, compiled once per argument shapes (XLA:CPU optimisation level 0); TOLERANCES keyed by
+# q's dtype, with their reasons in helpers.tolerances (capping is elementwise with a derivative <= 1: it does not
+# widen them); inputs: q, k, v (and scales of a quantized cache) from one seed; ring_offsets: fresh, just-wrapped and
+# steady-state ring (start, q_offset)s; page_layout: page tables whose rows share pages, with every slot no row may
+# read marked; page_pool: float or quantized pools of head dim 32; poison: NaN in those slots; edge_lengths: 0, 1,
+# page - 1, page, page + 1, the whole table.
+from helpers import kernels
+from helpers.kernels import BLOCKS, INTERPRET, PLATFORMS, TOLERANCES
 
 SCALE = 0.125  # with head dim 64 and unit normals the scores are O(1): a cap of 2.0 bends the larger ones a lot
 
@@ -95,11 +97,11 @@ def test_reference_by_hand():
 def test_softcap_none_is_the_uncapped_program():
     """softcap=None traces exactly the program without the argument (no tanh anywhere, the same jaxpr), for the
     reference, every paged form and every Pallas kernel; a cap puts a tanh in each. Bad caps are refused."""
-    q1, k, v, _ = _inputs(1, 1, "gqa", 32, "float32", num_slots=40)
+    q1, k, v, _ = kernels.inputs(1, 1, "gqa", 32, "float32", num_slots=40)
     q4 = jnp.concatenate([q1] * 4, axis=1)
     start, q_offset = jnp.zeros((1,), jnp.int32), jnp.int32(20)
-    table, _, P = _layout([9, 3], 4, 0)
-    kp, vp, _ = _pool(P, 2, 4, "float32", np.random.default_rng(0))
+    table, _, P = kernels.page_layout([9, 3], 4, 0)
+    kp, vp, _ = kernels.page_pool(P, 2, 4, "float32", np.random.default_rng(0))
     qp, lengths = jnp.concatenate([q1] * 2)[..., :32], jnp.asarray([9, 3], jnp.int32)
     paged = (qp, kp, vp, table, lengths, (lengths - 1)[:, None])
     fns = [functools.partial(reference.attention, q1, k, v, start, q_offset),
@@ -150,12 +152,12 @@ def _reference(window, ring, softcap):
 def _check(platform, window, ring, softcap, q, k, v, scales, start, q_offset, *, clean=None, **knobs):
     """Kernel == reference (the reference on `clean` (k, v) when k, v are poisoned); returns (reference, live)."""
     start, q_offset = jnp.asarray(start, jnp.int32), jnp.int32(q_offset)
-    out = _run(_kernel(platform, window, ring, softcap, **knobs), q, k, v, start, q_offset, *scales)
-    want = _run(_reference(window, ring, softcap), q, *(clean or (k, v)), start, q_offset, *scales)
+    out = kernels.run(_kernel(platform, window, ring, softcap, **knobs), q, k, v, start, q_offset, *scales)
+    want = kernels.run(_reference(window, ring, softcap), q, *(clean or (k, v)), start, q_offset, *scales)
     live = np.asarray(reference.live_mask(start, q_offset, q.shape[1], k.shape[2], window, ring).any(-1))  # [B, T]
     _assert_close(out, want, live, q.dtype)
     if softcap == 2.0:
-        uncapped = _run(_reference(window, ring, None), q, *(clean or (k, v)), start, q_offset, *scales)
+        uncapped = kernels.run(_reference(window, ring, None), q, *(clean or (k, v)), start, q_offset, *scales)
         _assert_cap_matters(want, uncapped, live, q.dtype)
     return want, live
 
@@ -177,10 +179,10 @@ DECODE_CASES = [
 @pytest.mark.parametrize("cache_dtype,dtype,window,ring,softcap,splits", DECODE_CASES)
 def test_decode_matches_reference(platform, cache_dtype, dtype, window, ring, softcap, splits):
     num_slots = S_RING if ring else S
-    q, k, v, scales = _inputs(3, 1, "gqa", 64, dtype, num_slots=num_slots, cache_dtype=cache_dtype, seed=1)
+    q, k, v, scales = kernels.inputs(3, 1, "gqa", 64, dtype, num_slots=num_slots, cache_dtype=cache_dtype, seed=1)
     check = functools.partial(_check, platform, window, ring, softcap, q, k, v, scales, decode_splits=splits)
     if ring:
-        for start, q_offset in _ring_offsets(num_slots):  # fresh, wrapped once, wrapped three times; ragged
+        for start, q_offset in kernels.ring_offsets(num_slots):  # fresh, wrapped once, wrapped three times; ragged
             check(start, q_offset)
         return
     bk = BLOCKS[platform]["decode_block_k"]
@@ -211,7 +213,7 @@ PREFILL_CASES = [
 @pytest.mark.parametrize("platform", PLATFORMS)
 @pytest.mark.parametrize("heads,cache_dtype,dtype,T,num_slots,window,softcap,q_offsets", PREFILL_CASES)
 def test_prefill_matches_reference(platform, heads, cache_dtype, dtype, T, num_slots, window, softcap, q_offsets):
-    q, k, v, scales = _inputs(3, T, heads, 64, dtype, num_slots=num_slots, cache_dtype=cache_dtype, seed=2)
+    q, k, v, scales = kernels.inputs(3, T, heads, 64, dtype, num_slots=num_slots, cache_dtype=cache_dtype, seed=2)
     for q_offset in q_offsets:
         # Ragged left padding: none, a little, only the last query real; then a row with no real token at all.
         for start in ([0, 3, q_offset + T - 1], [q_offset + T, 0, q_offset + 20]):
@@ -254,21 +256,21 @@ def test_paged_matches_reference(page_size, heads, dtype, pool_dtype, window, so
     forms = {name: _scales_positional(form) for name, form in forms.items()}
     expected = _scales_positional(functools.partial(paged_reference.paged_attention, **kw))
     uncapped = _scales_positional(functools.partial(paged_reference.paged_attention, **{**kw, "softcap": None}))
-    for seed, lengths in enumerate(_edge_lengths(page_size)[:1]):  # one layout: each compiles for its pool size
-        table, live, P = _layout(lengths, page_size, seed)
-        k, v, scales = _pool(P, K, page_size, pool_dtype, np.random.default_rng(seed + 1))
+    for seed, lengths in enumerate(kernels.edge_lengths(page_size)[:1]):  # one layout: each compiles for its pool size
+        table, live, P = kernels.page_layout(lengths, page_size, seed)
+        k, v, scales = kernels.page_pool(P, K, page_size, pool_dtype, np.random.default_rng(seed + 1))
         lengths = jnp.asarray(lengths, jnp.int32)
         args = (table, lengths, (lengths - 1)[:, None])
-        want = _run(expected, q, k, v, *args, *scales)
-        bad = [_poison(x, live) for x in (k, v, *scales)]
+        want = kernels.run(expected, q, k, v, *args, *scales)
+        bad = [kernels.poison(x, live) for x in (k, v, *scales)]
         has_live = np.asarray(lengths)[:, None] > 0  # [B, T = 1]
         for name, form in forms.items():
-            out = np.asarray(_run(form, q, *bad[:2], *args, *bad[2:]), np.float32)
+            out = np.asarray(kernels.run(form, q, *bad[:2], *args, *bad[2:]), np.float32)
             assert np.isfinite(out).all(), name
             np.testing.assert_allclose(out[has_live], np.asarray(want, np.float32)[has_live],
                                        **TOLERANCES[jnp.dtype(dtype).name], err_msg=f"{name} lengths={lengths}")
         if softcap == 2.0:
-            _assert_cap_matters(want, _run(uncapped, q, k, v, *args, *scales), has_live, dtype)
+            _assert_cap_matters(want, kernels.run(uncapped, q, k, v, *args, *scales), has_live, dtype)
 
 
 # --- per-layer windows: a global layer and a local (ring) layer over the same sequence --------------------------
@@ -281,7 +283,7 @@ def test_global_and_local_layers(platform):
     window over the whole cache and the ring with no window (its own bound is the window). Pallas == XLA for each;
     the three local forms agree with each other and differ from the global one."""
     w, capacity, softcap = 24, 5 * 24, 2.0
-    q, k_all, v_all, _ = _inputs(3, 1, "gqa", 64, "float32", num_slots=capacity, seed=3)
+    q, k_all, v_all, _ = kernels.inputs(3, 1, "gqa", 64, "float32", num_slots=capacity, seed=3)
     for q_offset in (3 * w + 5, 5 * w - 1):
         start = np.array([0, q_offset - w - 3, q_offset - 5])  # all, a window's worth and more, 6 slots
         future = jnp.asarray(np.arange(capacity) > q_offset)[None, None, :, None]

@@ -1,15 +1,13 @@
 """The KV-cache pytree: what it holds, its masks, and in-place updates of donated buffers."""
 
-import math
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jaxkv
-from conftest import CONFIGS, model_for
+from helpers.hlo import is_copy_of, is_whole_buffer_copy
+from helpers.models import CONFIGS, model_for
 
 
 def test_leaves_are_keys_values_and_declared_bookkeeping_only():
@@ -97,20 +95,5 @@ def test_compiled_decode_never_copies_the_cache(batch, cache_dtype):
     for text in (loop, step):
         assert f"= {kv_shape}" in text  # the check below looks for the right shape
         copies = [ln.strip()[:120] for ln in text.splitlines()
-                  if _is_whole_buffer_copy(ln, batch * 2 * 48 * 16) or (scale_shape and _is_copy_of(ln, scale_shape))]
+                  if is_whole_buffer_copy(ln, batch * 2 * 48 * 16) or (scale_shape and is_copy_of(ln, scale_shape))]
         assert not copies, copies[:3]
-
-
-def _is_whole_buffer_copy(line: str, buffer_elements: int) -> bool:
-    """A `copy` op, or a fusion named for a copy or transpose, producing at least `buffer_elements` elements."""
-    m = re.search(r"%(\S+) = \w+\[([\d,]+)\]\S* (\w+)\(", line)
-    if not m or not (m.group(3) == "copy" or "copy" in m.group(1) or "transpose" in m.group(1)):
-        return False
-    return math.prod(int(d) for d in m.group(2).split(",")) >= buffer_elements
-
-
-def _is_copy_of(line: str, shape: str) -> bool:
-    """A `copy` op, or a fusion named for a copy or transpose, producing exactly `shape` (e.g. "[1,2,48]")."""
-    m = re.search(r"%(\S+) = \w+(\[[\d,]+\])\S* (\w+)\(", line)
-    return bool(m) and m.group(2) == shape and (m.group(3) == "copy" or "copy" in m.group(1)
-                                                or "transpose" in m.group(1))

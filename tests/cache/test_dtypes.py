@@ -14,7 +14,7 @@ import jaxkv
 from jaxkv.attention import reference
 from jaxkv.cache import CACHE_DTYPES, quantize
 from jaxkv.cache.planner import plan_cache
-from conftest import CONFIGS, model_for, left_pad
+from helpers.models import CONFIGS, model_for, left_pad
 
 SCRIPTS = pathlib.Path(__file__).resolve().parents[2] / "scripts"
 

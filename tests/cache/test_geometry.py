@@ -13,7 +13,7 @@ import jaxkv
 from jaxkv.cache import planner as memory
 from jaxkv.cache import KVCache
 from jaxkv.config import Config, LinearScaling, ProportionalRope
-from conftest import placed_like, recompute
+from helpers.models import placed_like, recompute
 
 WINDOW = 6
 LOCAL, GLOBAL = "sliding_attention", "full_attention"

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxkv
-from conftest import CONFIGS, model_for, recompute
+from helpers.models import CONFIGS, MLA_DENSE, model_for, recompute
 from jaxkv.attention import paged_reference
 from jaxkv.cache.paged import PagedKVCache
 
@@ -268,7 +268,8 @@ def test_a_starved_fork_writes_nowhere_and_its_sibling_stays_exact():
 @pytest.mark.parametrize("kind", ["float32", "int8", "keys-only"])
 def test_a_starved_row_writes_nowhere_in_any_pool(kind):
     """Every write path goes through `PagedKVCache.write`: plain, quantized (scales too) and MLA latent pools."""
-    from test_paged_mla import DENSE, RANK, ROPE
+    DENSE = MLA_DENSE
+    RANK, ROPE = DENSE.mla.kv_lora_rank, DENSE.mla.qk_rope_head_dim
     config = DENSE if kind == "keys-only" else TINY
     cache = _starved_fork(config, None if kind == "keys-only" else kind)
     K, H = (1, RANK + ROPE) if kind == "keys-only" else (1, TINY.head_dim)

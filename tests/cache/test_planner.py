@@ -12,7 +12,7 @@ import jaxkv
 from jaxkv import cli
 from jaxkv.cache import planner as memory
 from jaxkv.checkpoint import TINY_DIR, config_from_dict
-from conftest import CONFIGS
+from helpers.models import CONFIGS
 
 GIB = 1 << 30
 

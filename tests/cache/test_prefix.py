@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import jaxkv
-from conftest import model_for
+from helpers.models import model_for
 
 RNG = np.random.default_rng(0)
 HEADER = RNG.integers(1, 97, 40).tolist()  # a shared 40-token prefix: 5 pages of 8

@@ -9,8 +9,8 @@ import pytest
 
 import jaxkv
 from jaxkv import cli
-from conftest import CONFIGS
-from test_checkpoint import byte_tokenizer
+from helpers.models import CONFIGS
+from helpers.text import byte_tokenizer
 
 
 @pytest.fixture(scope="module")

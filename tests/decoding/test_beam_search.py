@@ -19,20 +19,17 @@ import numpy as np
 import pytest
 
 import jaxkv
-from conftest import model_for
 from jaxkv.cache import planner as memory
 from jaxkv.checkpoint_hf import load_hf
 from jaxkv.decoding.programs import prefill_paged as _prefill_paged
 
+from helpers.hf import BEAM_NEW, BOS, EOS, PAD, RAGGED, SINGLE, VOCAB, hf_beam_search, hf_greedy_uncached
+from helpers.models import model_for
+
 bs = importlib.import_module("jaxkv.beam_search")  # the module (jaxkv.beam_search is the function)
 
-VOCAB = 160
-PAD, EOS, BOS = 0, 1, 2
-NEW = 12
+NEW = BEAM_NEW  # new tokens per hypothesis (helpers.hf's hf_beam_search asks transformers for as many)
 SCORE_ATOL = 1e-4  # float32: the two sum the same log-probabilities from logits that agree to ~1e-5
-SINGLE = [[17, 3, 99, 41, 8, 150, 23, 64, 5, 77, 120, 31]]
-RAGGED = [[44, 9, 130, 2, 61], [7, 88, 19, 140, 33, 52, 101, 4, 66, 29, 150, 11, 93],
-          [12, 5, 70, 143, 38, 26, 9, 81, 57]]
 # Both in one batch and one more prompt: 5 prompts padded to 8 rows (3 empty filler prompts), so that each setting
 # compiles one search, not one per batch size.
 BATCH = SINGLE + RAGGED + [[60, 17, 99, 23]]
@@ -60,47 +57,9 @@ def pair(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(directory, safe_serialization=True)
     model = load_hf(directory)
-    greedy = [hf_greedy(hf, prompt, NEW) for prompt in SINGLE + RAGGED]  # transformers': no jaxkv compile
+    greedy = [hf_greedy_uncached(hf, prompt, NEW) for prompt in SINGLE + RAGGED]  # transformers': no jaxkv compile
     stops = sorted({greedy[0][3], greedy[1][6], greedy[2][9]})
     return hf, model, stops
-
-
-def hf_greedy(hf, prompt, steps):
-    """transformers' greedy continuation of one prompt (argmax of the full forward pass, no cache)."""
-    import torch
-
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        for _ in range(steps):
-            ids = torch.cat([ids, hf(ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
-    return ids[0, len(prompt):].tolist()
-
-
-def hf_beam_search(hf, prompts, stops, *, num_beams, length_penalty, early_stopping, num_return_sequences):
-    """transformers' hypotheses per prompt: [(new tokens up to and including a stop token, score or None)]."""
-    import torch
-
-    T = max(map(len, prompts))
-    ids = torch.full((len(prompts), T), PAD, dtype=torch.long)
-    mask = torch.zeros((len(prompts), T), dtype=torch.long)
-    for b, p in enumerate(prompts):  # left padding, as transformers wants for decoder-only models
-        ids[b, T - len(p):], mask[b, T - len(p):] = torch.tensor(p), 1
-    with torch.no_grad():
-        out = hf.generate(ids, attention_mask=mask, num_beams=num_beams, do_sample=False,
-                          length_penalty=length_penalty, early_stopping=early_stopping,
-                          num_return_sequences=num_return_sequences, max_new_tokens=NEW, output_scores=True,
-                          return_dict_in_generate=True, eos_token_id=stops, pad_token_id=PAD)
-    seqs = out.sequences[:, T:].tolist()
-    scores = getattr(out, "sequences_scores", None)  # greedy search (one beam) reports none
-    result = []
-    for i in range(len(prompts)):
-        hyps = []
-        for j in range(num_return_sequences):
-            row = seqs[i * num_return_sequences + j]
-            end = next((k + 1 for k, t in enumerate(row) if t in stops), len(row))  # padding follows a stop
-            hyps.append((row[:end], None if scores is None else float(scores[i * num_return_sequences + j])))
-        result.append(hyps)
-    return result
 
 
 # One beam is greedy search (test_one_beam_is_greedy_generate; greedy == transformers in test_hf_parity). Four

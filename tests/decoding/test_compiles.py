@@ -1,26 +1,12 @@
 """No recompilation per prompt length or per sampling setting."""
 
-import contextlib
-
 import jax
 import numpy as np
 import pytest
 
 import jaxkv
-from conftest import model_for
-
-_compiles = []
-jax.monitoring.register_event_duration_secs_listener(
-    lambda event, duration, **kw: _compiles.append(event) if event == "/jax/core/compile/backend_compile_duration"
-    else None)
-
-
-@contextlib.contextmanager
-def count_compiles():
-    before = len(_compiles)
-    counter = {}
-    yield counter
-    counter["n"] = len(_compiles) - before
+from helpers.compiles import count_compiles
+from helpers.models import model_for
 
 
 def test_counter_sees_a_compile():

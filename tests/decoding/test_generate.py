@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jaxkv
-from conftest import CONFIGS, model_for, left_pad, recompute
+from helpers.models import CONFIGS, model_for, left_pad, recompute
 
 PROMPTS = [[5, 17, 3], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3], [2, 7, 1, 8, 2, 8, 1, 8]]
 

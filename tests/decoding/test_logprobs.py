@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import Mesh
 
 import jaxkv
-from conftest import model_for
+from helpers.models import model_for
 
 # float32 everywhere: the cached and the recomputed passes differ only in summation order (attention over a cache
 # vs over the sequence, one chunk vs several), a few ulps of logits of magnitude ~10.
@@ -195,7 +195,7 @@ def test_score_encodes_text_continuations_without_special_tokens():
 
 
 def test_score_lengths_within_a_bucket_never_recompile():
-    from test_compiles import count_compiles
+    from helpers.compiles import count_compiles
 
     model = model_for("mqa")
     jaxkv.score(model, [[1, 2], [3]], [[3], [4]])

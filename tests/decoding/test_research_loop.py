@@ -12,8 +12,8 @@ import pytest
 from jax.experimental import checkify
 
 import jaxkv
-from conftest import model_for
-from test_compiles import count_compiles
+from helpers.compiles import count_compiles
+from helpers.models import model_for
 
 PROMPT = list(range(1, 17))  # 16 tokens
 

@@ -7,7 +7,7 @@ import pytest
 
 import jaxkv
 from jaxkv import sampling
-from conftest import model_for
+from helpers.models import model_for
 
 
 def kept(filtered):

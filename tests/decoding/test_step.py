@@ -13,7 +13,7 @@ import pytest
 import jaxkv
 from jaxkv.decoding import step
 from jaxkv.sampling import greedy
-from conftest import model_for
+from helpers.models import model_for
 
 FORCED = 7  # the token the patched hook forces; not a stop id below (stop_tokens=[] everywhere)
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6]]

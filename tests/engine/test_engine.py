@@ -9,8 +9,8 @@ import pytest
 import jaxkv
 from jaxkv import sharding
 from jaxkv.engine import Engine
-from conftest import model_for
-from test_compiles import count_compiles
+from helpers.models import model_for
+from helpers.compiles import count_compiles
 
 LOGPROB_TOL = 1e-4  # float32 log-softmax of the same logits computed through a different (cached) program
 

@@ -21,12 +21,11 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import jaxkv  # noqa: E402
-from conftest import left_pad  # noqa: E402
 from jaxkv.config import Config, Mla, YarnScaling  # noqa: E402
-from test_hf_parity import BOS, EOS, PAD, RAGGED, SINGLE, VOCAB, build_hf, hf_greedy, hf_logits  # noqa: E402
-# transformers parity of logits (atol 1e-4) and of 32 greedy tokens (single prompt, ragged batch of 3): the same
-# tests as for the other families, collected here, so that they run on this module's DeepSeek `pair`s.
-from test_hf_parity import test_greedy_generation_is_token_identical, test_logits_match  # noqa: E402, F401
+
+from helpers.hf import (MLA_LIKE, RAGGED, SINGLE, VOCAB, build_hf,  # noqa: E402
+                        check_greedy_generation_is_token_identical, check_logits_match, hf_greedy, hf_logits)
+from helpers.models import left_pad  # noqa: E402
 
 # Tolerances, keyed by what is compared, each with its reason.
 ATOL_HF = 1e-4  # float32 against transformers: different summation orders over a 2-layer model (as test_hf_parity)
@@ -39,11 +38,10 @@ ATOL_QUANTIZED = {"int8": 0.15, "float8_e4m3fn": 0.6}
 # rows 0.065 (bfloat16, 8-bit mantissa) and 0.0086 (float16, 11-bit); the bounds leave about 2x.
 ATOL_16_BIT = {"bfloat16": 0.15, "float16": 0.02}
 
-HEADS, RANK, ROPE, NOPE, V_DIM, Q_RANK = 6, 16, 8, 8, 12, 24
-MLA_LIKE = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
-                num_attention_heads=HEADS, num_key_value_heads=HEADS, kv_lora_rank=RANK, qk_nope_head_dim=NOPE,
-                qk_rope_head_dim=ROPE, v_head_dim=V_DIM, max_position_embeddings=256, initializer_range=0.1,
-                rms_norm_eps=1e-6, first_k_dense_replace=2, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=BOS)
+# MLA_LIKE (helpers.hf): every layer dense (first_k_dense_replace = num_hidden_layers); its dimensions, by name here
+HEADS, RANK, ROPE, NOPE, V_DIM = (MLA_LIKE[f] for f in ("num_attention_heads", "kv_lora_rank", "qk_rope_head_dim",
+                                                         "qk_nope_head_dim", "v_head_dim"))
+Q_RANK = 24
 YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=0.9, mscale_all_dim=0.8,
             original_max_position_embeddings=64)  # factor = 256 / 64, as transformers expects
 
@@ -72,6 +70,16 @@ def pair(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(directory, safe_serialization=True)
     return request.param, hf, jaxkv.load(directory), directory
+
+
+# transformers parity of logits (atol 1e-4) and of 32 greedy tokens (single prompt, ragged batch of 3): the same
+# test bodies as for the other families (helpers.hf), run on this module's DeepSeek `pair`s.
+def test_logits_match(pair):
+    check_logits_match(pair)
+
+
+def test_greedy_generation_is_token_identical(pair):
+    check_greedy_generation_is_token_identical(pair)
 
 
 def test_config_maps_the_mla_fields(pair):

@@ -22,16 +22,14 @@ import jaxkv  # noqa: E402
 from jaxkv.checkpoint_hf import config_from_hf, load_hf  # noqa: E402
 from jaxkv.config import MoeConfig  # noqa: E402
 from jaxkv.model import Decoder  # noqa: E402
-from test_hf_parity import (BOS, EOS, NEW_TOKENS, PAD, RAGGED, SINGLE, VOCAB, greedy_cases, hf_greedy,  # noqa: E402
-                            hf_logits, per_row)
-from test_moe import _assert_no_near_ties  # noqa: E402
+from helpers.hf import (DEEPSEEK_MOE_LAYERS as MOE_LAYERS, DEEPSEEK_MOE_LIKE as MLA, NEW_TOKENS, RAGGED,  # noqa: E402
+                        SINGLE, VOCAB, assert_no_near_ties, build_deepseek_moe_hf as build_hf, greedy_cases,
+                        hf_greedy, hf_logits, per_row)
 
 ATOL = 1e-4  # float32 logits after 3 layers, as tests/test_hf_parity.py
 
-MLA = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
-           num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16,
-           qk_nope_head_dim=16, max_position_embeddings=256, initializer_range=0.25, rms_norm_eps=1e-6,
-           first_k_dense_replace=1, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=BOS)
+# MLA (helpers.hf's DEEPSEEK_MOE_LIKE): 3 layers, layer 0 dense, layers 1-2 MoE (MOE_LAYERS); build_hf
+# (helpers.hf's build_deepseek_moe_hf) randomizes V3's e_score_correction_bias, which transformers zeroes.
 # name -> (config class, fields, fused experts on disk). Layer 0 dense, layers 1-2 MoE in each.
 CASES = {
     # sigmoid + correction bias, 4 groups of 2 experts, 2 groups kept, normalized, scaled by 2.5
@@ -48,22 +46,6 @@ CASES = {
                                            topk_method="greedy", routed_scaling_factor=1.0, n_shared_experts=1),
                   True),
 }
-MOE_LAYERS = (1, 2)
-
-
-def build_hf(config_class: str, fields: dict, seed: int = 0):
-    torch.manual_seed(seed)
-    config = getattr(transformers, config_class)(**fields)
-    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    hf.generation_config.eos_token_id = None  # never stop early (tests/test_hf_parity.py's build_hf)
-    if config_class == "DeepseekV3Config":
-        with torch.no_grad():  # transformers initializes it to zero, which would hide a bias left out
-            for i in MOE_LAYERS:
-                bias = hf.model.layers[i].mlp.gate.e_score_correction_bias
-                bias.copy_(torch.randn(bias.shape) * 0.1)
-    return hf
-
-
 def save(hf, directory, fused: bool):
     if fused:  # the in-memory (fused) parameter names, as a state_dict saved as is would have them
         directory.mkdir(parents=True, exist_ok=True)
@@ -173,7 +155,7 @@ def test_every_token_is_routed_to_the_same_experts(pair):
     for i in MOE_LAYERS:
         logits, ids = theirs[i]
         bias = model.params[f"layer_{i}"]["mlp"].get("router_bias")
-        _assert_no_near_ties(logits, model.config.moe, None if bias is None else np.asarray(bias))
+        assert_no_near_ties(logits, model.config.moe, None if bias is None else np.asarray(bias))
         # transformers' order within a token is unspecified (topk sorted=False): compare as sets
         np.testing.assert_array_equal(np.sort(ours[i].reshape(-1, A), -1), np.sort(ids, -1),
                                       err_msg=f"{name}, layer {i}")

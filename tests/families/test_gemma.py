@@ -22,8 +22,8 @@ transformers = pytest.importorskip("transformers")
 import jaxkv  # noqa: E402
 from jaxkv.checkpoint_hf import config_from_hf  # noqa: E402
 from jaxkv.config import LinearScaling  # noqa: E402
-from test_hf_parity import (ATOL, BOS, EOS, MIN_MARGIN, NEW_TOKENS, PAD, assert_clear_margins,  # noqa: E402
-                            greedy_cases, hf_greedy, hf_logits, per_row, saved_and_loaded)
+from helpers.hf import (ATOL, BOS, EOS, MIN_MARGIN, NEW_TOKENS, PAD, assert_clear_margins,  # noqa: E402
+                        greedy_cases, hf_greedy, hf_logits, per_row, saved_and_loaded)
 # Whole-sequence logits against transformers: twice test_hf_parity's ATOL. Gemma scales the embeddings by
 # sqrt(d_model) and normalizes four times per layer, so float32 rounding in the two libraries' different summation
 # orders lands further apart: up to 1.13e-4 on an AMD EPYC (Zen 4) machine on 2026-12-01, under 1e-4 on the Intel

@@ -30,8 +30,8 @@ from jaxkv.checkpoint import config_from_dict, config_to_dict  # noqa: E402
 from jaxkv.checkpoint_hf import config_from_hf  # noqa: E402
 from jaxkv.config import ProportionalRope  # noqa: E402
 from jaxkv.cache.paged import PagedKVCache  # noqa: E402
-from test_hf_parity import (ATOL, BOS, EOS, MIN_MARGIN, NEW_TOKENS, PAD, assert_clear_margins,  # noqa: E402
-                            greedy_cases, hf_greedy, hf_logits, per_row, saved_and_loaded)
+from helpers.hf import (ATOL, BOS, EOS, MIN_MARGIN, NEW_TOKENS, PAD, assert_clear_margins,  # noqa: E402
+                        greedy_cases, hf_greedy, hf_logits, per_row, saved_and_loaded)
 # Whole-sequence logits against transformers: twice test_hf_parity's ATOL. Gemma scales the embeddings by
 # sqrt(d_model) and normalizes four times per layer, so float32 rounding in the two libraries' different summation
 # orders lands further apart: up to 1.13e-4 on an AMD EPYC (Zen 4) machine on 2026-12-01, under 1e-4 on the Intel
@@ -354,7 +354,7 @@ def test_engine_and_prefix_cache_serve_gemma4(tmp_path_factory):
 
 
 def test_beam_search_equals_transformers(tmp_path_factory):
-    from test_beam_search import NEW, hf_beam_search
+    from helpers.hf import BEAM_NEW as NEW, hf_beam_search
 
     hf, model, _ = loaded("gemma4-text", tmp_path_factory)
     stops = [hf_greedy(hf, RAGGED[:1])[0][5]]

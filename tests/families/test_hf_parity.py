@@ -1,8 +1,9 @@
-"""Parity with transformers: tiny random HF models, saved as safetensors and loaded with `load_hf`, must give the
-same logits (float32, atol 1e-4) and token-identical greedy generations, single prompt and ragged batch.
+"""Parity with transformers for the Llama-style families (Llama, Mistral, Qwen2: jaxkv.families.llama) and GPT-2:
+tiny random HF models, saved as safetensors and loaded with `load_hf`, must give the same logits (float32, atol
+1e-4) and token-identical greedy generations, single prompt and ragged batch.
 
 Each HF model is built once per module (CPU, float32, seeded). transformers runs with eager attention and with
-eos disabled (so it never stops or suppresses a token early); jaxkv runs with stop_tokens=[].
+eos disabled (so it never stops or suppresses a token early); jaxkv runs with stop_tokens=[] (helpers.hf).
 """
 
 import json
@@ -16,36 +17,14 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import jaxkv  # noqa: E402
-from conftest import left_pad  # noqa: E402
 from jaxkv.checkpoint_hf import config_from_hf, load_hf  # noqa: E402
 
-VOCAB = 160
-PAD, EOS, BOS = 0, 1, 2
-NEW_TOKENS = 32
-ATOL = 1e-4
-# A greedy step whose two best logits are closer than this could flip on float noise alone (both implementations
-# are right then): `assert_clear_margins` checks reference outputs against it.
-MIN_MARGIN = 10 * ATOL
-# Lengths 12 + 32 new tokens, and a ragged batch of three: every sequence outgrows Mistral's window of 8.
-SINGLE = [[17, 3, 99, 41, 8, 150, 23, 64, 5, 77, 120, 31]]
-RAGGED = [[44, 9, 130, 2, 61], [7, 88, 19, 140, 33, 52, 101, 4, 66, 29, 150, 11, 93],
-          [12, 5, 70, 143, 38, 26, 9, 81, 57]]
-
-
-def greedy_cases(single, ragged):
-    """The greedy parity cases: (the prompts transformers runs, the batch jaxkv runs). jaxkv runs the single prompt as
-    a batch of 4 copies of it (no row padded) and the ragged prompts as they are (left-padded, in a padded batch of
-    4): both cases run one compiled decode loop, each compared with transformers' own run of its prompts."""
-    return [(single, single * 4), (ragged, ragged)]
-
-
-def per_row(expected, batch):
-    """transformers' rows, one for each row of `batch` (which repeats its prompts in order)."""
-    return [expected[b % len(expected)] for b in range(len(batch))]
-
-LLAMA_LIKE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.25, rms_norm_eps=1e-6,
-                  pad_token_id=PAD, eos_token_id=EOS, bos_token_id=BOS)
+# The harness (helpers.hf): the prompts, build_hf, hf_logits, hf_greedy, and the parity test bodies the other
+# families' files run on their own models too.
+from helpers.hf import (ATOL, BOS, EOS, LLAMA_LIKE, MIN_MARGIN, NEW_TOKENS, PAD, RAGGED, SINGLE, VOCAB,  # noqa: E402
+                        assert_clear_margins, build_hf, check_greedy_generation_is_token_identical, check_logits_match,
+                        hf_greedy, hf_logits)
+from helpers.models import left_pad  # noqa: E402
 
 # name -> (config class, config kwargs). Each covers one mapping feature the others do not.
 CASES = {
@@ -66,16 +45,6 @@ CASES = {
 }
 
 
-def build_hf(config_class: str, kwargs: dict, seed: int = 0):
-    torch.manual_seed(seed)
-    config = getattr(transformers, config_class)(**kwargs)
-    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    # generate() fills unset options from the model's own generation config, so eos must be cleared there too:
-    # otherwise min_new_tokens suppresses eos (id 1), which these random models do pick as their argmax.
-    hf.generation_config.eos_token_id = None
-    return hf
-
-
 @pytest.fixture(scope="module", params=sorted(CASES))
 def pair(request, tmp_path_factory):
     """(name, HF model, jaxkv model loaded from its save_pretrained directory, that directory)."""
@@ -85,71 +54,12 @@ def pair(request, tmp_path_factory):
     return request.param, hf, load_hf(directory), directory
 
 
-def hf_logits(hf, tokens) -> np.ndarray:
-    with torch.no_grad():
-        return hf(torch.tensor(np.asarray(tokens))).logits.numpy()
-
-
-def hf_greedy(hf, prompts, new_tokens: int = NEW_TOKENS) -> list[list[int]]:
-    """transformers' greedy generation of `new_tokens` tokens per prompt, left-padded by hand (no tokenizer)."""
-    T = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), T), PAD, dtype=torch.long)
-    mask = torch.zeros((len(prompts), T), dtype=torch.long)
-    for b, p in enumerate(prompts):
-        ids[b, T - len(p):] = torch.tensor(p)
-        mask[b, T - len(p):] = 1
-    # No eos (see build_hf): never stop and never suppress a token (min_new_tokens then has nothing to act on).
-    config = transformers.GenerationConfig(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                           eos_token_id=None, bos_token_id=None, pad_token_id=PAD)
-    with torch.no_grad():
-        out = hf.generate(input_ids=ids, attention_mask=mask, generation_config=config)
-    assert out.shape == (len(prompts), T + new_tokens)
-    return out[:, T:].tolist()
-
-
-def saved_and_loaded(build, cases):
-    """`loaded(name, tmp_path_factory)` -> (HF model, jaxkv model loaded from its save_pretrained directory, that
-    directory) for `build(*cases[name])`, built once per run and process (shared by a test module's tests)."""
-    built = {}
-
-    def loaded(name, tmp_path_factory):
-        if name not in built:
-            hf = build(*cases[name])
-            directory = tmp_path_factory.mktemp(name)
-            hf.save_pretrained(directory, safe_serialization=True)
-            built[name] = hf, jaxkv.load(directory), directory
-        return built[name]
-
-    return loaded
-
-
-def assert_clear_margins(hf, prompts, generated, name, min_margin):
-    """Every greedy choice of the reference beats the runner-up by `min_margin` (transformers' own full forward
-    over prompt + tokens so far), and the output is varied: token equality is then meaningful, not luck."""
-    for p, row in zip(prompts, generated):
-        assert len(set(row)) >= 8, f"{name}: HF output too repetitive to test anything: {row}"
-        logits = hf_logits(hf, [p + row[:-1]])[0, len(p) - 1:]
-        top2 = np.sort(logits, axis=-1)[:, -2:]
-        assert (logits.argmax(-1) == row).all()
-        margin = (top2[:, 1] - top2[:, 0]).min()
-        assert margin > min_margin, f"{name}: a near-tie ({margin:.2e}) in the reference output; change the seed"
-
-
 def test_logits_match(pair):
-    name, hf, model, _ = pair
-    tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 24))
-    np.testing.assert_allclose(jaxkv.logits(model, tokens), hf_logits(hf, tokens), atol=ATOL, rtol=0, err_msg=name)
+    check_logits_match(pair)
 
 
 def test_greedy_generation_is_token_identical(pair):
-    """The single prompt and the ragged batch (`greedy_cases`), each against transformers' greedy tokens."""
-    name, hf, model, _ = pair
-    for prompts, batch in greedy_cases(SINGLE, RAGGED):
-        got = jaxkv.generate(model, batch, max_new_tokens=NEW_TOKENS, stop_tokens=[]).tokens
-        for b, row in enumerate(per_row(hf_greedy(hf, prompts), batch)):
-            # A model stuck on one token would make equality meaningless.
-            assert len(set(row)) >= 8, f"{name}: HF output too repetitive to test anything: {row}"
-            assert got[b] == row, f"{name}, {len(prompts)} prompt(s), row {b}"
+    check_greedy_generation_is_token_identical(pair)
 
 
 def test_paged_samples_are_token_identical_to_transformers(pair):

@@ -5,7 +5,7 @@ logits (float32, atol 1e-4), greedy tokens (a single prompt and a left-padded ra
 parallel samples (n=2), the engine and beam search, and the experts every token is routed to.
 
 Ties: every token's expert choice is checked to be decided by a margin well above rounding (tests/test_moe.py's
-`_assert_no_near_ties`), so equal routing is meaningful.
+`assert_no_near_ties`), so equal routing is meaningful.
 """
 
 import json
@@ -21,11 +21,8 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 import jaxkv  # noqa: E402
 from jaxkv.checkpoint_hf import config_from_hf  # noqa: E402
 from jaxkv.model import Decoder  # noqa: E402
-from test_beam_search import hf_beam_search  # noqa: E402
-from test_beam_search import NEW as BEAM_NEW  # noqa: E402
-from test_hf_parity import (ATOL, BOS, EOS, NEW_TOKENS, PAD, RAGGED, SINGLE, VOCAB, greedy_cases,  # noqa: E402
-                            hf_greedy, hf_logits, per_row)
-from test_moe import _assert_no_near_ties  # noqa: E402
+from helpers.hf import (ATOL, BEAM_NEW, BOS, EOS, NEW_TOKENS, PAD, RAGGED, SINGLE, VOCAB,  # noqa: E402
+                        assert_no_near_ties, greedy_cases, hf_beam_search, hf_greedy, hf_logits, per_row)
 
 # 2 layers, both MoE (Mixtral has no dense MLP); head_dim left out: hidden / heads = 16.
 FIELDS = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -39,7 +36,7 @@ def build_hf(seed: int = 0, **changes):
     torch.manual_seed(seed)
     config = transformers.MixtralConfig(**dict(FIELDS, **changes))
     hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    hf.generation_config.eos_token_id = None  # never stop early (tests/test_hf_parity.py's build_hf)
+    hf.generation_config.eos_token_id = None  # never stop early (helpers.hf's build_hf)
     return hf
 
 
@@ -160,7 +157,7 @@ def test_every_token_is_routed_to_the_same_experts(pair):
     A = model.config.moe.experts_per_token
     for i in MOE_LAYERS:
         logits, ids = captured[i]
-        _assert_no_near_ties(logits, model.config.moe, None)
+        assert_no_near_ties(logits, model.config.moe, None)
         ours = np.asarray(state["intermediates"][f"layer_{i}"]["mlp"]["expert_ids"][0]).reshape(-1, A)
         # transformers' order within a token is unspecified: compare as sets
         np.testing.assert_array_equal(np.sort(ours, -1), np.sort(ids, -1), err_msg=f"layer {i}")

@@ -16,8 +16,8 @@ transformers = pytest.importorskip("transformers")
 import jaxkv  # noqa: E402
 from jaxkv.checkpoint_hf import config_from_hf  # noqa: E402
 from jaxkv.config import YarnScaling  # noqa: E402
-from test_hf_parity import (ATOL, BOS, EOS, MIN_MARGIN, NEW_TOKENS, PAD, assert_clear_margins,  # noqa: E402
-                            greedy_cases, hf_greedy, hf_logits, per_row, saved_and_loaded)
+from helpers.hf import (ATOL, BOS, EOS, MIN_MARGIN, NEW_TOKENS, PAD, assert_clear_margins,  # noqa: E402
+                        greedy_cases, hf_greedy, hf_logits, per_row, saved_and_loaded)
 
 VOCAB, WINDOW = 128, 8
 # The seeds below are chosen so that no greedy step of the reference output comes near a tie (MIN_MARGIN).
@@ -53,7 +53,7 @@ def build_hf(kwargs: dict, seed: int):
                 p.copy_(torch.randn(p.shape) * 0.5 + 1.0)
             elif name.endswith(".bias"):  # and at 0
                 p.copy_(torch.randn(p.shape) * 0.25)
-    hf.generation_config.eos_token_id = None  # see test_hf_parity.build_hf
+    hf.generation_config.eos_token_id = None  # see helpers.hf's build_hf
     return hf
 
 

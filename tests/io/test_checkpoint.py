@@ -8,21 +8,8 @@ import numpy as np
 import pytest
 
 import jaxkv
-from conftest import CONFIGS, model_for, placed_like
-
-
-def byte_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    # id i is byte i, spelled in the GPT-2 byte-to-unicode alphabet that the ByteLevel pre-tokenizer emits:
-    # printable bytes stand for themselves, the others are shifted to 256 + n in byte order.
-    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    shifted = iter(range(256, 512))
-    vocab = {chr(b if b in printable else next(shifted)): b for b in range(256)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    return tok
+from helpers.models import CONFIGS, model_for, placed_like
+from helpers.text import byte_tokenizer
 
 
 def leaves_equal(a, b):

@@ -19,9 +19,8 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 
 import jaxkv  # noqa: E402
 from jaxkv import checkpoint_fp8  # noqa: E402
-from test_deepseek_moe import MLA as MOE_MLA, build_hf as moe_hf  # noqa: E402
-from test_hf_parity import (ATOL, LLAMA_LIKE, MIN_MARGIN, RAGGED, assert_clear_margins, build_hf,  # noqa: E402
-                            hf_greedy, hf_logits)
+from helpers.hf import (DEEPSEEK_MOE_LIKE as MOE_MLA, build_deepseek_moe_hf as moe_hf,  # noqa: E402
+                        ATOL, LLAMA_LIKE, MIN_MARGIN, RAGGED, assert_clear_margins, build_hf, hf_greedy, hf_logits)
 
 BLOCK = (16, 32)
 QUANTIZED = ("proj.weight",)  # what the releases quantize: every linear layer's weight (not norms, embeddings, head)

@@ -1,9 +1,9 @@
 """jaxkv.moe against transformers' DeepseekV3MoE and DeepseekV2Moe (float32), module by module.
 
 Ties: the weights and hidden states are continuous random draws, so two router scores tie with probability zero;
-`_assert_no_near_ties` checks it for every token (the gap between the A-th and (A+1)-th choice scores, and between
-the topk_group-th and next group scores, is well above float32 rounding), so the expert-id comparison can only
-fail on a real routing difference. Where a tie did occur, jax.lax.top_k would pick the lower expert id and
+`assert_no_near_ties` (helpers.hf) checks it for every token (the gap between the A-th and (A+1)-th choice scores,
+and between the topk_group-th and next group scores, is well above float32 rounding), so the expert-id comparison
+can only fail on a real routing difference. Where a tie did occur, jax.lax.top_k would pick the lower expert id and
 torch.topk makes no promise.
 """
 
@@ -21,12 +21,13 @@ transformers = pytest.importorskip("transformers")
 from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Moe  # noqa: E402
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE  # noqa: E402
 
+from helpers.hf import assert_no_near_ties  # noqa: E402
+
 # float32 throughout: the routing weights are a few float32 ops from the logits (1e-6); the outputs (magnitudes up
 # to ~3) sum A + 1 SwiGLUs computed in a different order: up to 1.0e-5 apart on an AMD EPYC (Zen 4) machine on
 # 2026-12-01 (under 1e-5 on the Intel machines before), so 2e-5.
 WEIGHT_TOL = 1e-6
 OUT_TOL = 2e-5
-TIE_GAP = 1e-5  # a choice closer than this to the next candidate would make the comparison depend on rounding
 
 D = 32
 # name -> (version, HF config fields). Several experts per token, shared experts, scaling != 1, both norm settings,
@@ -91,25 +92,6 @@ def hidden(B=2, T=7, seed=1):
     return np.random.default_rng(seed).normal(size=(B, T, D)).astype(np.float32)
 
 
-def _assert_no_near_ties(logits, moe: MoeConfig, bias):
-    """Every token's choice is decided by a margin > TIE_GAP (see the module docstring)."""
-    X, A, G = moe.n_routed_experts, moe.experts_per_token, moe.n_group
-    scores = jax.nn.softmax(logits, -1) if moe.scoring == "softmax" else jax.nn.sigmoid(logits)
-    choice = np.asarray(scores + (0 if bias is None else bias))
-    if moe.topk_method != "greedy":
-        grouped = np.sort(choice.reshape(len(choice), G, X // G), axis=-1)[..., ::-1]
-        group_scores = grouped[..., :2].sum(-1) if moe.topk_method == "noaux_tc" else grouped[..., 0]
-        ranked = np.sort(group_scores, axis=-1)[:, ::-1]
-        if moe.topk_group < G:
-            assert np.min(ranked[:, moe.topk_group - 1] - ranked[:, moe.topk_group]) > TIE_GAP
-        # only the chosen groups' experts compete
-        keep = group_scores >= ranked[:, moe.topk_group - 1:moe.topk_group]
-        choice = np.where(np.repeat(keep, X // G, axis=1), choice, -np.inf)
-    ranked = np.sort(choice, axis=-1)[:, ::-1]
-    if A < X:
-        assert np.min(ranked[:, A - 1] - ranked[:, A]) > TIE_GAP
-
-
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_routing_matches_transformers(name):
     version, hf = CASES[name]
@@ -122,7 +104,7 @@ def test_routing_matches_transformers(name):
     logits = jnp.einsum("md,xd->mx", x, params["router"])
     np.testing.assert_allclose(logits, logits_t.numpy(), atol=1e-6, rtol=0)
     bias = params.get("router_bias")
-    _assert_no_near_ties(logits, moe, bias)
+    assert_no_near_ties(logits, moe, bias)
     weights, ids = route(logits, moe, bias)
     ids_t, weights_t = ids_t.numpy(), weights_t.numpy()
     # transformers' order within a token is unspecified (topk sorted=False): compare sorted by expert id

@@ -15,7 +15,7 @@ import pytest
 
 import jaxkv
 from jaxkv.server.text import TextStream
-from conftest import FAST_COMPILE
+from helpers.env import FAST_COMPILE
 
 _compiles = []  # every XLA compile of this process (the in-process app's engine thread included)
 jax.monitoring.register_event_duration_secs_listener(
@@ -351,7 +351,7 @@ def test_sigint_lets_the_stream_finish_then_cancels_the_rest_cleanly_and_exits_0
 
     import httpx
 
-    from test_server import start_server
+    from helpers.server import start_server
 
     proc, url = start_server(["--preset", "test-tiny", "--slots", "2", "--max-len", "512", "--shutdown-timeout", "2"])
     try:
@@ -402,7 +402,7 @@ def test_tensor_parallel_server_answers_as_generate():
     than there are is one line, status 2."""
     import httpx
 
-    from test_server import start_server
+    from helpers.server import start_server
 
     env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count=2 {FAST_COMPILE}", "JAX_PLATFORMS": "cpu"}
     proc, url = start_server(["--model", "tiny", "--slots", "1", "--max-len", "128", "--tensor-parallel-size", "2"],
@@ -438,7 +438,7 @@ def bos_client(app_client):
 
     from jaxkv.chat_template import ChatTemplate
     from jaxkv.server.app import create_app
-    from test_text import byte_level
+    from helpers.text import byte_level
 
     _, state = app_client
     bos_state = dataclasses.replace(state, model=dataclasses.replace(state.model, tokenizer=byte_level(bos=True)),

@@ -8,13 +8,10 @@ file order; the last one stops it with SIGTERM.
 
 import asyncio
 import json
-import os
 import pathlib
 import re
 import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -26,6 +23,8 @@ import pytest
 
 import jaxkv
 from jaxkv import checkpoint
+
+from helpers.server import start_server
 
 openai = pytest.importorskip("openai")  # in the test extra; the import guard only names what is missing
 
@@ -48,33 +47,6 @@ def chat_model_dir(root: pathlib.Path) -> pathlib.Path:
     (directory / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "chat_template": TEMPLATE}))
     return directory
-
-
-def start_server(args, timeout=180.0, env=None):
-    """Starts `jaxkv serve ARGS --port 0` -> (process, base URL), once it prints its listening line; `env`: extra
-    environment variables."""
-    proc = subprocess.Popen([sys.executable, "-m", "jaxkv.cli", "serve", "--port", "0", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=None if env is None else {**os.environ, **env})
-    lines, found = [], []
-
-    def read():
-        for line in proc.stdout:
-            lines.append(line)
-            m = re.search(r"listening on (http://\S+)", line)
-            if m:
-                found.append(m.group(1))
-                proc.ready_line = line
-                return
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    reader.join(timeout)
-    if not found:
-        proc.kill()
-        raise AssertionError(f"the server did not start: {''.join(lines)}{proc.stderr.read()}")
-    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # keep the pipe drained
-    return proc, found[0]
 
 
 @pytest.fixture(scope="module")

@@ -7,34 +7,11 @@ import json
 
 import pytest
 
-from jaxkv import checkpoint
 from jaxkv.server.text import Detokenizer, TextStream, added_tokens, prompt_text
 
+from helpers.text import byte_level
+
 TEXT = "café au lait, naïve 😀 ok ’quoted’ and 。"
-
-
-def byte_level(bos: bool = False, swap: dict[int, int] | None = None):
-    """The bundled model's tokenizer (byte-level BPE without merges: token i is byte i); `bos`: id 0 (byte 0,
-    unused here) becomes a special "<s>" the tokenizer adds in front of a text; `swap`: token ids exchanged."""
-    from tokenizers import Tokenizer
-
-    spec = json.loads((checkpoint.TINY_DIR / "tokenizer.json").read_text())
-    vocab = spec["model"]["vocab"]
-    by_id = {i: s for s, i in vocab.items()}
-    for a, b in (swap or {}).items():
-        vocab[by_id[a]], vocab[by_id[b]] = b, a
-    if bos:
-        del vocab[by_id[0]]
-        vocab["<s>"] = 0
-        spec["added_tokens"].append({"id": 0, "content": "<s>", "single_word": False, "lstrip": False,
-                                     "rstrip": False, "normalized": False, "special": True})
-        spec["post_processor"] = {
-            "type": "TemplateProcessing",
-            "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-            "pair": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
-                     {"Sequence": {"id": "B", "type_id": 1}}],
-            "special_tokens": {"<s>": {"id": "<s>", "ids": [0], "tokens": ["<s>"]}}}
-    return Tokenizer.from_str(json.dumps(spec))
 
 
 def sentencepiece():

@@ -1,0 +1,218 @@
+"""The transformers parity harness: tiny random Hugging Face models (CPU, float32, eager attention, seeded) built,
+saved and compared with what jaxkv loads from them, and the prompts every family is compared on.
+
+transformers runs with eos disabled (so it never stops or suppresses a token early); jaxkv runs with stop_tokens=[].
+torch and transformers are imported if installed: each test file that needs them still calls pytest.importorskip
+for them first, so without them it is skipped, not failed (importing this module alone never skips anything).
+"""
+
+import jax
+import numpy as np
+
+import jaxkv
+from jaxkv.config import MoeConfig
+
+from helpers.tolerances import atol, threshold
+
+try:
+    import torch
+    import transformers
+except ImportError:  # the test files importorskip them before calling anything here
+    torch = transformers = None
+
+VOCAB = 160
+PAD, EOS, BOS = 0, 1, 2
+NEW_TOKENS = 32
+BEAM_NEW = 12  # beam search against transformers: new tokens per hypothesis
+ATOL = atol("transformers logits")
+# A greedy step whose two best logits are closer than this could flip on float noise alone (both implementations
+# are right then): `assert_clear_margins` checks reference outputs against it.
+MIN_MARGIN = threshold("greedy margin")
+TIE_GAP = threshold("moe tie gap")
+# Lengths 12 + 32 new tokens, and a ragged batch of three: every sequence outgrows Mistral's window of 8.
+SINGLE = [[17, 3, 99, 41, 8, 150, 23, 64, 5, 77, 120, 31]]
+RAGGED = [[44, 9, 130, 2, 61], [7, 88, 19, 140, 33, 52, 101, 4, 66, 29, 150, 11, 93],
+          [12, 5, 70, 143, 38, 26, 9, 81, 57]]
+
+
+def greedy_cases(single, ragged):
+    """The greedy parity cases: (the prompts transformers runs, the batch jaxkv runs). jaxkv runs the single prompt as
+    a batch of 4 copies of it (no row padded) and the ragged prompts as they are (left-padded, in a padded batch of
+    4): both cases run one compiled decode loop, each compared with transformers' own run of its prompts."""
+    return [(single, single * 4), (ragged, ragged)]
+
+
+def per_row(expected, batch):
+    """transformers' rows, one for each row of `batch` (which repeats its prompts in order)."""
+    return [expected[b % len(expected)] for b in range(len(batch))]
+
+
+LLAMA_LIKE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.25, rms_norm_eps=1e-6,
+                  pad_token_id=PAD, eos_token_id=EOS, bos_token_id=BOS)
+
+# DeepSeek's multi-head latent attention, every layer dense (first_k_dense_replace = layers): the DeepSeek parity
+# tests and the paged latent attention's beam search against transformers build from it.
+MLA_LIKE = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                num_attention_heads=6, num_key_value_heads=6, kv_lora_rank=16, qk_nope_head_dim=8,
+                qk_rope_head_dim=8, v_head_dim=12, max_position_embeddings=256, initializer_range=0.1,
+                rms_norm_eps=1e-6, first_k_dense_replace=2, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=BOS)
+# DeepSeek-V2/V3 with experts: 3 layers, layer 0 dense, layers 1-2 MoE (DEEPSEEK_MOE_LAYERS). The DeepSeek MoE parity
+# tests and the FP8 checkpoint tests build from it.
+DEEPSEEK_MOE_LIKE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
+                         qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, max_position_embeddings=256,
+                         initializer_range=0.25, rms_norm_eps=1e-6, first_k_dense_replace=1, pad_token_id=PAD,
+                         eos_token_id=EOS, bos_token_id=BOS)
+DEEPSEEK_MOE_LAYERS = (1, 2)
+
+
+def build_hf(config_class: str, kwargs: dict, seed: int = 0):
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_class)(**kwargs)
+    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    # generate() fills unset options from the model's own generation config, so eos must be cleared there too:
+    # otherwise min_new_tokens suppresses eos (id 1), which these random models do pick as their argmax.
+    hf.generation_config.eos_token_id = None
+    return hf
+
+
+def build_deepseek_moe_hf(config_class: str, fields: dict, seed: int = 0):
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_class)(**fields)
+    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    hf.generation_config.eos_token_id = None  # never stop early (as build_hf)
+    if config_class == "DeepseekV3Config":
+        with torch.no_grad():  # transformers initializes it to zero, which would hide a bias left out
+            for i in DEEPSEEK_MOE_LAYERS:
+                bias = hf.model.layers[i].mlp.gate.e_score_correction_bias
+                bias.copy_(torch.randn(bias.shape) * 0.1)
+    return hf
+
+
+def hf_logits(hf, tokens) -> np.ndarray:
+    with torch.no_grad():
+        return hf(torch.tensor(np.asarray(tokens))).logits.numpy()
+
+
+def hf_greedy(hf, prompts, new_tokens: int = NEW_TOKENS) -> list[list[int]]:
+    """transformers' greedy generation of `new_tokens` tokens per prompt, left-padded by hand (no tokenizer)."""
+    T = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), T), PAD, dtype=torch.long)
+    mask = torch.zeros((len(prompts), T), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, T - len(p):] = torch.tensor(p)
+        mask[b, T - len(p):] = 1
+    # No eos (see build_hf): never stop and never suppress a token (min_new_tokens then has nothing to act on).
+    config = transformers.GenerationConfig(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                           eos_token_id=None, bos_token_id=None, pad_token_id=PAD)
+    with torch.no_grad():
+        out = hf.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+    assert out.shape == (len(prompts), T + new_tokens)
+    return out[:, T:].tolist()
+
+
+def saved_and_loaded(build, cases):
+    """`loaded(name, tmp_path_factory)` -> (HF model, jaxkv model loaded from its save_pretrained directory, that
+    directory) for `build(*cases[name])`, built once per run and process (shared by a test module's tests)."""
+    built = {}
+
+    def loaded(name, tmp_path_factory):
+        if name not in built:
+            hf = build(*cases[name])
+            directory = tmp_path_factory.mktemp(name)
+            hf.save_pretrained(directory, safe_serialization=True)
+            built[name] = hf, jaxkv.load(directory), directory
+        return built[name]
+
+    return loaded
+
+
+def assert_clear_margins(hf, prompts, generated, name, min_margin):
+    """Every greedy choice of the reference beats the runner-up by `min_margin` (transformers' own full forward
+    over prompt + tokens so far), and the output is varied: token equality is then meaningful, not luck."""
+    for p, row in zip(prompts, generated):
+        assert len(set(row)) >= 8, f"{name}: HF output too repetitive to test anything: {row}"
+        logits = hf_logits(hf, [p + row[:-1]])[0, len(p) - 1:]
+        top2 = np.sort(logits, axis=-1)[:, -2:]
+        assert (logits.argmax(-1) == row).all()
+        margin = (top2[:, 1] - top2[:, 0]).min()
+        assert margin > min_margin, f"{name}: a near-tie ({margin:.2e}) in the reference output; change the seed"
+
+
+def hf_greedy_uncached(hf, prompt, steps):
+    """transformers' greedy continuation of one prompt (argmax of the full forward pass, no cache)."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(steps):
+            ids = torch.cat([ids, hf(ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    return ids[0, len(prompt):].tolist()
+
+
+def hf_beam_search(hf, prompts, stops, *, num_beams, length_penalty, early_stopping, num_return_sequences):
+    """transformers' hypotheses per prompt: [(new tokens up to and including a stop token, score or None)]."""
+    T = max(map(len, prompts))
+    ids = torch.full((len(prompts), T), PAD, dtype=torch.long)
+    mask = torch.zeros((len(prompts), T), dtype=torch.long)
+    for b, p in enumerate(prompts):  # left padding, as transformers wants for decoder-only models
+        ids[b, T - len(p):], mask[b, T - len(p):] = torch.tensor(p), 1
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=mask, num_beams=num_beams, do_sample=False,
+                          length_penalty=length_penalty, early_stopping=early_stopping,
+                          num_return_sequences=num_return_sequences, max_new_tokens=BEAM_NEW, output_scores=True,
+                          return_dict_in_generate=True, eos_token_id=stops, pad_token_id=PAD)
+    seqs = out.sequences[:, T:].tolist()
+    scores = getattr(out, "sequences_scores", None)  # greedy search (one beam) reports none
+    result = []
+    for i in range(len(prompts)):
+        hyps = []
+        for j in range(num_return_sequences):
+            row = seqs[i * num_return_sequences + j]
+            end = next((k + 1 for k, t in enumerate(row) if t in stops), len(row))  # padding follows a stop
+            hyps.append((row[:end], None if scores is None else float(scores[i * num_return_sequences + j])))
+        result.append(hyps)
+    return result
+
+
+def assert_no_near_ties(logits, moe: MoeConfig, bias):
+    """Every token's expert choice is decided by a margin > the MoE tie gap (helpers.tolerances): the weights and
+    hidden states are continuous random draws, so two router scores tie with probability zero, and this checks it
+    for every token (the gap between the A-th and (A+1)-th choice scores, and between the topk_group-th and next
+    group scores), so an expert-id comparison can only fail on a real routing difference. Where a tie did occur,
+    jax.lax.top_k would pick the lower expert id and torch.topk makes no promise."""
+    X, A, G = moe.n_routed_experts, moe.experts_per_token, moe.n_group
+    scores = jax.nn.softmax(logits, -1) if moe.scoring == "softmax" else jax.nn.sigmoid(logits)
+    choice = np.asarray(scores + (0 if bias is None else bias))
+    if moe.topk_method != "greedy":
+        grouped = np.sort(choice.reshape(len(choice), G, X // G), axis=-1)[..., ::-1]
+        group_scores = grouped[..., :2].sum(-1) if moe.topk_method == "noaux_tc" else grouped[..., 0]
+        ranked = np.sort(group_scores, axis=-1)[:, ::-1]
+        if moe.topk_group < G:
+            assert np.min(ranked[:, moe.topk_group - 1] - ranked[:, moe.topk_group]) > TIE_GAP
+        # only the chosen groups' experts compete
+        keep = group_scores >= ranked[:, moe.topk_group - 1:moe.topk_group]
+        choice = np.where(np.repeat(keep, X // G, axis=1), choice, -np.inf)
+    ranked = np.sort(choice, axis=-1)[:, ::-1]
+    if A < X:
+        assert np.min(ranked[:, A - 1] - ranked[:, A]) > TIE_GAP
+
+
+# --- test bodies several families' files run on their own `pair` fixtures (name, HF model, jaxkv model, dir) ---
+
+
+def check_logits_match(pair):
+    """The whole-sequence logits of a random batch of 2 x 24 tokens equal transformers' (float32)."""
+    name, hf, model, _ = pair
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 24))
+    np.testing.assert_allclose(jaxkv.logits(model, tokens), hf_logits(hf, tokens), atol=ATOL, rtol=0, err_msg=name)
+
+
+def check_greedy_generation_is_token_identical(pair):
+    """The single prompt and the ragged batch (`greedy_cases`), each against transformers' greedy tokens."""
+    name, hf, model, _ = pair
+    for prompts, batch in greedy_cases(SINGLE, RAGGED):
+        got = jaxkv.generate(model, batch, max_new_tokens=NEW_TOKENS, stop_tokens=[]).tokens
+        for b, row in enumerate(per_row(hf_greedy(hf, prompts), batch)):
+            # A model stuck on one token would make equality meaningless.
+            assert len(set(row)) >= 8, f"{name}: HF output too repetitive to test anything: {row}"
+            assert got[b] == row, f"{name}, {len(prompts)} prompt(s), row {b}"

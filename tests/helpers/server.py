@@ -1,0 +1,34 @@
+"""`jaxkv serve` as a subprocess on a free port, as clients see it."""
+
+import os
+import re
+import subprocess
+import sys
+import threading
+
+
+def start_server(args, timeout=180.0, env=None):
+    """Starts `jaxkv serve ARGS --port 0` -> (process, base URL), once it prints its listening line; `env`: extra
+    environment variables."""
+    proc = subprocess.Popen([sys.executable, "-m", "jaxkv.cli", "serve", "--port", "0", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=None if env is None else {**os.environ, **env})
+    lines, found = [], []
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line)
+            m = re.search(r"listening on (http://\S+)", line)
+            if m:
+                found.append(m.group(1))
+                proc.ready_line = line
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if not found:
+        proc.kill()
+        raise AssertionError(f"the server did not start: {''.join(lines)}{proc.stderr.read()}")
+    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # keep the pipe drained
+    return proc, found[0]
