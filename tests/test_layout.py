@@ -234,3 +234,27 @@ def test_each_package_of_jaxkv_has_a_test_folder(tmp_path):
     assert package_dirs(PACKAGE) >= {"cache", "attention", "layers", "families", "io", "decoding", "engine",
                                      "server", "cli", "bench"}  # it sees the package's folders
     assert missing_test_folders(PACKAGE, TESTS) == []
+
+
+# Layers, top down: a module may import its own layer and the ones below, never one above. The core (caches,
+# attention, layers, the model, families and io, decoding, sharding and the base modules) sits below everything in
+# this table; "decoding" is the shared step the entry points, the engine and the server are built on.
+UPPER = {"generate": 1, "beam_search": 1, "score": 1, "engine": 1, "server": 2, "bench": 3, "cli": 4}
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    def rank(module: str) -> int:
+        parts = module.split(".")
+        return UPPER.get(parts[1], 0) if len(parts) > 1 else 0
+
+    return sorted((a, b) for a, targets in graph.items() for b in targets
+                  if rank(b) > rank(a) or (rank(b) == rank(a) == 1 and a.split(".")[1] != b.split(".")[1]))
+
+
+def test_imports_point_down():
+    # the check itself: the cache importing the engine, or generate importing the engine, is refused
+    assert layer_violations({"jaxkv.cache.paged": {"jaxkv.engine.programs"},
+                             "jaxkv.generate": {"jaxkv.engine", "jaxkv.decoding.step"},
+                             "jaxkv.server.app": {"jaxkv.engine"}}) == [
+        ("jaxkv.cache.paged", "jaxkv.engine.programs"), ("jaxkv.generate", "jaxkv.engine")]
+    assert layer_violations(module_graph()) == []
