@@ -297,18 +297,9 @@ def beam_search(model: Model, prompts, *, num_beams: int, max_new_tokens: int, l
     max_len = request.optional_int("max_len", max_len)
     page_size = checks.check_int("page_size", page_size, 1)
     lengths = [len(p) for p in token_lists]
-    plan = memory.plan_pages(config, lengths, max_new_tokens, n=num_beams, page_size=page_size,
-                             cache_dtype=cache_dtype, max_len=max_len)
-    pool = plan.num_pages
-    if num_pages is not None:
-        pool = checks.check_int("num_pages", num_pages, 1)
-        if pool < plan.pages_needed:
-            raise ValueError(f"{num_beams} beams of {len(token_lists)} prompt(s) with max_new_tokens={max_new_tokens} "
-                             f"may hold {plan.pages_needed} pages of {page_size} slots at once; num_pages={pool} "
-                             f"cannot hold them")
+    plan, pool = _pool(config, lengths, num_beams, max_new_tokens, page_size, cache_dtype, max_len, num_pages)
     B, W = plan.prefill_batch, num_beams
-    T = plan.prompt_len
-    tokens, positions = request.right_pad(token_lists, rows=B, length=T)
+    tokens, positions = request.right_pad(token_lists, rows=B, length=plan.prompt_len)
     real = np.arange(B) < len(token_lists)
     parents = np.where(np.repeat(real, W), np.repeat(np.arange(B), W), -1).astype(np.int32)
     candidates = min((1 + len(stop_ids)) * W, W * config.vocab_size)
@@ -361,3 +352,17 @@ def _hypotheses(model: Model, state: _Beams, prompts: int, per_prompt: int, stop
                                    finish_reason="stop" if row and row[-1] in stop_set else "length", text=text))
         hypotheses.append(hyps)
     return hypotheses
+
+
+def _pool(config, lengths, num_beams, max_new_tokens, page_size, cache_dtype, max_len, num_pages):
+    """The search's page plan and the pool it runs in (the plan's, or `num_pages` if that holds the worst case)."""
+    plan = memory.plan_pages(config, lengths, max_new_tokens, n=num_beams, page_size=page_size,
+                             cache_dtype=cache_dtype, max_len=max_len)
+    if num_pages is None:
+        return plan, plan.num_pages
+    pool = checks.check_int("num_pages", num_pages, 1)
+    if pool < plan.pages_needed:
+        raise ValueError(f"{num_beams} beams of {len(lengths)} prompt(s) with max_new_tokens={max_new_tokens} "
+                         f"may hold {plan.pages_needed} pages of {page_size} slots at once; num_pages={pool} "
+                         f"cannot hold them")
+    return plan, pool

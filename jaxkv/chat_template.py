@@ -100,6 +100,7 @@ _ENVIRONMENT = None
 
 def _environment():
     """The Jinja environment chat templates are written against (module docstring), built once."""
+    # Long on purpose: the filters, tests and globals templates use, registered in one place.
     global _ENVIRONMENT
     if _ENVIRONMENT is not None:
         return _ENVIRONMENT

@@ -136,7 +136,6 @@ def to_hf_llama(model: jaxkv.Model):
     hf = LlamaForCausalLM(hf_cfg).eval()
     # Writable float32 copies for torch, in the [out, in] form (torch Linear's layout once flattened).
     p = jax.tree_util.tree_map(lambda a: np.array(a, np.float32), to_out_in(model.params, cfg))
-    D = cfg.d_model
 
     def t(a, in_dims=1):  # [out..., in...] -> torch Linear's [out, in]
         return torch.from_numpy(np.ascontiguousarray(a.reshape(-1, int(np.prod(a.shape[a.ndim - in_dims:])))))
@@ -218,6 +217,7 @@ def bench_decode(name: str, config: Config, dtype: str, batch: int, args, meter)
     """jaxkv (and transformers, alternating) on one config, dtype and batch, with the read bandwidth sampled after
     each repetition (`meter`, a roofline.GemvMeter): every fraction of the roofline is taken against the bandwidth
     measured beside it."""
+    # Long on purpose: one measurement round (warm-up, alternating repetitions, bandwidth samples), in order.
     from jaxkv import roofline
     from jaxkv.checkpoint import cast
     from jaxkv.generate import compile_seconds
@@ -492,6 +492,7 @@ def stages(names: list[str], args) -> list[tuple[str, float]]:
 
 
 def main(argv=None) -> int:
+    # Long on purpose: the benchmark's stages in the order they run and print.
     args = parse_args(argv)
     out = pathlib.Path(args.out)
     if args.replot:

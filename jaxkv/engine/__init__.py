@@ -45,6 +45,7 @@ The package:
   scheduler.py  `Engine`: submit, cancel, run/step, results; admission, prefill rounds, decode dispatches (host)
   programs.py   the device state (`State`) and the five compiled programs over it
   outputs.py    `Event`, `Result`, and a decode dispatch's outputs read into each slot's tokens
+  requests.py   `Request`, a submitted request as the host tracks it
 
 May import: `jaxkv.decoding` (the one decode step, request normalization, the forward pass), `jaxkv.cache`, the
 model, `jaxkv.sampling`, `jaxkv.sharding`, `jaxkv.checks`. The server imports this package, never the reverse.

@@ -7,7 +7,6 @@ The package docstring (`jaxkv.engine`) says how the programs and the schedule fi
 from __future__ import annotations
 
 import collections
-import dataclasses
 import time
 from collections.abc import Callable, Iterator, Sequence
 
@@ -22,36 +21,12 @@ from jaxkv.cache.prefix import PrefixCache
 from jaxkv.decoding import request
 from jaxkv.engine import outputs, programs
 from jaxkv.engine.outputs import Event, Result
+from jaxkv.engine.requests import Request, padded
 from jaxkv.engine.programs import FINISH_REASONS, MAX_LOGPROBS, STOP_SLOTS
 from jaxkv.model import Model
 from jaxkv.sampling import Sampler
 
 # --- the host side --------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class _Request:
-    """A submitted request and what it has produced (host side)."""
-
-    id: int
-    prompt: list[int]
-    max_new_tokens: int
-    settings: tuple  # (temperature, top_k, top_p, min_p) with disabled values 0.0, 0, 1.0, 0.0
-    key: np.ndarray
-    stop_ids: np.ndarray  # int32[STOP_SLOTS]
-    top: int
-    callback: Callable | None
-    pages: int  # pages it holds at most (prompt + max_new_tokens - 1 slots written)
-    state: str = "waiting"  # -> "prefilling" -> "ready" (prompt done) -> "decoding" -> "finished"
-    row: int = -1  # the cache row it holds: a staging row S + j while prefilling and ready, then its slot
-    written: int = 0  # slots of its sequence written so far (cached prefix, prefilled prompt, fed-back tokens)
-    cached: int = 0  # prompt tokens found in the prefix cache
-    hit_pages: tuple = ()
-    tokens: list = dataclasses.field(default_factory=list)
-    logprobs: list = dataclasses.field(default_factory=list)
-    top_logprobs: list = dataclasses.field(default_factory=list)
-    finish_reason: str | None = None
-    error: str | None = None
 
 
 class Engine:
@@ -137,7 +112,7 @@ class Engine:
         self.prefix_cache = prefix_cache
         self._state: programs.State | None = None  # allocated on first use
         self._free = self.num_pages  # free pages as of the last dispatch
-        self._requests: dict[int, _Request] = {}  # unfinished, by id
+        self._requests: dict[int, Request] = {}  # unfinished, by id
         self._waiting: collections.deque[int] = collections.deque()
         self._by_slot: list[int | None] = [None] * self.slots  # decode slot -> request id
         # Staging rows (Q): twice the prefill rows, so that requests prefilled and waiting for a slot do not leave
@@ -197,7 +172,7 @@ class Engine:
             raise ValueError(f"callback must be a callable (event), got {callback!r}")
         rid = self._next_id
         self._next_id += 1
-        self._requests[rid] = _Request(id=rid, prompt=prompt, max_new_tokens=max_new_tokens, settings=settings,
+        self._requests[rid] = Request(id=rid, prompt=prompt, max_new_tokens=max_new_tokens, settings=settings,
                                        key=key, stop_ids=stop_ids, top=top, callback=callback, pages=pages)
         self._waiting.append(rid)
         self._order.append(rid)
@@ -396,7 +371,7 @@ class Engine:
         # The two small programs a run may first need late (a cancel; an eviction), compiled now with no effect,
         # so that no request ever waits on a compile once the first has run.
         self._state, _ = programs.release(self._state, np.zeros((S + Q,), bool), mesh=self.mesh)
-        self._state, free = programs.refs(self._state, _padded([], self.num_pages), np.int32(0), mesh=self.mesh)
+        self._state, free = programs.refs(self._state, padded([], self.num_pages), np.int32(0), mesh=self.mesh)
         self._free = int(free)
 
     def _return_pool(self):
@@ -423,7 +398,7 @@ class Engine:
                 counts = np.asarray(self._state.cache.refcounts)
                 dropped, _ = self.prefix_cache.evict(need + self._pending_pages(), keep, counts)
                 if dropped:
-                    self._state, free = programs.refs(self._state, _padded(dropped, self.num_pages), np.int32(-1),
+                    self._state, free = programs.refs(self._state, padded(dropped, self.num_pages), np.int32(-1),
                                                       mesh=self.mesh)
                     self._free = int(free)
                 room = self._free - self._pending_pages()
@@ -490,7 +465,7 @@ class Engine:
                     table = np.asarray(self._state.cache.page_table[req.row])
                     adopted = self.prefix_cache.adopt([req.prompt], [table])
                     if adopted:
-                        self._state, free = programs.refs(self._state, _padded(adopted, self.num_pages), np.int32(1),
+                        self._state, free = programs.refs(self._state, padded(adopted, self.num_pages), np.int32(1),
                                                           mesh=self.mesh)
                         self._free = int(free)
         return True
@@ -579,7 +554,7 @@ class Engine:
                           min_p=settings[3])
         return moves, keys, sampler, stop_ids, budget, top
 
-    def _notify(self, req: _Request, event: Event) -> Event:
+    def _notify(self, req: Request, event: Event) -> Event:
         """The request's callback, if any, gets the event; if it raises, the request ends with "error" (its slot
         and pages freed) and the others are untouched -> the event as reported."""
         if req.callback is None:
@@ -595,7 +570,7 @@ class Engine:
             return event._replace(finished=True, finish_reason="error")
         return event
 
-    def _finish(self, req: _Request, reason: str, error: str | None = None, *, release: bool = True):
+    def _finish(self, req: Request, reason: str, error: str | None = None, *, release: bool = True):
         """Ends a request: frees its row (and, unless the decode step already did, its pages) -> its Result."""
         if req.row >= 0:
             if release:
@@ -619,10 +594,3 @@ class Engine:
                                        prompt_tokens=len(req.prompt), cached_tokens=req.cached, text=text,
                                        error=error)
         self._stats["requests_finished"] += 1
-
-
-def _padded(pages: list[int], size: int) -> np.ndarray:
-    """int32[size]: `pages` then -1 (one compiled shape for any number of pages)."""
-    out = np.full((size,), -1, np.int32)
-    out[:len(pages)] = pages
-    return out

@@ -59,6 +59,7 @@ def gemma4_fields(f: fl.Fields) -> dict:
     embeddings (hidden_size_per_layer_input), a per-layer scalar and the final soft cap. Refused: the MoE block,
     bidirectional attention, rope types other than default / proportional, a per-layer input vocabulary other
     than vocab_size."""
+    # Long on purpose: one field after another in configuration_gemma4.py's order, read top to bottom beside it.
     d = _GEMMA4_DEFAULTS
     geglu(f)
     if f.hf.get("use_bidirectional_attention") is not None:
