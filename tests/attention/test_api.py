@@ -15,7 +15,9 @@ from jaxkv import attention as legacy
 from jaxkv.attention import api, mla, mla_reference, paged_reference, reference
 from jaxkv.layers import mla as mla_layer
 
-ATOL = 1e-6  # the same XLA reference computed twice (through the dispatch and directly): float32 rounding only
+from helpers.tolerances import atol
+
+ATOL = atol("attention reference")  # the same XLA reference computed twice (dispatch, direct): helpers.tolerances
 SCALE = 0.25
 
 CONFIG = jaxkv.Config(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48)

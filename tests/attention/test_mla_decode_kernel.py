@@ -19,14 +19,10 @@ import pytest
 from jaxkv.attention import mla, mla_decode_kernel, pallas, reference
 from jaxkv.cache import quantize
 
-# Keyed by the query's dtype. float32: kernel and reference both compute in float32 on the same stored numbers
-#   (bfloat16 / int8 / fp8 caches are cast exactly; scales multiply per column instead of per element), differing
-#   only in summation order (online softmax over blocks vs one pass): a few ulps of O(1) outputs, so 1e-5 leaves
-#   margin yet catches any masking or rescaling error (O(1e-2) and up).
-# bfloat16: the kernel's matmuls take bfloat16 inputs (q as given, the probabilities rounded to bfloat16 for the
-#   P.V matmul, as flash kernels do for the MXU / tensor cores) where the reference computes in float32: errors of a
-#   few 2^-8 on outputs of magnitude <= ~2.
-TOLERANCES = {"float32": dict(atol=1e-5, rtol=1e-5), "bfloat16": dict(atol=2e-2, rtol=2e-2)}
+from helpers.tolerances import by_dtype
+
+# Kernel vs reference, keyed by the query's dtype (their reasons: helpers.tolerances, "kernel").
+TOLERANCES = by_dtype("kernel")
 
 COMPILED = os.environ.get("JAXKV_PALLAS_COMPILED") == "1"
 PLATFORMS = [pallas.default_platform()] if COMPILED else ["tpu", "gpu"]

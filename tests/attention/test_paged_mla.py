@@ -25,10 +25,11 @@ from jaxkv.decoding.programs import forward as _forward
 from jaxkv.cache.paged import PagedKVCache
 
 from helpers.models import MLA_DENSE
+from helpers.tolerances import atol
 
-# Tolerances, keyed by what is compared, each with its reason.
-ATOL_REFERENCE = 1e-5  # float32 paged vs contiguous: the same products, only the softmax's padding differs
-SCORE_ATOL = 1e-4  # beam scores against transformers: float32 sums of log-probabilities (as test_beam_search)
+# Tolerances, keyed by what is compared (their reasons: helpers.tolerances).
+ATOL_REFERENCE = atol("paged vs contiguous")
+SCORE_ATOL = atol("transformers beam scores")
 
 PROMPTS = [[44, 9, 130, 2, 61], [7, 88, 19, 140, 33, 52, 101, 4, 66, 29, 150, 11, 93], [12, 5, 70]]
 NEW = 10

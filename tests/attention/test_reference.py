@@ -8,7 +8,9 @@ import pytest
 
 from jaxkv.attention import reference
 
-ATOL = 1e-6  # float32 arithmetic on a handful of numbers
+from helpers.tolerances import atol
+
+ATOL = atol("attention reference")  # float32 arithmetic on a handful of numbers (helpers.tolerances)
 START0 = jnp.array([0], jnp.int32)
 
 

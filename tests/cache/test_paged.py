@@ -12,11 +12,12 @@ from hypothesis import strategies as st
 
 import jaxkv
 from helpers.models import CONFIGS, MLA_DENSE, model_for, recompute
+from helpers.tolerances import atol
 from jaxkv.attention import paged_reference
 from jaxkv.cache.paged import PagedKVCache
 
 PROMPTS = [[5, 17, 3], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3], [2, 7, 1, 8, 2, 8, 1, 8]]
-ATOL = 1e-5  # float32: the paged and contiguous paths add the same terms, gathered in another layout
+ATOL = atol("paged vs contiguous")  # why: helpers.tolerances
 
 
 def right_pad(prompts):

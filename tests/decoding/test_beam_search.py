@@ -25,11 +25,12 @@ from jaxkv.decoding.programs import prefill_paged as _prefill_paged
 
 from helpers.hf import BEAM_NEW, BOS, EOS, PAD, RAGGED, SINGLE, VOCAB, hf_beam_search, hf_greedy_uncached
 from helpers.models import model_for
+from helpers.tolerances import atol
 
 bs = importlib.import_module("jaxkv.beam_search")  # the module (jaxkv.beam_search is the function)
 
 NEW = BEAM_NEW  # new tokens per hypothesis (helpers.hf's hf_beam_search asks transformers for as many)
-SCORE_ATOL = 1e-4  # float32: the two sum the same log-probabilities from logits that agree to ~1e-5
+SCORE_ATOL = atol("transformers beam scores")  # why: helpers.tolerances
 # Both in one batch and one more prompt: 5 prompts padded to 8 rows (3 empty filler prompts), so that each setting
 # compiles one search, not one per batch size.
 BATCH = SINGLE + RAGGED + [[60, 17, 99, 23]]

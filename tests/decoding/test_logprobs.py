@@ -10,10 +10,10 @@ from jax.sharding import Mesh
 
 import jaxkv
 from helpers.models import model_for
+from helpers.tolerances import atol
 
-# float32 everywhere: the cached and the recomputed passes differ only in summation order (attention over a cache
-# vs over the sequence, one chunk vs several), a few ulps of logits of magnitude ~10.
-ATOL = 1e-4
+# float32 everywhere: the cached and the recomputed passes differ only in summation order (helpers.tolerances).
+ATOL = atol("logprobs")
 PROMPTS = [[5, 9, 2], [7, 1, 4, 4, 8, 3, 6, 2, 11, 30], [60]]  # ragged
 NEW = 6
 

@@ -10,9 +10,10 @@ import jaxkv
 from jaxkv import sharding
 from jaxkv.engine import Engine
 from helpers.models import model_for
+from helpers.tolerances import atol
 from helpers.compiles import count_compiles
 
-LOGPROB_TOL = 1e-4  # float32 log-softmax of the same logits computed through a different (cached) program
+LOGPROB_TOL = atol("logprobs")  # the same logits' log-softmax through a different (cached) program
 
 RNG = np.random.default_rng(0)
 

@@ -26,17 +26,13 @@ from jaxkv.config import Config, Mla, YarnScaling  # noqa: E402
 from helpers.hf import (MLA_LIKE, RAGGED, SINGLE, VOCAB, build_hf,  # noqa: E402
                         check_greedy_generation_is_token_identical, check_logits_match, hf_greedy, hf_logits)
 from helpers.models import left_pad  # noqa: E402
+from helpers.tolerances import atol, by_dtype  # noqa: E402
 
-# Tolerances, keyed by what is compared, each with its reason.
-ATOL_HF = 1e-4  # float32 against transformers: different summation orders over a 2-layer model (as test_hf_parity)
-ATOL_ABSORBED = 1e-5  # absorbed decode vs expanded recompute: the same float32 math, reassociated
-# Latent caches quantized per slot against the float32 cache, on logits of standard deviation 1 (max 3.8): int8
-# keeps steps of 1/254 of a row's range, fp8 e4m3 a 3-bit mantissa. Measured max differences over 8 steps of 3
-# rows: 0.066 (int8) and 0.28 (fp8), against 0.021 for a bfloat16 cache; the bounds leave about 2x.
-ATOL_QUANTIZED = {"int8": 0.15, "float8_e4m3fn": 0.6}
-# 16-bit weights (and caches) against float32, same logits: measured max differences over prefill + 4 steps of 3
-# rows 0.065 (bfloat16, 8-bit mantissa) and 0.0086 (float16, 11-bit); the bounds leave about 2x.
-ATOL_16_BIT = {"bfloat16": 0.15, "float16": 0.02}
+# Tolerances, keyed by what is compared (their reasons: helpers.tolerances).
+ATOL_HF = atol("transformers logits")
+ATOL_ABSORBED = atol("mla absorbed")
+ATOL_QUANTIZED = {dtype: tol["atol"] for dtype, tol in by_dtype("quantized latent cache").items()}
+ATOL_16_BIT = {dtype: tol["atol"] for dtype, tol in by_dtype("16-bit weights").items()}
 
 # MLA_LIKE (helpers.hf): every layer dense (first_k_dense_replace = num_hidden_layers); its dimensions, by name here
 HEADS, RANK, ROPE, NOPE, V_DIM = (MLA_LIKE[f] for f in ("num_attention_heads", "kv_lora_rank", "qk_rope_head_dim",

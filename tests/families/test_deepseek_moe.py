@@ -22,11 +22,9 @@ import jaxkv  # noqa: E402
 from jaxkv.checkpoint_hf import config_from_hf, load_hf  # noqa: E402
 from jaxkv.config import MoeConfig  # noqa: E402
 from jaxkv.model import Decoder  # noqa: E402
-from helpers.hf import (DEEPSEEK_MOE_LAYERS as MOE_LAYERS, DEEPSEEK_MOE_LIKE as MLA, NEW_TOKENS, RAGGED,  # noqa: E402
-                        SINGLE, VOCAB, assert_no_near_ties, build_deepseek_moe_hf as build_hf, greedy_cases,
-                        hf_greedy, hf_logits, per_row)
-
-ATOL = 1e-4  # float32 logits after 3 layers, as tests/test_hf_parity.py
+from helpers.hf import (ATOL, DEEPSEEK_MOE_LAYERS as MOE_LAYERS, DEEPSEEK_MOE_LIKE as MLA,  # noqa: E402
+                        NEW_TOKENS, RAGGED, SINGLE, VOCAB, assert_no_near_ties, build_deepseek_moe_hf as build_hf,
+                        greedy_cases, hf_greedy, hf_logits, per_row)
 
 # MLA (helpers.hf's DEEPSEEK_MOE_LIKE): 3 layers, layer 0 dense, layers 1-2 MoE (MOE_LAYERS); build_hf
 # (helpers.hf's build_deepseek_moe_hf) randomizes V3's e_score_correction_bias, which transformers zeroes.

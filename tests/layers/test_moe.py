@@ -22,12 +22,11 @@ from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Moe  
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE  # noqa: E402
 
 from helpers.hf import assert_no_near_ties  # noqa: E402
+from helpers.tolerances import atol  # noqa: E402
 
-# float32 throughout: the routing weights are a few float32 ops from the logits (1e-6); the outputs (magnitudes up
-# to ~3) sum A + 1 SwiGLUs computed in a different order: up to 1.0e-5 apart on an AMD EPYC (Zen 4) machine on
-# 2026-12-01 (under 1e-5 on the Intel machines before), so 2e-5.
-WEIGHT_TOL = 1e-6
-OUT_TOL = 2e-5
+# float32 throughout (their reasons: helpers.tolerances).
+WEIGHT_TOL = atol("moe routing weights")
+OUT_TOL = atol("moe outputs")
 
 D = 32
 # name -> (version, HF config fields). Several experts per token, shared experts, scaling != 1, both norm settings,
