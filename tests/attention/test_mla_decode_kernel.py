@@ -9,42 +9,25 @@ stored numbers and scales.
 """
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv.attention import mla, mla_decode_kernel, pallas, reference
+from jaxkv.attention import mla, mla_decode_kernel, reference
 from jaxkv.cache import quantize
 
+from helpers import kernels
+from helpers.kernels import INTERPRET, PLATFORMS  # the interpreter on CPU; compiled with JAXKV_PALLAS_COMPILED=1
 from helpers.tolerances import by_dtype
 
 # Kernel vs reference, keyed by the query's dtype (their reasons: helpers.tolerances, "kernel").
 TOLERANCES = by_dtype("kernel")
 
-COMPILED = os.environ.get("JAXKV_PALLAS_COMPILED") == "1"
-PLATFORMS = [pallas.default_platform()] if COMPILED else ["tpu", "gpu"]
-INTERPRET = not COMPILED
 BLOCK_K = {"tpu": 128, "gpu": 32}  # small, so S = 300 spans several blocks and ends in a partial one
 S = 300  # not a multiple of either block
 SCALE = 0.1
-
-# Interpreted kernels are big XLA programs; XLA:CPU's backend optimisation level 0 compiles them much faster (LLVM
-# effort only: the HLO and its arithmetic are unchanged). Device runs keep the default pipeline.
-_COMPILER_OPTIONS = None if COMPILED else {"xla_backend_optimization_level": 0}
-
-
-@functools.lru_cache(maxsize=None)
-def _compiled(fn, *arg_types):
-    return jax.jit(fn).lower(*arg_types).compile(_COMPILER_OPTIONS)
-
-
-def _run(fn, *args):
-    """fn(*args), compiled once per (fn, argument shapes and dtypes)."""
-    return _compiled(fn, *(jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) for a in args))(*args)
-
 
 @functools.lru_cache(maxsize=None)
 def _kernel(platform, latent_dim, window, ring, splits):
@@ -85,10 +68,10 @@ def _check(platform, R, window, q, latent, start, q_offset, *, latent_scale=None
     one)."""
     start, q_offset = jnp.asarray(start, jnp.int32), jnp.int32(q_offset)
     scales = () if latent_scale is None else (latent_scale,)
-    out = np.asarray(_run(_kernel(platform, R, window, ring, splits), q, latent, start, q_offset, *scales))
+    out = np.asarray(kernels.run(_kernel(platform, R, window, ring, splits), q, latent, start, q_offset, *scales))
     ref_latent, ref_scale = expected_from or (latent, latent_scale)
     ref_scales = () if ref_scale is None else (ref_scale,)
-    want = np.asarray(_run(_reference(R, window, ring), q, ref_latent, start, q_offset, *ref_scales))
+    want = np.asarray(kernels.run(_reference(R, window, ring), q, ref_latent, start, q_offset, *ref_scales))
     assert out.shape == want.shape == (q.shape[0], 1, q.shape[2], R) and out.dtype == np.float32
     has_live = np.asarray(reference.live_mask(start, q_offset, 1, latent.shape[1], window, ring).any(-1))[:, 0]
     assert np.isfinite(out).all(), "non-finite output (a row with no live slot must give 0, not NaN)"
