@@ -44,7 +44,7 @@ from jaxkv.cache.paged import PagedKVCache
 from jaxkv.cache.prefix import PrefixCache
 from jaxkv.config import Config
 from jaxkv.decoding import loop, paged, programs, request, result
-from jaxkv.decoding.phase import Phase
+from jaxkv.decoding.phase import Phase, compile_seconds  # noqa: F401 (compile_seconds: its old home)
 from jaxkv.decoding.request import MAX_TOP_LOGPROBS, STOP_ID_SLOTS, left_pad
 from jaxkv.decoding.result import Generation
 from jaxkv.model import Model

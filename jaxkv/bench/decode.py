@@ -220,7 +220,7 @@ def bench_decode(name: str, config: Config, dtype: str, batch: int, args, meter)
     # Long on purpose: one measurement round (warm-up, alternating repetitions, bandwidth samples), in order.
     from jaxkv import roofline
     from jaxkv.checkpoint import cast
-    from jaxkv.generate import compile_seconds
+    from jaxkv.decoding.phase import compile_seconds
 
     model = cast(jaxkv.Model.random(config, seed=0), dtype)
     rng = np.random.default_rng(0)
