@@ -20,7 +20,7 @@ configuration: each float32 score tile is capped in the kernel, before its mask.
 Per-layer windows (Gemma 2/3: sliding layers over a ring of `window` slots, global layers over the whole cache):
 each layer calls with its own static `sliding_window` and `ring`. Decode takes every combination (a window or none,
 a ring or not, a ring wrapped any number of times); prefill takes any window over the fresh prompt K/V, however
-much longer than the window the prompt is (tests/test_softcap.py, tests/test_pallas_attention.py).
+much longer than the window the prompt is (tests/attention/test_softcap.py, tests/attention/test_pallas.py).
 
 Each kernel has two bodies sharing their math: Mosaic for TPU and Triton for GPU (`platform`). On CPU there is no
 Pallas compiler, so the kernels run in the Pallas interpreter (`interpret` defaults to True there); the

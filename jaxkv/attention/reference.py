@@ -183,7 +183,7 @@ def decode_prefix(q, k, v, start, q_offset, scale, sliding_window, k_scale, v_sc
     ring that has wrapped (q_offset >= S) every index can. One `lax.switch` branch per prefix length, each the
     ordinary decode on a static slice, so XLA:CPU compiles the same fused loops (the add tree, the value
     reduction) as for a short cache. Branch operands are the whole buffers: the in-place cache update outside is
-    not copied (tests/test_attention_live.py)."""
+    not copied (tests/attention/test_reference_live.py)."""
     S = k.shape[2]
     needed = jnp.minimum(q_offset + 1, S)  # indices [0, needed) hold every live slot
     branch = jnp.sum(jnp.asarray(lengths[:-1], jnp.int32) < needed)  # the first length >= needed
@@ -213,7 +213,7 @@ def _decode(q, k, v, live, scale, k_scale, v_scale, mask_values=False, softcap=N
     `mask_values` zeroes dead value slots (NaN included) before they are weighted. Only for a slice shorter than
     the cache (`decode_prefix`), where the select fuses into the copy XLA:CPU makes of the slice for the value
     reduction anyway. Over the whole just-updated buffer it adds a copy (2 ms of a 23 ms "small" step at 4,160
-    slots) or, outside a switch, made XLA:CPU copy the buffer in the update (batch 3, tests/test_cache.py); there
+    slots) or, outside a switch, made XLA:CPU copy the buffer in the update (batch 3, tests/cache/test_contiguous.py); there
     the cache write's zeroing of dead values is relied on instead.
 
     Written as broadcast-multiply-and-reduce rather than einsum on purpose. The cache buffers were just updated in
@@ -237,7 +237,7 @@ def _decode(q, k, v, live, scale, k_scale, v_scale, mask_values=False, softcap=N
         # A 16-bit cache is read in its own dtype, products rounded to it and sums accumulated in float32 (as a
         # bf16 attention kernel does). Upcasting the whole just-updated buffer instead made XLA:CPU move the
         # convert into the in-place update, materializing a float32 copy of the cache and copying the buffer
-        # every step (tests/test_cache.py).
+        # every step (tests/cache/test_contiguous.py).
         scores = _sum_minor((k[:, :, None, :, :] * q.astype(k.dtype)[:, :, :, None, :]).astype(jnp.float32))
         weights = softmax(jnp.where(live[:, None, None, :], soft_cap(scores * scale, softcap), MASKED))  # [B, K, G, S]
         if mask_values:
