@@ -10,7 +10,6 @@ Ties: every token's expert choice is checked to be decided by a margin well abov
 
 import json
 
-import jax
 import numpy as np
 import pytest
 
@@ -20,9 +19,9 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 
 import jaxkv  # noqa: E402
 from jaxkv.checkpoint_hf import config_from_hf  # noqa: E402
-from jaxkv.model import Decoder  # noqa: E402
-from helpers.hf import (ATOL, BEAM_NEW, BOS, EOS, NEW_TOKENS, PAD, RAGGED, SINGLE, VOCAB,  # noqa: E402
-                        assert_no_near_ties, greedy_cases, hf_beam_search, hf_greedy, hf_logits, per_row)
+from helpers.hf import (ATOL, BOS, EOS, PAD, RAGGED, SINGLE, VOCAB,  # noqa: E402
+                        check_moe_beam_search, check_moe_engine, check_moe_greedy_generation,
+                        check_moe_parallel_greedy_samples, check_moe_routing, greedy_cases, hf_greedy, hf_logits)
 
 # 2 layers, both MoE (Mixtral has no dense MLP); head_dim left out: hidden / heads = 16.
 FIELDS = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -96,69 +95,20 @@ def test_fused_experts_load_too(tmp_path):
 
 
 def test_greedy_generation_is_token_identical(pair, greedy):
-    """The single prompt and the ragged batch (`greedy_cases`), each against transformers' greedy tokens."""
-    _, model = pair
-    for prompts, batch in greedy_cases(SINGLE, RAGGED):
-        got = jaxkv.generate(model, batch, max_new_tokens=NEW_TOKENS, stop_tokens=[]).tokens
-        for b, row in enumerate(per_row(greedy[len(prompts)], batch)):
-            assert len(set(row)) >= 8, f"HF output too repetitive to test anything: {row}"
-            assert got[b] == row, f"{len(prompts)} prompt(s), row {b}"
+    check_moe_greedy_generation(pair[1], greedy)
 
 
 def test_parallel_greedy_samples_equal_transformers(pair, greedy):
-    """n=2 samples of each ragged prompt (prefilled once, forked; page size 5 divides no prompt length): each is
-    transformers' greedy continuation."""
-    _, model = pair
-    expected = greedy[len(RAGGED)]
-    got = jaxkv.generate(model, RAGGED, max_new_tokens=NEW_TOKENS, stop_tokens=[], n=2, page_size=5).tokens
-    assert got == [row for row in expected for _ in range(2)]
+    check_moe_parallel_greedy_samples(pair[1], greedy)
 
 
 def test_engine_equals_transformers(pair, greedy):
-    """The engine's requests (2 slots for 3 prompts, prefill chunks of 8), greedy: transformers' tokens."""
-    _, model = pair
-    engine = jaxkv.Engine(model, slots=2, max_len=64, page_size=8, prefill_chunk=8)
-    results = engine.generate(RAGGED, max_new_tokens=NEW_TOKENS, stop_tokens=[])
-    assert [r.tokens for r in results] == greedy[len(RAGGED)]
+    check_moe_engine(pair[1], greedy)
 
 
 def test_beam_search_equals_transformers(pair, greedy):
-    hf, model = pair
-    prompts = SINGLE + RAGGED
-    stops = sorted({greedy[1][0][3], greedy[len(RAGGED)][0][6]})  # reached at different steps
-    want = hf_beam_search(hf, prompts, stops, num_beams=3, length_penalty=1.0, early_stopping=True,
-                          num_return_sequences=3)
-    got = jaxkv.beam_search(model, prompts, num_beams=3, max_new_tokens=BEAM_NEW, length_penalty=1.0,
-                            early_stopping=True, num_return_sequences=3, stop_tokens=stops)
-    assert got.tokens == [[tokens for tokens, _ in hyps] for hyps in want]
-    for hyps, want_hyps in zip(got, want):
-        for h, (_, score) in zip(hyps, want_hyps):
-            assert abs(h.score - score) < 1e-4
+    check_moe_beam_search(pair[0], pair[1], greedy)
 
 
 def test_every_token_is_routed_to_the_same_experts(pair):
-    hf, model = pair
-    tokens = np.array(SINGLE + [list(reversed(SINGLE[0]))])  # [2, 12]
-    captured, hooks = {}, []
-    for i in MOE_LAYERS:
-        def hook(module, args, out, i=i):  # MixtralTopKRouter -> (logits, weights, ids)
-            captured[i] = (out[0].detach().numpy(), out[2].detach().numpy())
-        hooks.append(hf.model.layers[i].mlp.gate.register_forward_hook(hook))
-    try:
-        with torch.no_grad():
-            hf(torch.tensor(tokens))
-    finally:
-        for h in hooks:
-            h.remove()
-    positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
-    forward = jax.jit(lambda params, t, p: Decoder(model.config).apply({"params": params}, t, p, None,
-                                                                       mutable=["intermediates"]))
-    _, state = forward(model.params, tokens.astype(np.int32), positions)
-    A = model.config.moe.experts_per_token
-    for i in MOE_LAYERS:
-        logits, ids = captured[i]
-        assert_no_near_ties(logits, model.config.moe, None)
-        ours = np.asarray(state["intermediates"][f"layer_{i}"]["mlp"]["expert_ids"][0]).reshape(-1, A)
-        # transformers' order within a token is unspecified: compare as sets
-        np.testing.assert_array_equal(np.sort(ours, -1), np.sort(ids, -1), err_msg=f"layer {i}")
-        assert len({tuple(sorted(row)) for row in ours}) > 2  # different tokens pick different experts
+    check_moe_routing(pair[0], pair[1], MOE_LAYERS)

@@ -216,3 +216,78 @@ def check_greedy_generation_is_token_identical(pair):
             # A model stuck on one token would make equality meaningless.
             assert len(set(row)) >= 8, f"{name}: HF output too repetitive to test anything: {row}"
             assert got[b] == row, f"{name}, {len(prompts)} prompt(s), row {b}"
+
+
+# --- the parity checks every MoE family's test runs (Qwen3-MoE, Mixtral): each test file keeps thin tests of these
+# names, so a family's parity reads in its own file and the bodies are written once.
+
+
+def check_moe_greedy_generation(model, greedy):
+    """The single prompt and the ragged batch (`greedy_cases`), each against transformers' greedy tokens."""
+    for prompts, batch in greedy_cases(SINGLE, RAGGED):
+        got = jaxkv.generate(model, batch, max_new_tokens=NEW_TOKENS, stop_tokens=[]).tokens
+        for b, row in enumerate(per_row(greedy[len(prompts)], batch)):
+            assert len(set(row)) >= 8, f"HF output too repetitive to test anything: {row}"
+            assert got[b] == row, f"{len(prompts)} prompt(s), row {b}"
+
+
+def check_moe_parallel_greedy_samples(model, greedy):
+    """n=2 samples of each ragged prompt (prefilled once, forked; page size 5 divides no prompt length): each is
+    transformers' greedy continuation."""
+    expected = greedy[len(RAGGED)]
+    got = jaxkv.generate(model, RAGGED, max_new_tokens=NEW_TOKENS, stop_tokens=[], n=2, page_size=5).tokens
+    assert got == [row for row in expected for _ in range(2)]
+
+
+def check_moe_engine(model, greedy):
+    """The engine's requests (2 slots for 3 prompts, prefill chunks of 8), greedy: transformers' tokens."""
+    engine = jaxkv.Engine(model, slots=2, max_len=64, page_size=8, prefill_chunk=8)
+    results = engine.generate(RAGGED, max_new_tokens=NEW_TOKENS, stop_tokens=[])
+    assert [r.tokens for r in results] == greedy[len(RAGGED)]
+
+
+def check_moe_beam_search(hf, model, greedy):
+    """Three beams, three hypotheses, stop ids reached at different steps: transformers' tokens and scores."""
+    prompts = SINGLE + RAGGED
+    stops = sorted({greedy[1][0][3], greedy[len(RAGGED)][0][6]})  # reached at different steps
+    want = hf_beam_search(hf, prompts, stops, num_beams=3, length_penalty=1.0, early_stopping=True,
+                          num_return_sequences=3)
+    got = jaxkv.beam_search(model, prompts, num_beams=3, max_new_tokens=BEAM_NEW, length_penalty=1.0,
+                            early_stopping=True, num_return_sequences=3, stop_tokens=stops)
+    assert got.tokens == [[tokens for tokens, _ in hyps] for hyps in want]
+    for hyps, want_hyps in zip(got, want):
+        for h, (_, score) in zip(hyps, want_hyps):
+            assert abs(h.score - score) < 1e-4
+
+
+def check_moe_routing(hf, model, moe_layers):
+    """Every token is routed to the same experts as transformers' router (a `*TopKRouter` returning (logits,
+    weights, ids)) picks, with no near tie between the A-th and (A+1)-th choice."""
+    import torch
+
+    from jaxkv.model import Decoder
+
+    tokens = np.array(SINGLE + [list(reversed(SINGLE[0]))])  # [2, 12]
+    captured, hooks = {}, []
+    for i in moe_layers:
+        def hook(module, args, out, i=i):
+            captured[i] = (out[0].detach().numpy(), out[2].detach().numpy())
+        hooks.append(hf.model.layers[i].mlp.gate.register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            hf(torch.tensor(tokens))
+    finally:
+        for h in hooks:
+            h.remove()
+    positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
+    forward = jax.jit(lambda params, t, p: Decoder(model.config).apply({"params": params}, t, p, None,
+                                                                       mutable=["intermediates"]))
+    _, state = forward(model.params, tokens.astype(np.int32), positions)
+    A = model.config.moe.experts_per_token
+    for i in moe_layers:
+        logits, ids = captured[i]
+        assert_no_near_ties(logits, model.config.moe, None)
+        ours = np.asarray(state["intermediates"][f"layer_{i}"]["mlp"]["expert_ids"][0]).reshape(-1, A)
+        # transformers' order within a token is unspecified: compare as sets
+        np.testing.assert_array_equal(np.sort(ours, -1), np.sort(ids, -1), err_msg=f"layer {i}")
+        assert len({tuple(sorted(row)) for row in ours}) > 2  # different tokens pick different experts
