@@ -19,6 +19,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 
 import jaxkv  # noqa: E402
 from jaxkv.checkpoint_hf import config_from_hf  # noqa: E402
+from helpers.hf import build_hf as hf_model  # noqa: E402
 from helpers.hf import (ATOL, BOS, EOS, PAD, RAGGED, SINGLE, VOCAB,  # noqa: E402
                         check_moe_beam_search, check_moe_engine, check_moe_greedy_generation,
                         check_moe_parallel_greedy_samples, check_moe_routing, greedy_cases, hf_greedy, hf_logits)
@@ -32,11 +33,7 @@ MOE_LAYERS = (0, 2)
 
 
 def build_hf(seed: int = 0, **changes):
-    torch.manual_seed(seed)
-    config = transformers.Qwen3MoeConfig(**dict(FIELDS, **changes))
-    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    hf.generation_config.eos_token_id = None  # never stop early (helpers.hf's build_hf)
-    return hf
+    return hf_model("Qwen3MoeConfig", dict(FIELDS, **changes), seed)
 
 
 @pytest.fixture(scope="module")
