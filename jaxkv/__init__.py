@@ -32,6 +32,7 @@ _EXPORTS = {
     "ProportionalRope": "jaxkv.rope_scaling",
     "YarnScaling": "jaxkv.rope_scaling",
     "Sampler": "jaxkv.sampling",
+    "Speculation": "jaxkv.decoding.speculation",
     "decode": "jaxkv.generate",
     "decode_step": "jaxkv.generate",
     "generate": "jaxkv.generate",

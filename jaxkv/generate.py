@@ -44,6 +44,7 @@ from jaxkv.cache.paged import PagedKVCache
 from jaxkv.cache.prefix import PrefixCache
 from jaxkv.config import Config
 from jaxkv.decoding import loop, paged, programs, request, result
+from jaxkv.decoding.speculation import Speculation
 from jaxkv.decoding.phase import Phase, compile_seconds  # noqa: F401 (compile_seconds: its old home)
 from jaxkv.decoding.request import MAX_TOP_LOGPROBS, STOP_ID_SLOTS, left_pad
 from jaxkv.decoding.result import Generation
@@ -235,7 +236,7 @@ def _lowering(prepare, jitted):
 
 
 def _contiguous_request(model: Model, prompts, *, max_new_tokens, temperature, top_k, top_p, min_p, sampler, seed, stop_tokens,
-             max_len, cache_dtype, attention, batch_multiple: int = 1) -> result.Request:
+             max_len, cache_dtype, attention, batch_multiple: int = 1, lookahead: int = 0) -> result.Request:
     """Validates a `generate` call (ValueError, before any compute) and lays it out as `memory.plan_cache` says:
     the batch padded to a power of two (then a multiple of `batch_multiple`, the devices it is split over), the
     prompts left-padded to a length bucket."""
@@ -248,7 +249,7 @@ def _contiguous_request(model: Model, prompts, *, max_new_tokens, temperature, t
     attention = request.attention(config, attention)
     max_len = request.optional_int("max_len", max_len)
     plan = memory.plan_cache(config, [len(p) for p in token_lists], max_new_tokens, max_len=max_len,
-                             cache_dtype=cache_dtype, batch_multiple=batch_multiple)
+                             cache_dtype=cache_dtype, batch_multiple=batch_multiple, lookahead=lookahead)
     sample_fn, rows = request.sampler_for(temperature, top_k, top_p, min_p, sampler, len(token_lists), plan.padded_batch)
     tokens, start = request.left_pad(token_lists + [[0]] * (plan.padded_batch - plan.batch), length=plan.prompt_len)
     done = np.arange(plan.padded_batch) >= plan.batch
@@ -260,7 +261,8 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top
              sampler: Callable | None = None, seed: int = 0, stop_tokens: Sequence[int] | None = None,
              max_len: int | None = None, cache_dtype: str | None = None, attention: str | None = None,
              stream: Callable | None = None, mesh: Mesh | None = None, n: int = 1,
-             page_size: int | None = None, prefix_cache=None, logprobs: int = 0) -> Generation:
+             page_size: int | None = None, prefix_cache=None, logprobs: int = 0,
+             speculative: Speculation | None = None) -> Generation:
     """Generates up to `max_new_tokens` tokens for each prompt.
 
     Args:
@@ -310,12 +312,26 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top
       logprobs: k in [0, request.MAX_TOP_LOGPROBS]. Every call fills `Generation.logprobs` (each new token's
         log-probability under the model's own distribution: temperature 1, no filter); k > 0 also fills
         `top_logprobs` with the k most likely tokens at each step. Both are computed inside the compiled loop.
+      speculative: a `jaxkv.Speculation`: a proposer guesses k tokens and one forward pass over k + 1 positions
+        verifies them (`jaxkv.decoding.speculation`); the output is distributed exactly as without it (greedy:
+        the same tokens, up to float rounding of the wider pass). The cache gets k more slots (a sliding-window
+        model a plain cache masked to its window, not a ring). `stats` adds "spec_proposed", "spec_accepted",
+        "spec_acceptance_rate", "spec_verifies", "target_forwards" and "tokens_per_target_forward". Today: the
+        "ngram" method, the contiguous cache (not n > 1, page_size, prefix_cache or a mesh), the built-in
+        sampling settings (not a custom `sampler`).
 
     Raises:
       ValueError: for any bad argument, before any compute (and for a custom sampler's out-of-vocabulary id).
     """
     n = checks.check_int("n", n, 1)
     logprobs = checks.check_int("logprobs", logprobs, 0, request.MAX_TOP_LOGPROBS)
+    if speculative is not None:
+        spec = _speculation_plan(model, speculative, sampler=sampler, n=n, page_size=page_size,
+                                 prefix_cache=prefix_cache, mesh=mesh)
+        return _generate_speculative(model, prompts, spec, max_new_tokens=max_new_tokens, temperature=temperature,
+                                     top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, stop_tokens=stop_tokens,
+                                     max_len=max_len, cache_dtype=cache_dtype, attention=attention,
+                                     stream=stream, logprobs=logprobs)
     if prefix_cache is not None:
         if not isinstance(prefix_cache, PrefixCache):
             raise ValueError(f"prefix_cache must be a jaxkv.PrefixCache, got {type(prefix_cache).__name__}")
@@ -364,6 +380,49 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top
             max_steps=loop.steps_bound(plan.capacity, plan.ring and config.every_layer_sliding, req.max_new_tokens),
             rows=req.rows, attention=req.attention,
             stream=on_step, mesh=mesh, logprobs=logprobs), sharding.to_host))
+    return result.generation(model, req, out, prefill_time, decode_time)
+
+
+def _speculation_plan(model, speculative, *, sampler, n, page_size, prefix_cache, mesh):
+    """`generate(speculative=)` checked against the rest of the call -> the static `speculation.Plan`."""
+    if not isinstance(speculative, Speculation):
+        raise ValueError(f"speculative must be a jaxkv.Speculation, got {type(speculative).__name__}")
+    plan = speculative.check(model)
+    if sampler is not None:
+        raise ValueError("speculative decoding needs the sampler's distribution: use temperature/top_k/top_p/min_p, "
+                         "not a custom sampler")
+    if n > 1 or page_size is not None or prefix_cache is not None:
+        raise ValueError("speculative decoding runs on the contiguous cache today: not with n > 1, page_size or "
+                         "prefix_cache")
+    if mesh is not None:
+        raise ValueError("speculative decoding does not take a mesh yet")
+    return plan
+
+
+def _generate_speculative(model, prompts, spec, *, max_new_tokens, temperature, top_k, top_p, min_p, seed,
+                          stop_tokens, max_len, cache_dtype, attention, stream, logprobs) -> Generation:
+    """`generate` with speculation on the contiguous cache (`loop.speculative_loop`)."""
+    req = _contiguous_request(model, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                              top_p=top_p, min_p=min_p, sampler=None, seed=seed, stop_tokens=stop_tokens,
+                              max_len=max_len, cache_dtype=cache_dtype, attention=attention,
+                              lookahead=spec.num_tokens)
+    on_step = loop.step_stream(stream, len(req.token_lists))
+    plan, k = req.plan, spec.num_tokens
+    history = np.zeros((plan.padded_batch, plan.capacity + k + 2), np.int32)
+    length = np.zeros((plan.padded_batch,), np.int32)
+    for b, tokens in enumerate(req.token_lists):
+        history[b, : len(tokens)], length[b] = tokens, len(tokens)
+    with Phase() as prefill_time:
+        logits, cache = programs.prefill(model.params, jax.device_put(req.tokens), jax.device_put(req.start),
+                                         config=model.config, capacity=plan.capacity, attention=req.attention,
+                                         cache_dtype=plan.cache_dtype, ring=plan.ring, mesh=None)
+        logits.block_until_ready()
+    with Phase() as decode_time:
+        out = loop.on_host_surfacing(on_step, lambda: loop.on_host(loop.speculative_loop(
+            model.params, cache, logits, req.key, req.sampler, req.stop_ids, req.done,
+            np.int32(req.max_new_tokens), history, length, config=model.config,
+            max_steps=loop.steps_bound(plan.capacity, False, req.max_new_tokens), attention=req.attention,
+            stream=on_step, logprobs=logprobs, plan=spec)))
     return result.generation(model, req, out, prefill_time, decode_time)
 
 

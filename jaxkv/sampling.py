@@ -145,16 +145,33 @@ class Sampler:
         greedy_tokens = greedy(logits)
 
         def sample(_):
-            x = logits / jnp.maximum(temperature, 1e-6)
-            # Sorting the vocabulary is the expensive part: skip it unless some row has top-k or top-p on.
-            needs_sort = jnp.any(jnp.asarray(self.top_k) > 0) | jnp.any(jnp.asarray(self.top_p) < 1.0)
-            x = lax.cond(needs_sort, self._sorted_filters, lambda x: x, x)
-            x = min_p_filter(x, self.min_p)
-            sampled = _categorical(key, x)
+            sampled = _categorical(key, self.filtered(logits))
             return jnp.where(temperature[:, 0] <= 0.0, greedy_tokens, sampled)
 
         # An all-greedy batch skips the sampling work entirely.
         return lax.cond(jnp.all(temperature <= 0.0), lambda _: greedy_tokens, sample, None)
+
+    def filtered(self, logits):
+        """float32[B, V]: the logits a sampled row draws from (temperature, then top-k, top-p, min-p; removed
+        tokens -inf). A greedy row's (temperature 0) come out scaled by 1e6 and are not what it uses."""
+        logits = logits.astype(jnp.float32)
+        x = logits / jnp.maximum(_rows(self.temperature, logits), 1e-6)
+        # Sorting the vocabulary is the expensive part: skip it unless some row has top-k or top-p on.
+        needs_sort = jnp.any(jnp.asarray(self.top_k) > 0) | jnp.any(jnp.asarray(self.top_p) < 1.0)
+        x = lax.cond(needs_sort, self._sorted_filters, lambda x: x, x)
+        return min_p_filter(x, self.min_p)
+
+    def distribution(self, logits):
+        """float32[B, V]: the probabilities `__call__` draws each row's token from: softmax of `filtered` for a
+        sampled row, one-hot at `greedy` for a greedy row (what speculative sampling compares proposals with)."""
+        logits = logits.astype(jnp.float32)
+        greedy_rows = _rows(self.temperature, logits) <= 0.0  # [B, 1]
+        one_hot = jax.nn.one_hot(greedy(logits), logits.shape[-1], dtype=jnp.float32)
+
+        def sampled(_):
+            return jnp.where(greedy_rows, one_hot, jax.nn.softmax(self.filtered(logits), axis=-1))
+
+        return lax.cond(jnp.all(greedy_rows), lambda _: one_hot, sampled, None)
 
     def _sorted_filters(self, x):
         """top-k then top-p (over the renormalized top-k survivors) with a single sort."""

@@ -231,15 +231,23 @@ def _check_request(planner: str, config, prompt_lengths, max_new_tokens):
 
 
 def plan_cache(config: Config, prompt_lengths, max_new_tokens: int, *, max_len: int | None = None,
-               cache_dtype=None, batch_multiple: int = 1) -> CachePlan:
+               cache_dtype=None, batch_multiple: int = 1, lookahead: int = 0) -> CachePlan:
     """The cache `jaxkv.generate` allocates for prompts of `prompt_lengths` tokens and `max_new_tokens` new ones
     (see `CachePlan`): the same function generate calls, so its figures are the allocation exactly.
 
+    `lookahead`: k, the positions a speculative verify writes past the last token (`jaxkv.Speculation`): they
+    count as k more new tokens for the slots and positions needed, and a sliding-window model gets a plain cache
+    (its attention masked to the window) instead of a ring, which takes one token per write.
+
     Raises:
-      ValueError: a prompt plus max_new_tokens beyond the model's max positions, max_len beyond them (slots that
-        could never be used) or too small for the longest prompt plus max_new_tokens.
+      ValueError: a prompt plus max_new_tokens (plus lookahead) beyond the model's max positions, max_len beyond
+        them (slots that could never be used) or too small for the longest prompt plus max_new_tokens (plus
+        lookahead).
     """
-    lengths, max_new_tokens = _check_request("plan_cache", config, prompt_lengths, max_new_tokens)
+    if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
+        raise ValueError(f"lookahead must be a non-negative integer, got {lookahead!r}")
+    requested = _check_request("plan_cache", config, prompt_lengths, max_new_tokens)
+    lengths, max_new_tokens = _check_request("plan_cache", config, prompt_lengths, max_new_tokens + lookahead)
     batch_multiple = positive_int("batch_multiple", batch_multiple)
     cache_dtype = _cache_dtype(CacheGeometry.of(config), cache_dtype)
     longest, limit = max(lengths), config.max_positions
@@ -250,7 +258,7 @@ def plan_cache(config: Config, prompt_lengths, max_new_tokens: int, *, max_len: 
                              f"could never be used")
     bucket = max(MIN_PROMPT_BUCKET, next_pow2(longest))
     default = min(max(MIN_CAPACITY, next_pow2(bucket + max_new_tokens)), limit)
-    window = config.sliding_window
+    window = config.sliding_window if not lookahead else None
     if window is not None and not config.every_layer_sliding:
         # Mixed layer kinds (Gemma 2/3): the full layers bound the sequence as a plain cache does; each sliding
         # layer holds a ring of min(window, capacity) slots (`jaxkv.cache.geometry.layer_slots`).
@@ -276,7 +284,7 @@ def plan_cache(config: Config, prompt_lengths, max_new_tokens: int, *, max_len: 
     slot_bytes = sum(S * b for (S, _), b in zip(layer_slots(config, capacity, ring), per_slot))
     return CachePlan(batch=len(lengths), padded_batch=padded_batch, prompt_len=prompt_len, capacity=capacity,
                      ring=ring, cache_dtype=cache_dtype,
-                     requested_bytes=kv_cache_bytes(config, tokens=longest + max_new_tokens, batch=len(lengths),
+                     requested_bytes=kv_cache_bytes(config, tokens=longest + requested[1], batch=len(lengths),
                                                     cache_dtype=cache_dtype),
                      allocated_bytes=padded_batch * slot_bytes)
 

@@ -42,6 +42,12 @@ def add_parser(commands):
     gen.add_argument("--logprobs", type=int, default=0, metavar="K",
                      help="with --json: each new token's log-probability (always) and its K most likely "
                           "alternatives per step (0 <= K <= 20)")
+    spec = gen.add_argument_group("speculative decoding", "a proposer guesses tokens, one forward pass verifies "
+                                  "them; the output is what plain decoding gives (jaxkv.Speculation)")
+    spec.add_argument("--speculative-method", choices=["ngram", "draft", "mtp"], default=None,
+                      help="ngram: prompt lookup (the sequence's own earlier text proposes)")
+    spec.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
+                      help="proposals per verify pass (default 4)")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streamed text")
     gen.add_argument("--no-compile-cache", action="store_true",
                      help="do not read or write the persistent compilation cache (jaxkv.compile_cache)")
@@ -119,6 +125,13 @@ def _check_generate(args):
         checks.check_int("max_len", args.max_len, 1)
     checks.sampling(args.temperature, args.top_k, args.top_p, args.min_p)
     checks.seed_words(args.seed)
+    checks.check_int("num_speculative_tokens", args.num_speculative_tokens, 1, 16)
+    if args.speculative_method is not None and args.num_beams > 1:
+        raise ValueError("--speculative-method is for sampling and greedy decoding, not beam search (--num-beams)")
+    if args.speculative_method in ("draft", "mtp"):
+        raise ValueError(f"--speculative-method {args.speculative_method} is not built yet: use ngram")
+    if args.speculative_method is not None and args.n > 1:
+        raise ValueError("--speculative-method runs on the contiguous cache today: not with --n > 1")
     if args.model != "tiny" and not pathlib.Path(args.model).exists():  # what jaxkv.load says, without JAX
         raise FileNotFoundError(f"{args.model}: no such directory (pass a checkpoint directory or 'tiny')")
     return prompt
@@ -167,7 +180,7 @@ def run(args, started: float) -> dict:
         os.environ[compile_cache.ENV] = "0"  # read when jaxkv.model is first imported, just below
     t0 = time.perf_counter()
     from jaxkv.checkpoint import load  # JAX, Flax and the Pallas kernels: seconds
-    from jaxkv.generate import generate
+    from jaxkv.generate import Speculation, generate
 
     t1 = time.perf_counter()
     model = load(args.model, dtype=args.dtype)
@@ -182,7 +195,9 @@ def run(args, started: float) -> dict:
     out = generate(model, [prompt], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
                    max_len=args.max_len, cache_dtype=args.cache_dtype, stream=stream, n=args.n,
-                   logprobs=args.logprobs)
+                   logprobs=args.logprobs,
+                   speculative=None if args.speculative_method is None
+                   else Speculation(args.speculative_method, args.num_speculative_tokens))
     if stream is not None:
         stream.finish(out.text[0] if out.text is not None else None)
     elif args.n > 1 and not args.json:
@@ -222,7 +237,13 @@ def _result(args, out, timing: dict, first_token: float | None) -> dict:
         **timing,
         "compile_s": round(s["compile_s"], 3),
         "first_token_s": None if first_token is None else round(first_token, 3),
+        **{name: round(s[name], 3) if isinstance(s[name], float) else s[name] for name in SPEC_STATS if name in s},
     }
+
+
+# Generation.stats of a speculative call, passed through to --json and the figures line.
+SPEC_STATS = ("spec_proposed", "spec_accepted", "spec_acceptance_rate", "spec_verifies", "target_forwards",
+              "tokens_per_target_forward")
 
 
 def _ids(tokens: list[int]) -> str:
@@ -277,8 +298,13 @@ def _figures(r: dict) -> str:
     if "samples" in r:
         kv += (f" ({r['kv_bytes_in_use_peak']:,} in use at the peak, shared by {len(r['samples'])} samples; "
                f"{r['kv_cache_bytes_unshared']:,} without sharing)")
+    spec = ""
+    if "spec_proposed" in r:
+        spec = (f"; speculative: {r['spec_accepted']} of {r['spec_proposed']} proposals accepted "
+                f"({100 * r['spec_acceptance_rate']:.0f}%), {r['target_forwards']} target forwards "
+                f"({r['spec_verifies']} verifies), {r['tokens_per_target_forward']:.2f} tokens per forward")
     return (f"[prompt tokens {r['prompt_tokens']}, new tokens {r['new_tokens']}; {wait}; "
-            f"decode {r['decode_tokens_per_s']:.1f} tokens/s; {kv}]")
+            f"decode {r['decode_tokens_per_s']:.1f} tokens/s; {kv}{spec}]")
 
 
 def _beam_figures(r: dict) -> str:

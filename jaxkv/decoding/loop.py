@@ -122,6 +122,10 @@ class LoopOut(NamedTuple):
     logprobs: jax.Array  # float32[B, max_steps]
     top_ids: jax.Array  # int32[B, max_steps, k]
     top_logprobs: jax.Array  # float32[B, max_steps, k]
+    # Speculative decoding only (`speculative_loop`), else None:
+    proposed: jax.Array | None = None  # int32[B], proposals verified per row
+    accepted: jax.Array | None = None  # int32[B], proposals kept and emitted per row
+    verifies: jax.Array | None = None  # int32[], forward passes that verified proposals (the rest: plain steps)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "max_steps", "rows", "attention", "stream", "mesh",
@@ -169,7 +173,8 @@ def steps_bound(capacity: int, ring: bool, steps: int) -> int:
 
 def on_host(loop: LoopOut, to_host=np.asarray) -> LoopOut:
     """`decode_loop`'s output with everything but the cache read to host arrays."""
-    return loop._replace(**{name: to_host(getattr(loop, name)) for name in loop._fields if name != "cache"})
+    return loop._replace(**{name: to_host(getattr(loop, name)) for name in loop._fields
+                            if name != "cache" and getattr(loop, name) is not None})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,3 +198,141 @@ def step_stream(stream, rows: int, what: str = "prompt_index") -> StepStream | N
     if not callable(stream):
         raise ValueError(f"stream must be a callable ({what}, token_id), got {stream!r}")
     return StepStream(stream, rows)
+
+
+@flax.struct.dataclass
+class SpecState:
+    """`speculative_loop`'s carry: the plain loop's state plus what speculating needs.
+
+    last:     int32[B], each row's last emitted token, fed at the next pass (0 for a finished row).
+    history:  int32[B, P], each row's tokens so far (prompt, then output) in its first `length[b]` entries: what the
+              n-gram proposer searches.
+    length:   int32[B].
+    rate:     float32[B], the running estimate of the fraction of a row's proposals kept.
+    idle:     int32[], plain steps since the last verify.
+    passes:   int32[], forward passes run (verifies and plain steps).
+    proposed, accepted: int32[B] (`LoopOut`); verifies: int32[].
+    """
+
+    base: LoopState
+    last: jax.Array
+    history: jax.Array
+    length: jax.Array
+    rate: jax.Array
+    idle: jax.Array
+    passes: jax.Array
+    proposed: jax.Array
+    accepted: jax.Array
+    verifies: jax.Array
+
+
+def _append(history, length, tokens, count):
+    """Writes tokens[b, :count[b]] to history[b, length[b]:] -> (history, length + count)."""
+    B, T = tokens.shape
+    at = length[:, None] + jnp.arange(T)[None, :]
+    at = jnp.where(jnp.arange(T)[None, :] < count[:, None], at, history.shape[1])  # out of range: dropped
+    rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+    return history.at[rows, at].set(tokens, mode="drop"), length + count
+
+
+@functools.partial(jax.jit, static_argnames=("config", "max_steps", "attention", "stream", "logprobs", "plan"),
+                   donate_argnames=("cache",))
+def speculative_loop(params, cache: KVCache, logits, key, sampler, stop_ids, done, steps, history, length, *,
+                     config: Config, max_steps: int, attention: str, stream: Callable | None, logprobs: int,
+                     plan) -> LoopOut:
+    """`decode_loop` with speculation (`jaxkv.decoding.speculation`) on a contiguous cache: each pass either
+    verifies k proposals (the inputs: the last token and the proposals, k + 1 positions) or, when the adaptive
+    rule says speculating does not pay, takes a plain one-token step. The batch shares the cache's write slot,
+    so a verify keeps, for every running row, the proposals all running rows kept (m, the least): every token
+    still comes out as `speculation.verify` draws it, and the cache's length rewinds to the kept slots (the
+    rejected slots' K/V lie past it, unseen, until overwritten). The cache needs k slots beyond the last token.
+    history int32[B, P] and length int32[B]: each row's prompt (`SpecState`)."""
+    from jaxkv.decoding import speculation
+
+    B, k = logits.shape[0], plan.num_tokens
+    width = max_steps + k + 1  # a verify writes k + 1 columns at the current step
+    base = LoopState(cache=cache, logits=logits, key=key, done=done, num_new=jnp.zeros((B,), jnp.int32),
+                     step=jnp.zeros((), jnp.int32), tokens=jnp.full((B, width), -1, jnp.int32),
+                     logprobs=jnp.zeros((B, width), jnp.float32),
+                     top_ids=jnp.zeros((B, width, logprobs), jnp.int32),
+                     top_logprobs=jnp.zeros((B, width, logprobs), jnp.float32))
+    pick = functools.partial(emit, sampler=sampler, stop_ids=stop_ids, stream=stream, rows=None)
+    base, feed = pick(base)
+    history, length = _append(history, length, base.tokens[:, :1], (~done).astype(jnp.int32))
+    zeros = jnp.zeros((B,), jnp.int32)
+    state = SpecState(base=base, last=feed, history=history, length=length, rate=jnp.ones((B,), jnp.float32),
+                      idle=jnp.zeros((), jnp.int32), passes=jnp.zeros((), jnp.int32), proposed=zeros, accepted=zeros, verifies=jnp.zeros((), jnp.int32))
+
+    def plain(state, proposals):
+        del proposals
+        running = ~state.base.done
+        logits, cache = programs.forward(params, state.last[:, None], state.base.cache, config=config,
+                                         attention=attention)
+        base, feed = pick(state.base.replace(cache=cache, logits=logits[:, 0]))
+        history, length = _append(state.history, state.length, base.tokens[:, base.step - 1][:, None],
+                                  running.astype(jnp.int32))
+        return state.replace(base=base, last=feed, history=history, length=length, idle=state.idle + 1,
+                             passes=state.passes + 1)
+
+    def check(state, proposals):
+        s = state.base
+        running = ~s.done
+        key, verify_key = jax.random.split(s.key)
+        written = s.cache.length
+        inputs = jnp.concatenate([state.last[:, None], proposals], axis=1)  # [B, k + 1]
+        logits, cache = programs.forward(params, inputs, s.cache, config=config, attention=attention)
+        out = speculation.verify(logits, proposals, verify_key, sampler, top=logprobs)
+        # Keep what every running row kept, and no more tokens than the budget allows.
+        m = jnp.min(jnp.where(running, out.accepted, k))
+        m = jnp.clip(jnp.minimum(m, steps - s.step - 1), 0, k)
+        i = jnp.arange(k + 1)[None, :]
+        ends = (step.matches_stop(out.tokens, stop_ids) | (out.tokens < 0)) & (i <= m)
+        first_end = jnp.argmax(ends, axis=1)
+        ended = jnp.any(ends, axis=1) & running
+        count = jnp.where(running, jnp.where(ended, first_end + 1, m + 1), 0)  # tokens each row emits
+        emitted = i < count[:, None]
+        tokens = jnp.where(emitted, out.tokens, -1)
+        if stream is not None:
+            for c in range(k + 1):
+                io_callback(functools.partial(call_stream, stream), None, tokens[:, c], emitted[:, c],
+                            ordered=True)
+
+        def block(buf, x):
+            return lax.dynamic_update_slice(buf, x, (0, s.step) + (0,) * (buf.ndim - 2))
+
+        base = s.replace(key=key, cache=dataclasses.replace(cache, length=written + m + 1), done=s.done | ended,
+                         num_new=s.num_new + count, step=s.step + m + 1, tokens=block(s.tokens, tokens),
+                         logprobs=block(s.logprobs, out.logprob), top_ids=block(s.top_ids, out.top_ids),
+                         top_logprobs=block(s.top_logprobs, out.top_logprobs))
+        last = jnp.take_along_axis(out.tokens, jnp.full((B, 1), m), axis=1)[:, 0]
+        last = jnp.where(running & ~ended & (last >= 0), last, 0)
+        history, length = _append(state.history, state.length, tokens, count)
+        kept = jnp.minimum(out.accepted, count)
+        rate = jnp.where(running, (1 - speculation.RATE_WEIGHT) * state.rate
+                         + speculation.RATE_WEIGHT * out.accepted / k, state.rate)
+        return state.replace(base=base, last=last, history=history, length=length, rate=rate,
+                             idle=jnp.zeros((), jnp.int32), passes=state.passes + 1, proposed=state.proposed + jnp.where(running, k, 0),
+                             accepted=state.accepted + kept, verifies=state.verifies + 1)
+
+    def body(state):
+        running = ~state.base.done
+        proposals, found = speculation.ngram_propose(state.history, state.length, k, plan.ngram_min,
+                                                     plan.ngram_max)
+        if plan.adaptive:
+            gain = jnp.where(found, speculation.expected_tokens(state.rate, k), 1.0)
+            every = jnp.all(found | ~running)
+            worth = jnp.min(jnp.where(running, gain, jnp.inf)) >= plan.verify_cost
+            speculate = every & (worth | (state.idle >= speculation.PROBE_EVERY))
+        else:
+            speculate = jnp.bool_(True)
+        # A verify needs room for k more tokens than it may emit; near the budget's end, plain steps.
+        speculate &= state.base.step + 1 < steps
+        return lax.cond(speculate, check, plain, state, proposals)
+
+    state = lax.while_loop(lambda s: (s.base.step < steps) & ~jnp.all(s.base.done), body, state)
+    s = state.base
+    return LoopOut(tokens=s.tokens[:, :max_steps], num_new=s.num_new, done=s.done,
+                   forward_passes=state.passes, cache=s.cache,
+                   logprobs=s.logprobs[:, :max_steps], top_ids=s.top_ids[:, :max_steps],
+                   top_logprobs=s.top_logprobs[:, :max_steps], proposed=state.proposed, accepted=state.accepted,
+                   verifies=state.verifies)

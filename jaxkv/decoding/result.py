@@ -109,6 +109,18 @@ def generation(model: Model, req: Request, loop: LoopOut, prefill_time: Phase, d
         "bytes_per_step": float(step_bytes),
         "achieved_GBps": float(step_bytes * steps_per_s / 1e9),
     }
+    if loop.proposed is not None:  # speculative decoding (`jaxkv.Speculation`)
+        proposed, accepted = int(np.sum(loop.proposed[:n])), int(np.sum(loop.accepted[:n]))
+        stats.update({
+            "spec_proposed": proposed,
+            "spec_accepted": accepted,
+            "spec_acceptance_rate": accepted / proposed if proposed else 0.0,
+            "spec_verifies": int(loop.verifies),
+            # Decode forward passes of the target (verifies and plain steps; the prefill not counted) and the
+            # tokens each emitted per row (the first new token comes from the prefill).
+            "target_forwards": steps,
+            "tokens_per_target_forward": fed_back / n / steps if steps else 0.0,
+        })
     text = None
     if model.tokenizer is not None:
         text = [model.tokenizer.decode(r, skip_special_tokens=True) for r in result]

@@ -44,9 +44,10 @@ def nan_rows(logits):
 
 def matches_stop(tokens, stop_ids):
     """bool[...]: tokens int32[...] that are one of the stop ids: int32[n] shared by every row, or int32[B, n]
-    one list per row (tokens [B]). Padding (-1) never matches, as no token is negative after `select`."""
+    one list per row (tokens [B, ...]). Padding (-1) never matches, as no token is negative after `select`."""
     if stop_ids.ndim == 2:
-        return jnp.any(tokens[:, None] == stop_ids, axis=-1)
+        per_row = stop_ids.reshape(stop_ids.shape[:1] + (1,) * (tokens.ndim - 1) + stop_ids.shape[1:])
+        return jnp.any(tokens[..., None] == per_row, axis=-1)
     return jnp.any(tokens[..., None] == stop_ids, axis=-1)
 
 

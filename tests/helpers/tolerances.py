@@ -38,6 +38,10 @@ TOLERANCES = {
     # sums over heads, FFN or expert columns, then an all-reduce): logits and log-probabilities differ in the last
     # bits only.
     ("sharded vs one device", "float32"): dict(atol=1e-5, rtol=0),
+    # A speculative verify pass computes k + 1 positions at once: the first layer's K/V are the same products
+    # (exact), a later layer's come from attention outputs summed in another order, measured up to 1.5e-6 (4.5e-6
+    # relative) on a 2-layer tiny model; a K/V written for a rejected token instead would be off by O(1).
+    ("speculative cache", "float32"): dict(atol=1e-6, rtol=2e-5),
     # The XLA attention reference against itself by another route (through the dispatch, or hand-computed cases of
     # a handful of numbers): float32 rounding only.
     ("attention reference", "float32"): dict(atol=1e-6, rtol=0),

@@ -1,0 +1,258 @@
+"""Speculative decoding (`jaxkv.Speculation`, `jaxkv.decoding.speculation`): greedy output token for token equal
+to plain decoding, the acceptance rule's output distribution equal to the sampler's (chi-square), the cache left
+as plain decoding leaves it, and bad combinations refused before compute."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats as scipy_stats
+
+import jaxkv
+from jaxkv import Speculation
+from jaxkv.config import Config, Mla
+from jaxkv.decoding import loop, speculation
+from jaxkv.sampling import Sampler
+from tests.helpers.models import CONFIGS, model_for
+from tests.helpers.tolerances import tolerance
+
+MIXED = Config(vocab_size=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48,
+               sliding_window=6, layer_types=("sliding_attention", "full_attention", "sliding_attention"),
+               max_positions=256)
+MLA = Config(vocab_size=80, d_model=48, n_layers=2, n_heads=4, ffn_dim=64,
+             mla=Mla(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12))
+_extra = {}
+
+
+def model(name):
+    if name in CONFIGS:
+        return model_for(name)
+    if name not in _extra:
+        _extra[name] = jaxkv.Model.random({"mixed": MIXED, "mla": MLA}[name], seed=2)
+    return _extra[name]
+
+
+def prompts(V, seed=0):
+    """A prompt that repeats a passage (the n-gram proposer finds matches) and a random one."""
+    rng = np.random.default_rng(seed)
+    passage = rng.integers(0, V, 9).tolist()
+    return [passage * 3 + passage[:4], rng.integers(0, V, 13).tolist()]
+
+
+@pytest.mark.parametrize("name", ["gqa", "mqa", "gqa-wide-heads", "learned", "sliding", "mixed", "mla"])
+def test_greedy_equals_plain_decoding(name):
+    m = model(name)
+    ps = prompts(m.config.vocab_size)
+    plain = jaxkv.generate(m, ps, max_new_tokens=24, stop_tokens=[])
+    for spec in (Speculation("ngram", 3), Speculation("ngram", 4, adaptive=False)):
+        for rows in (ps[:1], ps):
+            want = plain.tokens[: len(rows)]
+            got = jaxkv.generate(m, rows, max_new_tokens=24, stop_tokens=[], speculative=spec)
+            assert got.tokens == want, (name, spec)
+            assert got.stats["target_forwards"] <= 23
+            np.testing.assert_allclose(np.concatenate(got.logprobs), np.concatenate(plain.logprobs[: len(rows)]),
+                                       atol=1e-4)
+    always = jaxkv.generate(m, ps[:1], max_new_tokens=24, stop_tokens=[], speculative=Speculation("ngram",
+                                                                                                adaptive=False))
+    assert always.stats["spec_verifies"] > 0 and always.stats["spec_proposed"] > 0
+
+
+@pytest.mark.parametrize("cache_dtype", ["bfloat16", "int8"])
+def test_greedy_equal_with_cache_dtypes(cache_dtype):
+    m = model("gqa")
+    ps = prompts(m.config.vocab_size, seed=1)
+    plain = jaxkv.generate(m, ps, max_new_tokens=20, stop_tokens=[], cache_dtype=cache_dtype)
+    got = jaxkv.generate(m, ps, max_new_tokens=20, stop_tokens=[], cache_dtype=cache_dtype,
+                         speculative=Speculation("ngram", adaptive=False))
+    assert got.tokens == plain.tokens
+
+
+def test_stops_where_plain_decoding_stops_and_never_exceeds_the_budget():
+    m = model("gqa")
+    ps = prompts(m.config.vocab_size, seed=3)
+    free = jaxkv.generate(m, ps[:1], max_new_tokens=30, stop_tokens=[]).tokens[0]
+    stop = free[len(free) // 2]
+    plain = jaxkv.generate(m, ps[:1], max_new_tokens=30, stop_tokens=[stop])
+    for budget in (30, 7, 2, 1):
+        spec = jaxkv.generate(m, ps[:1], max_new_tokens=budget, stop_tokens=[stop],
+                              speculative=Speculation("ngram", adaptive=False))
+        want = jaxkv.generate(m, ps[:1], max_new_tokens=budget, stop_tokens=[stop])
+        assert spec.tokens == want.tokens and spec.finish_reasons == want.finish_reasons
+        assert len(spec.tokens[0]) <= budget
+    assert plain.finish_reasons == ["stop"] and plain.tokens[0][-1] == stop
+
+
+def _oracle(monkeypatch, right):
+    """Replaces the n-gram proposer by one that proposes the true greedy continuation (`right`: every proposal
+    correct) or tokens it is not (every proposal wrong), read from a plain run's output."""
+    def propose(history, length, k, ngram_min, ngram_max):
+        truth = jnp.asarray(_oracle.truth)  # [P]: the prompt and its plain greedy continuation
+        index = jnp.clip(length[:, None] + jnp.arange(k)[None, :], 0, truth.shape[0] - 1)
+        tokens = truth[index]
+        if not right:
+            tokens = (tokens + 1) % _oracle.vocab
+        return tokens.astype(jnp.int32), jnp.ones(length.shape, bool)
+
+    monkeypatch.setattr(speculation, "ngram_propose", propose)
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize("right", [True, False])
+def test_all_or_none_accepted(monkeypatch, right):
+    m = model("gqa")
+    prompt = prompts(m.config.vocab_size, seed=4)[1]
+    plain = jaxkv.generate(m, [prompt], max_new_tokens=21, stop_tokens=[])
+    _oracle.truth = np.array(prompt + plain.tokens[0] + [0] * 40, np.int32)
+    _oracle.vocab = m.config.vocab_size
+    _oracle(monkeypatch, right)
+    try:
+        got = jaxkv.generate(m, [prompt], max_new_tokens=21, stop_tokens=[],
+                             speculative=Speculation("ngram", 4, adaptive=False))
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+    assert got.tokens == plain.tokens
+    s = got.stats
+    if right:  # 20 tokens after the first: 4 verifies of 5, 0 plain steps
+        assert s["spec_acceptance_rate"] == 1.0 and s["target_forwards"] == 4
+        assert s["tokens_per_target_forward"] == 5.0
+    else:
+        assert s["spec_accepted"] == 0 and s["target_forwards"] == 20
+
+
+def test_cache_after_rejections_equals_plain_decoding():
+    m = model("gqa")
+    ps = prompts(m.config.vocab_size, seed=5)
+    cfg = m.config
+    tokens, start = jaxkv.left_pad(ps)
+    cap = 64
+    sampler = Sampler.make(temperature=[0.0, 0.0])
+    stop = jnp.full((8,), -1, jnp.int32)
+    history = np.zeros((2, cap + 8), np.int32)
+    for b, p in enumerate(ps):
+        history[b, : len(p)] = p
+    length = np.array([len(p) for p in ps], np.int32)
+    outs = []
+    for spec in (None, speculation.Speculation("ngram", 4, adaptive=False).check(m)):
+        logits, cache = jaxkv.prefill(m.params, tokens, start, config=cfg, capacity=cap)
+        args = (m.params, cache, logits, jax.random.PRNGKey(0), sampler, stop, jnp.zeros((2,), bool), jnp.int32(20))
+        if spec is None:
+            out = loop.decode_loop(*args, config=cfg, max_steps=cap + 1, rows=None, attention="xla", stream=None,
+                                   mesh=None)
+        else:
+            out = loop.speculative_loop(*args, history, length, config=cfg, max_steps=cap + 1, attention="xla",
+                                        stream=None, logprobs=0, plan=spec)
+            assert int(out.verifies) > 0 and int(np.sum(out.accepted)) < int(np.sum(out.proposed))
+        outs.append(out)
+    plain, spec = outs
+    np.testing.assert_array_equal(plain.tokens, spec.tokens)
+    n = int(plain.cache.length)
+    assert int(spec.cache.length) == n
+    for a, b in zip(plain.cache.keys + plain.cache.values, spec.cache.keys + spec.cache.values):
+        np.testing.assert_allclose(np.asarray(a)[:, :, :n], np.asarray(b)[:, :, :n],
+                                   **tolerance("speculative cache", "float32"))
+    # the first layer's K/V: the same products, written for the same kept tokens
+    np.testing.assert_allclose(np.asarray(plain.cache.keys[0])[:, :, :n], np.asarray(spec.cache.keys[0])[:, :, :n],
+                               atol=1e-6, rtol=0)
+
+
+def test_sampled_output_is_reproducible_and_streams_what_it_returns():
+    m = model("gqa")
+    ps = prompts(m.config.vocab_size, seed=6)
+    seen = {0: [], 1: []}
+    spec = Speculation("ngram", 3, adaptive=False)
+    a = jaxkv.generate(m, ps, max_new_tokens=16, temperature=0.9, top_k=20, seed=7, stop_tokens=[],
+                       speculative=spec, stream=lambda b, t: seen[b].append(t))
+    b = jaxkv.generate(m, ps, max_new_tokens=16, temperature=0.9, top_k=20, seed=7, stop_tokens=[],
+                       speculative=spec)
+    assert a.tokens == b.tokens and [seen[0], seen[1]] == a.tokens
+    assert all(len(t) == 16 for t in a.tokens)
+
+
+def _first_tokens(logits, proposals, sampler, q, n):
+    keys = jax.random.split(jax.random.PRNGKey(0), n)
+    if q is not None:  # the proposer draws its proposals from q, a fresh draw per sample
+        draws = jax.vmap(lambda kk: jax.random.categorical(kk, jnp.log(q[0]), axis=-1))(
+            jax.random.split(jax.random.PRNGKey(1), n)).astype(jnp.int32)  # [n, k]
+    else:
+        draws = jnp.broadcast_to(proposals, (n,) + proposals.shape[1:])
+
+    def one(key, d):
+        out = speculation.verify(logits, d[None], key, sampler, q=q)
+        return out.tokens[0]
+
+    return np.asarray(jax.jit(jax.vmap(one))(keys, draws))
+
+
+@pytest.mark.parametrize("with_q", [False, True])
+def test_sampled_outcome_follows_the_filtered_distribution(with_q):
+    """The first emitted token, over many seeded verifies, against the sampler's own distribution (after the
+    temperature and top-k filters): a rule that skipped the residual resampling, or computed min(1, p/q) from
+    the unfiltered logits, fails this."""
+    V, k, n = 8, 3, 40000
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(1, k + 1, V)) * 1.5, jnp.float32)
+    sampler = Sampler.make(temperature=0.7, top_k=6)
+    q = jnp.asarray(rng.dirichlet(np.ones(V), size=(1, k)), jnp.float32) if with_q else None
+    proposals = jnp.asarray([[int(jnp.argmax(logits[0, 1])), 2, 5]], jnp.int32)
+    first = _first_tokens(logits, proposals, sampler, q, n)[:, 0]
+    p = np.asarray(sampler.distribution(logits[:, 0]))[0].astype(np.float64)
+    observed = np.bincount(first, minlength=V)
+    assert observed[p == 0].sum() == 0  # a filtered-out token never comes out
+    live = p > 0
+    chi2, pvalue = scipy_stats.chisquare(observed[live], p[live] / p[live].sum() * n)
+    assert pvalue > 1e-3, (observed, p * n)
+
+
+def test_the_chi_square_test_catches_a_rule_without_residual_resampling(monkeypatch):
+    """The test above must be able to fail: with rejected positions drawn from p instead of the residual, the
+    same check rejects."""
+    V, k, n = 8, 3, 40000
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(1, k + 1, V)) * 1.5, jnp.float32)
+    sampler = Sampler.make(temperature=0.7, top_k=6)
+    p = np.asarray(sampler.distribution(logits[:, 0]))[0].astype(np.float64)
+    proposals = jnp.asarray([[int(np.argmax(p)), 2, 5]], jnp.int32)
+    # The bug: a rejected position drawn from p itself, the rejected proposal not taken out (q's one-hot zeroed).
+    monkeypatch.setattr(jax.nn, "one_hot", lambda x, num, dtype=jnp.float32: jnp.zeros(x.shape + (num,), dtype))
+    first = _first_tokens(logits, proposals, sampler, None, n)[:, 0]
+    monkeypatch.undo()
+    observed = np.bincount(first, minlength=V)
+    live = p > 0
+    assert scipy_stats.chisquare(observed[live], p[live] / p[live].sum() * n).pvalue < 1e-6
+
+
+def test_ngram_proposer():
+    history = jnp.asarray([[5, 6, 7, 8, 5, 6, 0, 0], [1, 2, 3, 4, 9, 9, 9, 9], [3, 3, 3, 0, 0, 0, 0, 0]], jnp.int32)
+    length = jnp.asarray([6, 4, 3], jnp.int32)
+    proposals, found = speculation.ngram_propose(history, length, 3, 1, 3)
+    # row 0: "5 6" occurred at 0, followed by 7 8 5; row 1: nothing repeats; row 2: "3 3" at 0, period 1
+    assert found.tolist() == [True, False, True]
+    assert proposals[0].tolist() == [7, 8, 5] and proposals[2].tolist() == [3, 3, 3]
+    assert proposals[1].tolist() == [4, 4, 4]
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda m: Speculation("beam"), "must be one of"),
+    (lambda m: Speculation("ngram", 0), "num_tokens must be an integer in"),
+    (lambda m: Speculation("ngram", ngram_min=3, ngram_max=2), "exceeds ngram_max"),
+    (lambda m: Speculation("draft"), "needs draft="),
+    (lambda m: Speculation("ngram", draft=m), "only for method 'draft'"),
+])
+def test_bad_speculation_is_refused(make, message):
+    with pytest.raises(ValueError, match=message):
+        make(model("gqa"))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(speculative=Speculation("mtp")), "multi-token-prediction"),
+    (dict(speculative=Speculation("draft", draft=jaxkv.Model.random(CONFIGS["gqa"].replace(vocab_size=50)))),
+     "vocabulary"),
+    (dict(speculative=Speculation("ngram"), sampler=lambda logits, key: jnp.argmax(logits, -1)), "custom sampler"),
+    (dict(speculative=Speculation("ngram"), n=2), "contiguous cache"),
+    (dict(speculative="ngram"), "must be a jaxkv.Speculation"),
+    (dict(speculative=Speculation("ngram", 8), max_len=30), "exceeds max_len"),
+])
+def test_bad_generate_combinations_fail_before_compute(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        jaxkv.generate(model("gqa"), [[1, 2, 3] * 6], max_new_tokens=10, **kwargs)
