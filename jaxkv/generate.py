@@ -317,7 +317,7 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top
         the same tokens, up to float rounding of the wider pass). The cache gets k more slots (a sliding-window
         model a plain cache masked to its window, not a ring). `stats` adds "spec_proposed", "spec_accepted",
         "spec_acceptance_rate", "spec_verifies", "target_forwards" and "tokens_per_target_forward". Today: the
-        "ngram" method, the contiguous cache (not n > 1, page_size, prefix_cache or a mesh), the built-in
+        "ngram" and "draft" methods, the contiguous cache (not n > 1, page_size, prefix_cache or a mesh), the built-in
         sampling settings (not a custom `sampler`).
 
     Raises:
@@ -328,7 +328,7 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top
     if speculative is not None:
         spec = _speculation_plan(model, speculative, sampler=sampler, n=n, page_size=page_size,
                                  prefix_cache=prefix_cache, mesh=mesh)
-        return _generate_speculative(model, prompts, spec, max_new_tokens=max_new_tokens, temperature=temperature,
+        return _generate_speculative(model, prompts, spec, speculative.draft, max_new_tokens=max_new_tokens, temperature=temperature,
                                      top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, stop_tokens=stop_tokens,
                                      max_len=max_len, cache_dtype=cache_dtype, attention=attention,
                                      stream=stream, logprobs=logprobs)
@@ -399,15 +399,29 @@ def _speculation_plan(model, speculative, *, sampler, n, page_size, prefix_cache
     return plan
 
 
-def _generate_speculative(model, prompts, spec, *, max_new_tokens, temperature, top_k, top_p, min_p, seed,
+def _generate_speculative(model, prompts, spec, draft, *, max_new_tokens, temperature, top_k, top_p, min_p, seed,
                           stop_tokens, max_len, cache_dtype, attention, stream, logprobs) -> Generation:
-    """`generate` with speculation on the contiguous cache (`loop.speculative_loop`)."""
+    """`generate` with speculation on the contiguous cache (`loop.speculative_loop`); `draft`: the draft model
+    (method "draft"), prefilled with the same prompts into a cache of the same slots."""
     req = _contiguous_request(model, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                               top_p=top_p, min_p=min_p, sampler=None, seed=seed, stop_tokens=stop_tokens,
                               max_len=max_len, cache_dtype=cache_dtype, attention=attention,
                               lookahead=spec.num_tokens)
     on_step = loop.step_stream(stream, len(req.token_lists))
     plan, k = req.plan, spec.num_tokens
+    draft_args, draft_kwargs = (), {}
+    if draft is not None:
+        need = max(req.lengths) + req.max_new_tokens + k
+        if need > draft.config.max_positions:
+            raise ValueError(f"the draft model has {draft.config.max_positions} positions; the longest prompt, "
+                             f"max_new_tokens and {k} lookahead need {need}")
+        request.check_config(draft.config)
+        draft_attention = request.attention(draft.config, attention)
+        _, draft_cache = programs.prefill(draft.params, jax.device_put(req.tokens), jax.device_put(req.start),
+                                          config=draft.config, capacity=plan.capacity, attention=draft_attention,
+                                          cache_dtype=request.cache_dtype(draft.config, None), ring=False,
+                                          mesh=None)
+        draft_args, draft_kwargs = (draft.params, draft_cache), {"draft_config": draft.config}
     history = np.zeros((plan.padded_batch, plan.capacity + k + 2), np.int32)
     length = np.zeros((plan.padded_batch,), np.int32)
     for b, tokens in enumerate(req.token_lists):
@@ -420,9 +434,9 @@ def _generate_speculative(model, prompts, spec, *, max_new_tokens, temperature, 
     with Phase() as decode_time:
         out = loop.on_host_surfacing(on_step, lambda: loop.on_host(loop.speculative_loop(
             model.params, cache, logits, req.key, req.sampler, req.stop_ids, req.done,
-            np.int32(req.max_new_tokens), history, length, config=model.config,
+            np.int32(req.max_new_tokens), history, length, *draft_args, config=model.config,
             max_steps=loop.steps_bound(plan.capacity, False, req.max_new_tokens), attention=req.attention,
-            stream=on_step, logprobs=logprobs, plan=spec)))
+            stream=on_step, logprobs=logprobs, plan=spec, **draft_kwargs)))
     return result.generation(model, req, out, prefill_time, decode_time)
 
 

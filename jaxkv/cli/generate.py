@@ -48,6 +48,8 @@ def add_parser(commands):
                       help="ngram: prompt lookup (the sequence's own earlier text proposes)")
     spec.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
                       help="proposals per verify pass (default 4)")
+    spec.add_argument("--draft-model", default=None, metavar="PATH",
+                      help="the draft model for --speculative-method draft (a checkpoint directory or 'tiny')")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streamed text")
     gen.add_argument("--no-compile-cache", action="store_true",
                      help="do not read or write the persistent compilation cache (jaxkv.compile_cache)")
@@ -128,8 +130,13 @@ def _check_generate(args):
     checks.check_int("num_speculative_tokens", args.num_speculative_tokens, 1, 16)
     if args.speculative_method is not None and args.num_beams > 1:
         raise ValueError("--speculative-method is for sampling and greedy decoding, not beam search (--num-beams)")
-    if args.speculative_method in ("draft", "mtp"):
-        raise ValueError(f"--speculative-method {args.speculative_method} is not built yet: use ngram")
+    if args.speculative_method == "mtp":
+        raise ValueError("--speculative-method mtp is not built yet: use ngram or draft")
+    if (args.speculative_method == "draft") != (args.draft_model is not None):
+        raise ValueError("--draft-model goes with --speculative-method draft, and it needs one")
+    if args.draft_model not in (None, "tiny") and not pathlib.Path(args.draft_model).exists():
+        raise FileNotFoundError(f"{args.draft_model}: no such directory (--draft-model: a checkpoint directory "
+                                f"or 'tiny')")
     if args.speculative_method is not None and args.n > 1:
         raise ValueError("--speculative-method runs on the contiguous cache today: not with --n > 1")
     if args.model != "tiny" and not pathlib.Path(args.model).exists():  # what jaxkv.load says, without JAX
@@ -197,7 +204,9 @@ def run(args, started: float) -> dict:
                    max_len=args.max_len, cache_dtype=args.cache_dtype, stream=stream, n=args.n,
                    logprobs=args.logprobs,
                    speculative=None if args.speculative_method is None
-                   else Speculation(args.speculative_method, args.num_speculative_tokens))
+                   else Speculation(args.speculative_method, args.num_speculative_tokens,
+                                    draft=None if args.draft_model is None else load(args.draft_model,
+                                                                                     dtype=args.dtype)))
     if stream is not None:
         stream.finish(out.text[0] if out.text is not None else None)
     elif args.n > 1 and not args.json:

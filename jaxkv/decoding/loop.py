@@ -210,8 +210,10 @@ class SpecState:
     length:   int32[B].
     rate:     float32[B], the running estimate of the fraction of a row's proposals kept.
     idle:     int32[], plain steps since the last verify.
+    wait:     int32[], plain steps before the next probe (doubled by each probe that does not pay).
     passes:   int32[], forward passes run (verifies and plain steps).
     proposed, accepted: int32[B] (`LoopOut`); verifies: int32[].
+    draft:    the draft model's cache (method "draft"; else None), holding what the target's holds.
     """
 
     base: LoopState
@@ -220,10 +222,28 @@ class SpecState:
     length: jax.Array
     rate: jax.Array
     idle: jax.Array
+    wait: jax.Array
     passes: jax.Array
     proposed: jax.Array
     accepted: jax.Array
     verifies: jax.Array
+    draft: KVCache | None = None
+
+
+def _draft_chain(params, cache, last, key, sampler, *, config, attention, k: int):
+    """The draft model proposes: feeds the last token and each proposal in turn (k + 1 one-token passes, so its
+    cache ends holding every proposal, whatever the verify keeps), drawing proposal i from its own distribution
+    q_i (`Sampler.distribution` with the request's settings: a greedy row proposes the draft's argmax)
+    -> (int32[B, k] proposals, float32[B, k, V] q, cache)."""
+    def one(carry, key):
+        cache, token = carry
+        logits, cache = programs.forward(params, token[:, None], cache, config=config, attention=attention)
+        q = sampler.distribution(logits[:, 0])
+        drawn = jax.random.categorical(key, jnp.log(q), axis=-1).astype(jnp.int32)
+        return (cache, drawn), (drawn, q)
+
+    (cache, _), (drawn, q) = lax.scan(one, (cache, last), jax.random.split(key, k + 1))
+    return drawn[:k].T, jnp.swapaxes(q[:k], 0, 1), cache
 
 
 def _append(history, length, tokens, count):
@@ -235,18 +255,20 @@ def _append(history, length, tokens, count):
     return history.at[rows, at].set(tokens, mode="drop"), length + count
 
 
-@functools.partial(jax.jit, static_argnames=("config", "max_steps", "attention", "stream", "logprobs", "plan"),
-                   donate_argnames=("cache",))
-def speculative_loop(params, cache: KVCache, logits, key, sampler, stop_ids, done, steps, history, length, *,
-                     config: Config, max_steps: int, attention: str, stream: Callable | None, logprobs: int,
-                     plan) -> LoopOut:
+@functools.partial(jax.jit, static_argnames=("config", "max_steps", "attention", "stream", "logprobs", "plan",
+                                             "draft_config"),
+                   donate_argnames=("cache",))  # (the draft cache is not returned: nothing to alias it to)
+def speculative_loop(params, cache: KVCache, logits, key, sampler, stop_ids, done, steps, history, length,
+                     draft_params=None, draft_cache=None, *, config: Config, max_steps: int, attention: str,
+                     stream: Callable | None, logprobs: int, plan, draft_config: Config | None = None) -> LoopOut:
     """`decode_loop` with speculation (`jaxkv.decoding.speculation`) on a contiguous cache: each pass either
     verifies k proposals (the inputs: the last token and the proposals, k + 1 positions) or, when the adaptive
     rule says speculating does not pay, takes a plain one-token step. The batch shares the cache's write slot,
     so a verify keeps, for every running row, the proposals all running rows kept (m, the least): every token
     still comes out as `speculation.verify` draws it, and the cache's length rewinds to the kept slots (the
     rejected slots' K/V lie past it, unseen, until overwritten). The cache needs k slots beyond the last token.
-    history int32[B, P] and length int32[B]: each row's prompt (`SpecState`)."""
+    history int32[B, P] and length int32[B]: each row's prompt (`SpecState`). Method "draft": the draft model's
+    params, config and its cache prefilled with the same prompts (same slots)."""
     from jaxkv.decoding import speculation
 
     B, k = logits.shape[0], plan.num_tokens
@@ -261,13 +283,18 @@ def speculative_loop(params, cache: KVCache, logits, key, sampler, stop_ids, don
     history, length = _append(history, length, base.tokens[:, :1], (~done).astype(jnp.int32))
     zeros = jnp.zeros((B,), jnp.int32)
     state = SpecState(base=base, last=feed, history=history, length=length, rate=jnp.ones((B,), jnp.float32),
-                      idle=jnp.zeros((), jnp.int32), passes=jnp.zeros((), jnp.int32), proposed=zeros, accepted=zeros, verifies=jnp.zeros((), jnp.int32))
+                      idle=jnp.zeros((), jnp.int32), wait=jnp.int32(speculation.PROBE_EVERY),
+                      passes=jnp.zeros((), jnp.int32), proposed=zeros,
+                      accepted=zeros, verifies=jnp.zeros((), jnp.int32), draft=draft_cache)
 
     def plain(state, proposals):
         del proposals
         running = ~state.base.done
         logits, cache = programs.forward(params, state.last[:, None], state.base.cache, config=config,
                                          attention=attention)
+        if state.draft is not None:  # the draft's cache follows the target's
+            state = state.replace(draft=programs.forward(draft_params, state.last[:, None], state.draft,
+                                                         config=draft_config, attention=attention)[1])
         base, feed = pick(state.base.replace(cache=cache, logits=logits[:, 0]))
         history, length = _append(state.history, state.length, base.tokens[:, base.step - 1][:, None],
                                   running.astype(jnp.int32))
@@ -277,11 +304,15 @@ def speculative_loop(params, cache: KVCache, logits, key, sampler, stop_ids, don
     def check(state, proposals):
         s = state.base
         running = ~s.done
-        key, verify_key = jax.random.split(s.key)
+        key, verify_key, draft_key = jax.random.split(s.key, 3)
         written = s.cache.length
+        q, draft = None, state.draft
+        if draft is not None:  # (the n-gram proposals come from `body`)
+            proposals, q, draft = _draft_chain(draft_params, draft, state.last, draft_key, sampler,
+                                               config=draft_config, attention=attention, k=k)
         inputs = jnp.concatenate([state.last[:, None], proposals], axis=1)  # [B, k + 1]
         logits, cache = programs.forward(params, inputs, s.cache, config=config, attention=attention)
-        out = speculation.verify(logits, proposals, verify_key, sampler, top=logprobs)
+        out = speculation.verify(logits, proposals, verify_key, sampler, q=q, top=logprobs)
         # Keep what every running row kept, and no more tokens than the budget allows.
         m = jnp.min(jnp.where(running, out.accepted, k))
         m = jnp.clip(jnp.minimum(m, steps - s.step - 1), 0, k)
@@ -310,19 +341,27 @@ def speculative_loop(params, cache: KVCache, logits, key, sampler, stop_ids, don
         kept = jnp.minimum(out.accepted, count)
         rate = jnp.where(running, (1 - speculation.RATE_WEIGHT) * state.rate
                          + speculation.RATE_WEIGHT * out.accepted / k, state.rate)
-        return state.replace(base=base, last=last, history=history, length=length, rate=rate,
+        if draft is not None:
+            draft = dataclasses.replace(draft, length=written + m + 1)
+        pays = jnp.min(jnp.where(running, speculation.expected_tokens(rate, k), jnp.inf)) >= plan.verify_cost
+        wait = jnp.where(pays, speculation.PROBE_EVERY, jnp.minimum(2 * state.wait, speculation.MAX_PROBE_WAIT))
+        return state.replace(base=base, last=last, history=history, length=length, rate=rate, draft=draft,
+                             wait=wait.astype(jnp.int32),
                              idle=jnp.zeros((), jnp.int32), passes=state.passes + 1, proposed=state.proposed + jnp.where(running, k, 0),
                              accepted=state.accepted + kept, verifies=state.verifies + 1)
 
     def body(state):
         running = ~state.base.done
-        proposals, found = speculation.ngram_propose(state.history, state.length, k, plan.ngram_min,
-                                                     plan.ngram_max)
+        if state.draft is None:
+            proposals, found = speculation.ngram_propose(state.history, state.length, k, plan.ngram_min,
+                                                         plan.ngram_max)
+        else:
+            proposals, found = jnp.zeros((B, k), jnp.int32), jnp.ones_like(running)
         if plan.adaptive:
             gain = jnp.where(found, speculation.expected_tokens(state.rate, k), 1.0)
             every = jnp.all(found | ~running)
             worth = jnp.min(jnp.where(running, gain, jnp.inf)) >= plan.verify_cost
-            speculate = every & (worth | (state.idle >= speculation.PROBE_EVERY))
+            speculate = every & (worth | (state.idle >= state.wait))
         else:
             speculate = jnp.bool_(True)
         # A verify needs room for k more tokens than it may emit; near the budget's end, plain steps.

@@ -32,14 +32,17 @@ METHODS = ("ngram", "draft", "mtp")
 MAX_NUM_TOKENS = 16
 
 # c_verify / c_step: what a verify pass over k + 1 positions costs against a one-token step, by platform. The
-# adaptive rule speculates only while the expected tokens per verify exceed it. CPU: measured on "small" float32
-# batch 1 (`jaxkv bench speculative`, BUILD_NOTES): XLA:CPU's products with a few rows cost about twice one row's
-# (docs/design/families.md, "Weight layout"). GPU/TPU read the weights once for a few rows at nearly one row's
+# adaptive rule speculates only while the expected tokens per verify exceed it. CPU: 2.75 measured on "small"
+# float32 batch 1, k = 4 (`jaxkv bench speculative`, docs/design/speculation.md): XLA:CPU's products with a few
+# rows cost several times one row's (docs/design/families.md, "Weight layout"). GPU/TPU read the weights once for a few rows at nearly one row's
 # cost; 1.2 is an estimate, not yet measured here (docs/design/speculation.md).
-VERIFY_COST = {"cpu": 2.0}
+VERIFY_COST = {"cpu": 2.75}
 DEFAULT_VERIFY_COST = 1.2
-# After this many plain steps in a row, one verify is run anyway to re-measure the acceptance.
+# After this many plain steps in a row, one verify is run anyway to re-measure the acceptance; each probe that
+# finds speculating still does not pay doubles the wait, up to MAX_PROBE_WAIT (a text nothing predicts then pays
+# about (VERIFY_COST - 1) / MAX_PROBE_WAIT of a step per step).
 PROBE_EVERY = 16
+MAX_PROBE_WAIT = 256
 # Weight of the newest verify in a row's running acceptance estimate.
 RATE_WEIGHT = 0.3
 
@@ -50,8 +53,9 @@ class Speculation:
 
     method: "ngram" (prompt lookup: the longest suffix of the sequence so far, prompt and output, of ngram_max
       down to ngram_min tokens that occurred before proposes the tokens that followed its latest occurrence),
-      "draft" (a smaller `jaxkv.Model` with the same vocabulary proposes, with its own KV cache), or "mtp" (the
-      checkpoint's multi-token-prediction layers).
+      "draft" (a smaller `jaxkv.Model` with the same vocabulary proposes: it decodes k tokens, each drawn from
+      its own distribution under the request's sampling settings, with its own KV cache kept in step with the
+      target's), or "mtp" (the checkpoint's multi-token-prediction layers; not built yet).
     num_tokens: k, proposals per verify pass (1 to MAX_NUM_TOKENS).
     draft: the draft model (method "draft" only).
     adaptive: speculate for a batch only while the rows' running acceptance estimates predict more tokens per
@@ -92,7 +96,6 @@ class Speculation:
             if self.draft.config.vocab_size != model.config.vocab_size:
                 raise ValueError(f"the draft model's vocabulary ({self.draft.config.vocab_size} ids) differs from "
                                  f"the target's ({model.config.vocab_size})")
-            raise ValueError("Speculation('draft') is not built yet: use method 'ngram'")
         if self.method == "mtp":
             raise ValueError("Speculation('mtp') needs a checkpoint whose multi-token-prediction layers jaxkv "
                              "loads; this model has none (jaxkv.load does not load MTP layers yet)")

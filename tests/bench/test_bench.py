@@ -317,3 +317,20 @@ def test_bench_layers_quick(tmp_path, capsys):
     assert row["rings"]["cache_bytes_allocated"] == (2 * 602 + 10 * 512) * slot
     assert row["full"]["cache_bytes_allocated"] == 12 * 602 * slot
     assert "bytes ratio" in capsys.readouterr().out
+
+
+def test_bench_speculative_quick(tmp_path, capsys):
+    """`jaxkv bench speculative --quick`: the test proposer's acceptance follows its rate (all kept at 1, none at
+    0), every run's tokens equal plain decoding's, and the speed-ups and the analytic limits are figures."""
+    import json
+
+    from jaxkv import cli
+
+    assert cli.main(["bench", "speculative", "--quick", "--rates", "0,1", "--out", str(tmp_path / "s.json")]) == 0
+    r = json.loads((tmp_path / "s.json").read_text())
+    rows = {row["name"]: row for row in r["rows"]}
+    assert rows["a=1"]["acceptance"] > 0.9 and rows["a=0"]["acceptance"] == 0.0
+    assert rows["a=1"]["tokens_per_forward"] > 4 and rows["a=0"]["tokens_per_forward"] == 1.0
+    assert all(row["same_tokens"] for row in rows.values()) and r["ngram"]["same_tokens"]
+    assert r["verify_cost"] > 0 and all(row["speedup"] > 0 and row["analytic"] > 0 for row in rows.values())
+    assert "measured/analytic" in capsys.readouterr().out

@@ -43,6 +43,25 @@ def test_json(model_dir, capsys):
     assert result["compile_s"] >= 0 and result["load_s"] > 0
 
 
+def test_speculative_prints_its_figures_and_the_same_text(model_dir, capsys):
+    args = ["generate", "--model", model_dir, "--prompt", "Hi Hi Hi Hi", "--max-new-tokens", "12"]
+    assert cli.main(args + ["--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert cli.main(args + ["--json", "--speculative-method", "ngram", "--num-speculative-tokens", "3"]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert spec["tokens"] == plain["tokens"] and "spec_proposed" not in plain
+    assert spec["spec_proposed"] >= 0 and spec["target_forwards"] <= 11 and "tokens_per_target_forward" in spec
+    assert cli.main(args + ["--speculative-method", "ngram"]) == 0
+    assert "speculative:" in capsys.readouterr().out.rstrip("\n").rsplit("\n", 1)[1]
+    assert cli.main(args + ["--json", "--speculative-method", "draft", "--draft-model", model_dir]) == 0
+    drafted = json.loads(capsys.readouterr().out)  # the model drafting for itself: every proposal kept
+    assert drafted["tokens"] == plain["tokens"] and drafted["spec_acceptance_rate"] > 0.9
+    assert cli.main(args + ["--speculative-method", "mtp"]) == 2
+    assert "not built yet" in capsys.readouterr().err
+    assert cli.main(args + ["--speculative-method", "draft"]) == 2
+    assert "--draft-model" in capsys.readouterr().err
+
+
 def test_logprobs(model_dir, capsys):
     assert cli.main(["generate", "--model", model_dir, "--prompt", "Hi", "--max-new-tokens", "3", "--json",
                      "--logprobs", "2"]) == 0

@@ -67,6 +67,31 @@ def test_greedy_equal_with_cache_dtypes(cache_dtype):
     assert got.tokens == plain.tokens
 
 
+@pytest.mark.parametrize("draft_name", ["mqa", "gqa"])
+def test_draft_model_greedy_equals_plain_decoding(draft_name):
+    """Another model with the same vocabulary drafts (mqa), or the target drafts for itself (every proposal
+    kept): the tokens are plain decoding's either way; the draft's cache follows through plain steps too."""
+    m, draft = model("gqa"), model(draft_name)
+    ps = prompts(m.config.vocab_size, seed=8)
+    plain = jaxkv.generate(m, ps, max_new_tokens=22, stop_tokens=[])
+    for adaptive in (False, True):
+        got = jaxkv.generate(m, ps, max_new_tokens=22, stop_tokens=[],
+                             speculative=Speculation("draft", 3, draft=draft, adaptive=adaptive))
+        assert got.tokens == plain.tokens, (draft_name, adaptive)
+    if draft_name == "gqa":
+        assert got.stats["spec_acceptance_rate"] > 0.9 and got.stats["target_forwards"] <= 8
+
+
+def test_sampled_draft_equal_to_the_target_keeps_every_proposal():
+    """q == p: min(1, p/q) = 1, so every proposal is kept (a rule that compared q with unfiltered logits, or a
+    draft drawing with other settings, would reject some)."""
+    m = model("gqa")
+    got = jaxkv.generate(m, prompts(m.config.vocab_size, seed=9)[:1], max_new_tokens=21, stop_tokens=[],
+                         temperature=0.8, top_k=30, seed=2, speculative=Speculation("draft", 4, draft=m,
+                                                                                      adaptive=False))
+    assert got.stats["spec_accepted"] == got.stats["spec_proposed"] == 16 and got.stats["target_forwards"] == 4
+
+
 def test_stops_where_plain_decoding_stops_and_never_exceeds_the_budget():
     m = model("gqa")
     ps = prompts(m.config.vocab_size, seed=3)
@@ -250,6 +275,7 @@ def test_bad_speculation_is_refused(make, message):
      "vocabulary"),
     (dict(speculative=Speculation("ngram"), sampler=lambda logits, key: jnp.argmax(logits, -1)), "custom sampler"),
     (dict(speculative=Speculation("ngram"), n=2), "contiguous cache"),
+    (dict(speculative=Speculation("draft", draft="small")), "must be a jaxkv.Model"),
     (dict(speculative="ngram"), "must be a jaxkv.Speculation"),
     (dict(speculative=Speculation("ngram", 8), max_len=30), "exceeds max_len"),
 ])
