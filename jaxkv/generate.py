@@ -328,7 +328,8 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top
     if speculative is not None:
         spec = _speculation_plan(model, speculative, sampler=sampler, n=n, page_size=page_size,
                                  prefix_cache=prefix_cache, mesh=mesh)
-        return _generate_speculative(model, prompts, spec, speculative.draft, max_new_tokens=max_new_tokens, temperature=temperature,
+        return _generate_speculative(model, prompts, spec, speculative.draft, max_new_tokens=max_new_tokens,
+                                     temperature=temperature,
                                      top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, stop_tokens=stop_tokens,
                                      max_len=max_len, cache_dtype=cache_dtype, attention=attention,
                                      stream=stream, logprobs=logprobs)

@@ -210,7 +210,7 @@ class SpecState:
     length:   int32[B].
     rate:     float32[B], the running estimate of the fraction of a row's proposals kept.
     idle:     int32[], plain steps since the last verify.
-    wait:     int32[], plain steps before the next probe (doubled by each probe that does not pay).
+    wait:     int32[], plain steps before the next probe (longer after each probe that does not pay).
     passes:   int32[], forward passes run (verifies and plain steps).
     proposed, accepted: int32[B] (`LoopOut`); verifies: int32[].
     draft:    the draft model's cache (method "draft"; else None), holding what the target's holds.
@@ -282,7 +282,8 @@ def speculative_loop(params, cache: KVCache, logits, key, sampler, stop_ids, don
     base, feed = pick(base)
     history, length = _append(history, length, base.tokens[:, :1], (~done).astype(jnp.int32))
     zeros = jnp.zeros((B,), jnp.int32)
-    state = SpecState(base=base, last=feed, history=history, length=length, rate=jnp.ones((B,), jnp.float32),
+    state = SpecState(base=base, last=feed, history=history, length=length,
+                      rate=jnp.full((B,), speculation.INITIAL_RATE, jnp.float32),
                       idle=jnp.zeros((), jnp.int32), wait=jnp.int32(speculation.PROBE_EVERY),
                       passes=jnp.zeros((), jnp.int32), proposed=zeros,
                       accepted=zeros, verifies=jnp.zeros((), jnp.int32), draft=draft_cache)
@@ -344,10 +345,12 @@ def speculative_loop(params, cache: KVCache, logits, key, sampler, stop_ids, don
         if draft is not None:
             draft = dataclasses.replace(draft, length=written + m + 1)
         pays = jnp.min(jnp.where(running, speculation.expected_tokens(rate, k), jnp.inf)) >= plan.verify_cost
-        wait = jnp.where(pays, speculation.PROBE_EVERY, jnp.minimum(2 * state.wait, speculation.MAX_PROBE_WAIT))
+        wait = jnp.where(pays, speculation.PROBE_EVERY, jnp.minimum(speculation.PROBE_BACKOFF * state.wait,
+                                                                    speculation.MAX_PROBE_WAIT))
         return state.replace(base=base, last=last, history=history, length=length, rate=rate, draft=draft,
                              wait=wait.astype(jnp.int32),
-                             idle=jnp.zeros((), jnp.int32), passes=state.passes + 1, proposed=state.proposed + jnp.where(running, k, 0),
+                             idle=jnp.zeros((), jnp.int32), passes=state.passes + 1,
+                             proposed=state.proposed + jnp.where(running, k, 0),
                              accepted=state.accepted + kept, verifies=state.verifies + 1)
 
     def body(state):

@@ -34,15 +34,22 @@ MAX_NUM_TOKENS = 16
 # c_verify / c_step: what a verify pass over k + 1 positions costs against a one-token step, by platform. The
 # adaptive rule speculates only while the expected tokens per verify exceed it. CPU: 2.75 measured on "small"
 # float32 batch 1, k = 4 (`jaxkv bench speculative`, docs/design/speculation.md): XLA:CPU's products with a few
-# rows cost several times one row's (docs/design/families.md, "Weight layout"). GPU/TPU read the weights once for a few rows at nearly one row's
+# rows cost several times one row's (docs/design/families.md, "Weight layout"). GPU/TPU read the weights once
+# for a few rows at nearly one row's
 # cost; 1.2 is an estimate, not yet measured here (docs/design/speculation.md).
 VERIFY_COST = {"cpu": 2.75}
 DEFAULT_VERIFY_COST = 1.2
 # After this many plain steps in a row, one verify is run anyway to re-measure the acceptance; each probe that
-# finds speculating still does not pay doubles the wait, up to MAX_PROBE_WAIT (a text nothing predicts then pays
-# about (VERIFY_COST - 1) / MAX_PROBE_WAIT of a step per step).
-PROBE_EVERY = 16
-MAX_PROBE_WAIT = 256
+# finds speculating still does not pay multiplies the wait by PROBE_BACKOFF, up to MAX_PROBE_WAIT. A probe that
+# keeps nothing costs VERIFY_COST - 1 steps (2 on CPU), so a text nothing predicts pays 3 probes in 256 tokens
+# (one at the start, at 32 and at 160: about 2.5%); the price is that a text that becomes predictable later is
+# noticed up to MAX_PROBE_WAIT steps late.
+PROBE_EVERY = 32
+PROBE_BACKOFF = 4
+MAX_PROBE_WAIT = 1024
+# A row's acceptance estimate before its first verify: high enough that the first verify runs (its expected
+# tokens 1 + r + ... + r^k exceed VERIFY_COST), low enough that one verify keeping nothing stops the next.
+INITIAL_RATE = 0.8
 # Weight of the newest verify in a row's running acceptance estimate.
 RATE_WEIGHT = 0.3
 
