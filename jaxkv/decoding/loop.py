@@ -57,6 +57,15 @@ class LoopState:
     top_ids: jax.Array
     top_logprobs: jax.Array
 
+    @classmethod
+    def start(cls, cache, logits, key, done, *, width: int, top: int) -> "LoopState":
+        """The state before the first token: buffers of `width` columns (k = `top` alternatives each)."""
+        B = logits.shape[0]
+        return cls(cache=cache, logits=logits, key=key, done=done, num_new=jnp.zeros((B,), jnp.int32),
+                   step=jnp.zeros((), jnp.int32), tokens=jnp.full((B, width), -1, jnp.int32),
+                   logprobs=jnp.zeros((B, width), jnp.float32), top_ids=jnp.zeros((B, width, top), jnp.int32),
+                   top_logprobs=jnp.zeros((B, width, top), jnp.float32))
+
 
 def emit(state: LoopState, *, sampler, stop_ids, stream, rows):
     """Picks one token per row (`step.select`) and records it -> (state, int32[B] tokens to feed back).
@@ -137,12 +146,7 @@ def decode_loop(params, cache: KVCache, logits, key, sampler, stop_ids, done, st
     """Emits up to `steps` (traced, <= max_steps) tokens per row, feeding back all but the last, and stops early
     once every row is done (`done` may start true: batch filler rows). `logprobs`: k, the alternatives recorded
     per token (static; 0 records only each token's own log-probability)."""
-    B = logits.shape[0]
-    state = LoopState(cache=cache, logits=logits, key=key, done=done, num_new=jnp.zeros((B,), jnp.int32),
-                      step=jnp.zeros((), jnp.int32), tokens=jnp.full((B, max_steps), -1, jnp.int32),
-                      logprobs=jnp.zeros((B, max_steps), jnp.float32),
-                      top_ids=jnp.zeros((B, max_steps, logprobs), jnp.int32),
-                      top_logprobs=jnp.zeros((B, max_steps, logprobs), jnp.float32))
+    state = LoopState.start(cache, logits, key, done, width=max_steps, top=logprobs)
     pick = functools.partial(emit, sampler=sampler, stop_ids=stop_ids, stream=stream, rows=rows)
     paged = isinstance(cache, PagedKVCache)
 
@@ -272,12 +276,8 @@ def speculative_loop(params, cache: KVCache, logits, key, sampler, stop_ids, don
     from jaxkv.decoding import speculation
 
     B, k = logits.shape[0], plan.num_tokens
-    width = max_steps + k + 1  # a verify writes k + 1 columns at the current step
-    base = LoopState(cache=cache, logits=logits, key=key, done=done, num_new=jnp.zeros((B,), jnp.int32),
-                     step=jnp.zeros((), jnp.int32), tokens=jnp.full((B, width), -1, jnp.int32),
-                     logprobs=jnp.zeros((B, width), jnp.float32),
-                     top_ids=jnp.zeros((B, width, logprobs), jnp.int32),
-                     top_logprobs=jnp.zeros((B, width, logprobs), jnp.float32))
+    # a verify writes k + 1 columns at the current step
+    base = LoopState.start(cache, logits, key, done, width=max_steps + k + 1, top=logprobs)
     pick = functools.partial(emit, sampler=sampler, stop_ids=stop_ids, stream=stream, rows=None)
     base, feed = pick(base)
     history, length = _append(history, length, base.tokens[:, :1], (~done).astype(jnp.int32))
