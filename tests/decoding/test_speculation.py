@@ -44,17 +44,14 @@ def test_greedy_equals_plain_decoding(name):
     m = model(name)
     ps = prompts(m.config.vocab_size)
     plain = jaxkv.generate(m, ps, max_new_tokens=24, stop_tokens=[])
-    for spec in (Speculation("ngram", 3), Speculation("ngram", 4, adaptive=False)):
-        for rows in (ps[:1], ps):
-            want = plain.tokens[: len(rows)]
-            got = jaxkv.generate(m, rows, max_new_tokens=24, stop_tokens=[], speculative=spec)
-            assert got.tokens == want, (name, spec)
-            assert got.stats["target_forwards"] <= 23
-            np.testing.assert_allclose(np.concatenate(got.logprobs), np.concatenate(plain.logprobs[: len(rows)]),
-                                       atol=1e-4)
-    always = jaxkv.generate(m, ps[:1], max_new_tokens=24, stop_tokens=[], speculative=Speculation("ngram",
-                                                                                                adaptive=False))
-    assert always.stats["spec_verifies"] > 0 and always.stats["spec_proposed"] > 0
+    # The ragged pair verifying every pass, and the repeating prompt alone with the adaptive rule (one compiled
+    # loop each: the suite's time on 2 cores).
+    for spec, rows in ((Speculation("ngram", 4, adaptive=False), ps), (Speculation("ngram", 3), ps[:1])):
+        got = jaxkv.generate(m, rows, max_new_tokens=24, stop_tokens=[], speculative=spec)
+        assert got.tokens == plain.tokens[: len(rows)], (name, spec)
+        assert got.stats["target_forwards"] <= 23 and got.stats["spec_verifies"] > 0
+        np.testing.assert_allclose(np.concatenate(got.logprobs), np.concatenate(plain.logprobs[: len(rows)]),
+                                   **tolerance("logprobs", "float32"))
 
 
 @pytest.mark.parametrize("cache_dtype", ["bfloat16", "int8"])
