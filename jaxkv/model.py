@@ -91,7 +91,8 @@ class Decoder(nn.Module):
 
     @nn.compact
     def __call__(self, tokens, positions, cache: KVCache | None = None, *, prefill: bool = False,
-                 last_only: bool = False, attention: str | None = None, chunk: bool = False):
+                 last_only: bool = False, attention: str | None = None, chunk: bool = False,
+                 return_hidden: bool = False):
         """Runs T tokens through the model.
 
         Args:
@@ -111,11 +112,15 @@ class Decoder(nn.Module):
             prefill attends over a whole prompt's, so a prompt prefilled in one chunk from an empty row gives
             prefill's logits (up to float32 rounding) whatever the cache dtype. Plain XLA attention. Without
             it (a decode step) every query reads every slot as stored, its own included.
+          return_hidden: also return the hidden states the head reads, [B, T, D] after the final norm (every
+            token, whatever `last_only`): what DeepSeek's multi-token-prediction modules read
+            (`jaxkv.decoding.mtp`).
 
         Returns:
-          (float32[B, T or 1, V] logits, the updated cache or None). A row's logits are NaN when its tokens do
-          not fit: a position >= config.max_positions, or (plain cache) slots past the capacity; the cache's
-          `overflowed` / `check()` report the latter. A chunk longer than the capacity is a ValueError.
+          (float32[B, T or 1, V] logits, the updated cache or None), and with `return_hidden` the hidden states
+          third. A row's logits are NaN when its tokens do not fit: a position >= config.max_positions, or (plain
+          cache) slots past the capacity; the cache's `overflowed` / `check()` report the latter. A chunk longer
+          than the capacity is a ValueError.
         """
         cfg = self.config
         T = tokens.shape[1]
@@ -156,8 +161,10 @@ class Decoder(nn.Module):
         if cache is not None:
             cache = cache.advance(jnp.sum(real, axis=1, dtype=jnp.int32) if paged else T)
 
-        logits = _logits(self, x, embedding, real if last_only and paged else None, last_only)
+        logits, hidden = _logits(self, x, embedding, real if last_only and paged else None, last_only, return_hidden)
         logits = jnp.where(poisoned[:, None, None], jnp.nan, logits)
+        if return_hidden:
+            return logits, cache, hidden
         return logits, cache
 
 
@@ -189,18 +196,20 @@ def _embed(module: Decoder, tokens, positions):
     return x, embedding, rope, layer_inputs
 
 
-def _logits(module: Decoder, x, embedding, real, last_only: bool):
-    """x [B, T, D] -> float32[B, T or 1, V] logits: the final norm and the head (the embedding if tied), soft-capped
-    where the config says. `last_only`: the last token's only, each row's last real one where `real` (bool[B, T],
-    right padding) is given, else the last column."""
+def _logits(module: Decoder, x, embedding, real, last_only: bool, return_hidden: bool = False):
+    """x [B, T, D] -> (float32[B, T or 1, V] logits, the normed x [B, T, D] with `return_hidden` else None): the
+    final norm and the head (the embedding if tied), soft-capped where the config says. `last_only`: the last
+    token's only, each row's last real one where `real` (bool[B, T], right padding) is given, else the last column."""
     cfg = module.config
     T = x.shape[1]
+    final_norm = Norm(cfg, name="final_norm")
+    hidden = final_norm(x) if return_hidden else None  # every token's, before `last_only` picks
     if last_only and real is not None:  # right padding: each row's last real token
         last = T - 1 - jnp.argmax(real[:, ::-1], axis=1)  # [B]
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)  # [B, 1, D]
     elif last_only:  # left padding (or none): the last column
         x = x[:, -1:]
-    x = Norm(cfg, name="final_norm")(x)
+    x = final_norm(x)
     if cfg.tie_embeddings:
         logits = jnp.einsum("btd,vd->btv", x, embedding, preferred_element_type=jnp.float32)
     else:
@@ -210,7 +219,7 @@ def _logits(module: Decoder, x, embedding, real, last_only: bool):
     if cfg.final_logit_softcap is not None:  # Gemma 2: cap * tanh(logits / cap), in float32
         cap = jnp.float32(cfg.final_logit_softcap)
         logits = jnp.tanh(logits / cap) * cap
-    return logits
+    return logits, hidden
 
 
 def _rope_key(config: Config, layer: int):
@@ -303,6 +312,9 @@ class Model:
     config: Config
     params: dict
     tokenizer: object | None = None
+    # DeepSeek-V3's multi-token-prediction modules (`jaxkv.decoding.mtp.Mtp`) when the checkpoint holds them, else
+    # None; apart from `params`, so the decoder's parameter tree is the same with or without them.
+    mtp: object | None = None
 
     @classmethod
     def random(cls, config: Config, seed: int = 0) -> "Model":

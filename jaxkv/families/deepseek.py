@@ -22,17 +22,30 @@ their mixture-of-experts layers (i >= first_k_dense_replace; `tensors.router`, `
       transformers 5.24's save_pretrained) -> layer_{i}/mlp/we_{gate,up} [X, I, D], we_down [X, D, I]  stacked
   or layers.{i}.mlp.experts.gate_up_proj [X, 2*I, D], down_proj [X, D, I] (transformers 5's in-memory form)
       -> the same                                                               gate rows, then up rows
-The multi-token-prediction layers (num_nextn_predict_layers, stored after the decoder's) are dropped.
+DeepSeek-V3's multi-token-prediction (MTP) modules (num_nextn_predict_layers = n, stored as decoder layers
+j = L, ..., L + n - 1; the release holds layer 61 of 61) load into `Model.mtp` (`jaxkv.decoding.mtp.Mtp`), one
+params dict per module, with the decoder's params unchanged; a checkpoint holding none of them (transformers'
+save_pretrained drops them but keeps the field) loads with `Model.mtp` None.
+  layers.{j}.enorm.weight, hnorm.weight [D]  -> enorm/scale, hnorm/scale      the next token's embedding's and
+                                                                              the previous hidden state's norms
+  layers.{j}.eh_proj.weight [D, 2*D]         -> eh_proj                       as is, over concat(enorm, hnorm)
+  layers.{j}.shared_head.norm.weight [D]     -> final_norm/scale              as is
+  layers.{j}.{self_attn,mlp,input_layernorm,post_attention_layernorm}.*  -> layer_0/...   as decoder layer j above
+      (the experts from first_k_dense_replace on, as the decoder's layers)
+  layers.{j}.embed_tokens.weight, shared_head.head.weight [V, D] (optional) -> embedding, lm_head: kept only
+      where they differ from the decoder's (the release repeats them); absent, the decoder's are used.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
 from jaxkv.config import Config, Mla, MoeConfig
 from jaxkv.families import fields as fl
 from jaxkv.families import tensors
-from jaxkv.families.registry import Family, register
+from jaxkv.families.registry import Family, MtpPlan, register
 from jaxkv.families.tensors import TensorSpec, as_is, reshape, rows
 
 # transformers' DeepseekV2Config / DeepseekV3Config defaults for fields a config.json may omit.
@@ -133,15 +146,44 @@ def rope_interleaved(hf: dict, arch: str) -> bool:
     return arch == "deepseek_v2" or hf.get("rope_interleave", True) is not False
 
 
-def mtp_tensors(config: Config, hf: dict, names, source: str) -> frozenset[str]:
-    """DeepSeek's multi-token-prediction modules (config.json's num_nextn_predict_layers, stored as layers
-    n_layers, n_layers + 1, ...: DeepSeek-V3's release holds layer 61 of 61) are not part of the decoder and are
-    dropped, as transformers drops them (`_keys_to_ignore_on_load_unexpected`). Names as in `tensor_specs`."""
+def mtp_plan(config: Config, hf: dict, names, source: str, arch: str) -> MtpPlan | None:
+    """DeepSeek's multi-token-prediction modules (config.json's num_nextn_predict_layers = n, stored as layers
+    n_layers, ..., n_layers + n - 1), or None when the checkpoint holds no tensor of them: transformers drops them
+    (`_keys_to_ignore_on_load_unexpected`) and its save_pretrained writes n = 1 with none. Names as in
+    `tensor_specs`; a module partly stored is a missing tensor, named by the loader."""
     n = hf.get("num_nextn_predict_layers", 0)
     if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= 16:
         raise ValueError(f"{source}: field 'num_nextn_predict_layers' must be an integer in [0, 16], got {n!r}")
-    layers = tuple(f"layers.{i}." for i in range(config.n_layers, config.n_layers + n))
-    return frozenset(name for name in names if layers and name.startswith(layers))
+    L = config.n_layers
+    prefixes = tuple(f"layers.{j}." for j in range(L, L + n))
+    if not any(name.startswith(prefixes) for name in names):
+        return None
+    dense = hf.get("first_k_dense_replace", _DEEPSEEK_DEFAULTS[arch]["first_k_dense_replace"])
+    if len({j >= dense for j in range(L, L + n)}) > 1:
+        raise ValueError(f"{source}: first_k_dense_replace = {dense} makes some multi-token-prediction layers "
+                         f"dense and others mixtures of experts; one config serves them all here")
+    # DeepSeek's rule for layer L's FFN: experts from first_k_dense_replace on, even where every decoder layer is
+    # dense (the decoder's config then holds no MoeConfig: parse it from the same fields).
+    moe = None
+    if L >= dense:
+        moe = config.moe or _deepseek_moe(fl.Fields(hf, source), arch, dense)
+        moe = dataclasses.replace(moe, first_dense_layers=0, dense_layers=())
+    block = config.replace(n_layers=1, moe=moe)
+    interleaved, fused = rope_interleaved(hf, arch), tensors.fused_experts_stored(names)
+    V, D = config.vocab_size, config.d_model
+    modules = []
+    for prefix in prefixes:
+        specs = [dataclasses.replace(spec, name=prefix + spec.name.removeprefix("layers.0."))
+                 for spec in _layer(block, 0, interleaved, fused)]
+        specs += [TensorSpec(prefix + "enorm.weight", (D,), "[D]", as_is(("enorm", "scale"))),
+                  TensorSpec(prefix + "hnorm.weight", (D,), "[D]", as_is(("hnorm", "scale"))),
+                  TensorSpec(prefix + "eh_proj.weight", (D, 2 * D), "[D, 2*D]", as_is(("eh_proj",))),
+                  TensorSpec(prefix + "shared_head.norm.weight", (D,), "[D]", as_is(("final_norm", "scale")))]
+        for name, path in (("embed_tokens.weight", "embedding"), ("shared_head.head.weight", "lm_head")):
+            if prefix + name in names:  # optional: the release repeats the decoder's
+                specs.append(TensorSpec(prefix + name, (V, D), "[V, D]", as_is((path,))))
+        modules.append((prefix, specs))
+    return MtpPlan(block, tuple(modules))
 
 
 def _deinterleave(rows: int, rope: int, heads: int = 1) -> np.ndarray:
@@ -163,47 +205,54 @@ def _split_kv_b(paths, N, nope, dv, R):
 
 
 def _tensors(cfg: Config, interleaved: bool, fused_experts: bool) -> list[TensorSpec]:
-    m = cfg.mla
-    V, D, N, F = cfg.vocab_size, cfg.d_model, cfg.n_heads, cfg.ffn_dim
-    R, E, nope, dv, qk = m.kv_lora_rank, m.qk_rope_head_dim, m.qk_nope_head_dim, m.v_head_dim, m.qk_head_dim
-    q_order = _deinterleave(qk, E if interleaved else 0, N)
-    kv_order = _deinterleave(R + E, E if interleaved else 0)
+    V, D = cfg.vocab_size, cfg.d_model
     specs = [TensorSpec("embed_tokens.weight", (V, D), "[V, D]", as_is(("embedding",))),
              TensorSpec("norm.weight", (D,), "[D]", as_is(("final_norm", "scale")))]
     for i in range(cfg.n_layers):
-        hf, jx = f"layers.{i}.", f"layer_{i}"
-        attn = hf + "self_attn."
+        specs += _layer(cfg, i, interleaved, fused_experts)
+    return specs
+
+
+def _layer(cfg: Config, i: int, interleaved: bool, fused_experts: bool) -> list[TensorSpec]:
+    """Decoder layer i: its norms, latent attention and FFN."""
+    m = cfg.mla
+    D, N = cfg.d_model, cfg.n_heads
+    R, E, nope, dv, qk = m.kv_lora_rank, m.qk_rope_head_dim, m.qk_nope_head_dim, m.v_head_dim, m.qk_head_dim
+    q_order = _deinterleave(qk, E if interleaved else 0, N)
+    kv_order = _deinterleave(R + E, E if interleaved else 0)
+    hf, jx = f"layers.{i}.", f"layer_{i}"
+    attn = hf + "self_attn."
+    specs = [
+        TensorSpec(hf + "input_layernorm.weight", (D,), "[D]", as_is((jx, "attn_norm", "scale"))),
+        TensorSpec(hf + "post_attention_layernorm.weight", (D,), "[D]", as_is((jx, "mlp_norm", "scale"))),
+        TensorSpec(attn + "kv_a_proj_with_mqa.weight", (R + E, D), "[R+E, D]",
+                   rows((jx, "attn", "wkv_a"), kv_order)),
+        TensorSpec(attn + "kv_a_layernorm.weight", (R,), "[R]", as_is((jx, "attn", "kv_norm", "scale"))),
+        TensorSpec(attn + "kv_b_proj.weight", (N * (nope + dv), R), "[N*(qk_nope+v), R]",
+                   _split_kv_b([(jx, "attn", "wk_b"), (jx, "attn", "wv_b")], N, nope, dv, R)),
+        TensorSpec(attn + "o_proj.weight", (D, N * dv), "[D, N*v]", reshape((jx, "attn", "wo"), D, N, dv)),
+    ]
+    specs += _ffn(cfg, i, fused_experts)
+    if m.q_lora_rank is None:
+        specs.append(TensorSpec(attn + "q_proj.weight", (N * qk, D), "[N*qk, D]",
+                                rows((jx, "attn", "wq"), q_order, N, qk, D)))
+    else:
+        Q = m.q_lora_rank
         specs += [
-            TensorSpec(hf + "input_layernorm.weight", (D,), "[D]", as_is((jx, "attn_norm", "scale"))),
-            TensorSpec(hf + "post_attention_layernorm.weight", (D,), "[D]", as_is((jx, "mlp_norm", "scale"))),
-            TensorSpec(attn + "kv_a_proj_with_mqa.weight", (R + E, D), "[R+E, D]",
-                       rows((jx, "attn", "wkv_a"), kv_order)),
-            TensorSpec(attn + "kv_a_layernorm.weight", (R,), "[R]", as_is((jx, "attn", "kv_norm", "scale"))),
-            TensorSpec(attn + "kv_b_proj.weight", (N * (nope + dv), R), "[N*(qk_nope+v), R]",
-                       _split_kv_b([(jx, "attn", "wk_b"), (jx, "attn", "wv_b")], N, nope, dv, R)),
-            TensorSpec(attn + "o_proj.weight", (D, N * dv), "[D, N*v]", reshape((jx, "attn", "wo"), D, N, dv)),
+            TensorSpec(attn + "q_a_proj.weight", (Q, D), "[q_lora_rank, D]", as_is((jx, "attn", "wq_a"))),
+            TensorSpec(attn + "q_a_layernorm.weight", (Q,), "[q_lora_rank]",
+                       as_is((jx, "attn", "q_norm", "scale"))),
+            TensorSpec(attn + "q_b_proj.weight", (N * qk, Q), "[N*qk, q_lora_rank]",
+                       rows((jx, "attn", "wq_b"), q_order, N, qk, Q)),
         ]
-        specs += _ffn(cfg, i, fused_experts)
-        if m.q_lora_rank is None:
-            specs.append(TensorSpec(attn + "q_proj.weight", (N * qk, D), "[N*qk, D]",
-                                    rows((jx, "attn", "wq"), q_order, N, qk, D)))
-        else:
-            Q = m.q_lora_rank
-            specs += [
-                TensorSpec(attn + "q_a_proj.weight", (Q, D), "[q_lora_rank, D]", as_is((jx, "attn", "wq_a"))),
-                TensorSpec(attn + "q_a_layernorm.weight", (Q,), "[q_lora_rank]",
-                           as_is((jx, "attn", "q_norm", "scale"))),
-                TensorSpec(attn + "q_b_proj.weight", (N * qk, Q), "[N*qk, q_lora_rank]",
-                           rows((jx, "attn", "wq_b"), q_order, N, qk, Q)),
-            ]
-            if cfg.qkv_bias:
-                specs.append(TensorSpec(attn + "q_a_proj.bias", (Q,), "[q_lora_rank]",
-                                        as_is((jx, "attn", "wq_a_bias"))))
         if cfg.qkv_bias:
-            specs.append(TensorSpec(attn + "kv_a_proj_with_mqa.bias", (R + E,), "[R+E]",
-                                    rows((jx, "attn", "wkv_a_bias"), kv_order)))
-        if cfg.out_bias:
-            specs.append(TensorSpec(attn + "o_proj.bias", (D,), "[D]", as_is((jx, "attn", "wo_bias"))))
+            specs.append(TensorSpec(attn + "q_a_proj.bias", (Q,), "[q_lora_rank]",
+                                    as_is((jx, "attn", "wq_a_bias"))))
+    if cfg.qkv_bias:
+        specs.append(TensorSpec(attn + "kv_a_proj_with_mqa.bias", (R + E,), "[R+E]",
+                                rows((jx, "attn", "wkv_a_bias"), kv_order)))
+    if cfg.out_bias:
+        specs.append(TensorSpec(attn + "o_proj.bias", (D,), "[D]", as_is((jx, "attn", "wo_bias"))))
     return specs
 
 
@@ -223,7 +272,8 @@ def _family(arch: str) -> Family:
                         and tensors.fused_experts_stored(names))
 
     classes = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
-    return Family(arch, (classes[arch],), lambda f: deepseek_fields(f, arch), tensor_specs, ignored=mtp_tensors)
+    return Family(arch, (classes[arch],), lambda f: deepseek_fields(f, arch), tensor_specs,
+                  mtp=lambda config, hf, names, source: mtp_plan(config, hf, names, source, arch))
 
 
 DEEPSEEK_V2 = register(_family("deepseek_v2"))

@@ -18,6 +18,17 @@ from jaxkv.families.tensors import ROTARY_BUFFER, TensorSpec
 BASE = {"model.": "lm_head.weight"}
 
 
+@dataclasses.dataclass(frozen=True)
+class MtpPlan:
+    """The multi-token-prediction modules a checkpoint holds (DeepSeek-V3's `num_nextn_predict_layers`):
+    `config`, the one-layer config each module's decoder layer runs with; `modules`, per module its stored-name
+    prefix (every stored tensor under it is the module's) and the tensors it must hold, paths into that module's
+    own params (`jaxkv.decoding.mtp`)."""
+
+    config: Config
+    modules: tuple[tuple[str, list[TensorSpec]], ...]
+
+
 def _nothing_ignored(config: Config, hf: dict, names: Iterable[str], source: str) -> frozenset[str]:
     return frozenset()
 
@@ -40,6 +51,8 @@ class Family:
         not use and the loader drops (as transformers' `_keys_to_ignore_on_load_unexpected`).
       text_config: the language model's config is config.json's `text_config` (multimodal models); the head's
         tying (default true) and eos_token_id (when set) are then the outer config's.
+      mtp: (config, config.json, stored names, source) -> the checkpoint's multi-token-prediction modules
+        (`MtpPlan`), loaded apart from the decoder into `Model.mtp`, or None when it holds none.
     """
 
     model_type: str
@@ -51,6 +64,7 @@ class Family:
     redundant: re.Pattern = ROTARY_BUFFER
     ignored: Callable[[Config, dict, Iterable[str], str], frozenset[str]] = _nothing_ignored
     text_config: bool = False
+    mtp: Callable[[Config, dict, frozenset, str], MtpPlan | None] | None = None
 
 
 _FAMILIES: dict[str, Family] = {}

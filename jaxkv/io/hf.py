@@ -19,6 +19,10 @@ checking that it equals the embedding) and those the family names (`Family.redun
 by design: the vision / audio towers of multimodal models (`Family.skipped`). Any other unused tensor is an error:
 it most likely means the architecture is mis-mapped.
 
+A family's extra modules outside the decoder (DeepSeek-V3's multi-token prediction, `Family.mtp`) are matched
+the same way, each against its own tensor list, and load into `Model.mtp`; the decoder's params are the same
+with or without them.
+
 Also from config.json: `eos_token_id` (int or list) becomes Config.eos_ids. Weights keep the checkpoint's dtype
 unless `load_hf(..., dtype=...)` casts them; Config.dtype always records the params' dtype. Block-quantized FP8
 checkpoints are dequantized at load (`jaxkv.io.fp8`).
@@ -37,6 +41,7 @@ import numpy as np
 from jaxkv import families
 from jaxkv import moe as moe_lib
 from jaxkv.config import DTYPES, Config
+from jaxkv.decoding.mtp import Mtp
 from jaxkv.families import tensors
 from jaxkv.families.fields import MAX_PARAMS, Fields, eos_ids
 from jaxkv.families.registry import Family
@@ -194,15 +199,40 @@ def load_hf(directory: str | os.PathLike, *, dtype: str | None = None) -> Model:
     block = fp8.block_size(hf, source=source)  # block-quantized FP8: dequantized at load
     stored, scales = fp8.split_scales(read_headers(*weight_files(root)), block)
     by_name, stored_name = checkpoint_names(stored, family)
+    plan = None if family.mtp is None else family.mtp(config, hf, frozenset(by_name), source)
+    mtp_stored = {}
+    if plan is not None:  # the multi-token-prediction modules' tensors, matched apart from the decoder's
+        prefixes = tuple(prefix for prefix, _ in plan.modules)
+        mtp_stored = {name: t for name, t in by_name.items() if name.startswith(prefixes)}
+        by_name = {name: t for name, t in by_name.items() if name not in mtp_stored}
     specs = tensor_specs(family, config, hf, by_name)
     pairs, tied_head = match(specs, by_name, stored_name, family=family, tied=config.tie_embeddings,
                              ignored=family.ignored(config, hf, by_name, source), fp8_weights=block is not None)
+    mtp_pairs = [match(module, {name: t for name, t in mtp_stored.items() if name.startswith(prefix)}, stored_name,
+                       family=family, tied=False, fp8_weights=block is not None)[0]
+                 for prefix, module in (plan.modules if plan is not None else ())]
     if tied_head is not None:
         _check_tied_head(tied_head, pairs[0][1])
     target = dtype or FLOAT_DTYPES.get(pairs[0][1].dtype, "bfloat16")
     config = config.replace(dtype=target)  # the weight layout follows the dtype (`layers.stored_out_in`)
     params = _load(pairs, target, config, scales, block)
-    return Model(config=config, params=params, tokenizer=None)
+    mtp = None if plan is None else _load_mtp(plan.config.replace(dtype=target), mtp_pairs, params, scales, block)
+    return Model(config=config, params=params, tokenizer=None, mtp=mtp)
+
+
+def _load_mtp(config: Config, modules, main: dict, scales, block) -> Mtp:
+    """The multi-token-prediction modules' params (`jaxkv.decoding.mtp.Mtp`), one dict per module; a module's
+    embedding or head kept only where it differs from the decoder's (DeepSeek-V3's release repeats both in its
+    module, which would double their memory)."""
+    shared = {"embedding": main["embedding"], "lm_head": main.get("lm_head", main["embedding"])}
+    loaded = []
+    for pairs in modules:
+        params = _load(pairs, config.dtype, config, scales, block)
+        for name, table in shared.items():
+            if name in params and np.array_equal(np.asarray(params[name]), np.asarray(table)):
+                del params[name]
+        loaded.append(params)
+    return Mtp(config, tuple(loaded))
 
 
 def _check_tied_head(head: StoredTensor, embedding: StoredTensor):

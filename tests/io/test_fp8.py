@@ -175,23 +175,31 @@ def test_dequantize_partial_blocks():
     np.testing.assert_allclose(got, w, rtol=0.07, atol=1e-6)  # e4m3 keeps 3 mantissa bits: within 2**-4 relative
 
 
-def test_deepseek_multi_token_prediction_layer_is_dropped(tmp_path_factory, tmp_path):
+def test_deepseek_multi_token_prediction_layer_loads_apart(tmp_path_factory, tmp_path):
     """DeepSeek-V3's release also holds its multi-token-prediction module as layer n_layers (num_nextn_predict_layers
-    1), FP8 too: dropped as transformers drops it (same params); without the config field it is an unused tensor."""
+    1), FP8 too: it loads into Model.mtp, dequantized as the decoder's layers are, and leaves the decoder's params
+    as they are; without the config field it is an unused tensor."""
     _, _, root, _ = release("deepseek-v3-moe", tmp_path_factory)
     target = tmp_path / "mtp"
     shutil.copytree(root / "fp8", target)
     tensors = safetensors_torch.load_file(str(target / "model.safetensors"))
     config = json.loads((target / "config.json").read_text())
-    n = config["num_hidden_layers"]
-    last = f"model.layers.{n - 1}."
+    n, D = config["num_hidden_layers"], config["hidden_size"]
+    last = f"model.layers.{n - 1}."  # a mixture-of-experts layer, as the module's own
     extra = {k.replace(last, f"model.layers.{n}."): v.clone() for k, v in tensors.items() if k.startswith(last)}
     extra[f"model.layers.{n}.eh_proj.weight"], extra[f"model.layers.{n}.eh_proj.weight_scale_inv"] = quantize(
-        torch.randn(config["hidden_size"], 2 * config["hidden_size"]))
-    extra[f"model.layers.{n}.enorm.weight"] = torch.ones(config["hidden_size"])
+        torch.randn(D, 2 * D))
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        extra[f"model.layers.{n}.{name}.weight"] = torch.ones(D)
     safetensors_torch.save_file({**tensors, **extra}, str(target / "model.safetensors"), metadata={"format": "pt"})
     (target / "config.json").write_text(json.dumps(dict(config, num_nextn_predict_layers=0)))
     with pytest.raises(ValueError, match=f"tensor 'model.layers.{n}.* is not used by this architecture"):
         jaxkv.load(target)
     (target / "config.json").write_text(json.dumps(dict(config, num_nextn_predict_layers=1)))  # transformers' default
-    jax.tree_util.tree_map(np.testing.assert_array_equal, jaxkv.load(target).params, jaxkv.load(root / "fp8").params)
+    model, reference = jaxkv.load(target), jaxkv.load(root / "fp8")
+    jax.tree_util.tree_map(np.testing.assert_array_equal, model.params, reference.params)
+    assert reference.mtp is None and len(model.mtp.params) == 1
+    jax.tree_util.tree_map(np.testing.assert_array_equal, model.mtp.params[0]["layer_0"],
+                           reference.params[f"layer_{n - 1}"])
+    eh, scale = extra[f"model.layers.{n}.eh_proj.weight"], extra[f"model.layers.{n}.eh_proj.weight_scale_inv"]
+    np.testing.assert_array_equal(model.mtp.params[0]["eh_proj"], (eh.float() * expand(scale, eh.shape)).numpy())
