@@ -93,11 +93,19 @@ def cast(model: Model, dtype: str | None) -> Model:
     def convert(path, a):  # a mixture of experts' router stays float32, as transformers keeps it (`jaxkv.moe.Moe`)
         return a if path[-1].key in ("router", "router_bias") else a.astype(jnp.dtype(dtype))
 
-    params = jax.tree_util.tree_map_with_path(convert, model.params)
-    # the layout follows the dtype (`layers.stored_out_in`)
-    if weight_layout(config)[0] != weight_layout(model.config)[0]:
-        params = jax.tree_util.tree_map(jnp.asarray, from_out_in(to_out_in(params, model.config), config))
-    return Model(config, params, model.tokenizer)
+    def convert_tree(params, old: Config, new: Config):
+        params = jax.tree_util.tree_map_with_path(convert, params)
+        # the layout follows the dtype (`layers.stored_out_in`)
+        if weight_layout(new)[0] != weight_layout(old)[0]:
+            params = jax.tree_util.tree_map(jnp.asarray, from_out_in(to_out_in(params, old), new))
+        return params
+
+    mtp = model.mtp  # DeepSeek's multi-token-prediction modules (`jaxkv.decoding.mtp.Mtp`), cast alike
+    if mtp is not None:
+        block = mtp.config.replace(dtype=dtype)
+        mtp = dataclasses.replace(mtp, config=block,
+                                  params=tuple(convert_tree(p, mtp.config, block) for p in mtp.params))
+    return Model(config, convert_tree(model.params, model.config, config), model.tokenizer, mtp)
 
 
 def _load_tokenizer(directory: pathlib.Path):

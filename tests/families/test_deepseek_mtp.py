@@ -26,6 +26,7 @@ safetensors_numpy = pytest.importorskip("safetensors.numpy")
 import jaxkv  # noqa: E402
 from jaxkv.config import Config, Mla, MoeConfig  # noqa: E402
 from jaxkv.decoding.mtp import mtp_cache, mtp_forward, random_mtp  # noqa: E402
+from jaxkv.io.checkpoint import cast  # noqa: E402
 from jaxkv.model import Decoder  # noqa: E402
 from helpers.hf import DEEPSEEK_MOE_LIKE, assert_no_near_ties, build_deepseek_moe_hf  # noqa: E402
 from helpers.tolerances import tolerance  # noqa: E402
@@ -240,3 +241,17 @@ def test_broken_mtp_checkpoints(built, tmp_path, case):
             f"tensor '{MTP}.*' .* is not used by this architecture"
     with pytest.raises(ValueError, match=match):
         jaxkv.load(bad)
+
+
+def test_cast_carries_the_mtp_modules(built):
+    _, _, _, root = built
+    model = jaxkv.load(root / "mtp", dtype="float32")
+    half = cast(model, "bfloat16")
+    assert half.mtp.config.dtype == "bfloat16" and len(half.mtp.params) == 1
+    for path, leaf in jax.tree_util.tree_flatten_with_path(half.mtp.params[0])[0]:
+        router = path[-1].key in ("router", "router_bias")  # kept float32, as the decoder's
+        assert leaf.dtype == (jnp.float32 if router else jnp.bfloat16), jax.tree_util.keystr(path)
+    h = jnp.zeros((1, 3, D), jnp.bfloat16)
+    logits, _, _ = mtp_forward(half.mtp.params[0], half.params, h, jnp.asarray(TOKENS[:1, :3]), jnp.arange(3)[None],
+                               config=half.mtp.config)
+    assert np.isfinite(np.asarray(logits)).all()
