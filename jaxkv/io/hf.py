@@ -181,7 +181,8 @@ def load_hf(directory: str | os.PathLike, *, dtype: str | None = None) -> Model:
         of its embedding, for a checkpoint that mixes dtypes).
 
     Returns:
-      Model(config, params, tokenizer=None), with config.dtype the params' dtype.
+      Model(config, params, tokenizer=None, mtp), with config.dtype the params' dtype and `mtp` the family's
+      multi-token-prediction modules (`jaxkv.decoding.mtp.Mtp`, same dtype) or None.
 
     Raises:
       FileNotFoundError: the directory, config.json, or a weight file or shard is missing.
