@@ -43,7 +43,7 @@ from jaxkv.cache.contiguous import KVCache
 from jaxkv.cache.paged import PagedKVCache
 from jaxkv.cache.prefix import PrefixCache
 from jaxkv.config import Config
-from jaxkv.decoding import loop, paged, programs, request, result
+from jaxkv.decoding import loop, paged, programs, request, result, speculation
 from jaxkv.decoding.speculation import Speculation
 from jaxkv.decoding.phase import Phase, compile_seconds  # noqa: F401 (compile_seconds: its old home)
 from jaxkv.decoding.request import MAX_TOP_LOGPROBS, STOP_ID_SLOTS, left_pad
@@ -316,18 +316,20 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top
         verifies them (`jaxkv.decoding.speculation`); the output is distributed exactly as without it (greedy:
         the same tokens, up to float rounding of the wider pass). The cache gets k more slots (a sliding-window
         model a plain cache masked to its window, not a ring). `stats` adds "spec_proposed", "spec_accepted",
-        "spec_acceptance_rate", "spec_verifies", "target_forwards" and "tokens_per_target_forward". Today: the
-        "ngram" and "draft" methods, the contiguous cache (not n > 1, page_size, prefix_cache or a mesh), the built-in
-        sampling settings (not a custom `sampler`).
+        "spec_acceptance_rate", "spec_verifies", "target_forwards" and "tokens_per_target_forward". With the
+        paged cache (n > 1, page_size, prefix_cache) each verify's rejected slots and the pages they took are
+        given back; the prefix cache only ever indexes prompt pages. Today: the "ngram" and "draft" methods, no
+        mesh, the built-in sampling settings (not a custom `sampler`).
 
     Raises:
       ValueError: for any bad argument, before any compute (and for a custom sampler's out-of-vocabulary id).
     """
     n = checks.check_int("n", n, 1)
     logprobs = checks.check_int("logprobs", logprobs, 0, request.MAX_TOP_LOGPROBS)
+    spec = None
     if speculative is not None:
-        spec = _speculation_plan(model, speculative, sampler=sampler, n=n, page_size=page_size,
-                                 prefix_cache=prefix_cache, mesh=mesh)
+        spec = _speculation_plan(model, speculative, sampler=sampler, mesh=mesh)
+    if spec is not None and page_size is None and n == 1 and prefix_cache is None:
         return _generate_speculative(model, prompts, spec, speculative.draft, max_new_tokens=max_new_tokens,
                                      temperature=temperature,
                                      top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, stop_tokens=stop_tokens,
@@ -347,7 +349,8 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top
                                temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, sampler=sampler,
                                seed=seed, stop_tokens=stop_tokens, cache_dtype=cache_dtype, attention=attention,
                                stream=stream, prefix_cache=prefix_cache, max_len=max_len, logprobs=logprobs,
-                               mesh=mesh)
+                               mesh=mesh, speculative=spec,
+                               draft=None if speculative is None else speculative.draft)
     if mesh is not None:
         mesh = sharding.check_mesh(mesh)
         if stream is not None and jax.process_count() > 1:
@@ -384,7 +387,7 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top
     return result.generation(model, req, out, prefill_time, decode_time)
 
 
-def _speculation_plan(model, speculative, *, sampler, n, page_size, prefix_cache, mesh):
+def _speculation_plan(model, speculative, *, sampler, mesh):
     """`generate(speculative=)` checked against the rest of the call -> the static `speculation.Plan`."""
     if not isinstance(speculative, Speculation):
         raise ValueError(f"speculative must be a jaxkv.Speculation, got {type(speculative).__name__}")
@@ -392,9 +395,6 @@ def _speculation_plan(model, speculative, *, sampler, n, page_size, prefix_cache
     if sampler is not None:
         raise ValueError("speculative decoding needs the sampler's distribution: use temperature/top_k/top_p/min_p, "
                          "not a custom sampler")
-    if n > 1 or page_size is not None or prefix_cache is not None:
-        raise ValueError("speculative decoding runs on the contiguous cache today: not with n > 1, page_size or "
-                         "prefix_cache")
     if mesh is not None:
         raise ValueError("speculative decoding does not take a mesh yet")
     return plan
@@ -412,21 +412,11 @@ def _generate_speculative(model, prompts, spec, draft, *, max_new_tokens, temper
     plan, k = req.plan, spec.num_tokens
     draft_args, draft_kwargs = (), {}
     if draft is not None:
-        need = max(req.lengths) + req.max_new_tokens + k
-        if need > draft.config.max_positions:
-            raise ValueError(f"the draft model has {draft.config.max_positions} positions; the longest prompt, "
-                             f"max_new_tokens and {k} lookahead need {need}")
-        request.check_config(draft.config)
-        draft_attention = request.attention(draft.config, attention)
-        _, draft_cache = programs.prefill(draft.params, jax.device_put(req.tokens), jax.device_put(req.start),
-                                          config=draft.config, capacity=plan.capacity, attention=draft_attention,
-                                          cache_dtype=request.cache_dtype(draft.config, None), ring=False,
-                                          mesh=None)
-        draft_args, draft_kwargs = (draft.params, draft_cache), {"draft_config": draft.config}
-    history = np.zeros((plan.padded_batch, plan.capacity + k + 2), np.int32)
-    length = np.zeros((plan.padded_batch,), np.int32)
-    for b, tokens in enumerate(req.token_lists):
-        history[b, : len(tokens)], length[b] = tokens, len(tokens)
+        draft_args = (draft.params, speculation.prefill_draft(draft, req.token_lists, rows=plan.padded_batch,
+                                                              new_tokens=req.max_new_tokens + k,
+                                                              attention=attention))
+        draft_kwargs = {"draft_config": draft.config}
+    history, length = speculation.prompt_history(req.token_lists, plan.padded_batch, plan.capacity + k + 2)
     with Phase() as prefill_time:
         logits, cache = programs.prefill(model.params, jax.device_put(req.tokens), jax.device_put(req.start),
                                          config=model.config, capacity=plan.capacity, attention=req.attention,

@@ -20,6 +20,7 @@ device array of fixed shape in one registered pytree, so the cache goes through 
   write(layer, ...)  K/V of new tokens into their slots, through the page table (a scatter; dropped if no page,
                      and for every token of an overflowed row)
   advance(num_new)   lengths += num_new
+  rewind(lengths)    lengths set back (a speculative verify's rejected tokens), the pages wholly past them given back
   fork(parents)      a new batch whose row i continues sequence parents[i]: the table rows are gathered and the
                      counts adjusted; the partly filled last page of a sequence is copied (copy-on-write) for every
                      row but the first that continues it, so no write ever lands in a page another row reads
@@ -169,6 +170,20 @@ class PagedKVCache:
     def advance(self, num_new) -> "PagedKVCache":
         num_new = jnp.broadcast_to(jnp.asarray(num_new, jnp.int32), self.lengths.shape)
         return dataclasses.replace(self, lengths=self.lengths + num_new)
+
+    def rewind(self, lengths) -> "PagedKVCache":
+        """Sets each row's length back to lengths[b] (<= its length: the slots past it were written by a
+        speculative verify for tokens it rejected) and gives back the pages wholly past it, so the row holds
+        what it would had the rejected tokens never been written. The K/V left in the slots of its last page past
+        lengths[b] are never read (every query is masked to a row's length) and are overwritten by its next
+        writes. A page past a row's length is that row's own (sharing only ever covers written slots: forks,
+        prefix hits), so its count drops to 0."""
+        lengths = jnp.broadcast_to(jnp.asarray(lengths, jnp.int32), self.lengths.shape)
+        entry = jnp.arange(self.page_table.shape[1], dtype=jnp.int32)[None, :]
+        past = entry * self.page_size >= lengths[:, None]  # [B, M]: entries holding no slot below the length
+        dropped = jnp.where(past, self.page_table, NO_PAGE)
+        return dataclasses.replace(self, lengths=lengths, page_table=jnp.where(past, NO_PAGE, self.page_table),
+                                   refcounts=self.count_pages(dropped, -1, self.refcounts))
 
     def _slots(self, num_tokens: int, valid):
         """(page int32[B, T], offset int32[B, T]) of each row's next `num_tokens` slots; page P (out of range, so a

@@ -345,10 +345,15 @@ class PagePlan:
 
 
 def plan_pages(config: Config, prompt_lengths, max_new_tokens: int, *, n: int = 1,
-               page_size: int = DEFAULT_PAGE_SIZE, cache_dtype=None, max_len: int | None = None) -> PagePlan:
+               page_size: int = DEFAULT_PAGE_SIZE, cache_dtype=None, max_len: int | None = None,
+               lookahead: int = 0) -> PagePlan:
     """The paged layout `jaxkv.generate(..., n=n)` allocates (see `PagePlan`); ValueError for what cannot fit.
-    `max_len` bounds each sequence's slots (its page table holds ceil(max_len / page_size) pages)."""
-    lengths, max_new_tokens = _check_request("plan_pages", config, prompt_lengths, max_new_tokens)
+    `max_len` bounds each sequence's slots (its page table holds ceil(max_len / page_size) pages). `lookahead`:
+    k, the slots a speculative verify writes past a sequence's last token before it gives back what its rejected
+    tokens took (`PagedKVCache.rewind`): counted as k more new tokens per sequence, in slots and in pages."""
+    if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
+        raise ValueError(f"lookahead must be a non-negative integer, got {lookahead!r}")
+    lengths, max_new_tokens = _check_request("plan_pages", config, prompt_lengths, max_new_tokens + lookahead)
     n, page_size = positive_int("n", n), positive_int("page_size", page_size)
     cache_dtype = _cache_dtype(CacheGeometry.of(config), cache_dtype)
     limit = config.max_positions
@@ -367,7 +372,7 @@ def plan_pages(config: Config, prompt_lengths, max_new_tokens: int, *, n: int = 
     needed = sum(pages_for(x, max_new_tokens, n, page_size) for x in lengths)
     num_pages = next_pow2(needed)
     per_page = page_bytes(config, page_size, cache_dtype)
-    unshared = sum(n * (x + max_new_tokens) for x in lengths) * kv_bytes_per_token(config, cache_dtype)
+    unshared = sum(n * (x + max_new_tokens - lookahead) for x in lengths) * kv_bytes_per_token(config, cache_dtype)
     return PagePlan(batch=len(lengths), n=n, prefill_batch=next_pow2(len(lengths)),
                     padded_rows=next_pow2(len(lengths) * n), prompt_len=prompt_len, page_size=page_size,
                     max_pages=max_pages, pages_needed=needed, num_pages=num_pages, cache_dtype=cache_dtype,

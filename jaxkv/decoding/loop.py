@@ -265,17 +265,19 @@ def _append(history, length, tokens, count):
 def speculative_loop(params, cache: KVCache, logits, key, sampler, stop_ids, done, steps, history, length,
                      draft_params=None, draft_cache=None, *, config: Config, max_steps: int, attention: str,
                      stream: Callable | None, logprobs: int, plan, draft_config: Config | None = None) -> LoopOut:
-    """`decode_loop` with speculation (`jaxkv.decoding.speculation`) on a contiguous cache: each pass either
+    """`decode_loop` with speculation (`jaxkv.decoding.speculation`): each pass either
     verifies k proposals (the inputs: the last token and the proposals, k + 1 positions) or, when the adaptive
     rule says speculating does not pay, takes a plain one-token step. The batch shares the cache's write slot,
     so a verify keeps, for every running row, the proposals all running rows kept (m, the least): every token
     still comes out as `speculation.verify` draws it, and the cache's length rewinds to the kept slots (the
-    rejected slots' K/V lie past it, unseen, until overwritten). The cache needs k slots beyond the last token.
+    rejected slots' K/V lie past it, unseen, until overwritten; a paged row's length rewinds the same way and
+    gives back the pages past it, `PagedKVCache.rewind`). The cache needs k slots beyond the last token.
     history int32[B, P] and length int32[B]: each row's prompt (`SpecState`). Method "draft": the draft model's
     params, config and its cache prefilled with the same prompts (same slots)."""
     from jaxkv.decoding import speculation
 
     B, k = logits.shape[0], plan.num_tokens
+    paged = isinstance(cache, PagedKVCache)  # finished rows then store nothing (`programs.forward`'s `active`)
     # a verify writes k + 1 columns at the current step
     base = LoopState.start(cache, logits, key, done, width=max_steps + k + 1, top=logprobs)
     pick = functools.partial(emit, sampler=sampler, stop_ids=stop_ids, stream=stream, rows=None)
@@ -292,7 +294,7 @@ def speculative_loop(params, cache: KVCache, logits, key, sampler, stop_ids, don
         del proposals
         running = ~state.base.done
         logits, cache = programs.forward(params, state.last[:, None], state.base.cache, config=config,
-                                         attention=attention)
+                                         attention=attention, active=running if paged else None)
         if state.draft is not None:  # the draft's cache follows the target's
             state = state.replace(draft=programs.forward(draft_params, state.last[:, None], state.draft,
                                                          config=draft_config, attention=attention)[1])
@@ -306,13 +308,14 @@ def speculative_loop(params, cache: KVCache, logits, key, sampler, stop_ids, don
         s = state.base
         running = ~s.done
         key, verify_key, draft_key = jax.random.split(s.key, 3)
-        written = s.cache.length
+        written = s.cache.lengths if paged else s.cache.length
         q, draft = None, state.draft
         if draft is not None:  # (the n-gram proposals come from `body`)
             proposals, q, draft = _draft_chain(draft_params, draft, state.last, draft_key, sampler,
                                                config=draft_config, attention=attention, k=k)
         inputs = jnp.concatenate([state.last[:, None], proposals], axis=1)  # [B, k + 1]
-        logits, cache = programs.forward(params, inputs, s.cache, config=config, attention=attention)
+        logits, cache = programs.forward(params, inputs, s.cache, config=config, attention=attention,
+                                         active=running if paged else None)
         out = speculation.verify(logits, proposals, verify_key, sampler, q=q, top=logprobs)
         # Keep what every running row kept, and no more tokens than the budget allows.
         m = jnp.min(jnp.where(running, out.accepted, k))
@@ -332,7 +335,11 @@ def speculative_loop(params, cache: KVCache, logits, key, sampler, stop_ids, don
         def block(buf, x):
             return lax.dynamic_update_slice(buf, x, (0, s.step) + (0,) * (buf.ndim - 2))
 
-        base = s.replace(key=key, cache=dataclasses.replace(cache, length=written + m + 1), done=s.done | ended,
+        # The kept slots: the last token and the kept proposals (a row that stopped keeps those before its stop,
+        # as a plain step stores every token but the stop). A paged row gives back the pages past them.
+        cache = (cache.rewind(written + count) if paged
+                 else dataclasses.replace(cache, length=written + m + 1))
+        base = s.replace(key=key, cache=cache, done=s.done | ended,
                          num_new=s.num_new + count, step=s.step + m + 1, tokens=block(s.tokens, tokens),
                          logprobs=block(s.logprobs, out.logprob), top_ids=block(s.top_ids, out.top_ids),
                          top_logprobs=block(s.top_logprobs, out.top_logprobs))
@@ -343,7 +350,7 @@ def speculative_loop(params, cache: KVCache, logits, key, sampler, stop_ids, don
         rate = jnp.where(running, (1 - speculation.RATE_WEIGHT) * state.rate
                          + speculation.RATE_WEIGHT * out.accepted / k, state.rate)
         if draft is not None:
-            draft = dataclasses.replace(draft, length=written + m + 1)
+            draft = dataclasses.replace(draft, length=state.draft.length + m + 1)  # (its own slots)
         pays = jnp.min(jnp.where(running, speculation.expected_tokens(rate, k), jnp.inf)) >= plan.verify_cost
         wait = jnp.where(pays, speculation.PROBE_EVERY, jnp.minimum(speculation.PROBE_BACKOFF * state.wait,
                                                                     speculation.MAX_PROBE_WAIT))

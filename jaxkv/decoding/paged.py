@@ -11,17 +11,19 @@ import numpy as np
 
 from jaxkv import checks, sharding
 from jaxkv.cache import planner as memory
-from jaxkv.decoding import loop, programs, request, result
+from jaxkv.decoding import loop, programs, request, result, speculation
 from jaxkv.decoding.phase import Phase
 from jaxkv.model import Model
 
 
 def generate_paged(model: Model, prompts, *, n, page_size, max_new_tokens, temperature, top_k, top_p, min_p,
                    sampler, seed, stop_tokens, cache_dtype, attention, stream, prefix_cache=None,
-                   max_len=None, logprobs=0, mesh=None) -> result.Generation:
+                   max_len=None, logprobs=0, mesh=None, speculative=None, draft=None) -> result.Generation:
     """`generate` on a paged cache: each prompt prefilled once (after its cached prefix, with a prefix cache),
     its n samples forked from it. With a mesh (data 1): weights Megatron-style over "model", the pools over KV
-    heads, everything else on every device, as `jaxkv.Engine` runs on one."""
+    heads, everything else on every device, as `jaxkv.Engine` runs on one. `speculative`: a checked
+    `speculation.Plan` (no mesh): the speculative loop, each row verifying over its own pages (`draft`: the
+    draft model of method "draft", with a contiguous cache of its own)."""
     config = model.config
     token_lists = request.token_lists(prompts, config.vocab_size, model.tokenizer)
     max_new_tokens = checks.check_int("max_new_tokens", max_new_tokens, 1)
@@ -29,7 +31,8 @@ def generate_paged(model: Model, prompts, *, n, page_size, max_new_tokens, tempe
     cache_dtype = request.cache_dtype(config, cache_dtype)
     attention = request.attention(config, attention, paged=True)
     pages = memory.plan_pages(config, [len(p) for p in token_lists], max_new_tokens, n=n, page_size=page_size,
-                              cache_dtype=cache_dtype, max_len=request.optional_int("max_len", max_len))
+                              cache_dtype=cache_dtype, max_len=request.optional_int("max_len", max_len),
+                              lookahead=0 if speculative is None else speculative.num_tokens)
     rows = pages.batch * n
     if sampler is None:  # per-prompt settings, repeated for each of the prompt's samples
         settings = checks.sampling(temperature, top_k, top_p, min_p, rows=pages.batch)
@@ -45,6 +48,13 @@ def generate_paged(model: Model, prompts, *, n, page_size, max_new_tokens, tempe
     parents = np.full((pages.padded_rows,), -1, np.int32)
     parents[:rows] = np.repeat(np.arange(pages.batch), n)
     done = np.arange(pages.padded_rows) >= rows
+    row_prompts = [token_lists[p] for p in parents[:rows]]
+    draft_args, draft_kwargs = (), {}
+    if draft is not None:  # (before the prefix cache's transaction: it checks the draft before any compute)
+        draft_args = (draft.params, speculation.prefill_draft(draft, row_prompts, rows=pages.padded_rows,
+                                                              new_tokens=max_new_tokens + speculative.num_tokens,
+                                                              attention=attention))
+        draft_kwargs = {"draft_config": draft.config}
     # A call that fails at any point (a refused make_room, a sampler or stream that raises half way) leaves the
     # prefix cache's index and pool as it found them.
     with prefix_cache.transaction() if prefix_cache is not None else contextlib.nullcontext():
@@ -52,12 +62,22 @@ def generate_paged(model: Model, prompts, *, n, page_size, max_new_tokens, tempe
             logits, cache, hit, tokens = _prefill(params, token_lists, parents, pages, prefix_cache,
                                                   config=run_config, attention=attention, page_size=page_size,
                                                   cache_dtype=cache_dtype, mesh=mesh)
+        max_steps = loop.steps_bound(cache.capacity, False, max_new_tokens)
         with Phase() as decode_time:
-            out = loop.on_host_surfacing(on_step, lambda: loop.on_host(loop.decode_loop(
-                params, cache, logits, jax.device_put(key), sample_fn, jax.device_put(stop_ids),
-                jax.device_put(done), jax.device_put(np.int32(max_new_tokens)), config=run_config,
-                max_steps=loop.steps_bound(cache.capacity, False, max_new_tokens), rows=sampler_rows,
-                attention=attention, stream=on_step, mesh=mesh, logprobs=logprobs)))
+            if speculative is None:
+                out = loop.on_host_surfacing(on_step, lambda: loop.on_host(loop.decode_loop(
+                    params, cache, logits, jax.device_put(key), sample_fn, jax.device_put(stop_ids),
+                    jax.device_put(done), jax.device_put(np.int32(max_new_tokens)), config=run_config,
+                    max_steps=max_steps, rows=sampler_rows, attention=attention, stream=on_step, mesh=mesh,
+                    logprobs=logprobs)))
+            else:
+                history, length = speculation.prompt_history(row_prompts, pages.padded_rows,
+                                                             cache.capacity + speculative.num_tokens + 2)
+                out = loop.on_host_surfacing(on_step, lambda: loop.on_host(loop.speculative_loop(
+                    params, cache, logits, jax.device_put(key), sample_fn, jax.device_put(stop_ids),
+                    jax.device_put(done), np.int32(max_new_tokens), history, length, *draft_args,
+                    config=run_config, max_steps=max_steps, attention=attention, stream=on_step,
+                    logprobs=logprobs, plan=speculative, **draft_kwargs)))
         overflowed = bool(np.asarray(out.cache.overflowed).any())
         peak = int(out.cache.pages_in_use())  # nothing is freed while decoding, so the end is the peak
         if prefix_cache is not None:

@@ -213,3 +213,35 @@ def verify(logits, proposals, key, sampler: Sampler, *, q=None, top: int = 0) ->
 def expected_tokens(rate, k: int):
     """float32[B]: tokens a verify emits when each proposal is kept with probability `rate`: 1 + r + ... + r^k."""
     return sum(rate ** i for i in range(k + 1))
+
+
+def prompt_history(token_lists, rows: int, width: int):
+    """The n-gram proposer's starting history: int32[rows, width] with row b's prompt in its first
+    len(token_lists[b]) entries (rows past the list: empty), and int32[rows] those lengths."""
+    import numpy as np
+
+    history, length = np.zeros((rows, width), np.int32), np.zeros((rows,), np.int32)
+    for b, tokens in enumerate(token_lists):
+        history[b, : len(tokens)], length[b] = tokens, len(tokens)
+    return history, length
+
+
+def prefill_draft(draft, token_lists, *, rows: int, new_tokens: int, attention):
+    """The draft model's own contiguous cache with `token_lists` prefilled (left-padded; padded with empty rows to
+    `rows`), room for `new_tokens` more slots each (max_new_tokens + k) -> the cache. ValueError, before any
+    compute, where the draft cannot hold them."""
+    from jaxkv.cache import planner
+    from jaxkv.decoding import programs, request
+
+    need = max(map(len, token_lists)) + new_tokens
+    if need > draft.config.max_positions:
+        raise ValueError(f"the draft model has {draft.config.max_positions} positions; the longest prompt, "
+                         f"max_new_tokens and the lookahead need {need}")
+    request.check_config(draft.config)
+    bucket = max(planner.MIN_PROMPT_BUCKET, planner.next_pow2(max(map(len, token_lists))))
+    tokens, start = request.left_pad(list(token_lists) + [[0]] * (rows - len(token_lists)), length=bucket)
+    _, cache = programs.prefill(draft.params, jax.device_put(tokens), jax.device_put(start), config=draft.config,
+                                capacity=planner.next_pow2(bucket + new_tokens),
+                                attention=request.attention(draft.config, attention),
+                                cache_dtype=request.cache_dtype(draft.config, None), ring=False, mesh=None)
+    return cache

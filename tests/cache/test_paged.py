@@ -309,6 +309,13 @@ def _write(cache, n):
     return cache.write(0, k, k).advance(n)
 
 
+@jax.jit
+def _verify(cache, kept):
+    """A speculative verify: 3 slots written per row, then the row rewound to keep `kept[b]` of them."""
+    start = cache.lengths
+    return _write(cache, 3).rewind(start + kept)
+
+
 _fork = jax.jit(PagedKVCache.fork)
 _release = jax.jit(PagedKVCache.release)
 
@@ -325,13 +332,23 @@ def _check_counts(cache):
 
 
 @settings(max_examples=25, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["write", "fork", "release"]), st.integers(0, 2**16)), max_size=24))
+@given(st.lists(st.tuples(st.sampled_from(["write", "fork", "release", "verify"]), st.integers(0, 2**16)),
+                max_size=24))
 def test_refcounts_stay_exact_and_nothing_leaks(ops):
     cache = PagedKVCache.allocate(TINY, B, num_pages=PAGES, page_size=PAGE, max_len=MAX_LEN)
     for op, seed in ops:
         rng = np.random.default_rng(seed)
         if op == "write":
             cache = _write(cache, int(rng.integers(1, 3)))
+        elif op == "verify":
+            before = np.asarray(cache.lengths)
+            kept = rng.integers(0, 4, B)
+            cache = _verify(cache, jnp.asarray(kept, jnp.int32))
+            # a row that found its pages keeps exactly what it kept, and holds pages for those slots only
+            ok = ~np.asarray(cache.overflowed)
+            np.testing.assert_array_equal(np.asarray(cache.lengths)[ok], (before + kept)[ok])
+            held = np.sum(np.asarray(cache.page_table) >= 0, axis=1)
+            assert (held[ok] == -(-(before + kept)[ok] // PAGE)).all()
         elif op == "fork":
             cache = _fork(cache, jnp.asarray(rng.integers(0, B, B), jnp.int32))
         else:

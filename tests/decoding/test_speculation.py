@@ -178,6 +178,73 @@ def test_cache_after_rejections_equals_plain_decoding():
                                atol=1e-6, rtol=0)
 
 
+def test_paged_cache_after_rejections_equals_plain_decoding():
+    """Rows of two lengths on pages of 4 slots, a verify of 5 positions every pass (most rejected): each row's
+    length, its count of pages, the pool's refcounts and every kept slot's K/V (read through the row's page
+    table) equal plain decoding's. Which free page a row takes may differ (a verify reserves for k + 1 slots
+    at once, then gives back what the rejected ones took)."""
+    from jaxkv.attention.paged_reference import gather_pages
+    from jaxkv.decoding import programs
+
+    m = model("gqa")
+    cfg = m.config
+    ps = prompts(cfg.vocab_size, seed=5)
+    tokens, positions = np.zeros((2, 32), np.int32), np.full((2, 32), -1, np.int32)
+    for b, p in enumerate(ps):
+        tokens[b, : len(p)], positions[b, : len(p)] = p, np.arange(len(p))
+    sampler, stop = Sampler.make(temperature=[0.0, 0.0]), jnp.full((8,), -1, jnp.int32)
+    history, length = speculation.prompt_history(ps, 2, 80)
+    outs = []
+    for spec in (None, speculation.Speculation("ngram", 4, adaptive=False).check(m)):
+        logits, cache = programs.prefill_paged(m.params, tokens, positions, jnp.arange(2, dtype=jnp.int32),
+                                               config=cfg, attention="xla", num_pages=32, page_size=4,
+                                               max_pages=16, cache_dtype="float32")
+        args = (m.params, cache, logits, jax.random.PRNGKey(0), sampler, stop, jnp.zeros((2,), bool), jnp.int32(20))
+        if spec is None:
+            out = loop.decode_loop(*args, config=cfg, max_steps=65, rows=None, attention="xla", stream=None,
+                                   mesh=None)
+        else:
+            out = loop.speculative_loop(*args, history, length, config=cfg, max_steps=65, attention="xla",
+                                        stream=None, logprobs=0, plan=spec)
+            assert int(out.verifies) > 5 and int(np.sum(out.accepted)) < int(np.sum(out.proposed)) / 2
+        outs.append(out)
+    plain, spec = outs
+    np.testing.assert_array_equal(plain.tokens, spec.tokens)
+    a, b = plain.cache, spec.cache
+    np.testing.assert_array_equal(a.lengths, b.lengths)
+    np.testing.assert_array_equal(np.sum(np.asarray(a.page_table) >= 0, axis=1),
+                                  np.sum(np.asarray(b.page_table) >= 0, axis=1))
+    np.testing.assert_array_equal(np.sort(np.asarray(a.refcounts)), np.sort(np.asarray(b.refcounts)))
+    for layer, (ka, kb) in enumerate(zip(a.keys + a.values, b.keys + b.values)):
+        ga, gb = gather_pages(ka, a.page_table), gather_pages(kb, b.page_table)
+        for row, n in enumerate(np.asarray(a.lengths)):
+            np.testing.assert_allclose(np.asarray(ga[row, :, :n]), np.asarray(gb[row, :, :n]),
+                                       **(dict(atol=1e-6, rtol=0) if layer == 0
+                                          else tolerance("speculative cache", "float32")))
+
+
+def test_paged_greedy_equals_plain_decoding_with_samples_pages_and_a_prefix_cache():
+    """n = 2 samples per prompt, pages of 4 slots (prompts and outputs cross page boundaries), and a prefix cache
+    (a miss, then a hit): the tokens are plain decoding's; the pool ends with the free pages and cached prefixes
+    a run without speculation leaves."""
+    m = model("gqa")
+    ps = prompts(m.config.vocab_size, seed=3)
+    spec = Speculation("ngram", 4, adaptive=False)
+    plain = jaxkv.generate(m, ps, max_new_tokens=20, stop_tokens=[], n=2, page_size=4)
+    got = jaxkv.generate(m, ps, max_new_tokens=20, stop_tokens=[], n=2, page_size=4, speculative=spec)
+    assert got.tokens == plain.tokens and got.stats["spec_verifies"] > 0
+    assert got.stats["pages_in_use_peak"] == plain.stats["pages_in_use_peak"]
+    pools = []
+    for speculative in (None, spec):
+        pc = jaxkv.PrefixCache(m, num_pages=64, page_size=4)
+        for _ in range(2):
+            out = jaxkv.generate(m, ps, max_new_tokens=20, stop_tokens=[], prefix_cache=pc, speculative=speculative)
+            assert out.tokens == plain.tokens[::2]
+        assert out.stats["prefix_hit_tokens"] > 0
+        pools.append((pc.free_pages(), pc.cached_pages))
+    assert pools[0] == pools[1]
+
+
 def test_sampled_output_is_reproducible_and_streams_what_it_returns():
     m = model("gqa")
     ps = prompts(m.config.vocab_size, seed=6)
@@ -271,7 +338,7 @@ def test_bad_speculation_is_refused(make, message):
     (dict(speculative=Speculation("draft", draft=jaxkv.Model.random(CONFIGS["gqa"].replace(vocab_size=50)))),
      "vocabulary"),
     (dict(speculative=Speculation("ngram"), sampler=lambda logits, key: jnp.argmax(logits, -1)), "custom sampler"),
-    (dict(speculative=Speculation("ngram"), n=2), "contiguous cache"),
+    (dict(speculative=Speculation("ngram", 8), n=2, max_len=30), "exceeds max_len"),
     (dict(speculative=Speculation("draft", draft="small")), "must be a jaxkv.Model"),
     (dict(speculative="ngram"), "must be a jaxkv.Speculation"),
     (dict(speculative=Speculation("ngram", 8), max_len=30), "exceeds max_len"),
