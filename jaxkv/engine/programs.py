@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import flax.struct
 import jax
@@ -40,6 +41,8 @@ class State:
     stop_ids: int32[S, STOP_SLOTS], padded with -1
     budget:   int32[S], tokens the slot's request may still emit
     top:      int32[S], top alternatives wanted per token (0: none)
+    spec:     with speculation, the per-slot `jaxkv.engine.speculative.Slots` (each slot's last token, its
+              history, its acceptance estimate); else None
     """
 
     cache: PagedKVCache
@@ -51,9 +54,10 @@ class State:
     stop_ids: jax.Array
     budget: jax.Array
     top: jax.Array
+    spec: Any = None
 
 
-def _placed(state: State, mesh) -> State:
+def placed(state: State, mesh) -> State:
     """On a mesh, the cache keeps its layout (pools split over KV heads; `sharding.paged_cache_shardings`)."""
     return state.replace(cache=sharding.constrain_cache(state.cache, mesh))
 
@@ -62,7 +66,7 @@ def _free_pages(state: State) -> jax.Array:
     return jnp.sum(state.cache.refcounts == 0, dtype=jnp.int32)
 
 
-def _rows(cache: PagedKVCache, rows) -> PagedKVCache:
+def rows_of(cache: PagedKVCache, rows) -> PagedKVCache:
     """The cache's rows `rows` (int32[n], -1: an empty row) as a batch of their own over the same pools."""
     used = rows >= 0
     row = jnp.maximum(rows, 0)
@@ -71,8 +75,8 @@ def _rows(cache: PagedKVCache, rows) -> PagedKVCache:
                                overflowed=jnp.where(used, cache.overflowed[row], False))
 
 
-def _put_rows(cache: PagedKVCache, rows, sub: PagedKVCache) -> PagedKVCache:
-    """`sub` (from `_rows(cache, rows)`, then used) back into the cache: its pools and counts, its rows' tables."""
+def put_rows(cache: PagedKVCache, rows, sub: PagedKVCache) -> PagedKVCache:
+    """`sub` (from `rows_of(cache, rows)`, then used) back into the cache: its pools and counts, its rows' tables."""
     back = jnp.where(rows >= 0, rows, cache.batch)  # out of range for empty rows: dropped
     return dataclasses.replace(sub, page_table=cache.page_table.at[back].set(sub.page_table, mode="drop"),
                                lengths=cache.lengths.at[back].set(sub.lengths, mode="drop"),
@@ -88,7 +92,7 @@ def admit(state: State, row, table_row, length, *, mesh=None):
                                 lengths=cache.lengths.at[row].set(length),
                                 overflowed=cache.overflowed.at[row].set(False),
                                 refcounts=cache.count_pages(table_row, +1, cache.refcounts))
-    state = _placed(state.replace(cache=cache), mesh)
+    state = placed(state.replace(cache=cache), mesh)
     return state, _free_pages(state)
 
 
@@ -101,7 +105,7 @@ def prefill(params, state: State, rows, tokens, counts, *, config, mesh=None):
     `chunk`): a prompt prefilled in one chunk with no cached prefix reads nothing quantized, as generate's
     prefill."""
     R, C = tokens.shape
-    sub = _rows(state.cache, rows)
+    sub = rows_of(state.cache, rows)
     t = jnp.arange(C, dtype=jnp.int32)[None, :]
     positions = jnp.where(t < counts[:, None], sub.lengths[:, None] + t, -1)  # [R, C], -1: padding
     # XLA attention: the Pallas paged kernel takes one query per sequence.
@@ -109,11 +113,11 @@ def prefill(params, state: State, rows, tokens, counts, *, config, mesh=None):
                                               attention="xla", chunk=True)
     S, Q = state.logits.shape[0], state.staged.shape[0]
     staged = state.staged.at[jnp.where(counts > 0, rows - S, Q)].set(logits[:, 0], mode="drop")
-    state = _placed(state.replace(cache=_put_rows(state.cache, rows, sub), staged=staged), mesh)
+    state = placed(state.replace(cache=put_rows(state.cache, rows, sub), staged=staged), mesh)
     return state, _free_pages(state)
 
 
-def _shift(state: State, shifts) -> State:
+def shift_slots(state: State, shifts) -> State:
     """Slot s takes over the request decoding in slot shifts[s] (-1: none): its page-table row, length and
     per-slot state move (no page is copied or recounted) and the source slot empties. Destinations are free slots
     and sources decoding ones (the host's compaction), so the two sets are disjoint."""
@@ -136,10 +140,10 @@ def _shift(state: State, shifts) -> State:
     decoding = pick(state.decoding).at[emptied].set(False, mode="drop")
     return state.replace(cache=cache, logits=pick(state.logits), keys=pick(state.keys), decoding=decoding,
                          sampler=jax.tree.map(pick, state.sampler), stop_ids=pick(state.stop_ids),
-                         budget=pick(state.budget), top=pick(state.top))
+                         budget=pick(state.budget), top=pick(state.top), spec=jax.tree.map(pick, state.spec))
 
 
-def _move_in(state: State, moves, keys, sampler: Sampler, stop_ids, budget, top) -> State:
+def move_in(state: State, moves, keys, sampler: Sampler, stop_ids, budget, top) -> State:
     """Slot s takes the request prefilled in staging row moves[s] (-1: none) with its settings: the staging row's
     page-table row and length move to the slot (no page is copied or recounted) and the staging row empties."""
     S = state.logits.shape[0]
@@ -167,7 +171,7 @@ def _move_in(state: State, moves, keys, sampler: Sampler, stop_ids, budget, top)
                    donate_argnames=("state",))
 def decode(params, state: State, shifts, moves, keys, sampler, stop_ids, budget, top, *, config, attention,
             steps: int, width: int, mesh=None):
-    """Moves decoding requests down into free slots (`_shift`), prefilled requests into free slots (`_move_in`),
+    """Moves decoding requests down into free slots (`shift_slots`), prefilled requests into free slots (`move_in`),
     then `steps` decode steps over slots [0, width) ->
     (state, per step: int32[S] tokens (-1: the slot did not decode), float32[S] their log-probabilities, the top
     alternatives, int32[S] finish codes (FINISH_REASONS)), int32[] free pages).
@@ -175,7 +179,7 @@ def decode(params, state: State, shifts, moves, keys, sampler, stop_ids, budget,
     Only the first `width` (W) slots are computed: the host packs requests into the lowest free slots and picks the
     smallest compiled width holding every decoding slot, so a lightly loaded engine does not pay for its empty
     slots (a decode step's cost grows with its batch). Slots at or past W must not be decoding."""
-    state = _move_in(_shift(state, shifts), moves, keys, sampler, stop_ids, budget, top)
+    state = move_in(shift_slots(state, shifts), moves, keys, sampler, stop_ids, budget, top)
     S, W = state.logits.shape[0], width
     slots = jnp.arange(W, dtype=jnp.int32)
 
@@ -195,10 +199,10 @@ def decode(params, state: State, shifts, moves, keys, sampler, stop_ids, budget,
 
         def forward(state):
             # The first W slots as a batch of their own: the staging rows take no part in decoding.
-            sub = _rows(state.cache, slots)
+            sub = rows_of(state.cache, slots)
             logits, sub = programs.forward(params, jnp.where(going, tokens, 0)[:, None], sub, config=config,
                                    attention=attention, active=going, mesh=mesh)
-            return logits[:, 0], _put_rows(state.cache, slots, sub)
+            return logits[:, 0], put_rows(state.cache, slots, sub)
 
         # The last token of a request is never fed back: a step where every slot finishes runs no model.
         logits, cache = lax.cond(jnp.any(going), forward, lambda s: (s.logits[:W], s.cache), state)
@@ -208,7 +212,7 @@ def decode(params, state: State, shifts, moves, keys, sampler, stop_ids, budget,
         keys = jnp.where(run[:, None], split[:, 0], state.keys[:W])
         state = state.replace(cache=cache, logits=state.logits.at[:W].set(logits), keys=state.keys.at[:W].set(keys),
                               decoding=state.decoding.at[:W].set(going), budget=state.budget.at[:W].set(budget))
-        state = _placed(state, mesh)
+        state = placed(state, mesh)
 
         def full(x, fill):  # [W, ...] -> [S, ...]: the slots past W did not decode
             return jnp.full((S,) + x.shape[1:], fill, x.dtype).at[:W].set(x)
@@ -232,7 +236,7 @@ def decode(params, state: State, shifts, moves, keys, sampler, stop_ids, budget,
 def release(state: State, rows, *, mesh=None):
     """Cache rows where `rows` (bool[S + Q]) is true drop their pages; such slots stop decoding."""
     S = state.logits.shape[0]
-    state = _placed(state.replace(cache=state.cache.release(rows), decoding=state.decoding & ~rows[:S]), mesh)
+    state = placed(state.replace(cache=state.cache.release(rows), decoding=state.decoding & ~rows[:S]), mesh)
     return state, _free_pages(state)
 
 
@@ -242,7 +246,7 @@ def refs(state: State, pages, delta, *, mesh=None):
     cache = state.cache
     flat = jnp.where(pages >= 0, pages, cache.num_pages)
     cache = dataclasses.replace(cache, refcounts=cache.refcounts.at[flat].add(delta, mode="drop"))
-    state = _placed(state.replace(cache=cache), mesh)
+    state = placed(state.replace(cache=cache), mesh)
     return state, _free_pages(state)
 
 

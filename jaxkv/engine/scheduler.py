@@ -19,7 +19,9 @@ from jaxkv.cache import planner as memory
 from jaxkv.cache.paged import NO_PAGE
 from jaxkv.cache.prefix import PrefixCache
 from jaxkv.decoding import request
+from jaxkv.decoding.speculation import Speculation
 from jaxkv.engine import outputs, programs
+from jaxkv.engine import speculative as speculative_program
 from jaxkv.engine.outputs import Event, Result
 from jaxkv.engine.requests import Request, padded
 from jaxkv.engine.programs import FINISH_REASONS, MAX_LOGPROBS, STOP_SLOTS
@@ -62,12 +64,17 @@ class Engine:
       decode_widths: the batch widths decode dispatches are compiled for (default: 1, 2, 4, ... and `slots`); a
         dispatch computes the first W slots for the smallest W holding every decoding slot. Fewer widths compile
         fewer programs; `[slots]` computes every slot every step. Must include `slots`.
+      speculative: a `jaxkv.Speculation("ngram", k)`: each decode step of a slot whose sequence so far predicts
+        its next tokens verifies k of them in one pass (`jaxkv.engine.speculative`); every request's output is
+        distributed as without it (greedy: the same tokens), each slot keeps its own accepted count and falls
+        back to plain steps on its own (`adaptive`). A request's worst case then counts k more slots. `stats`
+        adds the speculation counters. The n-gram proposer only (a draft model or MTP: ValueError); no mesh.
     """
 
     def __init__(self, model: Model, *, slots: int, max_len: int, page_size: int | None = None,
                  cache_dtype: str | None = None, prefix_cache=None, mesh=None, num_pages: int | None = None,
                  prefill_chunk: int = 128, prefill_rows: int = 4, steps_per_dispatch: int = 8,
-                 attention: str | None = None, decode_widths: Sequence[int] | None = None):
+                 attention: str | None = None, decode_widths: Sequence[int] | None = None, speculative=None):
         if not isinstance(model, Model):
             raise ValueError(f"model must be a jaxkv.Model, got {type(model).__name__}")
         config = model.config
@@ -89,7 +96,19 @@ class Engine:
             page_size = prefix_cache.page_size if page_size is None else page_size
             prefix_cache.check(model, self.cache_dtype, checks.check_int("page_size", page_size, 1), self.mesh)
         self.page_size = checks.check_int("page_size", memory.DEFAULT_PAGE_SIZE if page_size is None else page_size, 1)
-        self.max_pages = -(-self.max_len // self.page_size)  # M
+        self.speculation = None  # the checked `speculation.Plan`
+        if speculative is not None:
+            if not isinstance(speculative, Speculation):
+                raise ValueError(f"speculative must be a jaxkv.Speculation, got {type(speculative).__name__}")
+            self.speculation = speculative.check(model)
+            if self.speculation.method != "ngram":
+                raise ValueError(f"the engine speculates with the n-gram proposer only (Speculation('ngram')), not "
+                                 f"{self.speculation.method!r}")
+            if self.mesh is not None:
+                raise ValueError("the engine does not speculate on a mesh yet")
+        self._lookahead = 0 if self.speculation is None else self.speculation.num_tokens
+        # M: a verify writes k slots past the last token before it gives back what the rejected ones took.
+        self.max_pages = -(-(self.max_len + self._lookahead) // self.page_size)
         if prefix_cache is not None:
             self.num_pages = prefix_cache.num_pages
         else:
@@ -154,7 +173,7 @@ class Engine:
             if len(prompt) + max_new_tokens > self.max_len:
                 raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                                  f"engine's max_len ({self.max_len})")
-            pages = -(-(len(prompt) + max_new_tokens - 1) // self.page_size)
+            pages = -(-(len(prompt) + max_new_tokens - 1 + self._lookahead) // self.page_size)
             if pages > self.num_pages:
                 raise ValueError(f"the request needs {pages} pages of {self.page_size} slots; the pool has "
                                  f"{self.num_pages}")
@@ -310,6 +329,15 @@ class Engine:
         c["decode_padding"] = 1.0 - c.get("decode_rows_used", 0) / computed if computed else 0.0
         computed = c.get("prefill_tokens_computed", 0)
         c["prefill_padding"] = 1.0 - c.get("prefill_tokens", 0) / computed if computed else 0.0
+        if self.speculation is not None:
+            proposed = c.setdefault("spec_proposed", 0)
+            c["spec_acceptance_rate"] = c.get("spec_accepted", 0) / proposed if proposed else 0.0
+            for name in ("spec_accepted", "spec_verifies", "target_forwards"):
+                c.setdefault(name, 0)
+            # Tokens per decode forward pass per decoding slot (the first token of each request comes from its
+            # prefill's logits and is not counted).
+            rows = c.get("decode_rows_used", 0)
+            c["tokens_per_target_forward"] = c.pop("pass_tokens", 0) / rows if rows else 0.0
         return c
 
     def warm_up(self):
@@ -324,12 +352,10 @@ class Engine:
         sampler = Sampler(temperature=np.zeros((S,), np.float32), top_k=np.zeros((S,), np.int32),
                           top_p=np.ones((S,), np.float32), min_p=np.zeros((S,), np.float32))
         for width in self.decode_widths:  # nothing decodes: each dispatch only compiles
-            self._state, _, free = programs.decode(self._params, self._state, none, none,
-                                                   np.zeros((S, *self._key_shape), np.uint32), sampler,
-                                                   np.full((S, STOP_SLOTS), -1, np.int32), np.zeros((S,), np.int32),
-                                                   np.zeros((S,), np.int32), config=self._run_config,
-                                                   attention=self.attention, steps=self.steps_per_dispatch, width=width,
-                                                   mesh=self.mesh)
+            self._state, _, free, _ = self._decode(width, none, none, np.zeros((S, *self._key_shape), np.uint32),
+                                                   sampler, np.full((S, STOP_SLOTS), -1, np.int32),
+                                                   np.zeros((S,), np.int32), np.zeros((S,), np.int32),
+                                                   *self._prompts([]))
         self._free = int(free)
         self._return_pool()
         self.reset_stats()
@@ -350,14 +376,15 @@ class Engine:
             self.prefix_cache.lent_to = self
         else:
             cache = programs.allocate(self._run_config, S + Q, num_pages=self.num_pages, page_size=self.page_size,
-                                      max_len=self.max_len, dtype=self.cache_dtype)
+                                      max_len=self.max_pages * self.page_size, dtype=self.cache_dtype)
         self._state = programs.State(
             cache=cache, staged=jnp.zeros((Q, V), jnp.float32), logits=jnp.zeros((S, V), jnp.float32),
             keys=jnp.zeros((S, *self._key_shape), jnp.uint32), decoding=jnp.zeros((S,), bool),
             sampler=Sampler(temperature=jnp.zeros((S,), jnp.float32), top_k=jnp.zeros((S,), jnp.int32),
                             top_p=jnp.ones((S,), jnp.float32), min_p=jnp.zeros((S,), jnp.float32)),
             stop_ids=jnp.full((S, STOP_SLOTS), -1, jnp.int32), budget=jnp.zeros((S,), jnp.int32),
-            top=jnp.zeros((S,), jnp.int32))
+            top=jnp.zeros((S,), jnp.int32),
+            spec=None if self.speculation is None else speculative_program.Slots.empty(S, self._history_width))
         if self.mesh is not None:  # the pools split over KV heads, everything else on every device
             rep = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
             shardings = jax.tree.map(lambda _: rep, self._state)
@@ -478,17 +505,24 @@ class Engine:
         high = max(slot for slot, rid in enumerate(self._by_slot) if rid is not None) + 1
         width = next(w for w in self.decode_widths if w >= high)
         t0 = time.perf_counter()
-        self._state, out, free = programs.decode(self._params, self._state, shifts, moves, keys, sampler, stop_ids,
-                                                 budget, top, config=self._run_config, attention=self.attention,
-                                                 steps=self.steps_per_dispatch, width=width, mesh=self.mesh)
+        moved = [self._requests[self._by_slot[slot]] for slot in np.flatnonzero(moves >= 0)]
+        self._state, out, free, counts = self._decode(width, shifts, moves, keys, sampler, stop_ids, budget, top,
+                                                      *self._prompts(moved))
         out = outputs.DecodeOut(*(np.asarray(x) for x in out))
         self._free = int(free)
         self._stats["decode_s"] += time.perf_counter() - t0
         self._stats["decode_dispatches"] += 1
-        ran = int(np.sum(np.any(out.tokens >= 0, axis=1)))  # steps some slot decoded
-        self._stats["decode_steps"] += ran
-        self._stats["decode_rows_computed"] += ran * width
-        self._stats["decode_rows_used"] += int(np.sum(out.tokens >= 0))
+        if self.speculation is not None:
+            counted = dict(zip(speculative_program.COUNTERS, map(int, np.asarray(counts))))
+            for name, value in counted.items():
+                self._stats[name] += value
+            self._stats["decode_steps"] += counted["target_forwards"]
+            self._stats["decode_rows_computed"] += counted["target_forwards"] * width
+        else:
+            ran = int(np.sum(np.any(out.tokens >= 0, axis=1)))  # steps some slot decoded
+            self._stats["decode_steps"] += ran
+            self._stats["decode_rows_computed"] += ran * width
+            self._stats["decode_rows_used"] += int(np.sum(out.tokens >= 0))
         events = []
         for slot, rid in enumerate(self._by_slot):
             req = self._requests.get(rid) if rid is not None else None
@@ -497,6 +531,8 @@ class Engine:
             new, new_logp, new_top, fed = outputs.slot_tokens(out, slot, req.top)
             req.written += fed
             req.tokens += new
+            if self.speculation is not None and new:  # its last token waits to be fed at its next pass
+                req.written = len(req.prompt) + len(req.tokens) - 1
             req.logprobs += new_logp
             req.top_logprobs += new_top
             self._stats["generated_tokens"] += len(new)
@@ -508,6 +544,34 @@ class Engine:
                 events.append(self._notify(req, Event(req.id, new, new_logp, bool(code), FINISH_REASONS[code],
                                                       new_top if req.top else None)))
         return events
+
+    @property
+    def _history_width(self) -> int:
+        return speculative_program.history_width(self.max_len, self._lookahead)
+
+    def _prompts(self, moved):
+        """With speculation, the n-gram proposer's history of each slot a request moves into (its prompt) ->
+        (int32[S, H], int32[S]); without, nothing."""
+        if self.speculation is None:
+            return ()
+        prompts = np.zeros((self.slots, self._history_width), np.int32)
+        lengths = np.zeros((self.slots,), np.int32)
+        for req in moved:
+            prompts[req.row, :len(req.prompt)], lengths[req.row] = req.prompt, len(req.prompt)
+        return prompts, lengths
+
+    def _decode(self, width, shifts, moves, keys, sampler, stop_ids, budget, top, *prompts):
+        """One decode dispatch (`programs.decode`, or with speculation `speculative.decode`) -> (state, outputs,
+        free pages, the speculation counters or None)."""
+        if self.speculation is None:
+            state, out, free = programs.decode(self._params, self._state, shifts, moves, keys, sampler, stop_ids,
+                                               budget, top, config=self._run_config, attention=self.attention,
+                                               steps=self.steps_per_dispatch, width=width, mesh=self.mesh)
+            return state, out, free, None
+        return speculative_program.decode(self._params, self._state, shifts, moves, keys, sampler, stop_ids, budget, top,
+                                  *prompts, config=self._run_config, attention=self.attention,
+                                  steps=self.steps_per_dispatch, width=width, plan=self.speculation,
+                                  mesh=self.mesh)
 
     def _compact(self) -> np.ndarray:
         """Requests decoding in slots at or past the width their number needs move down into the free slots below

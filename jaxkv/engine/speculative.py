@@ -1,0 +1,257 @@
+"""The engine's decode program with speculation (`Engine(..., speculative=jaxkv.Speculation("ngram"))`).
+
+The plain program keeps each slot's next-token logits and, each step, samples from them and feeds the token
+back. Here a slot keeps its last emitted token instead (`Slots.last`), because a verify's last emitted token
+(the residual or bonus draw) has no logits yet: each pass feeds every decoding slot's last token, and a slot
+that speculates also feeds its k proposals behind it (k + 1 positions, `speculation.verify` per slot), so one
+forward pass over the dispatch's W slots emits 1 token for a slot that does not speculate and up to k + 1 for
+one that does. Every slot keeps its own count of accepted proposals (the paged cache's lengths are per row),
+rewinds to its kept slots and gives back the pages its rejected tokens took (`PagedKVCache.rewind`).
+
+A slot's tokens depend on its own state only, never on the batch: whether it speculates is its own adaptive
+rule (its running acceptance estimate, its own probe counters), and its PRNG key is split once per pass it runs
+whatever kind of pass that is, so a request draws what it draws alone in the engine. A non-speculating slot in a
+verify pass draws its token from the same logits (its first position) as in a plain pass.
+
+Letters as in `jaxkv.shapes`: S slots, W computed slots, k proposals, H history entries, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxkv.decoding import speculation, step
+from jaxkv.engine.programs import (MAX_LOGPROBS, State, move_in, placed, put_rows, rows_of,
+                                   shift_slots)
+from jaxkv.model import Decoder
+
+
+# What `decode` counts per dispatch: proposals verified, proposals kept, verify passes, forward passes, slots
+# decoding summed over passes, tokens those passes emitted (a request's first token, from its prefill, not counted).
+COUNTERS = ("spec_proposed", "spec_accepted", "spec_verifies", "target_forwards", "decode_rows_used",
+            "pass_tokens")
+
+
+@flax.struct.dataclass
+class Slots:
+    """Per-slot speculation state, beside `programs.State` (`State.spec`).
+
+    last:    int32[S], the slot's last emitted token, fed at its next pass.
+    history: int32[S, H], the slot's tokens so far (prompt, then output) in its first `length[s]` entries.
+    length:  int32[S].
+    rate:    float32[S], the running estimate of the fraction of its proposals kept.
+    idle:    int32[S], passes since it last verified; wait: int32[S], passes before its next probe.
+    """
+
+    last: jax.Array
+    history: jax.Array
+    length: jax.Array
+    rate: jax.Array
+    idle: jax.Array
+    wait: jax.Array
+
+    @classmethod
+    def empty(cls, slots: int, width: int) -> "Slots":
+        def z():  # (one buffer each: the state is donated)
+            return jnp.zeros((slots,), jnp.int32)
+
+        return cls(last=z(), history=jnp.zeros((slots, width), jnp.int32), length=z(),
+                   rate=jnp.zeros((slots,), jnp.float32), idle=z(), wait=z())
+
+
+def _append(history, length, tokens, count):
+    """tokens[s, :count[s]] to history[s, length[s]:] -> (history, length + count)."""
+    S, T = tokens.shape
+    i = jnp.arange(T)[None, :]
+    at = jnp.where(i < count[:, None], length[:, None] + i, history.shape[1])  # out of range: dropped
+    rows = jnp.broadcast_to(jnp.arange(S)[:, None], (S, T))
+    return history.at[rows, at].set(tokens, mode="drop"), length + count
+
+
+def _finish_code(finished, nan, stopped):
+    return jnp.where(finished, jnp.where(nan, 3, jnp.where(stopped, 1, 2)), 0)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "attention", "steps", "width", "plan", "mesh"),
+                   donate_argnames=("state",))
+def decode(params, state: State, shifts, moves, keys, sampler, stop_ids, budget, top, prompts, prompt_lengths, *,
+           config, attention, steps: int, width: int, plan, mesh=None):
+    """`programs.decode` with speculation: moves, then the slots that just moved in draw their first token from
+    their prefill's logits, then `steps` passes over slots [0, width) ->
+    (state, per emitted position: int32[1 + steps (k + 1), S] tokens (-1: none), their log-probabilities, top
+    alternatives and finish codes, int32[] free pages, int32[6] `COUNTERS`). prompts int32[S, H] / prompt_lengths int32[S]: each moving slot's prompt
+    (the n-gram proposer's history; other rows ignored). plan: the checked `speculation.Plan`."""
+    S, W, k = state.logits.shape[0], width, plan.num_tokens
+    moving = moves >= 0
+    state = move_in(shift_slots(state, shifts), moves, keys, sampler, stop_ids, budget, top)
+    spec = state.spec
+    spec = spec.replace(history=jnp.where(moving[:, None], prompts, spec.history),
+                        length=jnp.where(moving, prompt_lengths, spec.length),
+                        rate=jnp.where(moving, speculation.INITIAL_RATE, spec.rate),
+                        idle=jnp.where(moving, 0, spec.idle),
+                        wait=jnp.where(moving, speculation.PROBE_EVERY, spec.wait))
+    state = state.replace(spec=spec)
+    slots = jnp.arange(W, dtype=jnp.int32)
+    top_wanted = jnp.any(state.decoding[:W] & (state.top[:W] > 0))
+
+    def w(x):  # the first W slots
+        return x[:W]
+
+    def full(x, fill):  # [W, ...] -> [S, ...]: the slots past W did not decode
+        return jnp.full((S,) + x.shape[1:], fill, x.dtype).at[:W].set(x)
+
+    def settle(state, run, tokens, count, nan, stopped, logprob, top_ids, top_logp):
+        """Records a pass's tokens per slot (tokens [W, T], the first count[s] emitted), ends the slots that
+        stopped or ran out of budget (their pages released) -> (state, the pass's outputs as [T, S] blocks)."""
+        budget = w(state.budget) - count
+        finished = run & (stopped | (budget <= 0))
+        T = tokens.shape[1]
+        emitted = jnp.arange(T)[None, :] < count[:, None]
+        last = jnp.take_along_axis(tokens, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
+        spec = state.spec
+        history, length = _append(w(spec.history), w(spec.length), tokens, count)
+        spec = spec.replace(last=spec.last.at[:W].set(jnp.where(run & ~finished, last, w(spec.last))),
+                            history=spec.history.at[:W].set(history), length=spec.length.at[:W].set(length))
+        cache = state.cache.release(jnp.zeros((state.cache.batch,), bool).at[:W].set(finished))
+        state = state.replace(cache=cache, decoding=state.decoding.at[:W].set(jnp.where(run, ~finished,
+                                                                                        w(state.decoding))),
+                              budget=state.budget.at[:W].set(budget), spec=spec)
+        code = _finish_code(finished, nan, stopped)
+        code = jnp.where(jnp.arange(T)[None, :] == count[:, None] - 1, code[:, None], 0)  # at its last token
+
+        def block(x, fill):  # [W, T, ...] -> [T, S, ...]
+            return jnp.swapaxes(full(x, fill), 0, 1)
+
+        out = (block(jnp.where(emitted & run[:, None], tokens, -1), -1), block(logprob, 0), block(top_ids, 0),
+               block(top_logp, 0), block(code, 0))
+        return placed(state, mesh), out
+
+    # The slots that just moved in: their first token, from their prefill's logits (as the plain program's
+    # first step draws it).
+    run = w(state.decoding & moving)
+    split = jax.vmap(jax.random.split)(w(state.keys))  # [W, 2, key]: (the next key, this token's key)
+    picked = step.select(w(state.logits), split[:, 1], jax.tree.map(w, state.sampler), w(state.stop_ids),
+                         top=MAX_LOGPROBS, top_wanted=top_wanted)
+    state = state.replace(keys=state.keys.at[:W].set(jnp.where(run[:, None], split[:, 0], w(state.keys))))
+    state, first = settle(state, run, picked.tokens[:, None], run.astype(jnp.int32), picked.nan, picked.stopped,
+                          picked.logprob[:, None], picked.top_ids[:, None], picked.top_logprobs[:, None])
+
+    def one_pass(carry, _):
+        state, counts = carry
+        run = w(state.decoding)
+        spec = state.spec
+        split = jax.vmap(jax.random.split)(w(state.keys))
+        pass_keys = split[:, 1]
+        proposals, found = speculation.ngram_propose(w(spec.history), w(spec.length), k, plan.ngram_min,
+                                                     plan.ngram_max)
+        gain = speculation.expected_tokens(w(spec.rate), k)
+        wants = found & (~jnp.bool_(plan.adaptive) | (gain >= plan.verify_cost) | (w(spec.idle) >= w(spec.wait)))
+        # Room for the lookahead: two tokens of budget left, and k positions past the last within the model's.
+        lengths = w(state.cache.lengths)
+        wants &= run & (w(state.budget) >= 2) & (lengths + k + 1 <= config.max_positions)
+        sampler_w = jax.tree.map(w, state.sampler)
+
+        def forward(state, inputs, real):
+            sub = rows_of(state.cache, slots)
+            positions = jnp.where(real, sub.lengths[:, None] + jnp.arange(inputs.shape[1])[None, :], -1)
+            logits, sub = Decoder(config, mesh).apply({"params": params}, jnp.where(real, inputs, 0), positions,
+                                                      sub, attention=attention if inputs.shape[1] == 1 else "xla")
+            return logits, put_rows(state.cache, slots, sub)
+
+        def plain(state):
+            logits, cache = forward(state, w(state.spec.last)[:, None], run[:, None])
+            picked = step.select(logits[:, 0], pass_keys, sampler_w, w(state.stop_ids), top=MAX_LOGPROBS,
+                                 top_wanted=top_wanted)
+            pad = lambda x, fill: jnp.concatenate(  # noqa: E731  [W, ...] -> [W, k + 1, ...]
+                [x[:, None], jnp.full((W, k) + x.shape[1:], fill, x.dtype)], axis=1)
+            return (state.replace(cache=cache), run.astype(jnp.int32), pad(picked.tokens, -1), picked.nan,
+                    picked.stopped, pad(picked.logprob, 0), pad(picked.top_ids, 0), pad(picked.top_logprobs, 0),
+                    jnp.zeros((W,), jnp.int32))
+
+        def check(state):
+            inputs = jnp.concatenate([w(state.spec.last)[:, None], proposals], axis=1)  # [W, k + 1]
+            real = run[:, None] & ((jnp.arange(k + 1) == 0)[None, :] | wants[:, None])
+            written = w(state.cache.lengths)
+            logits, cache = forward(state, inputs, real)
+
+            def per_slot(top):
+                def one(lg, pr, key, s):
+                    out = speculation.verify(lg[None], pr[None], key, s, top=top)
+                    return jax.tree.map(lambda x: x[0], out)
+                return jax.vmap(one)(logits, proposals, pass_keys, sampler_w)
+
+            out = lax.cond(top_wanted, lambda: per_slot(MAX_LOGPROBS), lambda: per_slot(0)._replace(
+                top_ids=jnp.zeros((W, k + 1, MAX_LOGPROBS), jnp.int32),
+                top_logprobs=jnp.zeros((W, k + 1, MAX_LOGPROBS), jnp.float32)))
+            # A slot that does not speculate draws from its first position as a plain pass would.
+            picked = step.select(logits[:, 0], pass_keys, sampler_w, w(state.stop_ids), top=MAX_LOGPROBS,
+                                 top_wanted=top_wanted)
+            m = jnp.where(wants, jnp.minimum(out.accepted, w(state.budget) - 1), 0)
+            tokens = jnp.where(wants[:, None], out.tokens, jnp.concatenate(
+                [picked.tokens[:, None], jnp.full((W, k), -1, jnp.int32)], axis=1))
+            i = jnp.arange(k + 1)[None, :]
+            ends = (step.matches_stop(tokens, w(state.stop_ids)) | (tokens < 0)) & (i <= m[:, None])
+            ended = jnp.any(ends, axis=1)
+            count = jnp.where(run, jnp.where(ended, jnp.argmax(ends, axis=1) + 1, m + 1), 0)
+            last = jnp.take_along_axis(tokens, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
+            nan = jnp.where(wants, last < 0, picked.nan)
+            # The kept slots: the last token and the kept proposals; the pages past them go back.
+            sub = rows_of(cache, slots).rewind(written + count)
+            cache = put_rows(cache, slots, sub)
+            sel = lambda a, b: jnp.where(wants.reshape((W,) + (1,) * (a.ndim - 1)), a, b)  # noqa: E731
+            logprob = sel(out.logprob, jnp.concatenate([picked.logprob[:, None], jnp.zeros((W, k))], axis=1))
+            top_ids = sel(out.top_ids, jnp.concatenate(
+                [picked.top_ids[:, None], jnp.zeros((W, k, MAX_LOGPROBS), jnp.int32)], axis=1))
+            top_logp = sel(out.top_logprobs, jnp.concatenate(
+                [picked.top_logprobs[:, None], jnp.zeros((W, k, MAX_LOGPROBS), jnp.float32)], axis=1))
+            kept = jnp.where(wants, jnp.minimum(out.accepted, count), 0)
+            spec = state.spec
+            rate = jnp.where(wants, (1 - speculation.RATE_WEIGHT) * w(spec.rate)
+                             + speculation.RATE_WEIGHT * out.accepted / k, w(spec.rate))
+            pays = speculation.expected_tokens(rate, k) >= plan.verify_cost
+            wait = jnp.where(pays, speculation.PROBE_EVERY,
+                             jnp.minimum(speculation.PROBE_BACKOFF * w(spec.wait), speculation.MAX_PROBE_WAIT))
+            spec = spec.replace(rate=spec.rate.at[:W].set(rate),
+                                wait=spec.wait.at[:W].set(jnp.where(wants, wait, w(spec.wait)).astype(jnp.int32)))
+            return (state.replace(cache=cache, spec=spec), count, tokens, nan, ended, logprob, top_ids, top_logp,
+                    kept)
+
+        verifying = jnp.any(wants)
+        state, count, tokens, nan, stopped, logprob, top_ids, top_logp, kept = lax.cond(verifying, check, plain,
+                                                                                          state)
+        # (a plain pass's `stopped` is select's; a verify's the stop or NaN it ran into)
+        spec = state.spec
+        idle = jnp.where(wants, 0, jnp.where(run, w(spec.idle) + 1, w(spec.idle)))
+        state = state.replace(keys=state.keys.at[:W].set(jnp.where(run[:, None], split[:, 0], w(state.keys))),
+                              spec=spec.replace(idle=spec.idle.at[:W].set(idle)))
+        state, out = settle(state, run, tokens, count, nan, stopped, logprob, top_ids, top_logp)
+        ran = jnp.any(run)
+        counts = counts + jnp.stack([jnp.sum(jnp.where(wants, k, 0)), jnp.sum(kept),
+                                     (verifying & ran).astype(jnp.int32), ran.astype(jnp.int32),
+                                     jnp.sum(run, dtype=jnp.int32), jnp.sum(count)])
+        return (state, counts), out
+
+    def idle(carry, _):
+        T = k + 1
+        return carry, (jnp.full((T, S), -1, jnp.int32), jnp.zeros((T, S), jnp.float32),
+                       jnp.zeros((T, S, MAX_LOGPROBS), jnp.int32), jnp.zeros((T, S, MAX_LOGPROBS), jnp.float32),
+                       jnp.zeros((T, S), jnp.int32))
+
+    def any_pass(carry, x):
+        return lax.cond(jnp.any(carry[0].decoding), one_pass, idle, carry, x)
+
+    (state, counts), out = lax.scan(any_pass, (state, jnp.zeros((len(COUNTERS),), jnp.int32)), None, length=steps)
+    out = tuple(jnp.concatenate([a, b.reshape((steps * (k + 1),) + b.shape[2:])], axis=0)
+                for a, b in zip(first, out))
+    return state, out, jnp.sum(state.cache.refcounts == 0, dtype=jnp.int32), counts
+
+
+def history_width(max_len: int, k: int) -> int:
+    """H: a slot's history holds its whole sequence, prompt and output, plus a verify's k + 1 tokens."""
+    return max_len + k + 1
+

@@ -1,0 +1,99 @@
+"""The engine with speculation (`Engine(..., speculative=jaxkv.Speculation("ngram"))`, issue 29): greedy requests
+emit the tokens plain decoding emits, sampled ones draw what they draw alone in the engine whatever shares the
+batch, stops and budgets hold, pages all come back, and acceptance lengths never recompile."""
+
+import numpy as np
+import pytest
+
+import jaxkv
+from jaxkv import Speculation
+from jaxkv.engine import Engine
+from helpers.compiles import count_compiles
+from helpers.models import model_for
+from helpers.engine import alone, assert_all_free, drain, recomputed_logprobs
+from helpers.tolerances import atol
+
+
+def repeating(rng, V=97):
+    """A prompt that quotes a passage several times (the n-gram proposer finds matches) or a random one."""
+    if rng.random() < 0.6:
+        passage = rng.integers(1, V, int(rng.integers(3, 9))).tolist()
+        return (passage * 6)[: int(rng.integers(8, 40))]
+    return rng.integers(1, V, int(rng.integers(1, 30))).tolist()
+
+
+def test_greedy_requests_with_random_arrivals_equal_plain_decoding_and_give_every_page_back():
+    model = model_for("gqa")
+    rng = np.random.default_rng(11)
+    engine = Engine(model, slots=3, max_len=96, page_size=4, prefill_chunk=16, prefill_rows=2,
+                    speculative=Speculation("ngram", 3, adaptive=False))
+    arrivals = [(repeating(rng), int(rng.integers(1, 28)), {}) for _ in range(8)]
+    # a stop token inside what the proposer predicts: the request ends exactly where plain decoding ends
+    stop_prompt = arrivals[0][0]
+    plain = alone(model, stop_prompt, 24).tokens[0]
+    arrivals.append((stop_prompt, 24, dict(stop_tokens=[plain[5]])))
+    ids = drain(engine, arrivals, rng)
+    assert_all_free(engine)
+    stats = engine.stats
+    assert stats["spec_verifies"] > 0 and 0 < stats["spec_accepted"] < stats["spec_proposed"]
+    assert stats["tokens_per_target_forward"] > 1.0
+    for r in engine.results():
+        prompt, new, kwargs = ids[r.id]
+        want = alone(model, prompt, new, **kwargs).tokens[0]
+        assert r.tokens == want, (prompt, new, kwargs)
+        assert r.finish_reason == ("stop" if kwargs else "length") and len(r.tokens) <= new
+        _, logp = recomputed_logprobs(model, prompt, r.tokens)
+        np.testing.assert_allclose(r.logprobs, logp, atol=atol("logprobs"))
+
+
+def test_sampled_and_plain_requests_draw_what_each_draws_alone_in_the_engine():
+    """Sampled speculative requests beside greedy ones and ones the proposer cannot predict: each request's
+    tokens equal its run alone in a speculative engine (its speculation is its own, never the batch's)."""
+    model = model_for("gqa")
+    rng = np.random.default_rng(5)
+    settings = [dict(temperature=0.8, seed=1), dict(), dict(temperature=1.0, top_k=8, seed=2),
+                dict(temperature=0.7, top_p=0.9, seed=3), dict(temperature=1.2, min_p=0.05, seed=4), dict()]
+    arrivals = [(repeating(rng), int(rng.integers(4, 20)), s) for s in settings]
+    spec = Speculation("ngram", 4)
+
+    def engine():
+        return Engine(model, slots=3, max_len=96, page_size=4, prefill_chunk=16, speculative=spec)
+
+    ids = drain(together := engine(), arrivals, rng)
+    results = together.results()
+    assert together.stats["spec_verifies"] > 0
+    single = engine()
+    for r in results:
+        prompt, new, kwargs = ids[r.id]
+        kwargs = dict(kwargs, stop_tokens=[])
+        assert r.tokens == single.generate([prompt], max_new_tokens=new, **kwargs)[0].tokens, kwargs
+        assert len(r.tokens) == new
+    assert_all_free(together)
+
+
+def test_no_recompiles_after_warm_up_as_acceptance_varies():
+    model = model_for("mqa")
+    rng = np.random.default_rng(3)
+    engine = Engine(model, slots=4, max_len=96, page_size=8, prefill_chunk=16,
+                    speculative=Speculation("ngram", 4))
+    engine.warm_up()
+    engine.generate([repeating(rng)], max_new_tokens=3, temperature=0.8, top_k=5, seed=1, logprobs=2,
+                    stop_tokens=[])
+    requests = [dict(prompt=repeating(rng), max_new_tokens=int(rng.integers(1, 40)),
+                     **[dict(), dict(temperature=1.0, seed=5), dict(logprobs=3)][i % 3]) for i in range(24)]
+    with count_compiles() as c:
+        results = engine.generate(requests, stop_tokens=[])
+    assert c["n"] == 0
+    assert all(len(r.tokens) == q["max_new_tokens"] for r, q in zip(results, requests))
+    assert engine.stats["spec_verifies"] > 0
+    assert_all_free(engine)
+
+
+@pytest.mark.parametrize("speculative, match", [
+    ("ngram", "must be a jaxkv.Speculation"),
+    (Speculation("draft", draft=jaxkv.Model.random(model_for("gqa").config)), "n-gram proposer only"),
+    (Speculation("mtp"), "multi-token-prediction"),
+])
+def test_bad_speculation_is_refused_at_construction(speculative, match):
+    with pytest.raises(ValueError, match=match):
+        Engine(model_for("gqa"), slots=2, max_len=64, speculative=speculative)
