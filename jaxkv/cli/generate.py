@@ -137,8 +137,6 @@ def _check_generate(args):
     if args.draft_model not in (None, "tiny") and not pathlib.Path(args.draft_model).exists():
         raise FileNotFoundError(f"{args.draft_model}: no such directory (--draft-model: a checkpoint directory "
                                 f"or 'tiny')")
-    if args.speculative_method is not None and args.n > 1:
-        raise ValueError("--speculative-method runs on the contiguous cache today: not with --n > 1")
     if args.model != "tiny" and not pathlib.Path(args.model).exists():  # what jaxkv.load says, without JAX
         raise FileNotFoundError(f"{args.model}: no such directory (pass a checkpoint directory or 'tiny')")
     return prompt

@@ -104,8 +104,11 @@ class Speculation:
                 raise ValueError(f"the draft model's vocabulary ({self.draft.config.vocab_size} ids) differs from "
                                  f"the target's ({model.config.vocab_size})")
         if self.method == "mtp":
-            raise ValueError("Speculation('mtp') needs a checkpoint whose multi-token-prediction layers jaxkv "
-                             "loads; this model has none (jaxkv.load does not load MTP layers yet)")
+            if getattr(model, "mtp", None) is None:
+                raise ValueError("Speculation('mtp') needs a checkpoint with multi-token-prediction layers "
+                                 "(num_nextn_predict_layers > 0); this model has none")
+            raise ValueError("Speculation('mtp'): this model's multi-token-prediction layers are loaded "
+                             "(Model.mtp) but not yet chained as a proposer: use 'ngram' or 'draft'")
         return Plan(method=self.method, num_tokens=self.num_tokens, ngram_max=self.ngram_max,
                     ngram_min=self.ngram_min, adaptive=self.adaptive,
                     verify_cost=VERIFY_COST.get(jax.default_backend(), DEFAULT_VERIFY_COST))

@@ -75,6 +75,14 @@ def parser() -> argparse.ArgumentParser:
                    help="devices the weights and KV cache are split over (heads and FFN widths)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests may take to finish after SIGINT/SIGTERM before being cancelled")
+    spec = p.add_argument_group("speculative decoding", "a proposer guesses each sequence's next tokens and one "
+                                "forward pass verifies them; outputs are distributed exactly as without it")
+    spec.add_argument("--speculative-method", choices=["ngram", "draft", "mtp"], default=None,
+                      help="ngram: prompt lookup (the engine's proposer today; draft and mtp are refused)")
+    spec.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
+                      help="tokens proposed per verify (1-16)")
+    spec.add_argument("--draft-model", default=None, metavar="PATH",
+                      help="the draft model's checkpoint (--speculative-method draft)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (info logs every request)")
     return p
@@ -90,6 +98,12 @@ def check(args):
         checks.check_int("--num-pages", args.num_pages, 1)
     if not args.shutdown_timeout >= 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    checks.check_int("--num-speculative-tokens", args.num_speculative_tokens, 1, 16)
+    if args.draft_model is not None and args.speculative_method != "draft":
+        raise ValueError("--draft-model goes with --speculative-method draft")
+    if args.speculative_method in ("draft", "mtp"):
+        raise ValueError(f"--speculative-method {args.speculative_method}: jaxkv serve's engine speculates with the "
+                         f"n-gram proposer only today (--speculative-method ngram)")
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key is empty")
     if args.preset is not None:
@@ -130,7 +144,8 @@ def build(args):
     max_len = min(config.max_positions, 2048) if args.max_len is None else args.max_len
     if max_len > config.max_positions:
         raise ValueError(f"--max-len {max_len} exceeds the model's max positions ({config.max_positions})")
-    per_sequence = -(-max_len // args.page_size)
+    lookahead = 0 if args.speculative_method is None else args.num_speculative_tokens  # a verify's extra slots
+    per_sequence = -(-(max_len + lookahead) // args.page_size)
     num_pages = args.num_pages or args.slots * per_sequence + max(per_sequence, args.slots * per_sequence // 4)
     prefix_cache = None
     if not args.no_prefix_cache:
@@ -140,7 +155,8 @@ def build(args):
                           cache_dtype=args.cache_dtype, prefix_cache=prefix_cache,
                           num_pages=None if prefix_cache is not None else num_pages,
                           steps_per_dispatch=args.steps_per_dispatch, prefill_chunk=args.prefill_chunk,
-                          mesh=mesh)
+                          mesh=mesh, speculative=None if args.speculative_method is None
+                          else jaxkv.Speculation(args.speculative_method, args.num_speculative_tokens))
     scoring = None
     if model.tokenizer is not None:  # echo + logprobs scores prompts (`jaxkv.score`): its programs too, meanwhile
         scoring = _started(warm_up_scoring, model, max_len)

@@ -29,6 +29,10 @@ _GAUGES = {  # metrics name -> (worker snapshot key, help)
     "jaxkv_pages_held": ("pages_held", "Pages some running sequence holds (0 when idle)."),
     "jaxkv_pages_cached": ("pages_cached", "Pages the prefix cache keeps for later prompts (reclaimable)."),
     "jaxkv_slot_occupancy": ("slot_occupancy", "Decoding slots per decode step run, over all slots."),
+    "jaxkv_spec_acceptance_rate": ("spec_acceptance_rate", "Speculative decoding: proposed tokens kept, over "
+                                                           "proposed tokens verified (0 without speculation)."),
+    "jaxkv_spec_tokens_per_target_forward": ("tokens_per_target_forward", "Speculative decoding: tokens per "
+                                             "decoding sequence per forward pass of the model (0 without it)."),
 }
 _COUNTERS = {
     "jaxkv_sequences_total": ("sequences_submitted", "Sequences submitted to the engine (prompts x n)."),
@@ -36,6 +40,12 @@ _COUNTERS = {
     "jaxkv_prompt_tokens_total": ("prefill_tokens", "Prompt tokens prefilled (not counting prefix-cache hits)."),
     "jaxkv_prefix_cache_hit_tokens_total": ("prefix_hit_tokens", "Prompt tokens taken from the prefix cache."),
     "jaxkv_decode_steps_total": ("decode_steps", "Decode steps that ran."),
+    "jaxkv_spec_proposed_tokens_total": ("spec_proposed", "Speculative decoding: proposed tokens verified."),
+    "jaxkv_spec_accepted_tokens_total": ("spec_accepted", "Speculative decoding: proposed tokens kept."),
+    "jaxkv_spec_verifies_total": ("spec_verifies", "Speculative decoding: forward passes that verified "
+                                                   "proposals."),
+    "jaxkv_spec_target_forwards_total": ("target_forwards", "Speculative decoding: decode forward passes of the "
+                                                            "model (verifies and plain steps)."),
 }
 
 

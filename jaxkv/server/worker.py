@@ -262,6 +262,10 @@ class EngineWorker:
             "prefill_tokens": stats.get("prefill_tokens", 0),
             "prefix_hit_tokens": stats.get("prefix_hit_tokens", 0),
             "decode_steps": stats.get("decode_steps", 0), "slot_occupancy": stats["slot_occupancy"],
+            # speculative decoding (`jaxkv serve --speculative-method`): all 0 without it
+            **{name: stats.get(name, 0) for name in ("spec_proposed", "spec_accepted", "spec_verifies",
+                                                     "target_forwards", "spec_acceptance_rate",
+                                                     "tokens_per_target_forward")},
             "sequences_submitted": self.counters["sequences"],
             "finished": {k[len("finished_"):]: v for k, v in self.counters.items() if k.startswith("finished_")},
         }

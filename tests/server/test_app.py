@@ -486,3 +486,49 @@ def test_chat_logprob_bytes_are_each_tokens_own(bos_client):
     alternatives = [bytes(a["bytes"]) for i in items for a in i["top_logprobs"]]
     assert len(alternatives) == 16 * 20 and all(len(a) <= 1 for a in alternatives)
     assert any(a and a[0] >= 0x80 for a in alternatives)  # bytes of longer characters were among them
+
+
+def test_a_speculating_server_answers_as_generate_and_counts_its_proposals():
+    """`jaxkv serve --speculative-method ngram --num-speculative-tokens 3`: greedy completions equal `generate`
+    without speculation; /metrics (text and JSON) carries the speculation counters."""
+    from starlette.testclient import TestClient
+
+    from jaxkv.server import main as server_main
+    from jaxkv.server.app import create_app
+
+    args = server_main.parser().parse_args(["--preset", "test-tiny", "--slots", "2", "--max-len", "96",
+                                            "--speculative-method", "ngram", "--num-speculative-tokens", "3"])
+    server_main.check(args)
+    state, engine = server_main.build(args)
+    assert engine.speculation.num_tokens == 3
+    prompt = [5, 6, 7, 8, 9] * 4
+    expected = jaxkv.generate(state.model, [prompt], max_new_tokens=24, stop_tokens=[]).tokens[0]
+    state.worker.start()
+    try:
+        with TestClient(create_app(state)) as client:
+            r = client.post("/v1/completions", json={"model": state.model_name, "prompt": prompt,
+                                                     "max_tokens": 24, "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == expected
+            m = client.get("/metrics?format=json").json()
+            assert m["spec_verifies"] > 0 and m["spec_proposed"] >= 3 * m["spec_verifies"]
+            text = client.get("/metrics").text
+            for name in ("jaxkv_spec_proposed_tokens_total", "jaxkv_spec_accepted_tokens_total",
+                         "jaxkv_spec_acceptance_rate", "jaxkv_spec_tokens_per_target_forward",
+                         "jaxkv_spec_target_forwards_total"):
+                assert f"\n{name} " in text, name
+    finally:
+        state.worker.close()
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--speculative-method", "draft", "--draft-model", "tiny"], "n-gram proposer only"),
+    (["--speculative-method", "mtp"], "n-gram proposer only"),
+    (["--draft-model", "tiny"], "goes with --speculative-method draft"),
+    (["--speculative-method", "ngram", "--num-speculative-tokens", "0"], "--num-speculative-tokens"),
+])
+def test_bad_speculation_flags_are_one_line_errors(args, words):
+    from jaxkv.server.main import check, parser
+
+    with pytest.raises(ValueError, match=words):
+        check(parser().parse_args(args))
