@@ -250,15 +250,6 @@ def _draft_chain(params, cache, last, key, sampler, *, config, attention, k: int
     return drawn[:k].T, jnp.swapaxes(q[:k], 0, 1), cache
 
 
-def _append(history, length, tokens, count):
-    """Writes tokens[b, :count[b]] to history[b, length[b]:] -> (history, length + count)."""
-    B, T = tokens.shape
-    at = length[:, None] + jnp.arange(T)[None, :]
-    at = jnp.where(jnp.arange(T)[None, :] < count[:, None], at, history.shape[1])  # out of range: dropped
-    rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
-    return history.at[rows, at].set(tokens, mode="drop"), length + count
-
-
 @functools.partial(jax.jit, static_argnames=("config", "max_steps", "attention", "stream", "logprobs", "plan",
                                              "draft_config"),
                    donate_argnames=("cache",))  # (the draft cache is not returned: nothing to alias it to)
@@ -282,7 +273,7 @@ def speculative_loop(params, cache: KVCache, logits, key, sampler, stop_ids, don
     base = LoopState.start(cache, logits, key, done, width=max_steps + k + 1, top=logprobs)
     pick = functools.partial(emit, sampler=sampler, stop_ids=stop_ids, stream=stream, rows=None)
     base, feed = pick(base)
-    history, length = _append(history, length, base.tokens[:, :1], (~done).astype(jnp.int32))
+    history, length = speculation.append_history(history, length, base.tokens[:, :1], (~done).astype(jnp.int32))
     zeros = jnp.zeros((B,), jnp.int32)
     state = SpecState(base=base, last=feed, history=history, length=length,
                       rate=jnp.full((B,), speculation.INITIAL_RATE, jnp.float32),
@@ -299,8 +290,8 @@ def speculative_loop(params, cache: KVCache, logits, key, sampler, stop_ids, don
             state = state.replace(draft=programs.forward(draft_params, state.last[:, None], state.draft,
                                                          config=draft_config, attention=attention)[1])
         base, feed = pick(state.base.replace(cache=cache, logits=logits[:, 0]))
-        history, length = _append(state.history, state.length, base.tokens[:, base.step - 1][:, None],
-                                  running.astype(jnp.int32))
+        history, length = speculation.append_history(state.history, state.length,
+                                                     base.tokens[:, base.step - 1][:, None], running.astype(jnp.int32))
         return state.replace(base=base, last=feed, history=history, length=length, idle=state.idle + 1,
                              passes=state.passes + 1)
 
@@ -345,7 +336,7 @@ def speculative_loop(params, cache: KVCache, logits, key, sampler, stop_ids, don
                          top_logprobs=block(s.top_logprobs, out.top_logprobs))
         last = jnp.take_along_axis(out.tokens, jnp.full((B, 1), m), axis=1)[:, 0]
         last = jnp.where(running & ~ended & (last >= 0), last, 0)
-        history, length = _append(state.history, state.length, tokens, count)
+        history, length = speculation.append_history(state.history, state.length, tokens, count)
         kept = jnp.minimum(out.accepted, count)
         rate = jnp.where(running, (1 - speculation.RATE_WEIGHT) * state.rate
                          + speculation.RATE_WEIGHT * out.accepted / k, state.rate)

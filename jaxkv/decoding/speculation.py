@@ -218,6 +218,16 @@ def expected_tokens(rate, k: int):
     return sum(rate ** i for i in range(k + 1))
 
 
+def append_history(history, length, tokens, count):
+    """Writes tokens[b, :count[b]] to history[b, length[b]:] (what the n-gram proposer searches) -> (history,
+    length + count)."""
+    B, T = tokens.shape
+    at = length[:, None] + jnp.arange(T)[None, :]
+    at = jnp.where(jnp.arange(T)[None, :] < count[:, None], at, history.shape[1])  # out of range: dropped
+    rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+    return history.at[rows, at].set(tokens, mode="drop"), length + count
+
+
 def prompt_history(token_lists, rows: int, width: int):
     """The n-gram proposer's starting history: int32[rows, width] with row b's prompt in its first
     len(token_lists[b]) entries (rows past the list: empty), and int32[rows] those lengths."""

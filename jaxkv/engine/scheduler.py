@@ -568,10 +568,10 @@ class Engine:
                                                budget, top, config=self._run_config, attention=self.attention,
                                                steps=self.steps_per_dispatch, width=width, mesh=self.mesh)
             return state, out, free, None
-        return speculative_program.decode(self._params, self._state, shifts, moves, keys, sampler, stop_ids, budget, top,
-                                  *prompts, config=self._run_config, attention=self.attention,
-                                  steps=self.steps_per_dispatch, width=width, plan=self.speculation,
-                                  mesh=self.mesh)
+        return speculative_program.decode(self._params, self._state, shifts, moves, keys, sampler, stop_ids,
+                                          budget, top, *prompts, config=self._run_config, attention=self.attention,
+                                          steps=self.steps_per_dispatch, width=width, plan=self.speculation,
+                                          mesh=self.mesh)
 
     def _compact(self) -> np.ndarray:
         """Requests decoding in slots at or past the width their number needs move down into the free slots below

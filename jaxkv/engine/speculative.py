@@ -64,15 +64,6 @@ class Slots:
                    rate=jnp.zeros((slots,), jnp.float32), idle=z(), wait=z())
 
 
-def _append(history, length, tokens, count):
-    """tokens[s, :count[s]] to history[s, length[s]:] -> (history, length + count)."""
-    S, T = tokens.shape
-    i = jnp.arange(T)[None, :]
-    at = jnp.where(i < count[:, None], length[:, None] + i, history.shape[1])  # out of range: dropped
-    rows = jnp.broadcast_to(jnp.arange(S)[:, None], (S, T))
-    return history.at[rows, at].set(tokens, mode="drop"), length + count
-
-
 def _finish_code(finished, nan, stopped):
     return jnp.where(finished, jnp.where(nan, 3, jnp.where(stopped, 1, 2)), 0)
 
@@ -84,8 +75,9 @@ def decode(params, state: State, shifts, moves, keys, sampler, stop_ids, budget,
     """`programs.decode` with speculation: moves, then the slots that just moved in draw their first token from
     their prefill's logits, then `steps` passes over slots [0, width) ->
     (state, per emitted position: int32[1 + steps (k + 1), S] tokens (-1: none), their log-probabilities, top
-    alternatives and finish codes, int32[] free pages, int32[6] `COUNTERS`). prompts int32[S, H] / prompt_lengths int32[S]: each moving slot's prompt
-    (the n-gram proposer's history; other rows ignored). plan: the checked `speculation.Plan`."""
+    alternatives and finish codes, int32[] free pages, int32[6] `COUNTERS`). prompts int32[S, H] /
+    prompt_lengths int32[S]: each moving slot's prompt (the n-gram proposer's history; other rows ignored).
+    plan: the checked `speculation.Plan`."""
     S, W, k = state.logits.shape[0], width, plan.num_tokens
     moving = moves >= 0
     state = move_in(shift_slots(state, shifts), moves, keys, sampler, stop_ids, budget, top)
@@ -114,7 +106,7 @@ def decode(params, state: State, shifts, moves, keys, sampler, stop_ids, budget,
         emitted = jnp.arange(T)[None, :] < count[:, None]
         last = jnp.take_along_axis(tokens, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
         spec = state.spec
-        history, length = _append(w(spec.history), w(spec.length), tokens, count)
+        history, length = speculation.append_history(w(spec.history), w(spec.length), tokens, count)
         spec = spec.replace(last=spec.last.at[:W].set(jnp.where(run & ~finished, last, w(spec.last))),
                             history=spec.history.at[:W].set(history), length=spec.length.at[:W].set(length))
         cache = state.cache.release(jnp.zeros((state.cache.batch,), bool).at[:W].set(finished))
