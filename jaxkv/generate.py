@@ -329,6 +329,9 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top
     spec = None
     if speculative is not None:
         spec = _speculation_plan(model, speculative, sampler=sampler, mesh=mesh)
+        if spec.method == "mtp" and (page_size is not None or n > 1 or prefix_cache is not None):
+            raise ValueError("Speculation('mtp') runs on the contiguous cache today: not with n > 1, page_size or "
+                             "prefix_cache")
     if spec is not None and page_size is None and n == 1 and prefix_cache is None:
         return _generate_speculative(model, prompts, spec, speculative.draft, max_new_tokens=max_new_tokens,
                                      temperature=temperature,
@@ -418,9 +421,16 @@ def _generate_speculative(model, prompts, spec, draft, *, max_new_tokens, temper
         draft_kwargs = {"draft_config": draft.config}
     history, length = speculation.prompt_history(req.token_lists, plan.padded_batch, plan.capacity + k + 2)
     with Phase() as prefill_time:
-        logits, cache = programs.prefill(model.params, jax.device_put(req.tokens), jax.device_put(req.start),
-                                         config=model.config, capacity=plan.capacity, attention=req.attention,
-                                         cache_dtype=plan.cache_dtype, ring=plan.ring, mesh=None)
+        if spec.method == "mtp":  # the module's cache filled from the prompt too (one position behind)
+            logits, cache, mtp_cache, hidden = programs.prefill_mtp(
+                model.params, model.mtp.params[0], jax.device_put(req.tokens), jax.device_put(req.start),
+                config=model.config, capacity=plan.capacity, attention=req.attention, cache_dtype=plan.cache_dtype,
+                mtp_config=model.mtp.config)
+            draft_args, draft_kwargs = (model.mtp.params[0], (mtp_cache, hidden)), {"draft_config": model.mtp.config}
+        else:
+            logits, cache = programs.prefill(model.params, jax.device_put(req.tokens), jax.device_put(req.start),
+                                             config=model.config, capacity=plan.capacity, attention=req.attention,
+                                             cache_dtype=plan.cache_dtype, ring=plan.ring, mesh=None)
         logits.block_until_ready()
     with Phase() as decode_time:
         out = loop.on_host_surfacing(on_step, lambda: loop.on_host(loop.speculative_loop(

@@ -45,7 +45,8 @@ def add_parser(commands):
     spec = gen.add_argument_group("speculative decoding", "a proposer guesses tokens, one forward pass verifies "
                                   "them; the output is what plain decoding gives (jaxkv.Speculation)")
     spec.add_argument("--speculative-method", choices=["ngram", "draft", "mtp"], default=None,
-                      help="ngram: prompt lookup (the sequence's own earlier text proposes)")
+                      help="ngram: prompt lookup (the sequence's own earlier text proposes); draft: --draft-model; "
+                           "mtp: the checkpoint's multi-token-prediction layers (DeepSeek-V3)")
     spec.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
                       help="proposals per verify pass (default 4)")
     spec.add_argument("--draft-model", default=None, metavar="PATH",
@@ -130,8 +131,6 @@ def _check_generate(args):
     checks.check_int("num_speculative_tokens", args.num_speculative_tokens, 1, 16)
     if args.speculative_method is not None and args.num_beams > 1:
         raise ValueError("--speculative-method is for sampling and greedy decoding, not beam search (--num-beams)")
-    if args.speculative_method == "mtp":
-        raise ValueError("--speculative-method mtp is not built yet: use ngram or draft")
     if (args.speculative_method == "draft") != (args.draft_model is not None):
         raise ValueError("--draft-model goes with --speculative-method draft, and it needs one")
     if args.draft_model not in (None, "tiny") and not pathlib.Path(args.draft_model).exists():

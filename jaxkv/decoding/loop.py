@@ -217,7 +217,8 @@ class SpecState:
     wait:     int32[], plain steps before the next probe (longer after each probe that does not pay).
     passes:   int32[], forward passes run (verifies and plain steps).
     proposed, accepted: int32[B] (`LoopOut`); verifies: int32[].
-    draft:    the draft model's cache (method "draft"; else None), holding what the target's holds.
+    draft:    the draft model's cache (method "draft"), holding what the target's holds, or the MTP module's
+              `MtpState` (method "mtp"); else None.
     """
 
     base: LoopState
@@ -250,6 +251,63 @@ def _draft_chain(params, cache, last, key, sampler, *, config, attention, k: int
     return drawn[:k].T, jnp.swapaxes(q[:k], 0, 1), cache
 
 
+@flax.struct.dataclass
+class MtpState:
+    """The MTP proposer's carry (method "mtp", `jaxkv.decoding.mtp`): its module's own cache, one position behind
+    the target's, and the pairs (h_t, token_{t+1}) not yet fed to it (the target's hidden state at each position
+    the last pass computed, and the token that followed), fed at the start of the next pass.
+
+    cache:  the module's `KVCache`; its length + count = the target's.
+    hidden: [B, k + 1, D]; tokens: int32[B, k + 1]; count: int32[], the pairs pending (the rest padding).
+    """
+
+    cache: KVCache
+    hidden: jax.Array
+    tokens: jax.Array
+    count: jax.Array
+
+    @classmethod
+    def pending(cls, cache, hidden, tokens, count, k: int) -> "MtpState":
+        """The pairs hidden [B, T, D] / tokens [B, T] (the first `count` real) padded to k + 1."""
+        B, T = tokens.shape
+        pad = k + 1 - T
+        return cls(cache=cache, hidden=jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))),
+                   tokens=jnp.pad(jnp.maximum(tokens, 0), ((0, 0), (0, pad))), count=jnp.asarray(count, jnp.int32))
+
+
+def _mtp_feed(mtp_params, params, mtp: MtpState, *, config, attention):
+    """Feeds the pending pairs (k + 1 positions, the padding rewound) -> (the state, nothing pending; float32[B, V]
+    the module's logits after the last pair: the first proposal's; its h' [B, D])."""
+    from jaxkv.decoding.mtp import mtp_forward
+
+    T = mtp.tokens.shape[1]
+    logits, h, cache = mtp_forward(mtp_params, params, mtp.hidden, mtp.tokens, mtp.cache.positions(T), mtp.cache,
+                                   config=config, attention=attention)
+    last = mtp.count - 1  # the last real pair's outputs
+    cache = dataclasses.replace(cache, length=mtp.cache.length + mtp.count)
+    return (mtp.replace(cache=cache, count=jnp.zeros((), jnp.int32)),
+            lax.dynamic_index_in_dim(logits, last, axis=1, keepdims=False),
+            lax.dynamic_index_in_dim(h, last, axis=1, keepdims=False))
+
+
+def _mtp_chain(mtp_params, params, cache, logits, h, key, sampler, *, config, attention, k: int):
+    """k proposals from the MTP module: the first drawn from `logits` (after the pending pairs), each next one
+    from the module fed its own h' and the proposal (one position each; the writes rewound after) ->
+    (int32[B, k] proposals, float32[B, k, V] q)."""
+    from jaxkv.decoding.mtp import mtp_forward
+
+    def one(carry, key):
+        cache, logits, h = carry
+        q = sampler.distribution(logits)
+        drawn = jax.random.categorical(key, jnp.log(q), axis=-1).astype(jnp.int32)
+        logits, h, cache = mtp_forward(mtp_params, params, h[:, None], drawn[:, None], cache.positions(1), cache,
+                                       config=config, attention=attention)
+        return (cache, logits[:, 0], h[:, 0]), (drawn, q)
+
+    _, (drawn, q) = lax.scan(one, (cache, logits, h), jax.random.split(key, k))
+    return drawn.T, jnp.swapaxes(q, 0, 1)
+
+
 @functools.partial(jax.jit, static_argnames=("config", "max_steps", "attention", "stream", "logprobs", "plan",
                                              "draft_config"),
                    donate_argnames=("cache",))  # (the draft cache is not returned: nothing to alias it to)
@@ -264,7 +322,10 @@ def speculative_loop(params, cache: KVCache, logits, key, sampler, stop_ids, don
     rejected slots' K/V lie past it, unseen, until overwritten; a paged row's length rewinds the same way and
     gives back the pages past it, `PagedKVCache.rewind`). The cache needs k slots beyond the last token.
     history int32[B, P] and length int32[B]: each row's prompt (`SpecState`). Method "draft": the draft model's
-    params, config and its cache prefilled with the same prompts (same slots)."""
+    params, config and its cache prefilled with the same prompts (same slots). Method "mtp": draft_params the
+    MTP module's params, draft_cache its `MtpState` (`programs.prefill_mtp`'s cache, and the last prompt
+    position's hidden state as the one pending pair, whose token is the first one drawn here), draft_config its
+    config."""
     from jaxkv.decoding import speculation
 
     B, k = logits.shape[0], plan.num_tokens
@@ -273,6 +334,9 @@ def speculative_loop(params, cache: KVCache, logits, key, sampler, stop_ids, don
     base = LoopState.start(cache, logits, key, done, width=max_steps + k + 1, top=logprobs)
     pick = functools.partial(emit, sampler=sampler, stop_ids=stop_ids, stream=stream, rows=None)
     base, feed = pick(base)
+    mtp = plan.method == "mtp"
+    if mtp:  # draft_cache: (the module's cache, [B, D] the last prompt position's hidden state)
+        draft_cache = MtpState.pending(draft_cache[0], draft_cache[1][:, None], feed[:, None], 1, k)
     history, length = speculation.append_history(history, length, base.tokens[:, :1], (~done).astype(jnp.int32))
     zeros = jnp.zeros((B,), jnp.int32)
     state = SpecState(base=base, last=feed, history=history, length=length,
@@ -281,32 +345,39 @@ def speculative_loop(params, cache: KVCache, logits, key, sampler, stop_ids, don
                       passes=jnp.zeros((), jnp.int32), proposed=zeros,
                       accepted=zeros, verifies=jnp.zeros((), jnp.int32), draft=draft_cache)
 
-    def plain(state, proposals):
-        del proposals
+    def plain(state, proposed):
+        del proposed
         running = ~state.base.done
-        logits, cache = programs.forward(params, state.last[:, None], state.base.cache, config=config,
-                                         attention=attention, active=running if paged else None)
-        if state.draft is not None:  # the draft's cache follows the target's
+        logits, cache, *hidden = programs.forward(params, state.last[:, None], state.base.cache, config=config,
+                                                  attention=attention, active=running if paged else None,
+                                                  return_hidden=mtp)
+        if state.draft is not None and not mtp:  # the draft's cache follows the target's
             state = state.replace(draft=programs.forward(draft_params, state.last[:, None], state.draft,
                                                          config=draft_config, attention=attention)[1])
         base, feed = pick(state.base.replace(cache=cache, logits=logits[:, 0]))
+        if mtp:  # the pair (h at the fed token, the token drawn after it) waits for the next pass
+            state = state.replace(draft=MtpState.pending(state.draft.cache, hidden[0], feed[:, None], 1, k))
         history, length = speculation.append_history(state.history, state.length,
                                                      base.tokens[:, base.step - 1][:, None], running.astype(jnp.int32))
         return state.replace(base=base, last=feed, history=history, length=length, idle=state.idle + 1,
                              passes=state.passes + 1)
 
-    def check(state, proposals):
+    def check(state, proposed):
+        proposals, mtp_logits, mtp_h = proposed
         s = state.base
         running = ~s.done
         key, verify_key, draft_key = jax.random.split(s.key, 3)
         written = s.cache.lengths if paged else s.cache.length
         q, draft = None, state.draft
-        if draft is not None:  # (the n-gram proposals come from `body`)
+        if mtp:
+            proposals, q = _mtp_chain(draft_params, params, draft.cache, mtp_logits, mtp_h, draft_key, sampler,
+                                      config=draft_config, attention=attention, k=k)
+        elif draft is not None:  # (the n-gram proposals come from `body`)
             proposals, q, draft = _draft_chain(draft_params, draft, state.last, draft_key, sampler,
                                                config=draft_config, attention=attention, k=k)
         inputs = jnp.concatenate([state.last[:, None], proposals], axis=1)  # [B, k + 1]
-        logits, cache = programs.forward(params, inputs, s.cache, config=config, attention=attention,
-                                         active=running if paged else None)
+        logits, cache, *hidden = programs.forward(params, inputs, s.cache, config=config, attention=attention,
+                                                  active=running if paged else None, return_hidden=mtp)
         out = speculation.verify(logits, proposals, verify_key, sampler, q=q, top=logprobs)
         # Keep what every running row kept, and no more tokens than the budget allows.
         m = jnp.min(jnp.where(running, out.accepted, k))
@@ -340,7 +411,9 @@ def speculative_loop(params, cache: KVCache, logits, key, sampler, stop_ids, don
         kept = jnp.minimum(out.accepted, count)
         rate = jnp.where(running, (1 - speculation.RATE_WEIGHT) * state.rate
                          + speculation.RATE_WEIGHT * out.accepted / k, state.rate)
-        if draft is not None:
+        if mtp:  # the pairs at the kept positions: (h at the last token and each kept proposal, the next token)
+            draft = MtpState.pending(draft.cache, hidden[0], out.tokens, m + 1, k)
+        elif draft is not None:
             draft = dataclasses.replace(draft, length=state.draft.length + m + 1)  # (its own slots)
         pays = jnp.min(jnp.where(running, speculation.expected_tokens(rate, k), jnp.inf)) >= plan.verify_cost
         wait = jnp.where(pays, speculation.PROBE_EVERY, jnp.minimum(speculation.PROBE_BACKOFF * state.wait,
@@ -353,11 +426,16 @@ def speculative_loop(params, cache: KVCache, logits, key, sampler, stop_ids, don
 
     def body(state):
         running = ~state.base.done
+        mtp_logits = mtp_h = None
         if state.draft is None:
             proposals, found = speculation.ngram_propose(state.history, state.length, k, plan.ngram_min,
                                                          plan.ngram_max)
         else:
             proposals, found = jnp.zeros((B, k), jnp.int32), jnp.ones_like(running)
+        if mtp:  # every pass feeds the module the pairs the last one left (a plain step too: it stays in step)
+            synced, mtp_logits, mtp_h = _mtp_feed(draft_params, params, state.draft, config=draft_config,
+                                                  attention=attention)
+            state = state.replace(draft=synced)
         if plan.adaptive:
             gain = jnp.where(found, speculation.expected_tokens(state.rate, k), 1.0)
             every = jnp.all(found | ~running)
@@ -367,7 +445,7 @@ def speculative_loop(params, cache: KVCache, logits, key, sampler, stop_ids, don
             speculate = jnp.bool_(True)
         # A verify needs room for k more tokens than it may emit; near the budget's end, plain steps.
         speculate &= state.base.step + 1 < steps
-        return lax.cond(speculate, check, plain, state, proposals)
+        return lax.cond(speculate, check, plain, state, (proposals, mtp_logits, mtp_h))
 
     state = lax.while_loop(lambda s: (s.base.step < steps) & ~jnp.all(s.base.done), body, state)
     s = state.base

@@ -5,6 +5,7 @@ their arguments first (`jaxkv.decoding.request`); these assume checked, static-s
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -16,17 +17,18 @@ from jaxkv.cache.paged import PagedKVCache
 from jaxkv.model import Decoder
 
 
-def forward(params, tokens, cache, *, config, attention, prefill=False, last_only=False, mesh=None, active=None):
-    """tokens int32[B, T] into the cache -> (float32[B, T or 1, V], cache). With a mesh, the cache keeps its
-    (data, model) sharding (a constraint on the way out, so SPMD propagation cannot choose to gather it).
-    `active` (bool[B], paged caches): rows that store their tokens; the others are padding, so a finished
-    sequence takes no more pages."""
+def forward(params, tokens, cache, *, config, attention, prefill=False, last_only=False, mesh=None, active=None,
+            return_hidden=False):
+    """tokens int32[B, T] into the cache -> (float32[B, T or 1, V], cache), and with `return_hidden` the hidden
+    states [B, T, D] the head read (`Decoder`). With a mesh, the cache keeps its (data, model) sharding (a
+    constraint on the way out, so SPMD propagation cannot choose to gather it). `active` (bool[B], paged caches):
+    rows that store their tokens; the others are padding, so a finished sequence takes no more pages."""
     positions = cache.positions(tokens.shape[1])
     if active is not None:
         positions = jnp.where(active[:, None], positions, -1)
-    logits, cache = Decoder(config, mesh).apply({"params": params}, tokens, positions, cache,
-                                                prefill=prefill, last_only=last_only, attention=attention)
-    return logits, sharding.constrain_cache(cache, mesh)
+    out = Decoder(config, mesh).apply({"params": params}, tokens, positions, cache, prefill=prefill,
+                                      last_only=last_only, attention=attention, return_hidden=return_hidden)
+    return (out[0], sharding.constrain_cache(out[1], mesh)) + tuple(out[2:])
 
 
 @functools.partial(jax.jit, static_argnames=("config", "capacity", "attention", "cache_dtype", "ring", "mesh"))
@@ -38,6 +40,25 @@ def prefill(params, tokens, start, *, config, capacity, attention, cache_dtype, 
     logits, cache = forward(params, tokens, cache, config=config, attention=attention, prefill=True,
                             last_only=True, mesh=mesh)
     return logits[:, 0], cache
+
+
+@functools.partial(jax.jit, static_argnames=("config", "capacity", "attention", "cache_dtype", "mtp_config"))
+def prefill_mtp(params, mtp_params, tokens, start, *, config, capacity, attention, cache_dtype, mtp_config):
+    """`prefill`, and the MTP module's own cache (`jaxkv.decoding.mtp`) filled with the prompts' pairs (h_t,
+    token_{t+1}) for every position but the last -> (float32[B, V] the last token's logits, the cache, the MTP
+    cache, [B, D] the last position's hidden state: the pair (h_{T-1}, first new token) is fed once that token is
+    drawn, so the MTP cache runs one position behind the main cache's)."""
+    from jaxkv.decoding.mtp import mtp_forward
+
+    cache = KVCache.allocate(config, tokens.shape[0], capacity, dtype=cache_dtype, start=start)
+    logits, cache, hidden = forward(params, tokens, cache, config=config, attention=attention, prefill=True,
+                                    last_only=True, return_hidden=True)
+    mtp = KVCache.allocate(mtp_config, tokens.shape[0], capacity, dtype=cache_dtype, start=start)
+    T = tokens.shape[1]
+    following = jnp.concatenate([tokens[:, 1:], tokens[:, -1:]], axis=1)  # the last pair's token: a placeholder
+    _, _, mtp = mtp_forward(mtp_params, params, hidden, following, mtp.positions(T), mtp, config=mtp_config,
+                            attention=attention, prefill=True)
+    return logits[:, 0], cache, dataclasses.replace(mtp, length=mtp.length - 1), hidden[:, -1]
 
 
 @functools.partial(jax.jit, static_argnames=("config", "attention", "mesh"), donate_argnames=("cache",))

@@ -62,7 +62,8 @@ class Speculation:
       down to ngram_min tokens that occurred before proposes the tokens that followed its latest occurrence),
       "draft" (a smaller `jaxkv.Model` with the same vocabulary proposes: it decodes k tokens, each drawn from
       its own distribution under the request's sampling settings, with its own KV cache kept in step with the
-      target's), or "mtp" (the checkpoint's multi-token-prediction layers; not built yet).
+      target's), or "mtp" (the checkpoint's multi-token-prediction module, `Model.mtp`: its first module chained
+      k times, fed its own output state, as vLLM and sglang chain DeepSeek-V3's one module).
     num_tokens: k, proposals per verify pass (1 to MAX_NUM_TOKENS).
     draft: the draft model (method "draft" only).
     adaptive: speculate for a batch only while the rows' running acceptance estimates predict more tokens per
@@ -107,8 +108,6 @@ class Speculation:
             if getattr(model, "mtp", None) is None:
                 raise ValueError("Speculation('mtp') needs a checkpoint with multi-token-prediction layers "
                                  "(num_nextn_predict_layers > 0); this model has none")
-            raise ValueError("Speculation('mtp'): this model's multi-token-prediction layers are loaded "
-                             "(Model.mtp) but not yet chained as a proposer: use 'ngram' or 'draft'")
         return Plan(method=self.method, num_tokens=self.num_tokens, ngram_max=self.ngram_max,
                     ngram_min=self.ngram_min, adaptive=self.adaptive,
                     verify_cost=VERIFY_COST.get(jax.default_backend(), DEFAULT_VERIFY_COST))

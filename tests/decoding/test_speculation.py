@@ -245,6 +245,46 @@ def test_paged_greedy_equals_plain_decoding_with_samples_pages_and_a_prefix_cach
     assert pools[0] == pools[1]
 
 
+def _with_mtp(bigram: bool):
+    """The MLA model with a random MTP module, or (`bigram`) a model whose layers are zeroed (its next token a
+    function g of the current one: logits = head(norm(embed(x)))) with an MTP module that reads only the next
+    token's embedding through zeroed layers (eh_proj = [I, 0]): it predicts g(token_{t+1}), the true token at
+    t + 2, so every proposal is right exactly when the module is fed the right pairs at the right positions."""
+    from jaxkv.decoding.mtp import Mtp, random_mtp
+
+    m = jaxkv.Model.random(MLA, seed=2)
+    mtp = random_mtp(MLA, seed=1)
+    if not bigram:
+        m.mtp = mtp
+        return m
+    params = {k: jax.tree.map(jnp.zeros_like, v) if k.startswith("layer_") else v for k, v in m.params.items()}
+    module = dict(mtp.params[0], layer_0=jax.tree.map(jnp.zeros_like, mtp.params[0]["layer_0"]),
+                  eh_proj=jnp.concatenate([jnp.eye(MLA.d_model), jnp.zeros((MLA.d_model,) * 2)], axis=1))
+    m = jaxkv.Model(MLA, params)
+    m.mtp = Mtp(mtp.config, (module,))
+    return m
+
+
+def test_mtp_greedy_equals_plain_decoding_and_a_right_module_keeps_every_proposal():
+    ps = prompts(MLA.vocab_size, seed=4)
+    m = _with_mtp(bigram=False)
+    plain = jaxkv.generate(m, ps, max_new_tokens=24, stop_tokens=[])
+    for adaptive in (False, True):
+        got = jaxkv.generate(m, ps, max_new_tokens=24, stop_tokens=[], speculative=Speculation("mtp", 3,
+                                                                                                adaptive=adaptive))
+        assert got.tokens == plain.tokens and got.stats["spec_verifies"] > 0, adaptive
+    m = _with_mtp(bigram=True)
+    plain = jaxkv.generate(m, ps, max_new_tokens=24, stop_tokens=[])
+    assert len(set(plain.tokens[1])) > 2  # g cycles through several tokens: a pair off by one would be refused
+    got = jaxkv.generate(m, ps, max_new_tokens=24, stop_tokens=[], speculative=Speculation("mtp", 3, adaptive=False))
+    assert got.tokens == plain.tokens
+    assert got.stats["spec_accepted"] == got.stats["spec_proposed"] > 0 and got.stats["target_forwards"] <= 7
+    # sampled: reproducible by seed, every row its full length
+    a, b = (jaxkv.generate(m, ps, max_new_tokens=12, temperature=0.9, seed=5, stop_tokens=[],
+                           speculative=Speculation("mtp", 2)) for _ in range(2))
+    assert a.tokens == b.tokens and all(len(t) == 12 for t in a.tokens)
+
+
 def test_sampled_output_is_reproducible_and_streams_what_it_returns():
     m = model("gqa")
     ps = prompts(m.config.vocab_size, seed=6)
@@ -335,6 +375,7 @@ def test_bad_speculation_is_refused(make, message):
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(speculative=Speculation("mtp")), "multi-token-prediction"),
+    (dict(speculative=Speculation("mtp"), n=2, model=lambda: _with_mtp(False)), "contiguous cache"),
     (dict(speculative=Speculation("draft", draft=jaxkv.Model.random(CONFIGS["gqa"].replace(vocab_size=50)))),
      "vocabulary"),
     (dict(speculative=Speculation("ngram"), sampler=lambda logits, key: jnp.argmax(logits, -1)), "custom sampler"),
@@ -344,5 +385,6 @@ def test_bad_speculation_is_refused(make, message):
     (dict(speculative=Speculation("ngram", 8), max_len=30), "exceeds max_len"),
 ])
 def test_bad_generate_combinations_fail_before_compute(kwargs, message):
+    m = kwargs.pop("model", lambda: model("gqa"))()
     with pytest.raises(ValueError, match=message):
-        jaxkv.generate(model("gqa"), [[1, 2, 3] * 6], max_new_tokens=10, **kwargs)
+        jaxkv.generate(m, [[1, 2, 3] * 6], max_new_tokens=10, **kwargs)
