@@ -15,7 +15,11 @@ One process, random weights (`jaxkv.Model.random(PRESETS[config], seed=0)`, floa
    seconds / verify passes of the a = 1 run (every pass a verify, proposer and acceptance included). At a = 0
    also `adaptive=True` (the default): it should fall back to plain steps.
 3. The real n-gram proposer on a prompt that quotes a passage twice (so the answer can copy it): acceptance
-   rate and speed-up.
+   rate and speed-up; and on the bundled trained model (`jaxkv.load("tiny")`, --bundled-prompt, a text that
+   quotes itself), same figures.
+4. The engine (`jaxkv.Engine`, --engine-new-tokens each) at each of --concurrency requests at once, every
+   request a prompt quoting a passage of its own: the speculative engine's (`Speculation("ngram", k)`, adaptive)
+   generated tokens/s over the plain engine's, both warm, same run, and its acceptance and tokens per forward.
 
 Medians over --reps rounds (each round runs every configuration once, in turn), after one warm-up each (compiles
 excluded). Targets (issue 29): measured >= 0.85 x analytic at every a; >= 2x at a = 0.8; adaptive at a = 0 no
@@ -31,7 +35,8 @@ import pathlib
 import statistics
 import sys
 
-QUICK = {"config": "test-tiny", "prompt_len": 24, "new_tokens": 24, "reps": 1}
+QUICK = {"config": "test-tiny", "prompt_len": 24, "new_tokens": 24, "reps": 1, "concurrency": "2",
+         "engine_new_tokens": 12}
 
 
 def parse_args(argv=None):
@@ -43,6 +48,10 @@ def parse_args(argv=None):
     p.add_argument("--rates", default="0,0.5,0.8,1", help="the test proposer's per-token acceptance rates")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--concurrency", default="1,4,16", help="engine rows: requests at once (comma-separated)")
+    p.add_argument("--engine-new-tokens", type=int, default=128)
+    p.add_argument("--bundled-prompt", default="The cache keeps the keys and values of every token. The cache "
+                   "keeps the keys and values of every token, so each step", help="the bundled model's prompt")
     p.add_argument("--quick", action="store_true", help="a tiny model and short runs (a smoke test)")
     p.add_argument("--out", default=None, help="also write every figure as JSON here")
     args = p.parse_args(argv)
@@ -50,12 +59,18 @@ def parse_args(argv=None):
         for name, value in QUICK.items():
             setattr(args, name, value)
     try:
+        args.concurrency = [int(c) for c in str(args.concurrency).split(",")]
+    except ValueError:
+        p.error(f"--concurrency must be comma-separated integers, got {args.concurrency!r}")
+    if not all(c >= 1 for c in args.concurrency):
+        p.error("--concurrency must be >= 1")
+    try:
         args.rates = [float(r) for r in args.rates.split(",")]
     except ValueError:
         p.error(f"--rates must be comma-separated numbers, got {args.rates!r}")
     if not all(0.0 <= r <= 1.0 for r in args.rates):
         p.error("--rates must lie in [0, 1]")
-    for name in ("prompt_len", "new_tokens", "k", "reps"):
+    for name in ("prompt_len", "new_tokens", "k", "reps", "engine_new_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     return args
@@ -156,13 +171,77 @@ def run(args) -> dict:
                      "tokens_per_forward": m["tokens_per_target_forward"], "verifies": m["spec_verifies"],
                      "forwards": m["target_forwards"], "same_tokens": same[name]})
     q, qp = med["ngram quoting"], med["ngram quoting, plain"]
-    return {"config": args.config, "prompt_len": args.prompt_len, "new_tokens": N, "k": k, "reps": args.reps,
+    return {"engine": engine_rows(model, args, rng), "bundled": bundled_row(args),
+            "config": args.config, "prompt_len": args.prompt_len, "new_tokens": N, "k": k, "reps": args.reps,
             "plain_tokens_per_s": base, "c_step_ms": 1e3 * c_step, "c_verify_ms": 1e3 * c_verify,
             "verify_cost": cost, "rows": rows,
             "ngram": {"acceptance": q["spec_acceptance_rate"], "tokens_per_forward": q["tokens_per_target_forward"],
                       "speedup": q["decode_tokens_per_s"] / qp["decode_tokens_per_s"],
                       "tokens_per_s": q["decode_tokens_per_s"], "plain_tokens_per_s": qp["decode_tokens_per_s"],
                       "same_tokens": runs["ngram quoting"][0].tokens == runs["ngram quoting, plain"][0].tokens}}
+
+
+def _timed(fn, reps: int):
+    """fn() `reps` times -> (median seconds, the last result)."""
+    import time
+
+    times, out = [], None
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+def engine_rows(model, args, rng) -> list[dict]:
+    """Section 4 of the module docstring: the plain and the speculative engine at each concurrency."""
+    import jaxkv
+
+    V, k, N = model.config.vocab_size, args.k, args.engine_new_tokens
+    rows = []
+    for c in args.concurrency:
+        prompts = []
+        for _ in range(c):
+            passage = rng.integers(1, V, max(8, args.prompt_len // 4)).tolist()
+            prompts.append((passage + rng.integers(1, V, 8).tolist() + passage)[: max(args.prompt_len,
+                                                                                       2 * len(passage))])
+        max_len = max(map(len, prompts)) + N + k + 1
+        engines = {name: jaxkv.Engine(model, slots=c, max_len=max_len, steps_per_dispatch=8,
+                                      speculative=spec)
+                   for name, spec in (("plain", None), ("speculative", jaxkv.Speculation("ngram", k)))}
+        timed = {}
+        for name, engine in engines.items():
+            engine.warm_up()
+            engine.generate(prompts, max_new_tokens=N, stop_tokens=[])  # warm: every width this load uses
+            engine.reset_stats()
+            timed[name] = _timed(lambda: engine.generate(prompts, max_new_tokens=N, stop_tokens=[]), args.reps)
+        (plain_s, plain), (spec_s, spec) = timed["plain"], timed["speculative"]
+        stats = engines["speculative"].stats
+        rows.append({"concurrency": c, "plain_tokens_per_s": c * N / plain_s, "tokens_per_s": c * N / spec_s,
+                     "speedup": plain_s / spec_s, "acceptance": stats["spec_acceptance_rate"],
+                     "tokens_per_forward": stats["tokens_per_target_forward"],
+                     "same_tokens": [r.tokens for r in spec] == [r.tokens for r in plain]})
+    return rows
+
+
+def bundled_row(args) -> dict:
+    """Section 3's second half: the n-gram proposer on the bundled trained model."""
+    import jaxkv
+
+    model = jaxkv.load("tiny")
+    N, k = args.new_tokens, args.k
+
+    def call(spec):
+        return jaxkv.generate(model, [args.bundled_prompt], max_new_tokens=N, stop_tokens=[], speculative=spec)
+
+    spec = jaxkv.Speculation("ngram", k)
+    call(None), call(spec)  # compiles
+    plain_s, plain = _timed(lambda: call(None), args.reps)
+    spec_s, out = _timed(lambda: call(spec), args.reps)
+    return {"acceptance": out.stats["spec_acceptance_rate"],
+            "tokens_per_forward": out.stats["tokens_per_target_forward"],
+            "speedup": out.stats["decode_tokens_per_s"] / plain.stats["decode_tokens_per_s"],
+            "wall_speedup": plain_s / spec_s, "same_tokens": out.tokens == plain.tokens, "text": out.text[0][:80]}
 
 
 def report(r: dict) -> str:
@@ -180,6 +259,16 @@ def report(r: dict) -> str:
     lines.append(f"  n-gram on a prompt quoting a passage: {100 * g['acceptance']:.0f}% accepted, "
                  f"{g['tokens_per_forward']:.2f} tokens/forward, {g['tokens_per_s']:.1f} vs "
                  f"{g['plain_tokens_per_s']:.1f} tokens/s plain = {g['speedup']:.2f}x; same tokens: {g['same_tokens']}")
+    b = r["bundled"]
+    lines.append(f"  n-gram on the bundled trained model: {100 * b['acceptance']:.0f}% accepted, "
+                 f"{b['tokens_per_forward']:.2f} tokens/forward, decode {b['speedup']:.2f}x (whole call "
+                 f"{b['wall_speedup']:.2f}x); same tokens: {b['same_tokens']}; text {b['text']!r}")
+    lines.append("  engine (n-gram, adaptive; prompts quoting a passage each): concurrency, plain tokens/s, "
+                 "speculative tokens/s, speed-up, accepted, tokens/forward, same tokens")
+    for e in r["engine"]:
+        lines.append(f"    {e['concurrency']:3d} {e['plain_tokens_per_s']:9.1f} {e['tokens_per_s']:9.1f} "
+                     f"{e['speedup']:6.2f}x {100 * e['acceptance']:5.0f}% {e['tokens_per_forward']:6.2f}  "
+                     f"{e['same_tokens']}")
     return "\n".join(lines)
 
 

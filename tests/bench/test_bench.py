@@ -333,4 +333,6 @@ def test_bench_speculative_quick(tmp_path, capsys):
     assert rows["a=1"]["tokens_per_forward"] > 4 and rows["a=0"]["tokens_per_forward"] == 1.0
     assert all(row["same_tokens"] for row in rows.values()) and r["ngram"]["same_tokens"]
     assert r["verify_cost"] > 0 and all(row["speedup"] > 0 and row["analytic"] > 0 for row in rows.values())
+    assert r["bundled"]["same_tokens"] and 0 <= r["bundled"]["acceptance"] <= 1
+    assert all(e["same_tokens"] and e["speedup"] > 0 for e in r["engine"])
     assert "measured/analytic" in capsys.readouterr().out
