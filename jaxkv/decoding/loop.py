@@ -363,7 +363,7 @@ def speculative_loop(params, cache: KVCache, logits, key, sampler, stop_ids, don
                              passes=state.passes + 1)
 
     def check(state, proposed):
-        proposals, mtp_logits, mtp_h = proposed
+        proposals, mtp_logits, mtp_h, _ = proposed
         s = state.base
         running = ~s.done
         key, verify_key, draft_key = jax.random.split(s.key, 3)
@@ -436,16 +436,33 @@ def speculative_loop(params, cache: KVCache, logits, key, sampler, stop_ids, don
             synced, mtp_logits, mtp_h = _mtp_feed(draft_params, params, state.draft, config=draft_config,
                                                   attention=attention)
             state = state.replace(draft=synced)
+        plain_steps = jnp.ones((), jnp.int32)
         if plan.adaptive:
+            expected = jnp.min(jnp.where(running, speculation.expected_tokens(state.rate, k), jnp.inf))
             gain = jnp.where(found, speculation.expected_tokens(state.rate, k), 1.0)
             every = jnp.all(found | ~running)
             worth = jnp.min(jnp.where(running, gain, jnp.inf)) >= plan.verify_cost
             speculate = every & (worth | (state.idle >= state.wait))
+            if not mtp:  # (the MTP module is fed at every pass: one plain step at a time)
+                # While the rates say speculating does not pay, only the next probe can verify: run the plain
+                # steps up to it in one inner loop, without the proposer or this rule at every step.
+                plain_steps = jnp.where(expected >= plan.verify_cost, 1, jnp.maximum(state.wait - state.idle, 1))
         else:
             speculate = jnp.bool_(True)
         # A verify needs room for k more tokens than it may emit; near the budget's end, plain steps.
         speculate &= state.base.step + 1 < steps
-        return lax.cond(speculate, check, plain, state, (proposals, mtp_logits, mtp_h))
+        return lax.cond(speculate, check, plain_run, state, (proposals, mtp_logits, mtp_h, plain_steps))
+
+    def plain_run(state, proposed):
+        """`plain` steps, proposed[3] of them at most, ending early when a row finishes (the rule may then
+        change) or the loop's own end comes."""
+        done = state.base.done
+
+        def more(carry):
+            s, i = carry
+            return (i < proposed[3]) & (s.base.step < steps) & jnp.all(s.base.done == done)
+
+        return lax.while_loop(more, lambda c: (plain(c[0], None), c[1] + 1), (plain(state, None), 1))[0]
 
     state = lax.while_loop(lambda s: (s.base.step < steps) & ~jnp.all(s.base.done), body, state)
     s = state.base
