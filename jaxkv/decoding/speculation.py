@@ -174,19 +174,26 @@ class Verified(NamedTuple):
 def verify(logits, proposals, key, sampler: Sampler, *, q=None, top: int = 0) -> Verified:
     """The acceptance rule (module docstring) for B rows: logits float32[B, k + 1, V] (position i: the target's
     logits for the token after input i, where the inputs are the last emitted token and the k proposals),
-    proposals int32[B, k], q float32[B, k, V] the proposer's distributions (None: one-hot at the proposals)."""
+    proposals int32[B, k], q float32[B, k, V] the proposer's distributions (None: one-hot at the proposals).
+    key: one PRNG key for the batch, or one per row ([B, 2] raw keys, the engine's): then row b's draws depend on
+    key[b] alone, whatever shares the batch."""
     B, T, V = logits.shape
     k = T - 1
     flat = logits.reshape(B * T, V)
     nan = step.nan_rows(flat).reshape(B, T)
     processed = step.process_logits(flat).astype(jnp.float32).reshape(B, T, V)
     p = jax.vmap(sampler.distribution, in_axes=1, out_axes=1)(processed)  # [B, T, V]
-    accept_key, draw_key = jax.random.split(key)
+    per_row = key.ndim == 2 and key.shape[0] == B and key.dtype == jnp.uint32
+    if per_row:
+        accept_key, draw_key = jnp.swapaxes(jax.vmap(jax.random.split)(key), 0, 1)  # [2, B, key]
+    else:
+        accept_key, draw_key = jax.random.split(key)
     valid = (proposals >= 0) & (proposals < V)
     d = jnp.clip(proposals, 0, V - 1)
     p_d = jnp.take_along_axis(p[:, :k], d[..., None], axis=-1)[..., 0]  # [B, k]
     q_d = 1.0 if q is None else jnp.take_along_axis(q, d[..., None], axis=-1)[..., 0]
-    u = 1.0 - jax.random.uniform(accept_key, (B, k))  # (0, 1]: a probability-0 token is never kept
+    u = 1.0 - (jax.vmap(lambda key: jax.random.uniform(key, (k,)))(accept_key) if per_row
+               else jax.random.uniform(accept_key, (B, k)))  # (0, 1]: a probability-0 token is never kept
     keep = (u * q_d <= p_d) & valid & ~nan[:, :k]
     accepted = jnp.sum(jnp.cumprod(keep.astype(jnp.int32), axis=1), axis=1)  # [B]
     # The residual at the first rejection (the bonus distribution p after k acceptances: q counts as 0 there).
@@ -200,7 +207,11 @@ def verify(logits, proposals, key, sampler: Sampler, *, q=None, top: int = 0) ->
     residual = jnp.maximum(p_m - q_m, 0.0)
     mass = jnp.sum(residual, axis=-1, keepdims=True)
     residual = jnp.where(mass > 0, residual, p_m)  # rounding left nothing: p itself
-    drawn = jax.random.categorical(draw_key, jnp.log(residual), axis=-1).astype(jnp.int32)
+    if per_row:
+        drawn = jax.vmap(lambda key, r: jax.random.categorical(key, jnp.log(r)))(draw_key, residual)
+    else:
+        drawn = jax.random.categorical(draw_key, jnp.log(residual), axis=-1)
+    drawn = drawn.astype(jnp.int32)
     nan_m = jnp.take_along_axis(nan, accepted[:, None], axis=1)[:, 0]
     drawn = jnp.where(nan_m, -1, drawn)
     i = jnp.arange(T)[None, :]

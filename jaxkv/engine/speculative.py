@@ -171,11 +171,8 @@ def decode(params, state: State, shifts, moves, keys, sampler, stop_ids, budget,
             written = w(state.cache.lengths)
             logits, cache = forward(state, inputs, real)
 
-            def per_slot(top):
-                def one(lg, pr, key, s):
-                    out = speculation.verify(lg[None], pr[None], key, s, top=top)
-                    return jax.tree.map(lambda x: x[0], out)
-                return jax.vmap(one)(logits, proposals, pass_keys, sampler_w)
+            def per_slot(top):  # each slot's draws from its own key (`verify`'s per-row keys)
+                return speculation.verify(logits, proposals, pass_keys, sampler_w, top=top)
 
             out = lax.cond(top_wanted, lambda: per_slot(MAX_LOGPROBS), lambda: per_slot(0)._replace(
                 top_ids=jnp.zeros((W, k + 1, MAX_LOGPROBS), jnp.int32),
