@@ -234,6 +234,10 @@ def test_paged_greedy_equals_plain_decoding_with_samples_pages_and_a_prefix_cach
     got = jaxkv.generate(m, ps, max_new_tokens=20, stop_tokens=[], n=2, page_size=4, speculative=spec)
     assert got.tokens == plain.tokens and got.stats["spec_verifies"] > 0
     assert got.stats["pages_in_use_peak"] == plain.stats["pages_in_use_peak"]
+    # the draft model over forked rows: its own contiguous cache of each row's prompt
+    drafted = jaxkv.generate(m, ps, max_new_tokens=20, stop_tokens=[], n=2, page_size=4,
+                             speculative=Speculation("draft", 3, draft=m, adaptive=False))
+    assert drafted.tokens == plain.tokens and drafted.stats["spec_acceptance_rate"] > 0.9
     pools = []
     for speculative in (None, spec):
         pc = jaxkv.PrefixCache(m, num_pages=64, page_size=4)
