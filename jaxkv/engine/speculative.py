@@ -8,10 +8,12 @@ forward pass over the dispatch's W slots emits 1 token for a slot that does not 
 one that does. Every slot keeps its own count of accepted proposals (the paged cache's lengths are per row),
 rewinds to its kept slots and gives back the pages its rejected tokens took (`PagedKVCache.rewind`).
 
-A slot's tokens depend on its own state only, never on the batch: whether it speculates is its own adaptive
-rule (its running acceptance estimate, its own probe counters), and its PRNG key is split once per pass it runs
-whatever kind of pass that is, so a request draws what it draws alone in the engine. A non-speculating slot in a
-verify pass draws its token from the same logits (its first position) as in a plain pass.
+A sampled slot's tokens depend on its own state only, never on the batch: whether it speculates is its own
+adaptive rule (its running acceptance estimate, its own probe counters), and its PRNG key is split once per pass
+it runs whatever kind of pass that is, so a request draws what it draws alone in the engine. A non-speculating
+slot in a verify pass draws its token from the same logits (its first position) as in a plain pass. A greedy
+slot's tokens are the argmax whatever the pass, so it also joins any verify pass when it has a match (free: the
+pass costs the same), which keeps the greedy slots' probes in step.
 
 Letters as in `jaxkv.shapes`: S slots, W computed slots, k proposals, H history entries, V vocabulary.
 """
@@ -145,8 +147,15 @@ def decode(params, state: State, shifts, moves, keys, sampler, stop_ids, budget,
         wants = found & (~jnp.bool_(plan.adaptive) | (gain >= plan.verify_cost) | (w(spec.idle) >= w(spec.wait)))
         # Room for the lookahead: two tokens of budget left, and k positions past the last within the model's.
         lengths = w(state.cache.lengths)
-        wants &= run & (w(state.budget) >= 2) & (lengths + k + 1 <= config.max_positions)
+        room = run & (w(state.budget) >= 2) & (lengths + k + 1 <= config.max_positions)
+        wants &= room
         sampler_w = jax.tree.map(w, state.sampler)
+        # A greedy slot with a match joins any verify pass (the pass costs the same whoever fills its positions,
+        # and a greedy slot's tokens are the argmax whichever kind of pass draws them): so greedy slots verify
+        # together and their probe schedules fall in step, instead of each paying for a verify pass of its own.
+        # A sampled slot follows its own rule only: its draws must not depend on what shares the batch.
+        greedy = jnp.broadcast_to(jnp.asarray(sampler_w.temperature) <= 0.0, (W,))
+        wants |= greedy & found & room & jnp.any(wants)
 
         def forward(state, inputs, real):
             sub = rows_of(state.cache, slots)
