@@ -57,6 +57,11 @@ class State:
     spec: Any = None
 
 
+def finish_code(finished, nan, stopped):
+    """int32[...] `FINISH_REASONS` codes: 0 going on, else 3 NaN logits, 1 a stop, 2 out of budget."""
+    return jnp.where(finished, jnp.where(nan, 3, jnp.where(stopped, 1, 2)), 0)
+
+
 def placed(state: State, mesh) -> State:
     """On a mesh, the cache keeps its layout (pools split over KV heads; `sharding.paged_cache_shardings`)."""
     return state.replace(cache=sharding.constrain_cache(state.cache, mesh))
@@ -208,7 +213,7 @@ def decode(params, state: State, shifts, moves, keys, sampler, stop_ids, budget,
         logits, cache = lax.cond(jnp.any(going), forward, lambda s: (s.logits[:W], s.cache), state)
         # A finished request's pages are free at once (for the next admissions).
         cache = cache.release(jnp.zeros((cache.batch,), bool).at[:W].set(finished))
-        code = jnp.where(finished, jnp.where(nan, 3, jnp.where(stopped, 1, 2)), 0)
+        code = finish_code(finished, nan, stopped)
         keys = jnp.where(run[:, None], split[:, 0], state.keys[:W])
         state = state.replace(cache=cache, logits=state.logits.at[:W].set(logits), keys=state.keys.at[:W].set(keys),
                               decoding=state.decoding.at[:W].set(going), budget=state.budget.at[:W].set(budget))

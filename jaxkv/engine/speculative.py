@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxkv.decoding import speculation, step
-from jaxkv.engine.programs import (MAX_LOGPROBS, State, move_in, placed, put_rows, rows_of,
+from jaxkv.engine.programs import (MAX_LOGPROBS, State, finish_code, move_in, placed, put_rows, rows_of,
                                    shift_slots)
 from jaxkv.model import Decoder
 
@@ -64,10 +64,6 @@ class Slots:
 
         return cls(last=z(), history=jnp.zeros((slots, width), jnp.int32), length=z(),
                    rate=jnp.zeros((slots,), jnp.float32), idle=z(), wait=z())
-
-
-def _finish_code(finished, nan, stopped):
-    return jnp.where(finished, jnp.where(nan, 3, jnp.where(stopped, 1, 2)), 0)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "attention", "steps", "width", "plan", "mesh"),
@@ -115,7 +111,7 @@ def decode(params, state: State, shifts, moves, keys, sampler, stop_ids, budget,
         state = state.replace(cache=cache, decoding=state.decoding.at[:W].set(jnp.where(run, ~finished,
                                                                                         w(state.decoding))),
                               budget=state.budget.at[:W].set(budget), spec=spec)
-        code = _finish_code(finished, nan, stopped)
+        code = finish_code(finished, nan, stopped)
         code = jnp.where(jnp.arange(T)[None, :] == count[:, None] - 1, code[:, None], 0)  # at its last token
 
         def block(x, fill):  # [W, T, ...] -> [T, S, ...]
