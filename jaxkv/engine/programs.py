@@ -43,6 +43,10 @@ class State:
     top:      int32[S], top alternatives wanted per token (0: none)
     spec:     with speculation, the per-slot `jaxkv.engine.speculative.Slots` (each slot's last token, its
               history, its acceptance estimate); else None
+    draft:    with a draft model proposing, its paged cache: only its pools are used, always under the main
+              cache's page tables and lengths (`draft_rows`), so the draft's K/V of a token lives in the same page
+              and slot as the target's and every page the target reserves, moves or frees carries the draft's too;
+              its own tables stay empty. Else None
     """
 
     cache: PagedKVCache
@@ -55,6 +59,7 @@ class State:
     budget: jax.Array
     top: jax.Array
     spec: Any = None
+    draft: Any = None
 
 
 def finish_code(finished, nan, stopped):
@@ -80,6 +85,22 @@ def rows_of(cache: PagedKVCache, rows) -> PagedKVCache:
                                overflowed=jnp.where(used, cache.overflowed[row], False))
 
 
+def draft_rows(draft: PagedKVCache, sub: PagedKVCache, lengths=None) -> PagedKVCache:
+    """The draft's pools under the main cache's rows `sub` (their tables; `lengths`, else sub's): a cache the
+    draft model writes and reads where the target's tokens live. Its tables must already hold a page for every
+    slot the draft will write (the target's forward, or a `reserve`, took them), so the draft's own `reserve`
+    takes nothing; what it does to the tables and counts is dropped (`draft_pools`)."""
+    return dataclasses.replace(sub, keys=draft.keys, values=draft.values, key_scales=draft.key_scales,
+                               value_scales=draft.value_scales,
+                               lengths=sub.lengths if lengths is None else lengths)
+
+
+def draft_pools(draft: PagedKVCache, view: PagedKVCache) -> PagedKVCache:
+    """The pools the draft wrote through `view` (`draft_rows`) back into the draft's cache."""
+    return dataclasses.replace(draft, keys=view.keys, values=view.values, key_scales=view.key_scales,
+                               value_scales=view.value_scales)
+
+
 def put_rows(cache: PagedKVCache, rows, sub: PagedKVCache) -> PagedKVCache:
     """`sub` (from `rows_of(cache, rows)`, then used) back into the cache: its pools and counts, its rows' tables."""
     back = jnp.where(rows >= 0, rows, cache.batch)  # out of range for empty rows: dropped
@@ -101,14 +122,20 @@ def admit(state: State, row, table_row, length, *, mesh=None):
     return state, _free_pages(state)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "mesh"), donate_argnames=("state",))
-def prefill(params, state: State, rows, tokens, counts, *, config, mesh=None):
+@functools.partial(jax.jit, static_argnames=("config", "mesh", "draft_config"), donate_argnames=("state",))
+def prefill(params, state: State, rows, tokens, counts, draft=None, *, config, mesh=None, draft_config=None):
     """One prompt chunk per prefill row: tokens int32[R, C] (right-padded; counts int32[R] real, 0: no chunk)
     into staging rows `rows` int32[R] (cache rows S + j; -1: none), attending over the row's pages so far. Each
     row's last token's logits go to `staged[j]` (what the slot it moves to samples from first, once its prompt is
     complete). A chunk attends over its own fresh K/V and over the row's earlier slots as stored (`Decoder`'s
     `chunk`): a prompt prefilled in one chunk with no cached prefix reads nothing quantized, as generate's
-    prefill."""
+    prefill.
+
+    draft: with a draft model (`State.draft`; its `draft_config`), (its params, int32[R, C] its chunk, int32[R]
+    its counts, int32[R] the slots it has written per row) -> the draft's chunk into its pools under the same
+    rows, after the target's, which has reserved every page it needs: the draft's chunks start at slot 0 even
+    after a prefix-cache hit (the cached pages hold the target's K/V; the draft's of an earlier request there are
+    not relied on), so they trail the target's and never pass it."""
     R, C = tokens.shape
     sub = rows_of(state.cache, rows)
     t = jnp.arange(C, dtype=jnp.int32)[None, :]
@@ -118,7 +145,15 @@ def prefill(params, state: State, rows, tokens, counts, *, config, mesh=None):
                                               attention="xla", chunk=True)
     S, Q = state.logits.shape[0], state.staged.shape[0]
     staged = state.staged.at[jnp.where(counts > 0, rows - S, Q)].set(logits[:, 0], mode="drop")
-    state = placed(state.replace(cache=put_rows(state.cache, rows, sub), staged=staged), mesh)
+    state = state.replace(cache=put_rows(state.cache, rows, sub), staged=staged)
+    if draft is not None:
+        draft_params, draft_tokens, draft_counts, draft_written = draft
+        view = draft_rows(state.draft, rows_of(state.cache, rows), jnp.where(rows >= 0, draft_written, 0))
+        draft_positions = jnp.where(t < draft_counts[:, None], view.lengths[:, None] + t, -1)
+        _, view = Decoder(draft_config).apply({"params": draft_params}, draft_tokens, draft_positions, view,
+                                              last_only=True, attention="xla", chunk=True)
+        state = state.replace(draft=draft_pools(state.draft, view))
+    state = placed(state, mesh)
     return state, _free_pages(state)
 
 

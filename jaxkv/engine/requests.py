@@ -25,6 +25,7 @@ class Request:
     state: str = "waiting"  # -> "prefilling" -> "ready" (prompt done) -> "decoding" -> "finished"
     row: int = -1  # the cache row it holds: a staging row S + j while prefilling and ready, then its slot
     written: int = 0  # slots of its sequence written so far (cached prefix, prefilled prompt, fed-back tokens)
+    draft_written: int = 0  # with a draft model, the prompt slots its prefill has written (from 0, whatever hit)
     cached: int = 0  # prompt tokens found in the prefix cache
     hit_pages: tuple = ()
     tokens: list = dataclasses.field(default_factory=list)

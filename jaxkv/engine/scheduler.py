@@ -68,7 +68,10 @@ class Engine:
         its next tokens verifies k of them in one pass (`jaxkv.engine.speculative`); every request's output is
         distributed as without it (greedy: the same tokens), each slot keeps its own accepted count and falls
         back to plain steps on its own (`adaptive`). A request's worst case then counts k more slots. `stats`
-        adds the speculation counters. The n-gram proposer only (a draft model or MTP: ValueError); no mesh.
+        adds the speculation counters. `Speculation("draft", draft=...)`: the draft model's K/V live in a pool
+        of its own under the target's page tables (`programs.State.draft`), so its pages come and go with the
+        target's; its prompt is prefilled beside the target's chunks (from slot 0, also after a prefix-cache
+        hit). MTP: ValueError; no mesh.
     """
 
     def __init__(self, model: Model, *, slots: int, max_len: int, page_size: int | None = None,
@@ -101,11 +104,19 @@ class Engine:
             if not isinstance(speculative, Speculation):
                 raise ValueError(f"speculative must be a jaxkv.Speculation, got {type(speculative).__name__}")
             self.speculation = speculative.check(model)
-            if self.speculation.method != "ngram":
-                raise ValueError(f"the engine speculates with the n-gram proposer only (Speculation('ngram')), not "
-                                 f"{self.speculation.method!r}")
+            if self.speculation.method == "mtp":
+                raise ValueError("the engine speculates with the n-gram and draft-model proposers "
+                                 "(Speculation('ngram') or Speculation('draft', draft=...)), not 'mtp' yet")
             if self.mesh is not None:
                 raise ValueError("the engine does not speculate on a mesh yet")
+        self.draft = None if self.speculation is None or self.speculation.method != "draft" else speculative.draft
+        if self.draft is not None:
+            # The draft's cache lives in pages of the same pool geometry, under the target's tables.
+            if self.draft.config.max_positions < self.max_len:
+                raise ValueError(f"max_len={max_len} exceeds the draft model's max positions "
+                                 f"({self.draft.config.max_positions})")
+            self._draft_cache_dtype = request.cache_dtype(self.draft.config, self.cache_dtype)
+            self._draft_attention = request.attention(self.draft.config, attention, paged=True)
         self._lookahead = 0 if self.speculation is None else self.speculation.num_tokens
         # M: a verify writes k slots past the last token before it gives back what the rejected ones took.
         self.max_pages = -(-(self.max_len + self._lookahead) // self.page_size)
@@ -384,7 +395,10 @@ class Engine:
                             top_p=jnp.ones((S,), jnp.float32), min_p=jnp.zeros((S,), jnp.float32)),
             stop_ids=jnp.full((S, STOP_SLOTS), -1, jnp.int32), budget=jnp.zeros((S,), jnp.int32),
             top=jnp.zeros((S,), jnp.int32),
-            spec=None if self.speculation is None else speculative_program.Slots.empty(S, self._history_width))
+            spec=None if self.speculation is None else speculative_program.Slots.empty(S, self._history_width),
+            draft=None if self.draft is None else programs.allocate(
+                self.draft.config, S + Q, num_pages=self.num_pages, page_size=self.page_size,
+                max_len=self.max_pages * self.page_size, dtype=self._draft_cache_dtype))
         if self.mesh is not None:  # the pools split over KV heads, everything else on every device
             rep = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
             shardings = jax.tree.map(lambda _: rep, self._state)
@@ -450,7 +464,8 @@ class Engine:
         would otherwise stay empty through the dispatch (requests finish faster than one chunk a round refills
         them); as many as it takes while no slot decodes (nothing to hold up). A long prompt therefore delays the
         running slots by at most two chunks per dispatch."""
-        for i in range(len(self._staging) * -(-self.max_len // self.prefill_chunk)):
+        # (a draft model's chunks trail the target's by a prefix-cache hit at most: twice as many then)
+        for i in range(len(self._staging) * -(-self.max_len // self.prefill_chunk) * (1 + (self.draft is not None))):
             self._admit_waiting()
             if not self._prefill_chunk():
                 return
@@ -469,32 +484,43 @@ class Engine:
         prefilling = sorted((self._requests[rid] for rid in self._staging
                              if rid is not None and self._requests[rid].state == "prefilling"), key=lambda r: r.id)
         chunked = []
+        drafting = self.draft is not None
+        draft_tokens, draft_counts, draft_written = np.zeros((R, C), np.int32), np.zeros((R,), np.int32), \
+            np.zeros((R,), np.int32)
         for j, req in enumerate(prefilling[:R]):
             chunk = req.prompt[req.written:req.written + C]
             rows[j], counts[j] = req.row, len(chunk)
             tokens[j, :len(chunk)] = chunk
+            if drafting:  # the draft's chunk, from its own progress (it trails the target's after a prefix hit)
+                chunk = req.prompt[req.draft_written:req.draft_written + C]
+                draft_tokens[j, :len(chunk)], draft_counts[j], draft_written[j] = chunk, len(chunk), req.draft_written
             chunked.append((j, req))
         if not chunked:
             return False
         t0 = time.perf_counter()
+        draft = {} if not drafting else dict(draft=(self.draft.params, draft_tokens, draft_counts, draft_written),
+                                             draft_config=self.draft.config)
         self._state, free = programs.prefill(self._params, self._state, rows, tokens, counts, config=self._run_config,
-                                             mesh=self.mesh)
+                                             mesh=self.mesh, **draft)
         self._free = int(free)
         self._stats["prefill_s"] += time.perf_counter() - t0
         self._stats["prefill_dispatches"] += 1
         self._stats["prefill_tokens"] += int(counts.sum())
         self._stats["prefill_tokens_computed"] += R * C
         for j, req in chunked:
+            done = req.written == len(req.prompt)
             req.written += int(counts[j])
-            if req.written == len(req.prompt):
+            req.draft_written += int(draft_counts[j])
+            if req.written == len(req.prompt) and not done and self.prefix_cache is not None:
+                # its whole prompt pages stay cached for later requests
+                table = np.asarray(self._state.cache.page_table[req.row])
+                adopted = self.prefix_cache.adopt([req.prompt], [table])
+                if adopted:
+                    self._state, free = programs.refs(self._state, padded(adopted, self.num_pages), np.int32(1),
+                                                      mesh=self.mesh)
+                    self._free = int(free)
+            if req.written == len(req.prompt) and (not drafting or req.draft_written == len(req.prompt)):
                 req.state = "ready"
-                if self.prefix_cache is not None:  # its whole prompt pages stay cached for later requests
-                    table = np.asarray(self._state.cache.page_table[req.row])
-                    adopted = self.prefix_cache.adopt([req.prompt], [table])
-                    if adopted:
-                        self._state, free = programs.refs(self._state, padded(adopted, self.num_pages), np.int32(1),
-                                                          mesh=self.mesh)
-                        self._free = int(free)
         return True
 
     def _decode_dispatch(self) -> list[Event]:
@@ -568,10 +594,12 @@ class Engine:
                                                budget, top, config=self._run_config, attention=self.attention,
                                                steps=self.steps_per_dispatch, width=width, mesh=self.mesh)
             return state, out, free, None
+        draft = {} if self.draft is None else dict(draft_params=self.draft.params, draft_config=self.draft.config,
+                                                   draft_attention=self._draft_attention)
         return speculative_program.decode(self._params, self._state, shifts, moves, keys, sampler, stop_ids,
                                           budget, top, *prompts, config=self._run_config, attention=self.attention,
                                           steps=self.steps_per_dispatch, width=width, plan=self.speculation,
-                                          mesh=self.mesh)
+                                          mesh=self.mesh, **draft)
 
     def _compact(self) -> np.ndarray:
         """Requests decoding in slots at or past the width their number needs move down into the free slots below

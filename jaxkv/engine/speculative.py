@@ -28,8 +28,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxkv.decoding import speculation, step
-from jaxkv.engine.programs import (MAX_LOGPROBS, State, finish_code, move_in, placed, put_rows, rows_of,
-                                   shift_slots)
+from jaxkv.engine.programs import (MAX_LOGPROBS, State, draft_pools, draft_rows, finish_code, move_in, placed,
+                                   put_rows, rows_of, shift_slots)
 from jaxkv.model import Decoder
 
 
@@ -66,17 +66,23 @@ class Slots:
                    rate=jnp.zeros((slots,), jnp.float32), idle=z(), wait=z())
 
 
-@functools.partial(jax.jit, static_argnames=("config", "attention", "steps", "width", "plan", "mesh"),
+@functools.partial(jax.jit, static_argnames=("config", "attention", "steps", "width", "plan", "mesh", "draft_config",
+                                            "draft_attention"),
                    donate_argnames=("state",))
-def decode(params, state: State, shifts, moves, keys, sampler, stop_ids, budget, top, prompts, prompt_lengths, *,
-           config, attention, steps: int, width: int, plan, mesh=None):
+def decode(params, state: State, shifts, moves, keys, sampler, stop_ids, budget, top, prompts, prompt_lengths,
+           draft_params=None, *, config, attention, steps: int, width: int, plan, mesh=None, draft_config=None,
+           draft_attention=None):
     """`programs.decode` with speculation: moves, then the slots that just moved in draw their first token from
     their prefill's logits, then `steps` passes over slots [0, width) ->
     (state, per emitted position: int32[1 + steps (k + 1), S] tokens (-1: none), their log-probabilities, top
     alternatives and finish codes, int32[] free pages, int32[6] `COUNTERS`). prompts int32[S, H] /
     prompt_lengths int32[S]: each moving slot's prompt (the n-gram proposer's history; other rows ignored).
-    plan: the checked `speculation.Plan`."""
+    plan: the checked `speculation.Plan`. Method "draft": draft_params / draft_config / draft_attention the
+    draft model's, its pools in `state.draft` (its prompt prefilled there by `programs.prefill`)."""
     S, W, k = state.logits.shape[0], width, plan.num_tokens
+    drafting = plan.method == "draft"
+    # A verify writes k slots past the last token: within the target's positions and the draft's
+    max_positions = min(config.max_positions, draft_config.max_positions) if drafting else config.max_positions
     moving = moves >= 0
     state = move_in(shift_slots(state, shifts), moves, keys, sampler, stop_ids, budget, top)
     spec = state.spec
@@ -137,13 +143,16 @@ def decode(params, state: State, shifts, moves, keys, sampler, stop_ids, budget,
         spec = state.spec
         split = jax.vmap(jax.random.split)(w(state.keys))
         pass_keys = split[:, 1]
-        proposals, found = speculation.ngram_propose(w(spec.history), w(spec.length), k, plan.ngram_min,
-                                                     plan.ngram_max)
+        if drafting:  # the draft always has proposals; it drafts them only in a verify pass (`check`)
+            proposals, found = None, jnp.ones((W,), bool)
+        else:
+            proposals, found = speculation.ngram_propose(w(spec.history), w(spec.length), k, plan.ngram_min,
+                                                         plan.ngram_max)
         gain = speculation.expected_tokens(w(spec.rate), k)
         wants = found & (~jnp.bool_(plan.adaptive) | (gain >= plan.verify_cost) | (w(spec.idle) >= w(spec.wait)))
         # Room for the lookahead: two tokens of budget left, and k positions past the last within the model's.
         lengths = w(state.cache.lengths)
-        room = run & (w(state.budget) >= 2) & (lengths + k + 1 <= config.max_positions)
+        room = run & (w(state.budget) >= 2) & (lengths + k + 1 <= max_positions)
         wants &= room
         sampler_w = jax.tree.map(w, state.sampler)
         # A greedy slot with a match joins any verify pass (the pass costs the same whoever fills its positions,
@@ -156,12 +165,24 @@ def decode(params, state: State, shifts, moves, keys, sampler, stop_ids, budget,
         def forward(state, inputs, real):
             sub = rows_of(state.cache, slots)
             positions = jnp.where(real, sub.lengths[:, None] + jnp.arange(inputs.shape[1])[None, :], -1)
-            logits, sub = Decoder(config, mesh).apply({"params": params}, jnp.where(real, inputs, 0), positions,
+            logits, new = Decoder(config, mesh).apply({"params": params}, jnp.where(real, inputs, 0), positions,
                                                       sub, attention=attention if inputs.shape[1] == 1 else "xla")
-            return logits, put_rows(state.cache, slots, sub)
+            return logits, put_rows(state.cache, slots, new)
+
+        def draft_step(state, tokens, real, lengths):
+            """One draft token per row (tokens int32[W], real bool[W]) at slot lengths[w], under the rows'
+            tables (which hold a page for it) -> (float32[W, V] the draft's logits, state)."""
+            view = draft_rows(state.draft, rows_of(state.cache, slots), lengths)
+            positions = jnp.where(real, lengths, -1)[:, None]
+            logits, view = Decoder(draft_config).apply({"params": draft_params}, jnp.where(real, tokens, 0)[:, None],
+                                                       positions, view, attention=draft_attention)
+            return logits[:, 0], state.replace(draft=draft_pools(state.draft, view))
 
         def plain(state):
+            lengths = w(state.cache.lengths)
             logits, cache = forward(state, w(state.spec.last)[:, None], run[:, None])
+            if drafting:  # the draft's cache keeps every token the target's does
+                state = draft_step(state.replace(cache=cache), w(state.spec.last), run, lengths)[1]
             picked = step.select(logits[:, 0], pass_keys, sampler_w, w(state.stop_ids), top=MAX_LOGPROBS,
                                  top_wanted=top_wanted)
             pad = lambda x, fill: jnp.concatenate(  # noqa: E731  [W, ...] -> [W, k + 1, ...]
@@ -171,13 +192,16 @@ def decode(params, state: State, shifts, moves, keys, sampler, stop_ids, budget,
                     jnp.zeros((W,), jnp.int32))
 
         def check(state):
-            inputs = jnp.concatenate([w(state.spec.last)[:, None], proposals], axis=1)  # [W, k + 1]
-            real = run[:, None] & ((jnp.arange(k + 1) == 0)[None, :] | wants[:, None])
             written = w(state.cache.lengths)
+            q, props = None, proposals
+            if drafting:
+                state, props, q = draft_chain(state, written)
+            inputs = jnp.concatenate([w(state.spec.last)[:, None], props], axis=1)  # [W, k + 1]
+            real = run[:, None] & ((jnp.arange(k + 1) == 0)[None, :] | wants[:, None])
             logits, cache = forward(state, inputs, real)
 
             def per_slot(top):  # each slot's draws from its own key (`verify`'s per-row keys)
-                return speculation.verify(logits, proposals, pass_keys, sampler_w, top=top)
+                return speculation.verify(logits, props, pass_keys, sampler_w, q=q, top=top)
 
             out = lax.cond(top_wanted, lambda: per_slot(MAX_LOGPROBS), lambda: per_slot(0)._replace(
                 top_ids=jnp.zeros((W, k + 1, MAX_LOGPROBS), jnp.int32),
@@ -214,6 +238,27 @@ def decode(params, state: State, shifts, moves, keys, sampler, stop_ids, budget,
                                 wait=spec.wait.at[:W].set(jnp.where(wants, wait, w(spec.wait)).astype(jnp.int32)))
             return (state.replace(cache=cache, spec=spec), count, tokens, nan, ended, logprob, top_ids, top_logp,
                     kept)
+
+        def draft_chain(state, written):
+            """The draft proposes (`loop`'s chain, per slot): pages for the verify's k + 1 slots first (the
+            target's forward then takes none), then k + 1 one-token draft passes, feeding each slot's last token
+            and its proposals in turn (the last fed so that the draft's cache holds every proposal, whatever the
+            verify keeps; a slot that does not speculate feeds its last token only), proposal i drawn from the
+            draft's q_i under the slot's own settings and key -> (state, int32[W, k] proposals, float32[W, k, V])."""
+            sub = rows_of(state.cache, slots).reserve(jnp.where(run, jnp.where(wants, k + 1, 1), 0))
+            state = state.replace(cache=put_rows(state.cache, slots, sub))
+            draft_keys = jax.vmap(lambda key: jax.random.split(jax.random.fold_in(key, 1), k + 1))(pass_keys)
+
+            def one(carry, i):
+                state, token = carry
+                real = run & ((i == 0) | wants)
+                logits, state = draft_step(state, token, real, written + i)
+                q = sampler_w.distribution(logits)
+                drawn = jax.vmap(jax.random.categorical)(draft_keys[:, i], jnp.log(q)).astype(jnp.int32)
+                return (state, drawn), (drawn, q)
+
+            (state, _), (drawn, q) = lax.scan(one, (state, w(state.spec.last)), jnp.arange(k + 1))
+            return state, drawn[:k].T, jnp.swapaxes(q[:k], 0, 1)
 
         verifying = jnp.any(wants)
         state, count, tokens, nan, stopped, logprob, top_ids, top_logp, kept = lax.cond(verifying, check, plain,

@@ -1,6 +1,6 @@
-"""The engine with speculation (`Engine(..., speculative=jaxkv.Speculation("ngram"))`, issue 29): greedy requests
-emit the tokens plain decoding emits, sampled ones draw what they draw alone in the engine whatever shares the
-batch, stops and budgets hold, pages all come back, and acceptance lengths never recompile."""
+"""The engine with speculation (`Engine(..., speculative=jaxkv.Speculation("ngram"))`, and a draft model, issue 29):
+greedy requests emit the tokens plain decoding emits, sampled ones draw what they draw alone in the engine whatever
+shares the batch, stops and budgets hold, pages all come back, and acceptance lengths never recompile."""
 
 import numpy as np
 import pytest
@@ -89,9 +89,65 @@ def test_no_recompiles_after_warm_up_as_acceptance_varies():
     assert_all_free(engine)
 
 
+def test_draft_model_in_the_engine_equals_plain_decoding_also_after_prefix_hits():
+    """A draft model (another one with the target's vocabulary, and the target drafting for itself) in the engine,
+    its K/V in a pool of its own under the target's page tables: greedy requests with random arrivals equal plain
+    decoding, every page comes back. The target drafting for itself keeps every proposal, which it can only do if
+    the draft's cache holds each request's whole sequence at the right slots, including a prompt whose prefix the
+    target found in the prefix cache (the draft prefills it from slot 0)."""
+    model = model_for("gqa")
+    rng = np.random.default_rng(11)
+    shared = rng.integers(1, 97, 20).tolist()  # 2.5 pages of 8: two whole pages cached after the first request
+    prompts = [shared + rng.integers(1, 97, int(rng.integers(1, 12))).tolist() for _ in range(3)]
+    prompts += [rng.integers(1, 97, int(rng.integers(2, 30))).tolist() for _ in range(3)]
+    for draft in (model_for("mqa"), model):
+        pc = jaxkv.PrefixCache(model, num_pages=48, page_size=8)
+        engine = Engine(model, slots=3, max_len=96, prefill_chunk=16, prefill_rows=2, prefix_cache=pc,
+                        speculative=Speculation("draft", 3, draft=draft, adaptive=False))
+        # budgets of 1 + 4j or 2 + 4j tokens: the last verify is never cut short by the budget (which would count
+        # its proposals past the budget as not accepted)
+        arrivals = [(p, int(4 * rng.integers(0, 6) + rng.integers(1, 3)), {}) for p in prompts]
+        ids = drain(engine, arrivals, rng)
+        assert engine.pending == 0 and pc.lent_to is None and pc.free_pages() == 48 - pc.cached_pages
+        stats = engine.stats
+        assert stats["prefix_hit_tokens"] >= 16 and stats["spec_verifies"] > 0
+        for r in engine.results():
+            prompt, new, kwargs = ids[r.id]
+            assert r.tokens == alone(model, prompt, new).tokens[0], prompt
+        if draft is model:
+            assert stats["spec_acceptance_rate"] == 1.0, stats
+        else:
+            assert stats["spec_acceptance_rate"] < 0.5  # (another model: most proposals rejected, rewound)
+
+
+def test_sampled_draft_requests_draw_what_each_draws_alone_in_the_engine():
+    """Sampled requests with a draft model: each draws what it draws alone in the engine (its proposals from its
+    own key and settings), beside greedy ones."""
+    model, draft = model_for("gqa"), model_for("mqa")
+    rng = np.random.default_rng(7)
+    settings = [dict(temperature=0.8, seed=1), dict(), dict(temperature=1.0, top_k=8, seed=2), dict()]
+    arrivals = [(rng.integers(1, 97, int(rng.integers(2, 20))).tolist(), int(rng.integers(4, 16)), s)
+                for s in settings]
+
+    def engine():
+        return Engine(model, slots=3, max_len=96, page_size=4, prefill_chunk=16,
+                      speculative=Speculation("draft", 3, draft=draft, adaptive=False))
+
+    ids = drain(together := engine(), arrivals, rng)
+    assert together.stats["spec_verifies"] > 0
+    single = engine()
+    for r in together.results():
+        prompt, new, kwargs = ids[r.id]
+        kwargs = dict(kwargs, stop_tokens=[])
+        assert r.tokens == single.generate([prompt], max_new_tokens=new, **kwargs)[0].tokens, kwargs
+        assert len(r.tokens) == new
+    assert_all_free(together)
+
+
 @pytest.mark.parametrize("speculative, match", [
     ("ngram", "must be a jaxkv.Speculation"),
-    (Speculation("draft", draft=jaxkv.Model.random(model_for("gqa").config)), "n-gram proposer only"),
+    (Speculation("draft", draft=jaxkv.Model.random(model_for("gqa").config.replace(max_positions=32))),
+     "draft model's max positions"),
     (Speculation("mtp"), "multi-token-prediction"),
 ])
 def test_bad_speculation_is_refused_at_construction(speculative, match):
