@@ -78,11 +78,12 @@ def parser() -> argparse.ArgumentParser:
     spec = p.add_argument_group("speculative decoding", "a proposer guesses each sequence's next tokens and one "
                                 "forward pass verifies them; outputs are distributed exactly as without it")
     spec.add_argument("--speculative-method", choices=["ngram", "draft", "mtp"], default=None,
-                      help="ngram: prompt lookup (the engine's proposer today; draft and mtp are refused)")
+                      help="ngram: prompt lookup (the sequence's own earlier text proposes); draft: a smaller model "
+                           "with the same vocabulary (--draft-model); mtp: not in the engine yet (refused)")
     spec.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
                       help="tokens proposed per verify (1-16)")
     spec.add_argument("--draft-model", default=None, metavar="PATH",
-                      help="the draft model's checkpoint (--speculative-method draft)")
+                      help="the draft model's checkpoint directory, or 'tiny' (--speculative-method draft)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (info logs every request)")
     return p
@@ -99,11 +100,13 @@ def check(args):
     if not args.shutdown_timeout >= 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     checks.check_int("--num-speculative-tokens", args.num_speculative_tokens, 1, 16)
-    if args.draft_model is not None and args.speculative_method != "draft":
-        raise ValueError("--draft-model goes with --speculative-method draft")
-    if args.speculative_method in ("draft", "mtp"):
-        raise ValueError(f"--speculative-method {args.speculative_method}: jaxkv serve's engine speculates with the "
-                         f"n-gram proposer only today (--speculative-method ngram)")
+    if (args.speculative_method == "draft") != (args.draft_model is not None):
+        raise ValueError("--draft-model goes with --speculative-method draft, and it needs one")
+    if args.draft_model not in (None, "tiny") and not os.path.isdir(args.draft_model):
+        raise ValueError(f"--draft-model {args.draft_model}: no such directory (a checkpoint directory or 'tiny')")
+    if args.speculative_method == "mtp":
+        raise ValueError("--speculative-method mtp: jaxkv serve's engine speculates with the n-gram and draft-model "
+                         "proposers (--speculative-method ngram, or draft with --draft-model)")
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key is empty")
     if args.preset is not None:
@@ -155,8 +158,7 @@ def build(args):
                           cache_dtype=args.cache_dtype, prefix_cache=prefix_cache,
                           num_pages=None if prefix_cache is not None else num_pages,
                           steps_per_dispatch=args.steps_per_dispatch, prefill_chunk=args.prefill_chunk,
-                          mesh=mesh, speculative=None if args.speculative_method is None
-                          else jaxkv.Speculation(args.speculative_method, args.num_speculative_tokens))
+                          mesh=mesh, speculative=_speculation(args))
     scoring = None
     if model.tokenizer is not None:  # echo + logprobs scores prompts (`jaxkv.score`): its programs too, meanwhile
         scoring = _started(warm_up_scoring, model, max_len)
@@ -169,6 +171,16 @@ def build(args):
                         max_len=max_len, chat_template=ChatTemplate.from_directory(directory),
                         api_key=args.api_key)
     return state, engine
+
+
+def _speculation(args):
+    """The `jaxkv.Speculation` of --speculative-method (a draft model loaded as --model is, with --dtype) or None."""
+    import jaxkv
+
+    if args.speculative_method is None:
+        return None
+    draft = None if args.draft_model is None else jaxkv.load(args.draft_model, dtype=args.dtype)
+    return jaxkv.Speculation(args.speculative_method, args.num_speculative_tokens, draft=draft)
 
 
 def _model(args):

@@ -521,9 +521,46 @@ def test_a_speculating_server_answers_as_generate_and_counts_its_proposals():
         state.worker.close()
 
 
+def test_a_server_speculating_with_a_draft_model_answers_as_generate():
+    """`jaxkv serve --model tiny --speculative-method draft --draft-model tiny`: the bundled model drafting for
+    itself in the engine (its K/V under the target's page tables): greedy completions equal `generate` without
+    speculation and every proposal is kept; a draft with another vocabulary is a one-line error before compute."""
+    from starlette.testclient import TestClient
+
+    from jaxkv.server import main as server_main
+    from jaxkv.server.app import create_app
+
+    args = server_main.parser().parse_args(["--model", "tiny", "--slots", "2", "--max-len", "128",
+                                            "--speculative-method", "draft", "--draft-model", "tiny",
+                                            "--num-speculative-tokens", "3", "--steps-per-dispatch", "4"])
+    server_main.check(args)
+    state, engine = server_main.build(args)
+    assert engine.speculation.method == "draft" and engine.draft is not None
+    prompt = "The KV cache"
+    expected = jaxkv.generate(state.model, [prompt], max_new_tokens=25, stop_tokens=[]).tokens[0]
+    state.worker.start()
+    try:
+        with TestClient(create_app(state)) as client:
+            r = client.post("/v1/completions", json={"model": state.model_name, "prompt": prompt,
+                                                     "max_tokens": 25, "temperature": 0, "ignore_eos": True,
+                                                     "return_token_ids": True})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == expected
+            m = client.get("/metrics?format=json").json()
+            assert m["spec_verifies"] > 0 and m["spec_acceptance_rate"] == 1.0, m
+    finally:
+        state.worker.close()
+    args = server_main.parser().parse_args(["--preset", "test-tiny", "--speculative-method", "draft",
+                                            "--draft-model", "tiny"])
+    server_main.check(args)
+    with pytest.raises(ValueError, match="vocabulary"):
+        server_main.build(args)
+
+
 @pytest.mark.parametrize("args,words", [
-    (["--speculative-method", "draft", "--draft-model", "tiny"], "n-gram proposer only"),
-    (["--speculative-method", "mtp"], "n-gram proposer only"),
+    (["--speculative-method", "mtp"], "n-gram and draft-model proposers"),
+    (["--speculative-method", "draft"], "needs one"),
+    (["--speculative-method", "draft", "--draft-model", "/nonexistent/draft"], "no such directory"),
     (["--draft-model", "tiny"], "goes with --speculative-method draft"),
     (["--speculative-method", "ngram", "--num-speculative-tokens", "0"], "--num-speculative-tokens"),
 ])
