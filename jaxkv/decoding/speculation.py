@@ -20,6 +20,7 @@ Letters as in `jaxkv.shapes`: B rows, V vocabulary, k proposals per verify (`num
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -39,6 +40,11 @@ MAX_NUM_TOKENS = 16
 # cost; 1.2 is an estimate, not yet measured here (docs/design/speculation.md).
 VERIFY_COST = {"cpu": 2.75}
 DEFAULT_VERIFY_COST = 1.2
+# How that ratio grows with the batch a verify is part of, in the engine: c(W) = c(1) (1 + WIDTH_COST log2 W).
+# CPU: 0.1, from per-pass times of the engine at 1 / 4 / 16 slots on "small" (c = 2.3 / 3.1 / 3.85 in one run,
+# docs/design/speculation.md): W (k + 1) rows are a wider, slower product per row than W. GPU/TPU: 0 (a decode
+# step of a few dozen rows is still bound by reading the weights), not yet measured.
+WIDTH_COST = {"cpu": 0.1}
 # After this many plain steps in a row, one verify is run anyway to re-measure the acceptance; each probe that
 # finds speculating still does not pay multiplies the wait by PROBE_BACKOFF, up to MAX_PROBE_WAIT. A probe that
 # keeps nothing costs VERIFY_COST - 1 steps (2 on CPU), so a text nothing predicts pays 3 probes in 256 tokens
@@ -110,7 +116,8 @@ class Speculation:
                                  "(num_nextn_predict_layers > 0); this model has none")
         return Plan(method=self.method, num_tokens=self.num_tokens, ngram_max=self.ngram_max,
                     ngram_min=self.ngram_min, adaptive=self.adaptive,
-                    verify_cost=VERIFY_COST.get(jax.default_backend(), DEFAULT_VERIFY_COST))
+                    verify_cost=VERIFY_COST.get(jax.default_backend(), DEFAULT_VERIFY_COST),
+                    width_cost=WIDTH_COST.get(jax.default_backend(), 0.0))
 
 
 class Plan(NamedTuple):
@@ -122,6 +129,11 @@ class Plan(NamedTuple):
     ngram_min: int
     adaptive: bool
     verify_cost: float
+    width_cost: float = 0.0
+
+    def cost_at(self, width: int) -> float:
+        """c_verify / c_step for a verify over `width` sequences (`WIDTH_COST`)."""
+        return self.verify_cost * (1.0 + self.width_cost * math.log2(width))
 
 
 def ngram_propose(history, length, k: int, ngram_min: int, ngram_max: int):

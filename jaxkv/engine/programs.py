@@ -180,7 +180,8 @@ def shift_slots(state: State, shifts) -> State:
     decoding = pick(state.decoding).at[emptied].set(False, mode="drop")
     return state.replace(cache=cache, logits=pick(state.logits), keys=pick(state.keys), decoding=decoding,
                          sampler=jax.tree.map(pick, state.sampler), stop_ids=pick(state.stop_ids),
-                         budget=pick(state.budget), top=pick(state.top), spec=jax.tree.map(pick, state.spec))
+                         budget=pick(state.budget), top=pick(state.top),
+                         spec=None if state.spec is None else state.spec.moved(pick))
 
 
 def move_in(state: State, moves, keys, sampler: Sampler, stop_ids, budget, top) -> State:

@@ -35,6 +35,11 @@ from jaxkv.model import Decoder
 
 # What `decode` counts per dispatch: proposals verified, proposals kept, verify passes, forward passes, slots
 # decoding summed over passes, tokens those passes emitted (a request's first token, from its prefill, not counted).
+# A verify whose greedy slots kept more than this above their estimates (on average, as a fraction of k) is
+# followed by another at once while their estimates climb towards paying: a load the proposer predicts well is
+# found within a few passes of the first probe instead of a backed-off wait later.
+RISING = 0.05
+
 COUNTERS = ("spec_proposed", "spec_accepted", "spec_verifies", "target_forwards", "decode_rows_used",
             "pass_tokens")
 
@@ -47,7 +52,10 @@ class Slots:
     history: int32[S, H], the slot's tokens so far (prompt, then output) in its first `length[s]` entries.
     length:  int32[S].
     rate:    float32[S], the running estimate of the fraction of its proposals kept.
-    idle:    int32[S], passes since it last verified; wait: int32[S], passes before its next probe.
+    idle:    int32[S], passes since it last verified; wait: int32[S], passes before its next probe (a sampled
+             slot's own probe clock).
+    probe_idle, probe_wait: int32[], the greedy slots' shared probe clock (passes since they last verified,
+             passes before they probe together).
     """
 
     last: jax.Array
@@ -56,6 +64,8 @@ class Slots:
     rate: jax.Array
     idle: jax.Array
     wait: jax.Array
+    probe_idle: jax.Array
+    probe_wait: jax.Array
 
     @classmethod
     def empty(cls, slots: int, width: int) -> "Slots":
@@ -63,7 +73,13 @@ class Slots:
             return jnp.zeros((slots,), jnp.int32)
 
         return cls(last=z(), history=jnp.zeros((slots, width), jnp.int32), length=z(),
-                   rate=jnp.zeros((slots,), jnp.float32), idle=z(), wait=z())
+                   rate=jnp.zeros((slots,), jnp.float32), idle=z(), wait=z(),
+                   probe_idle=jnp.zeros((), jnp.int32), probe_wait=jnp.zeros((), jnp.int32))
+
+    def moved(self, pick) -> "Slots":
+        """The per-slot fields through `pick` (`programs.shift_slots`, `move_in`); the shared clock stays."""
+        return self.replace(**{name: pick(getattr(self, name))
+                               for name in ("last", "history", "length", "rate", "idle", "wait")})
 
 
 @functools.partial(jax.jit, static_argnames=("config", "attention", "steps", "width", "plan", "mesh", "draft_config",
@@ -81,6 +97,7 @@ def decode(params, state: State, shifts, moves, keys, sampler, stop_ids, budget,
     draft model's, its pools in `state.draft` (its prompt prefilled there by `programs.prefill`)."""
     S, W, k = state.logits.shape[0], width, plan.num_tokens
     drafting = plan.method == "draft"
+    cost = plan.cost_at(W)  # c_verify / c_step of a verify over W slots
     # A verify writes k slots past the last token: within the target's positions and the draft's
     max_positions = min(config.max_positions, draft_config.max_positions) if drafting else config.max_positions
     moving = moves >= 0
@@ -148,19 +165,29 @@ def decode(params, state: State, shifts, moves, keys, sampler, stop_ids, budget,
         else:
             proposals, found = speculation.ngram_propose(w(spec.history), w(spec.length), k, plan.ngram_min,
                                                          plan.ngram_max)
-        gain = speculation.expected_tokens(w(spec.rate), k)
-        wants = found & (~jnp.bool_(plan.adaptive) | (gain >= plan.verify_cost) | (w(spec.idle) >= w(spec.wait)))
+        rate_before = w(spec.rate)
+        gain = speculation.expected_tokens(rate_before, k)
         # Room for the lookahead: two tokens of budget left, and k positions past the last within the model's.
         lengths = w(state.cache.lengths)
         room = run & (w(state.budget) >= 2) & (lengths + k + 1 <= max_positions)
-        wants &= room
+        candidate = found & room  # could speculate this pass
         sampler_w = jax.tree.map(w, state.sampler)
-        # A greedy slot with a match joins any verify pass (the pass costs the same whoever fills its positions,
-        # and a greedy slot's tokens are the argmax whichever kind of pass draws them): so greedy slots verify
-        # together and their probe schedules fall in step, instead of each paying for a verify pass of its own.
-        # A sampled slot follows its own rule only: its draws must not depend on what shares the batch.
         greedy = jnp.broadcast_to(jnp.asarray(sampler_w.temperature) <= 0.0, (W,))
-        wants |= greedy & found & room & jnp.any(wants)
+        # A sampled slot follows its own rule, at one sequence's verify cost, with its own probe clock: its draws
+        # must not depend on what shares the batch (a sampled request draws what it draws alone).
+        sampled = candidate & ~greedy & (~jnp.bool_(plan.adaptive) | (gain >= plan.verify_cost)
+                                         | (w(spec.idle) >= w(spec.wait)))
+        # The greedy slots decide together (their tokens are the argmax whichever kind of pass draws them): a
+        # verify of this width pays when the tokens it is expected to add, summed over the greedy candidates,
+        # beat what it costs beyond a plain pass for every running slot (at one slot: the sampled slot's rule),
+        # or their shared probe clock is due. They join any verify pass (free: the pass costs the same whoever
+        # fills its positions).
+        running = jnp.sum(run)
+        extra = lambda gain: jnp.sum(jnp.where(greedy & candidate, gain - 1.0, 0.0))  # noqa: E731
+        pays = extra(gain) >= running * (cost - 1.0)
+        probe = (spec.probe_idle >= spec.probe_wait) & jnp.any(greedy & candidate)
+        verifying = jnp.any(sampled) | jnp.where(plan.adaptive, pays | probe, jnp.any(greedy & candidate))
+        wants = (sampled | (greedy & candidate)) & verifying
 
         def forward(state, inputs, real):
             sub = rows_of(state.cache, slots)
@@ -260,14 +287,28 @@ def decode(params, state: State, shifts, moves, keys, sampler, stop_ids, budget,
             (state, _), (drawn, q) = lax.scan(one, (state, w(state.spec.last)), jnp.arange(k + 1))
             return state, drawn[:k].T, jnp.swapaxes(q[:k], 0, 1)
 
-        verifying = jnp.any(wants)
         state, count, tokens, nan, stopped, logprob, top_ids, top_logp, kept = lax.cond(verifying, check, plain,
                                                                                           state)
         # (a plain pass's `stopped` is select's; a verify's the stop or NaN it ran into)
         spec = state.spec
         idle = jnp.where(wants, 0, jnp.where(run, w(spec.idle) + 1, w(spec.idle)))
+        # The greedy slots' clock (its first probe comes at once: the engine knows nothing of its load yet). After
+        # a verify: if their updated estimates say verifying pays, it goes on (`pays`) and the clock restarts;
+        # if they kept clearly more than estimated (the estimates still rising towards paying), probe again next
+        # pass; else back off.
+        verified = verifying & jnp.any(greedy & wants)
+        again = extra(speculation.expected_tokens(w(spec.rate), k)) >= running * (cost - 1.0)
+        joined = greedy & wants
+        rising = (jnp.sum(jnp.where(joined, w(spec.rate) - rate_before, 0.0))
+                  > speculation.RATE_WEIGHT * RISING * jnp.sum(joined))
+        probe_wait = jnp.where(again, speculation.PROBE_EVERY, jnp.where(rising, 0, jnp.minimum(
+            jnp.maximum(speculation.PROBE_BACKOFF * spec.probe_wait, speculation.PROBE_EVERY),
+            speculation.MAX_PROBE_WAIT)))
+        spec = spec.replace(idle=spec.idle.at[:W].set(idle),
+                            probe_idle=jnp.where(verified, 0, spec.probe_idle + jnp.any(run)).astype(jnp.int32),
+                            probe_wait=jnp.where(verified, probe_wait, spec.probe_wait).astype(jnp.int32))
         state = state.replace(keys=state.keys.at[:W].set(jnp.where(run[:, None], split[:, 0], w(state.keys))),
-                              spec=spec.replace(idle=spec.idle.at[:W].set(idle)))
+                              spec=spec)
         state, out = settle(state, run, tokens, count, nan, stopped, logprob, top_ids, top_logp)
         ran = jnp.any(run)
         counts = counts + jnp.stack([jnp.sum(jnp.where(wants, k, 0)), jnp.sum(kept),

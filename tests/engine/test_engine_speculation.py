@@ -144,6 +144,30 @@ def test_sampled_draft_requests_draw_what_each_draws_alone_in_the_engine():
     assert_all_free(together)
 
 
+def test_greedy_slots_speculate_together_only_while_it_pays_at_their_width():
+    """The engine's cost rule (adaptive): 8 greedy slots whose proposals are never kept (n-gram matches on random
+    weights, each slot finding its first at another pass; a draft model that disagrees) verify only on the
+    shared probe clock (at the first pass and at 32, in ~40 passes: a rule per slot verified at each slot's first
+    match, and a verify of 8 slots costs ~3.6 plain passes here), while the same slots with a draft that keeps
+    everything verify nearly every pass once the first probes show it. The plan's costs are set, so the test
+    does not depend on the platform's."""
+    model = model_for("gqa")
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(1, 97, int(rng.integers(4, 20))).tolist() for _ in range(8)]
+    for spec, most in ((Speculation("ngram", 3), 2), (Speculation("draft", 3, draft=model_for("mqa")), 2),
+                       (Speculation("draft", 3, draft=model), None)):
+        engine = Engine(model, slots=8, max_len=96, page_size=8, prefill_chunk=32, decode_widths=[8],
+                        speculative=spec)
+        engine.speculation = engine.speculation._replace(verify_cost=2.75, width_cost=0.1)
+        results = engine.generate(prompts, max_new_tokens=40, stop_tokens=[])
+        assert [r.tokens for r in results] == [alone(model, p, 40).tokens[0] for p in prompts]
+        stats = engine.stats
+        if most is not None:  # nothing kept: the probes only
+            assert 1 <= stats["spec_verifies"] <= most and stats["spec_acceptance_rate"] < 0.5, stats
+        else:  # everything kept: a few plain passes while the estimates climb, then every pass verifies
+            assert stats["spec_verifies"] >= stats["target_forwards"] - 4 and stats["tokens_per_target_forward"] > 3
+
+
 @pytest.mark.parametrize("speculative, match", [
     ("ngram", "must be a jaxkv.Speculation"),
     (Speculation("draft", draft=jaxkv.Model.random(model_for("gqa").config.replace(max_positions=32))),
