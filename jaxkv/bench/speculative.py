@@ -206,20 +206,32 @@ def engine_rows(model, args, rng) -> list[dict]:
             prompts.append((passage + rng.integers(1, V, 8).tolist() + passage)[: max(args.prompt_len,
                                                                                        2 * len(passage))])
         max_len = max(map(len, prompts)) + N + k + 1
-        engines = {name: jaxkv.Engine(model, slots=c, max_len=max_len, steps_per_dispatch=8,
-                                      speculative=spec)
-                   for name, spec in (("plain", None), ("speculative", jaxkv.Speculation("ngram", k)))}
-        timed = {}
+        specs = (("plain", None), ("speculative", jaxkv.Speculation("ngram", k)),
+                 ("verifying", jaxkv.Speculation("ngram", k, adaptive=False)))
+        engines = {name: jaxkv.Engine(model, slots=c, max_len=max_len, steps_per_dispatch=8, speculative=spec)
+                   for name, spec in specs}
+        timed, passes = {}, {}
         for name, engine in engines.items():
             engine.warm_up()
             engine.generate(prompts, max_new_tokens=N, stop_tokens=[])  # warm: every width this load uses
             engine.reset_stats()
             timed[name] = _timed(lambda: engine.generate(prompts, max_new_tokens=N, stop_tokens=[]), args.reps)
+            stats = engine.stats
+            passes[name] = (stats["decode_s"] / args.reps, stats["decode_steps"] / args.reps,
+                            stats.get("spec_verifies", 0) / args.reps)
         (plain_s, plain), (spec_s, spec) = timed["plain"], timed["speculative"]
         stats = engines["speculative"].stats
+        # c_verify(W) / c_step(W): the verifying engine's decode seconds less its plain passes at the plain
+        # engine's seconds per pass, per verify pass, over the plain engine's seconds per pass (both at this
+        # load's width).
+        step_s = passes["plain"][0] / passes["plain"][1]
+        seconds, forwards, verifies = passes["verifying"]
+        cost = (seconds - (forwards - verifies) * step_s) / verifies / step_s if verifies else float("nan")
         rows.append({"concurrency": c, "plain_tokens_per_s": c * N / plain_s, "tokens_per_s": c * N / spec_s,
                      "speedup": plain_s / spec_s, "acceptance": stats["spec_acceptance_rate"],
-                     "tokens_per_forward": stats["tokens_per_target_forward"],
+                     "tokens_per_forward": stats["tokens_per_target_forward"], "verifies": stats["spec_verifies"],
+                     "forwards": stats["target_forwards"], "verify_cost": cost, "rule_cost": engines[
+                         "speculative"].speculation.cost_at(c),
                      "same_tokens": [r.tokens for r in spec] == [r.tokens for r in plain]})
     return rows
 
@@ -264,10 +276,12 @@ def report(r: dict) -> str:
                  f"{b['tokens_per_forward']:.2f} tokens/forward, decode {b['speedup']:.2f}x (whole call "
                  f"{b['wall_speedup']:.2f}x); same tokens: {b['same_tokens']}; text {b['text']!r}")
     lines.append("  engine (n-gram, adaptive; prompts quoting a passage each): concurrency, plain tokens/s, "
-                 "speculative tokens/s, speed-up, accepted, tokens/forward, same tokens")
+                 "speculative tokens/s, speed-up, accepted, tokens/forward, verifies / forward passes, measured "
+                 "c_verify(W) / c_step(W) (the rule's), same tokens")
     for e in r["engine"]:
         lines.append(f"    {e['concurrency']:3d} {e['plain_tokens_per_s']:9.1f} {e['tokens_per_s']:9.1f} "
-                     f"{e['speedup']:6.2f}x {100 * e['acceptance']:5.0f}% {e['tokens_per_forward']:6.2f}  "
+                     f"{e['speedup']:6.2f}x {100 * e['acceptance']:5.0f}% {e['tokens_per_forward']:6.2f} "
+                     f"{e['verifies']:4d} / {e['forwards']:<5d} {e['verify_cost']:5.2f} ({e['rule_cost']:.2f})  "
                      f"{e['same_tokens']}")
     return "\n".join(lines)
 
