@@ -16,6 +16,11 @@ from jaxkv.sampling import Sampler
 from tests.helpers.models import CONFIGS, model_for
 from tests.helpers.tolerances import tolerance
 
+# One worker runs the whole file, in order: tests on the same model and shapes then share compiled programs (the
+# plain and the speculative loops of "gqa" and "mla", the draft loop), which cuts the file's compiles by a third
+# (the suite's time on 2 cores). The test that swaps the proposer clears JAX's caches: it runs after them.
+pytestmark = pytest.mark.xdist_group("speculation")
+
 MIXED = Config(vocab_size=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48,
                sliding_window=6, layer_types=("sliding_attention", "full_attention", "sliding_attention"),
                max_positions=256)
@@ -39,7 +44,9 @@ def prompts(V, seed=0):
     return [passage * 3 + passage[:4], rng.integers(0, V, 13).tolist()]
 
 
-@pytest.mark.parametrize("name", ["gqa", "mqa", "gqa-wide-heads", "learned", "sliding", "mixed", "mla"])
+# No "mqa": the same contiguous cache and verify as "gqa" with one KV head; mqa drafts under speculation in
+# test_draft_model_greedy_equals_plain_decoding[mqa] (its cache kept in step through rejections and plain steps).
+@pytest.mark.parametrize("name", ["gqa", "gqa-wide-heads", "learned", "sliding", "mixed", "mla"])
 def test_greedy_equals_plain_decoding(name):
     m = model(name)
     ps = prompts(m.config.vocab_size)
@@ -83,10 +90,28 @@ def test_sampled_draft_equal_to_the_target_keeps_every_proposal():
     """q == p: min(1, p/q) = 1, so every proposal is kept (a rule that compared q with unfiltered logits, or a
     draft drawing with other settings, would reject some)."""
     m = model("gqa")
-    got = jaxkv.generate(m, prompts(m.config.vocab_size, seed=9)[:1], max_new_tokens=21, stop_tokens=[],
-                         temperature=0.8, top_k=30, seed=2, speculative=Speculation("draft", 4, draft=m,
+    # The ragged pair and the draft plan of test_draft_model_greedy_equals_plain_decoding[gqa] (its compiled loop;
+    # the sampler's settings are traced): 20 tokens after the first, 5 verifies of 3 + 1 per row.
+    got = jaxkv.generate(m, prompts(m.config.vocab_size, seed=9), max_new_tokens=21, stop_tokens=[],
+                         temperature=0.8, top_k=30, seed=2, speculative=Speculation("draft", 3, draft=m,
                                                                                       adaptive=False))
-    assert got.stats["spec_accepted"] == got.stats["spec_proposed"] == 16 and got.stats["target_forwards"] == 4
+    assert got.stats["spec_accepted"] == got.stats["spec_proposed"] == 2 * 15 and got.stats["target_forwards"] == 5
+    assert all(len(row) == 21 for row in got.tokens)
+
+
+def test_sampled_output_is_reproducible_and_streams_what_it_returns():
+    m = model("gqa")
+    ps = prompts(m.config.vocab_size, seed=6)
+    seen = {0: [], 1: []}
+    # k = 4 on the ragged pair: test_greedy_equals_plain_decoding[gqa]'s compiled loop (the sampler's settings are
+    # traced) serves the call without a stream
+    spec = Speculation("ngram", 4, adaptive=False)
+    a = jaxkv.generate(m, ps, max_new_tokens=16, temperature=0.9, top_k=20, seed=7, stop_tokens=[],
+                       speculative=spec, stream=lambda b, t: seen[b].append(t))
+    b = jaxkv.generate(m, ps, max_new_tokens=16, temperature=0.9, top_k=20, seed=7, stop_tokens=[],
+                       speculative=spec)
+    assert a.tokens == b.tokens and [seen[0], seen[1]] == a.tokens
+    assert all(len(t) == 16 for t in a.tokens)
 
 
 def test_stops_where_plain_decoding_stops_and_never_exceeds_the_budget():
@@ -102,44 +127,6 @@ def test_stops_where_plain_decoding_stops_and_never_exceeds_the_budget():
         assert spec.tokens == want.tokens and spec.finish_reasons == want.finish_reasons
         assert len(spec.tokens[0]) <= budget
     assert plain.finish_reasons == ["stop"] and plain.tokens[0][-1] == stop
-
-
-def _oracle(monkeypatch, right):
-    """Replaces the n-gram proposer by one that proposes the true greedy continuation (`right`: every proposal
-    correct) or tokens it is not (every proposal wrong), read from a plain run's output."""
-    def propose(history, length, k, ngram_min, ngram_max):
-        truth = jnp.asarray(_oracle.truth)  # [P]: the prompt and its plain greedy continuation
-        index = jnp.clip(length[:, None] + jnp.arange(k)[None, :], 0, truth.shape[0] - 1)
-        tokens = truth[index]
-        if not right:
-            tokens = (tokens + 1) % _oracle.vocab
-        return tokens.astype(jnp.int32), jnp.ones(length.shape, bool)
-
-    monkeypatch.setattr(speculation, "ngram_propose", propose)
-    jax.clear_caches()
-
-
-@pytest.mark.parametrize("right", [True, False])
-def test_all_or_none_accepted(monkeypatch, right):
-    m = model("gqa")
-    prompt = prompts(m.config.vocab_size, seed=4)[1]
-    plain = jaxkv.generate(m, [prompt], max_new_tokens=21, stop_tokens=[])
-    _oracle.truth = np.array(prompt + plain.tokens[0] + [0] * 40, np.int32)
-    _oracle.vocab = m.config.vocab_size
-    _oracle(monkeypatch, right)
-    try:
-        got = jaxkv.generate(m, [prompt], max_new_tokens=21, stop_tokens=[],
-                             speculative=Speculation("ngram", 4, adaptive=False))
-    finally:
-        monkeypatch.undo()
-        jax.clear_caches()
-    assert got.tokens == plain.tokens
-    s = got.stats
-    if right:  # 20 tokens after the first: 4 verifies of 5, 0 plain steps
-        assert s["spec_acceptance_rate"] == 1.0 and s["target_forwards"] == 4
-        assert s["tokens_per_target_forward"] == 5.0
-    else:
-        assert s["spec_accepted"] == 0 and s["target_forwards"] == 20
 
 
 def test_cache_after_rejections_equals_plain_decoding():
@@ -283,23 +270,54 @@ def test_mtp_greedy_equals_plain_decoding_and_a_right_module_keeps_every_proposa
     got = jaxkv.generate(m, ps, max_new_tokens=24, stop_tokens=[], speculative=Speculation("mtp", 3, adaptive=False))
     assert got.tokens == plain.tokens
     assert got.stats["spec_accepted"] == got.stats["spec_proposed"] > 0 and got.stats["target_forwards"] <= 7
-    # sampled: reproducible by seed, every row its full length
+    # sampled: reproducible by seed, every row its full length (the adaptive loop compiled above: the sampler's
+    # settings are traced)
     a, b = (jaxkv.generate(m, ps, max_new_tokens=12, temperature=0.9, seed=5, stop_tokens=[],
-                           speculative=Speculation("mtp", 2)) for _ in range(2))
+                           speculative=Speculation("mtp", 3)) for _ in range(2))
     assert a.tokens == b.tokens and all(len(t) == 12 for t in a.tokens)
 
 
-def test_sampled_output_is_reproducible_and_streams_what_it_returns():
+def _oracle(monkeypatch, right):
+    """Replaces the n-gram proposer by one that proposes the true greedy continuation (`right`: every proposal
+    correct) or tokens it is not (every proposal wrong), read from a plain run's output."""
+    def propose(history, length, k, ngram_min, ngram_max):
+        truth = jnp.asarray(_oracle.truth)  # [P]: the prompt and its plain greedy continuation
+        index = jnp.clip(length[:, None] + jnp.arange(k)[None, :], 0, truth.shape[0] - 1)
+        tokens = truth[index]
+        if not right:
+            tokens = (tokens + 1) % _oracle.vocab
+        return tokens.astype(jnp.int32), jnp.ones(length.shape, bool)
+
+    monkeypatch.setattr(speculation, "ngram_propose", propose)
+    jax.clear_caches()
+
+
+def test_all_or_none_accepted(monkeypatch):
+    """Every proposal right, then every one wrong: one plain reference for both (the single-row shape of
+    test_stops_where_plain_decoding_stops_and_never_exceeds_the_budget: its compiled programs). After every test
+    that shares compiled programs: swapping the proposer clears JAX's caches."""
     m = model("gqa")
-    ps = prompts(m.config.vocab_size, seed=6)
-    seen = {0: [], 1: []}
-    spec = Speculation("ngram", 3, adaptive=False)
-    a = jaxkv.generate(m, ps, max_new_tokens=16, temperature=0.9, top_k=20, seed=7, stop_tokens=[],
-                       speculative=spec, stream=lambda b, t: seen[b].append(t))
-    b = jaxkv.generate(m, ps, max_new_tokens=16, temperature=0.9, top_k=20, seed=7, stop_tokens=[],
-                       speculative=spec)
-    assert a.tokens == b.tokens and [seen[0], seen[1]] == a.tokens
-    assert all(len(t) == 16 for t in a.tokens)
+    prompt = prompts(m.config.vocab_size, seed=4)[0]
+    plain = jaxkv.generate(m, [prompt], max_new_tokens=21, stop_tokens=[])
+    _oracle.truth = np.array(prompt + plain.tokens[0] + [0] * 40, np.int32)
+    _oracle.vocab = m.config.vocab_size
+    for right in (True, False):
+        _oracle(monkeypatch, right)
+        try:
+            got = jaxkv.generate(m, [prompt], max_new_tokens=21, stop_tokens=[],
+                                 speculative=Speculation("ngram", 4, adaptive=False))
+        finally:
+            monkeypatch.undo()
+            jax.clear_caches()
+        assert got.tokens == plain.tokens, right
+        s = got.stats
+        if right:  # 20 tokens after the first: 4 verifies of 5, 0 plain steps
+            assert s["spec_acceptance_rate"] == 1.0 and s["target_forwards"] == 4
+            assert s["tokens_per_target_forward"] == 5.0
+        else:
+            assert s["spec_accepted"] == 0 and s["target_forwards"] == 20
+
+
 
 
 def _first_tokens(logits, proposals, sampler, q, n):
