@@ -20,6 +20,7 @@ Letters as in `jaxkv.shapes`: S slots, W computed slots, k proposals, H history 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import flax.struct
@@ -33,13 +34,13 @@ from jaxkv.engine.programs import (MAX_LOGPROBS, State, draft_pools, draft_rows,
 from jaxkv.model import Decoder
 
 
-# What `decode` counts per dispatch: proposals verified, proposals kept, verify passes, forward passes, slots
-# decoding summed over passes, tokens those passes emitted (a request's first token, from its prefill, not counted).
 # A verify whose greedy slots kept more than this above their estimates (on average, as a fraction of k) is
 # followed by another at once while their estimates climb towards paying: a load the proposer predicts well is
 # found within a few passes of the first probe instead of a backed-off wait later.
 RISING = 0.05
 
+# What `decode` counts per dispatch: proposals verified, proposals kept, verify passes, forward passes, slots
+# decoding summed over passes, tokens those passes emitted (a request's first token, from its prefill, not counted).
 COUNTERS = ("spec_proposed", "spec_accepted", "spec_verifies", "target_forwards", "decode_rows_used",
             "pass_tokens")
 
@@ -78,8 +79,8 @@ class Slots:
 
     def moved(self, pick) -> "Slots":
         """The per-slot fields through `pick` (`programs.shift_slots`, `move_in`); the shared clock stays."""
-        return self.replace(**{name: pick(getattr(self, name))
-                               for name in ("last", "history", "length", "rate", "idle", "wait")})
+        return self.replace(**{f.name: pick(getattr(self, f.name)) for f in dataclasses.fields(self)
+                               if not f.name.startswith("probe_")})
 
 
 @functools.partial(jax.jit, static_argnames=("config", "attention", "steps", "width", "plan", "mesh", "draft_config",
@@ -296,9 +297,9 @@ def decode(params, state: State, shifts, moves, keys, sampler, stop_ids, budget,
         # a verify: if their updated estimates say verifying pays, it goes on (`pays`) and the clock restarts;
         # if they kept clearly more than estimated (the estimates still rising towards paying), probe again next
         # pass; else back off.
-        verified = verifying & jnp.any(greedy & wants)
+        joined = greedy & wants  # (wants implies a verify pass)
+        verified = jnp.any(joined)
         again = extra(speculation.expected_tokens(w(spec.rate), k)) >= running * (cost - 1.0)
-        joined = greedy & wants
         rising = (jnp.sum(jnp.where(joined, w(spec.rate) - rate_before, 0.0))
                   > speculation.RATE_WEIGHT * RISING * jnp.sum(joined))
         probe_wait = jnp.where(again, speculation.PROBE_EVERY, jnp.where(rising, 0, jnp.minimum(
