@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.cache.contiguous import KVCache
+from jaxkv.cache.paged import PagedKVCache
 from jaxkv.config import Config
 from jaxkv.layers.linear import fan_in_init, linear
 from jaxkv.layers.norms import Norm
@@ -86,11 +87,15 @@ class MtpModule(nn.Module):
         x = linear(x, w, out_in=True)  # [B, T, 2D] -> [B, T, D]
         real = positions >= 0  # [B, T]; padding's state zeroed, as the decoder's (`jaxkv.model.Decoder`)
         x = jnp.where(real[..., None], x, jnp.zeros((), x.dtype))
-        # without a cache, padding is on the left: the first real token's index
-        start = jnp.sum(~real, axis=1, dtype=jnp.int32) if cache is None else cache.start  # [B]
+        paged = isinstance(cache, PagedKVCache)
+        if paged:  # as the decoder's: each row writes its real tokens at its own slots
+            cache = cache.reserve(jnp.sum(real, axis=1, dtype=jnp.int32))
+            start = real
+        else:  # without a cache, padding is on the left: the first real token's index
+            start = jnp.sum(~real, axis=1, dtype=jnp.int32) if cache is None else cache.start  # [B]
         x, cache, _ = Block(cfg, 0, name="layer_0")(x, rope_angles(positions, cfg), cache, start, prefill, attention)
         if cache is not None:
-            cache = cache.advance(T)
+            cache = cache.advance(jnp.sum(real, axis=1, dtype=jnp.int32) if paged else T)
         return Norm(cfg, name="final_norm")(x), cache
 
 
@@ -105,8 +110,10 @@ def mtp_forward(mtp_params: dict, params: dict, hidden, tokens, positions, cache
         (`Decoder(..., return_hidden=True)`), or the h' of a previous module or step.
       tokens: int32[B, T], the tokens at positions t + 1.
       positions: int32[B, T], the positions t (negative: padding). With a cache they must be `cache.positions(T)`.
-      cache: the module's own one-layer `KVCache` (`mtp_cache`); None attends causally among the T positions only
-        (the recompute reference).
+      cache: the module's own one-layer `KVCache` (`mtp_cache`), or a `PagedKVCache` of `config` (each row's real
+        positions written at its own slots from its length on, as the decoder's; the engine runs the module's pools
+        under the target's page tables); None attends causally among the T positions only (the recompute
+        reference).
       config: `Mtp.config`.
       prefill: the cache is empty (as `Decoder`'s prefill).
 
@@ -115,8 +122,8 @@ def mtp_forward(mtp_params: dict, params: dict, hidden, tokens, positions, cache
       and what a chained step reads as `hidden`), the cache or None).
       A row's logits are NaN where its positions pass config.max_positions or its writes the cache's capacity.
     """
-    if cache is not None and not isinstance(cache, KVCache):
-        raise ValueError(f"an MTP module runs over a contiguous KVCache, got {type(cache).__name__}")
+    if cache is not None and not isinstance(cache, (KVCache, PagedKVCache)):
+        raise ValueError(f"an MTP module runs over a KVCache or a PagedKVCache, got {type(cache).__name__}")
     attention = attention or config.attention
     embedding = mtp_params.get("embedding", params["embedding"])
     head = mtp_params.get("lm_head", params["embedding"] if config.tie_embeddings else params["lm_head"])
@@ -125,7 +132,9 @@ def mtp_forward(mtp_params: dict, params: dict, hidden, tokens, positions, cache
     h, new_cache = MtpModule(config).apply({"params": block}, x, hidden, positions, cache, prefill, attention)
     logits = jnp.einsum("btd,vd->btv", h, head, preferred_element_type=jnp.float32)  # [B, T, V]
     poisoned = jnp.any(positions >= config.max_positions, axis=1)  # [B]
-    if cache is not None and not cache.ring:
+    if isinstance(new_cache, PagedKVCache):
+        poisoned |= new_cache.overflowed
+    elif cache is not None and not cache.ring:
         poisoned |= cache.length + positions.shape[1] > cache.capacity
     logits = jnp.where(poisoned[:, None, None], jnp.nan, logits)
     return logits, h, new_cache
