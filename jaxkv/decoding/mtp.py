@@ -126,11 +126,10 @@ def mtp_forward(mtp_params: dict, params: dict, hidden, tokens, positions, cache
         raise ValueError(f"an MTP module runs over a KVCache or a PagedKVCache, got {type(cache).__name__}")
     attention = attention or config.attention
     embedding = mtp_params.get("embedding", params["embedding"])
-    head = mtp_params.get("lm_head", params["embedding"] if config.tie_embeddings else params["lm_head"])
     block = {k: v for k, v in mtp_params.items() if k not in _TABLES}
     x = jnp.take(embedding, tokens, axis=0)  # [B, T, D]
     h, new_cache = MtpModule(config).apply({"params": block}, x, hidden, positions, cache, prefill, attention)
-    logits = jnp.einsum("btd,vd->btv", h, head, preferred_element_type=jnp.float32)  # [B, T, V]
+    logits = mtp_head(mtp_params, params, h, config=config)
     poisoned = jnp.any(positions >= config.max_positions, axis=1)  # [B]
     if isinstance(new_cache, PagedKVCache):
         poisoned |= new_cache.overflowed
@@ -138,6 +137,13 @@ def mtp_forward(mtp_params: dict, params: dict, hidden, tokens, positions, cache
         poisoned |= cache.length + positions.shape[1] > cache.capacity
     logits = jnp.where(poisoned[:, None, None], jnp.nan, logits)
     return logits, h, new_cache
+
+
+def mtp_head(mtp_params: dict, params: dict, h, *, config: Config):
+    """The module's head over its output h' [..., D] (`mtp_forward`'s second result) -> float32[..., V] logits:
+    the module's own lm_head if it has one, else the main model's."""
+    head = mtp_params.get("lm_head", params["embedding"] if config.tie_embeddings else params["lm_head"])
+    return jnp.einsum("...d,vd->...v", h, head, preferred_element_type=jnp.float32)
 
 
 def mtp_cache(model, batch: int, capacity: int, *, dtype=None, start=None) -> KVCache:
