@@ -217,16 +217,22 @@ def normalize(acc, l):
     return acc / jnp.where(l > 0, l, 1.0)
 
 
-def decode_masks(offset, floor, lo, hi, rows: int, cols: int, head_dim: int, wrap: int | None = None):
-    """Masks of a decode block whose column c holds cache index offset + c; all rows share the query slot.
+def decode_masks(offset, floor, lo, hi, rows: int, cols: int, head_dim: int, wrap: int | None = None,
+                 row_bounds=None, value_bounds=None):
+    """Masks of a decode block whose column c holds cache index offset + c.
 
-    An index counts if lo <= index <= hi (the row's live range) and index >= floor (on GPU a shifted block re-reads
+    An index counts if lo <= index <= hi (the live range) and index >= floor (on GPU a shifted block re-reads
     indices below `floor` that the previous block already folded in). For a ring of `wrap` slots, lo may be below
     0 and the range wraps: indices in [lo + wrap, wrap - 1] count too. Returns (live bool[rows, cols],
     v_live bool[cols, head_dim]); full-shape 2-D iotas because Mosaic has no 1-D iota and lays 2-D ones out best.
+
+    One query per sequence: every row shares the scalar range [lo, hi]. Several (`row_bounds`: int32[rows, 1]
+    lo and hi per row, one query position per row): `live` takes each row's own range and `v_live` the scalar
+    [lo, hi], which must then be the union of the rows' ranges, or `value_bounds`, scalar (lo, hi) pairs whose
+    ranges together are that union (values no row may see are zeroed, so that 0 x NaN cannot occur).
     """
 
-    def counts(index):
+    def counts(index, lo, hi):
         inside = (index >= lo) & (index <= hi)
         if wrap is not None:
             inside |= (index >= lo + wrap) & (index < wrap)  # the wrapped part; empty when lo >= 0
@@ -234,7 +240,11 @@ def decode_masks(offset, floor, lo, hi, rows: int, cols: int, head_dim: int, wra
 
     slot = offset + lax.broadcasted_iota(jnp.int32, (rows, cols), 1)  # [R, C]
     v_slot = offset + lax.broadcasted_iota(jnp.int32, (cols, head_dim), 0)  # [C, H]
-    return counts(slot), counts(v_slot)
+    live = counts(slot, lo, hi) if row_bounds is None else counts(slot, *row_bounds)  # row bounds [R, 1] broadcast
+    if value_bounds is None:
+        return live, counts(v_slot, lo, hi)
+    v_live = functools.reduce(jnp.logical_or, [counts(v_slot, *b) for b in value_bounds])
+    return live, v_live
 
 
 def combine_splits(acc, m, l):
@@ -269,6 +279,39 @@ def live_bounds(start, q_offset, num_slots: int, sliding_window: int | None, rin
         lo = jnp.maximum(lo, q_offset - (sliding_window - 1))
     hi = jnp.broadcast_to(jnp.minimum(q_offset, num_slots - 1), lo.shape)
     return lo, hi
+
+
+def query_block_bounds(start, q_offset, num_queries: int, num_slots: int, sliding_window: int | None,
+                       ring: bool = False):
+    """Live bounds of T consecutive queries (slots q_offset .. q_offset + T - 1) of each row: (lo, hi int32[B, T],
+    each query's own range as `live_bounds` gives it; lo_all, hi_all int32[B], the union of a row's ranges).
+
+    The union is one range: a query's bounds move by at most one slot from the one before it (the window and the
+    ring bound move with the query, `start` does not), so consecutive ranges touch or overlap, and a query with
+    nothing live (start past it) precedes every one with something. Its lower end is the first query's lower end
+    and its upper end the last query's. In a ring the union counts absolute slots: it spans T - 1 + (the first
+    query's oldest age) slots below the last query's index, wrapping (all S indices once it spans S or more)."""
+    q_offset = jnp.asarray(q_offset, jnp.int32)
+    start = jnp.asarray(start, jnp.int32)
+    shape = (start.shape[0], num_queries)
+    slots = jnp.broadcast_to(q_offset + jnp.arange(num_queries, dtype=jnp.int32)[None, :], shape)  # [B, T]
+    lo, hi = live_bounds(jnp.broadcast_to(start[:, None], shape), slots, num_slots, sliding_window, ring)
+    if ring:  # the union's oldest slot is the first query's: hi_all - lo_all = T - 1 + its oldest age
+        hi_all = hi[:, -1]
+        return lo, hi, hi_all - (num_queries - 1) - (hi[:, 0] - lo[:, 0]), hi_all
+    return lo, hi, lo[:, 0], hi[:, -1]
+
+
+def row_bounds(lo, hi, groups: int, rows: int):
+    """Per-query bounds [B, T] -> per kernel row int32[B, rows, 1]: row r = t * groups + g is query t of query
+    head g of the KV group; rows past T * groups (padding) get an empty range (lo 1 > hi 0, wrapped or not)."""
+    B, T = lo.shape
+
+    def expand(x, fill):
+        x = jnp.repeat(x, groups, axis=1)  # [B, T * G]
+        return jnp.pad(x, ((0, 0), (0, rows - T * groups)), constant_values=fill)[:, :, None]
+
+    return expand(lo, 1), expand(hi, 0)
 
 
 def next_pow2(n: int) -> int:
@@ -324,11 +367,24 @@ def tpu_step_block(b, split, j, lo_ref, hi_ref, *, block_k: int, splits: int, nu
     return block, begin + j < end
 
 
-def _decode_kernel_tpu(lo_ref, hi_ref, q_ref, k_ref, v_ref, *refs, scale: float, block_k: int, splits: int,
-                       num_blocks: int, quantized: bool, ring_slots: int | None, softcap: float | None = None):
-    """Grid (B, K, splits, blocks per split). q_ref [R, H]; k_ref, v_ref [block_k, H]; then, for a quantized cache,
-    ks_ref, vs_ref [1, block_k]; outputs are this split's (acc [R, H], m [R, 1], l [R, 1]), written at its last
-    step; scratch m, l, acc."""
+def split_row_refs(refs, per_row: bool):
+    """(the row bounds (lo ref, hi ref) or None, the remaining refs): the per-row bound inputs follow q only when
+    the rows hold several query positions."""
+    return ((refs[0], refs[1]), refs[2:]) if per_row else (None, refs)
+
+
+def load_rows(bounds):
+    """The [R, 1] per-row (lo, hi) blocks of `split_row_refs`, or None."""
+    return None if bounds is None else (bounds[0][...], bounds[1][...])
+
+
+def _decode_kernel_tpu(lo_ref, hi_ref, q_ref, *refs, scale: float, block_k: int, splits: int, num_blocks: int,
+                       quantized: bool, ring_slots: int | None, softcap: float | None = None, per_row: bool = False):
+    """Grid (B, K, splits, blocks per split). q_ref [R, H]; with `per_row`, row lo and hi refs [R, 1] (lo_ref, hi_ref
+    then hold the union of the rows' ranges); k_ref, v_ref [block_k, H]; then, for a quantized cache, ks_ref, vs_ref
+    [1, block_k]; outputs are this split's (acc [R, H], m [R, 1], l [R, 1]), written at its last step; scratch m, l,
+    acc."""
+    rows_refs, (k_ref, v_ref, *refs) = split_row_refs(refs, per_row)
     ks_ref, vs_ref, (acc_out, m_out, l_out, m_scr, l_scr, acc_scr) = split_scale_refs(refs, quantized)
     b, split, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     block, live_step = tpu_step_block(b, split, j, lo_ref, hi_ref, block_k=block_k, splits=splits,
@@ -340,7 +396,7 @@ def _decode_kernel_tpu(lo_ref, hi_ref, q_ref, k_ref, v_ref, *refs, scale: float,
     def _step():
         rows, head_dim = q_ref.shape
         live, v_live = decode_masks(block * block_k, block * block_k, lo_ref[b], hi_ref[b], rows, block_k,
-                                    head_dim, wrap=ring_slots)
+                                    head_dim, wrap=ring_slots, row_bounds=load_rows(rows_refs))
         m, l, acc = online_softmax_step(m_scr[...], l_scr[...], acc_scr[...], q_ref[...], k_ref[...], v_ref[...],
                                         live, v_live, scale=scale, k_scale=load_scale(ks_ref),
                                         v_scale=load_scale(vs_ref), softcap=softcap)
@@ -352,9 +408,11 @@ def _decode_kernel_tpu(lo_ref, hi_ref, q_ref, k_ref, v_ref, *refs, scale: float,
 
 
 def _decode_tpu(q, k, v, k_scale, v_scale, lo, hi, *, scale: float, block_k: int, splits: int, ring: bool,
-                interpret, softcap: float | None = None):
-    """q [B, K, R, H] (R = G padded to a multiple of 8); k, v [B, K, S, H]; k_scale, v_scale f32[B, K, 1, S] or
-    None; lo, hi int32[B] -> per-split (acc f32[B, K, P, R, H], m, l f32[B, K, P, R, 1])."""
+                interpret, softcap: float | None = None, rows=None):
+    """q [B, K, R, H] (R = G, or T * G, padded to a multiple of 8); k, v [B, K, S, H]; k_scale, v_scale
+    f32[B, K, 1, S] or None; lo, hi int32[B]; rows: None (one query per sequence) or the per-row (lo, hi)
+    int32[B, R, 1] (`row_bounds`; lo, hi their union) -> per-split (acc f32[B, K, P, R, H], m, l
+    f32[B, K, P, R, 1])."""
     B, K, R, H = q.shape
     S = k.shape[2]
     block_k = tpu_block(S, block_k)
@@ -372,16 +430,20 @@ def _decode_tpu(q, k, v, k_scale, v_scale, lo, hi, *, scale: float, block_k: int
     def row_map(b, h, split, j, lo_ref, hi_ref):
         return b, h, 0, 0
 
+    def bounds_map(b, h, split, j, lo_ref, hi_ref):  # the same block for every step of a row: fetched once per b
+        return b, 0, 0
+
     def out_map(b, h, split, j, lo_ref, hi_ref):
         return b, h, split, 0, 0
 
     kv_spec = pl.BlockSpec((None, None, block_k, H), kv_map)
     quantized = k_scale is not None
     scale_specs = [pl.BlockSpec((None, None, 1, block_k), scale_map)] * 2 if quantized else []
+    row_specs = [pl.BlockSpec((None, R, 1), bounds_map)] * 2 if rows is not None else []
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,  # lo, hi: read by the index maps before each step's DMA is issued
         grid=(B, K, splits, cdiv(num_blocks, splits)),
-        in_specs=[pl.BlockSpec((None, None, R, H), row_map), kv_spec, kv_spec, *scale_specs],
+        in_specs=[pl.BlockSpec((None, None, R, H), row_map), *row_specs, kv_spec, kv_spec, *scale_specs],
         out_specs=[pl.BlockSpec((None, None, None, R, H), out_map),
                    pl.BlockSpec((None, None, None, R, 1), out_map),
                    pl.BlockSpec((None, None, None, R, 1), out_map)],
@@ -390,7 +452,7 @@ def _decode_tpu(q, k, v, k_scale, v_scale, lo, hi, *, scale: float, block_k: int
     )
     kernel = functools.partial(_decode_kernel_tpu, scale=scale, block_k=block_k, splits=splits,
                                num_blocks=num_blocks, quantized=quantized, ring_slots=S if ring else None,
-                               softcap=softcap)
+                               softcap=softcap, per_row=rows is not None)
     return pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
@@ -400,18 +462,20 @@ def _decode_tpu(q, k, v, k_scale, v_scale, lo, hi, *, scale: float, block_k: int
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=interpret,
         name="jaxkv_decode_attention",
-    )(lo, hi, q, k, v, *([k_scale, v_scale] if quantized else []))
+    )(lo, hi, q, *(rows or ()), k, v, *([k_scale, v_scale] if quantized else []))
 
 
 # --- GPU (Triton) --------------------------------------------------------------------------------------------
 
 
-def _decode_kernel_gpu(lo_ref, hi_ref, q_ref, k_ref, v_ref, *refs, scale: float, block_k: int, splits: int,
-                       quantized: bool, ring_slots: int | None, softcap: float | None = None):
-    """Grid (B, K, splits). lo_ref, hi_ref [1]; q_ref [R, H]; k_ref, v_ref [Sp, H] (a pointer: only the loop's
-    slices are read); then, for a quantized cache, ks_ref, vs_ref [1, Sp]; outputs this split's (acc [R, H],
-    m [R, 1], l [R, 1])."""
+def _decode_kernel_gpu(lo_ref, hi_ref, q_ref, *refs, scale: float, block_k: int, splits: int, quantized: bool,
+                       ring_slots: int | None, softcap: float | None = None, per_row: bool = False):
+    """Grid (B, K, splits). lo_ref, hi_ref [1]; q_ref [R, H]; with `per_row`, row lo and hi refs [R, 1] (lo_ref,
+    hi_ref then hold their union); k_ref, v_ref [Sp, H] (a pointer: only the loop's slices are read); then, for a
+    quantized cache, ks_ref, vs_ref [1, Sp]; outputs this split's (acc [R, H], m [R, 1], l [R, 1])."""
+    rows_refs, (k_ref, v_ref, *refs) = split_row_refs(refs, per_row)
     ks_ref, vs_ref, (acc_out, m_out, l_out) = split_scale_refs(refs, quantized)
+    bounds = load_rows(rows_refs)  # loaded once, before the loop
     lo, hi = lo_ref[0], hi_ref[0]
     num_slots = k_ref.shape[0]
     q = q_ref[...]  # [R, H]
@@ -429,7 +493,8 @@ def _decode_kernel_gpu(lo_ref, hi_ref, q_ref, k_ref, v_ref, *refs, scale: float,
         v = v_ref[pl.ds(offset, block_k), :]  # [block_k, H]
         k_scale = load_scale(ks_ref, slice(None), pl.ds(offset, block_k))  # [1, block_k] or None
         v_scale = load_scale(vs_ref, slice(None), pl.ds(offset, block_k))
-        live, v_live = decode_masks(offset, floor, lo, hi, rows, block_k, head_dim, wrap=ring_slots)
+        live, v_live = decode_masks(offset, floor, lo, hi, rows, block_k, head_dim, wrap=ring_slots,
+                                    row_bounds=bounds)
         return online_softmax_step(*carry, q, k, v, live, v_live, scale=scale, k_scale=k_scale, v_scale=v_scale,
                                    softcap=softcap)
 
@@ -440,10 +505,11 @@ def _decode_kernel_gpu(lo_ref, hi_ref, q_ref, k_ref, v_ref, *refs, scale: float,
 
 
 def _decode_gpu(q, k, v, k_scale, v_scale, lo, hi, *, scale: float, block_k: int, splits: int,
-                ring_slots: int | None, interpret, softcap: float | None = None):
+                ring_slots: int | None, interpret, softcap: float | None = None, rows=None):
     """q [B, K, R, H] (R, H powers of two >= 16); k, v [B, K, S, H] with S >= 16; k_scale, v_scale f32[B, K, 1, S]
-    or None; lo, hi int32[B]; ring_slots: the ring's real S (<= S, the rest padding) or None
-    -> per-split (acc f32[B, K, P, R, H], m, l f32[B, K, P, R, 1])."""
+    or None; lo, hi int32[B]; ring_slots: the ring's real S (<= S, the rest padding) or None; rows: None or the
+    per-row (lo, hi) int32[B, R, 1] (`row_bounds`) -> per-split (acc f32[B, K, P, R, H], m, l
+    f32[B, K, P, R, 1])."""
     B, K, R, H = q.shape
     S = k.shape[2]
     block_k = gpu_block(S, block_k)
@@ -458,15 +524,23 @@ def _decode_gpu(q, k, v, k_scale, v_scale, lo, hi, *, scale: float, block_k: int
     def out_map(b, h, split):
         return b, h, split, 0, 0
 
+    def bounds_map(b, h, split):
+        return b, 0, 0
+
     quantized = k_scale is not None
     kernel = functools.partial(_decode_kernel_gpu, scale=scale, block_k=block_k, splits=splits,
-                               quantized=quantized, ring_slots=ring_slots, softcap=softcap)
+                               quantized=quantized, ring_slots=ring_slots, softcap=softcap, per_row=rows is not None)
     scale_specs = [pl.BlockSpec((None, None, 1, S), row_map)] * 2 if quantized else []  # pointers, like K and V
+    row_specs = [pl.BlockSpec((None, R, 1), bounds_map)] * 2 if rows is not None else []
+    # Several query positions per row make R = T * G rows: the [R, H] float32 accumulator, the [R, block_k] scores
+    # and q live in registers, and 4 warps would hold 128 f32 of the accumulator per thread alone at R = H = 128
+    # (spilling); 8 warps halve that. Not measured (no GPU here); one query per sequence keeps its 4 warps.
+    num_warps = 8 if rows is not None and R > 64 else 4
     return pl.pallas_call(
         kernel,
         grid=(B, K, splits),
         in_specs=[pl.BlockSpec((1,), scalar_map), pl.BlockSpec((1,), scalar_map),
-                  pl.BlockSpec((None, None, R, H), row_map),
+                  pl.BlockSpec((None, None, R, H), row_map), *row_specs,
                   pl.BlockSpec((None, None, S, H), row_map),  # whole row: a base pointer, loaded per block
                   pl.BlockSpec((None, None, S, H), row_map), *scale_specs],
         out_specs=[pl.BlockSpec((None, None, None, R, H), out_map),
@@ -476,10 +550,10 @@ def _decode_gpu(q, k, v, k_scale, v_scale, lo, hi, *, scale: float, block_k: int
                    jax.ShapeDtypeStruct((B, K, splits, R, 1), jnp.float32),
                    jax.ShapeDtypeStruct((B, K, splits, R, 1), jnp.float32)],
         # Explicit Triton params: without them JAX 0.10 lowers GPU pallas_calls with Mosaic GPU.
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=2),
         interpret=interpret,
         name="jaxkv_decode_attention",
-    )(lo, hi, q, k, v, *([k_scale, v_scale] if quantized else []))
+    )(lo, hi, q, *(rows or ()), k, v, *([k_scale, v_scale] if quantized else []))
 
 
 # --- public --------------------------------------------------------------------------------------------------
@@ -498,13 +572,18 @@ def default_splits(platform: str, batch: int, kv_heads: int, num_blocks: int) ->
 def decode_attention(q, k, v, start, q_offset, *, scale: float, sliding_window: int | None = None, k_scale=None,
                      v_scale=None, ring: bool = False, platform: str = "tpu", block_k: int | None = None,
                      splits: int | None = None, interpret=False, softcap: float | None = None):
-    """Attention of one query per sequence over the cache; same contract as `reference.attention` with T == 1.
+    """Attention of a few queries per sequence over the cache; same contract as `reference.attention`.
+
+    Meant for one query (decode) or a small block of them (a speculative verify: k + 1 queries, causal within the
+    block): the T query positions times the G query heads of a KV group are the kernel's T * G matmul rows, each
+    masked by its own position (`query_block_bounds`), and each live K/V block is read once for all of them.
 
     Args:
-      q: [B, 1, N, H]; k, v: [B, K, S, H] (any float dtype, or int8 / float8_e4m3fn with scales); start: int32[B];
-        q_offset: int32[] (the query's absolute slot; for a ring it may exceed S).
+      q: [B, T, N, H], queries for slots [q_offset, q_offset + T); k, v: [B, K, S, H] (any float dtype, or int8 /
+        float8_e4m3fn with scales); start: int32[B]; q_offset: int32[] (the first query's absolute slot; for a
+        ring it may exceed S).
       k_scale, v_scale: float32[B, K, S] dequantization scales of a quantized cache, else None.
-      ring: the cache is a ring buffer of S slots (module docstring).
+      ring: the cache is a ring buffer of S slots (module docstring; with T > 1, the reference's formula per query).
       platform: "tpu" (Mosaic body) or "gpu" (Triton body).
       block_k: slots per key block (TPU: a multiple of 128; GPU: a power of two >= 16).
       splits: parallel programs per (sequence, KV head); default `default_splits`.
@@ -512,27 +591,33 @@ def decode_attention(q, k, v, start, q_offset, *, scale: float, sliding_window: 
       softcap: Gemma 2's attention-logit soft-capping (`reference.soft_cap`), a static float; None: off.
 
     Returns:
-      [B, 1, N, H] in q's dtype.
+      [B, T, N, H] in q's dtype.
     """
     B, T, N, H = q.shape
     K, S = k.shape[1], k.shape[2]
-    if T != 1:
-        raise ValueError(f"decode_attention takes one query per sequence, got T={T}")
     check_scales(k, k_scale, v_scale)
     softcap = check_softcap(softcap)
     G, dtype = N // K, q.dtype
     block_k = block_k or DEFAULT_BLOCK_K.get(platform, 0)
-    lo, hi = live_bounds(start, q_offset, S, sliding_window, ring)  # int32[B] each
+    if T == 1:  # one query: every row shares its bounds, the kernel takes no per-row inputs (as before T > 1)
+        lo, hi = live_bounds(start, q_offset, S, sliding_window, ring)  # int32[B] each
+    else:  # per-query bounds, and their union: the blocks to read
+        lo_t, hi_t, lo, hi = query_block_bounds(start, q_offset, T, S, sliding_window, ring)
     k_scale, v_scale = scale_rows(k_scale), scale_rows(v_scale)  # f32[B, K, 1, S] or None
-    # [B, K, G, H]: query head n = kv_head * G + g; cast once here rather than per block in the kernel
-    q = q.reshape(B, K, G, H).astype(matmul_dtype(dtype, k.dtype))
+    # [B, K, T * G, H]: row t * G + g is query t of head n = kv_head * G + g (T == 1: a free reshape); cast once
+    # here rather than per block in the kernel
+    q = (q.reshape(B, K, G, H) if T == 1
+         else q.reshape(B, T, K, G, H).transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, H))
+    q = q.astype(matmul_dtype(dtype, k.dtype))
     if platform == "tpu":
-        R = -(-G // TPU_ROW_MULTIPLE) * TPU_ROW_MULTIPLE  # whole sublane tiles: G = 1..7 has no legal layout
+        R = -(-(T * G) // TPU_ROW_MULTIPLE) * TPU_ROW_MULTIPLE  # whole sublane tiles: 1..7 rows have no layout
+        rows = None if T == 1 else row_bounds(lo_t, hi_t, G, R)
         splits = splits or default_splits(platform, B, K, cdiv(S, tpu_block(S, block_k)))
         acc, m, l = _decode_tpu(pad_axis(q, 2, R), k, v, k_scale, v_scale, lo, hi, scale=scale, block_k=block_k,
-                                splits=splits, ring=ring, interpret=interpret, softcap=softcap)
+                                splits=splits, ring=ring, interpret=interpret, softcap=softcap, rows=rows)
     elif platform == "gpu":
-        R = max(GPU_MIN_DIM, next_pow2(G))  # tl.dot needs M >= 16; the padded rows are zeros, sliced off below
+        R = max(GPU_MIN_DIM, next_pow2(T * G))  # tl.dot needs M >= 16; the padded rows are zeros, sliced off below
+        rows = None if T == 1 else row_bounds(lo_t, hi_t, G, R)
         Hp = max(GPU_MIN_DIM, next_pow2(H))
         # A head dim that is not a power of two forces a padded copy of the cache (Triton tensors are powers of
         # two); a cache shorter than 16 slots is padded so the shifted block fits. Both copies are the exception.
@@ -544,8 +629,10 @@ def decode_attention(q, k, v, start, q_offset, *, scale: float, sliding_window: 
             k_scale, v_scale = pad_axis(k_scale, 3, Sp), pad_axis(v_scale, 3, Sp)  # [B, K, 1, Sp]
         splits = splits or default_splits(platform, B, K, cdiv(Sp, gpu_block(Sp, block_k)))
         acc, m, l = _decode_gpu(q, k, v, k_scale, v_scale, lo, hi, scale=scale, block_k=block_k, splits=splits,
-                                ring_slots=S if ring else None, interpret=interpret, softcap=softcap)
+                                ring_slots=S if ring else None, interpret=interpret, softcap=softcap, rows=rows)
     else:
         raise ValueError(f"platform must be 'tpu' or 'gpu', got {platform!r}")
-    out = combine_splits(acc, m, l)[:, :, :G, :H]  # [B, K, G, H] float32
-    return out.reshape(B, 1, N, H).astype(dtype)
+    out = combine_splits(acc, m, l)[:, :, :T * G, :H]  # [B, K, T * G, H] float32
+    if T > 1:
+        out = out.reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4)  # [B, T, K, G, H]
+    return out.reshape(B, T, N, H).astype(dtype)

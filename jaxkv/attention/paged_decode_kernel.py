@@ -51,9 +51,9 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from jaxkv.attention.decode_kernel import (GPU_MIN_DIM, MASKED, TPU_ROW_MULTIPLE, tpu_step_block, block_range,
-                                           cdiv, decode_masks, live_bounds, load_scale, matmul_dtype, next_pow2,
-                                           normalize, online_softmax_step, pad_axis, reset_softmax_state,
-                                           scale_rows, split_scale_refs)
+                                           cdiv, decode_masks, live_bounds, load_rows, load_scale, matmul_dtype,
+                                           next_pow2, normalize, online_softmax_step, pad_axis, reset_softmax_state,
+                                           row_bounds, scale_rows, split_row_refs, split_scale_refs)
 from jaxkv.attention.reference import Unsupported, check_softcap
 
 # Slots per step a page group aims for when `pages_per_block` is not given. TPU: 128 slots (a lane-dense row of
@@ -105,12 +105,17 @@ def _tpu_page(b, j, i, lo_ref, hi_ref, *, page_size: int, pages_per_block: int, 
     return jnp.clip(position, first, last), position, live_step
 
 
-def _paged_kernel_tpu(lo_ref, hi_ref, table_ref, q_ref, *refs, scale: float, page_size: int, pages_per_block: int,
-                      num_groups: int, quantized: bool, softcap: float | None = None):
-    """Grid (B, K, groups). q_ref [R, H]; then pages_per_block K page refs [page_size, H], as many V page refs, and
-    for a quantized pool as many K and V scale refs [1, page_size]; the output [R, H] is written at the last step;
-    scratch m, l, acc."""
+def _paged_kernel_tpu(lo_ref, hi_ref, table_ref, *refs, scale: float, page_size: int, pages_per_block: int,
+                      num_groups: int, quantized: bool, softcap: float | None = None, per_row: bool = False,
+                      value_queries: int = 0):
+    """Grid (B, K, groups). With `value_queries` = T, two more scalar-prefetched refs int32[B * T]: each query's lo
+    and hi (`query_value_bounds`). Then q_ref [R, H]; with `per_row`, row lo and hi refs [R, 1] (lo_ref, hi_ref then
+    span the rows' ranges); then pages_per_block K page refs [page_size, H], as many V page refs, and for a quantized
+    pool as many K and V scale refs [1, page_size]; the output [R, H] is written at the last step; scratch m, l,
+    acc."""
     del table_ref  # read by the index maps only
+    (qlo_ref, qhi_ref), (q_ref, *refs) = (refs[:2], refs[2:]) if value_queries else ((None, None), refs)
+    rows_refs, refs = split_row_refs(refs, per_row)
     n = pages_per_block
     kv_refs, rest = refs[:2 * n], refs[2 * n:]
     scale_refs, (out_ref, m_scr, l_scr, acc_scr) = (rest[:2 * n], rest[2 * n:]) if quantized else ((), rest)
@@ -118,6 +123,8 @@ def _paged_kernel_tpu(lo_ref, hi_ref, table_ref, q_ref, *refs, scale: float, pag
     lo, hi = lo_ref[b], hi_ref[b]
     page = functools.partial(_tpu_page, b, j, lo_ref=lo_ref, hi_ref=hi_ref, page_size=page_size,
                              pages_per_block=n, num_groups=num_groups)
+    T = value_queries
+    value_bounds = [(qlo_ref[b * T + t], qhi_ref[b * T + t]) for t in range(T)] or None
 
     pl.when(j == 0)(functools.partial(reset_softmax_state, m_scr, l_scr, acc_scr))
 
@@ -125,10 +132,12 @@ def _paged_kernel_tpu(lo_ref, hi_ref, table_ref, q_ref, *refs, scale: float, pag
     def _step():
         rows, head_dim = q_ref.shape
         q = q_ref[...]
+        bounds = load_rows(rows_refs)
         state = m_scr[...], l_scr[...], acc_scr[...]
         for i in range(n):  # static: one online-softmax step per page of the group
             offset = page(i)[1] * page_size  # the slots input i's positions stand for; masked if a clamped copy
-            live, v_live = decode_masks(offset, offset, lo, hi, rows, page_size, head_dim)
+            live, v_live = decode_masks(offset, offset, lo, hi, rows, page_size, head_dim, row_bounds=bounds,
+                                        value_bounds=value_bounds)
             ks, vs = (load_scale(scale_refs[i]), load_scale(scale_refs[n + i])) if quantized else (None, None)
             state = online_softmax_step(*state, q, kv_refs[i][...], kv_refs[n + i][...], live, v_live,
                                         scale=scale, k_scale=ks, v_scale=vs, softcap=softcap)
@@ -140,9 +149,11 @@ def _paged_kernel_tpu(lo_ref, hi_ref, table_ref, q_ref, *refs, scale: float, pag
 
 
 def _paged_tpu(q, k_pages, v_pages, k_scale, v_scale, page_table, lo, hi, *, scale: float, pages_per_block: int,
-               interpret, softcap: float | None = None):
+               interpret, softcap: float | None = None, rows=None, values=None):
     """q [B, K, R, H] (R a multiple of 8); pools [P, K, page_size, H]; scales f32[P, K, 1, page_size] or None;
-    page_table int32[B, M]; lo, hi int32[B] -> f32[B, K, R, H]."""
+    page_table int32[B, M]; lo, hi int32[B]; rows: None (one query per sequence) or the per-row (lo, hi)
+    int32[B, R, 1] (`row_bounds`); values: None (the value slots are [lo, hi]) or each query's (lo, hi)
+    int32[B, T] -> f32[B, K, R, H]."""
     B, K, R, H = q.shape
     page_size = k_pages.shape[2]
     M = page_table.shape[1]
@@ -150,27 +161,35 @@ def _paged_tpu(q, k_pages, v_pages, k_scale, v_scale, page_table, lo, hi, *, sca
     num_groups = cdiv(M, n)
     page = functools.partial(_tpu_page, page_size=page_size, pages_per_block=n, num_groups=num_groups)
 
-    def page_map(i, b, h, j, lo_ref, hi_ref, table_ref):
+    def page_map(i, b, h, j, lo_ref, hi_ref, table_ref, *_):
         p = page(b, j, i, lo_ref, hi_ref)[0]
         return jnp.maximum(table_ref[b * M + p], 0), h, 0, 0  # -1 only for an empty row, which computes nothing
 
-    def row_map(b, h, j, lo_ref, hi_ref, table_ref):
+    def row_map(b, h, j, *_):
         return b, h, 0, 0
+
+    def bounds_map(b, h, j, *_):  # the same block for every step of a row: fetched once per b
+        return b, 0, 0
 
     page_specs = [pl.BlockSpec((None, None, page_size, H), functools.partial(page_map, i)) for i in range(n)]
     scale_specs = [pl.BlockSpec((None, None, 1, page_size), functools.partial(page_map, i)) for i in range(n)]
+    row_specs = [pl.BlockSpec((None, R, 1), bounds_map)] * 2 if rows is not None else []
     quantized = k_scale is not None
+    # lo, hi, the flattened page table (read by the index maps before each step's DMA), and each query's value
+    # bounds (read by the body as scalars)
+    prefetch = [lo, hi, page_table.reshape(-1), *(() if values is None else (x.reshape(-1) for x in values))]
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=3,  # lo, hi, the flattened page table: read by the index maps before each step's DMA
+        num_scalar_prefetch=len(prefetch),
         grid=(B, K, num_groups),
-        in_specs=[pl.BlockSpec((None, None, R, H), row_map), *page_specs, *page_specs,
+        in_specs=[pl.BlockSpec((None, None, R, H), row_map), *row_specs, *page_specs, *page_specs,
                   *(scale_specs * 2 if quantized else [])],
         out_specs=pl.BlockSpec((None, None, R, H), row_map),
         scratch_shapes=[pltpu.VMEM((R, 1), jnp.float32), pltpu.VMEM((R, 1), jnp.float32),
                         pltpu.VMEM((R, H), jnp.float32)],
     )
     kernel = functools.partial(_paged_kernel_tpu, scale=scale, page_size=page_size, pages_per_block=n,
-                               num_groups=num_groups, quantized=quantized, softcap=softcap)
+                               num_groups=num_groups, quantized=quantized, softcap=softcap, per_row=rows is not None,
+                               value_queries=0 if values is None else values[0].shape[1])
     scales = [k_scale] * n + [v_scale] * n if quantized else []
     return pl.pallas_call(
         kernel,
@@ -179,18 +198,24 @@ def _paged_tpu(q, k_pages, v_pages, k_scale, v_scale, page_table, lo, hi, *, sca
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=interpret,
         name="jaxkv_paged_decode_attention",
-    )(lo, hi, page_table.reshape(-1), q, *[k_pages] * n, *[v_pages] * n, *scales)
+    )(*prefetch, q, *(rows or ()), *[k_pages] * n, *[v_pages] * n, *scales)
 
 
 # --- GPU (Triton) --------------------------------------------------------------------------------------------
 
 
-def _paged_kernel_gpu(lo_ref, hi_ref, table_ref, q_ref, k_ref, v_ref, *refs, scale: float, page_size: int,
-                      block: int, kv_heads: int, quantized: bool, softcap: float | None = None):
-    """Grid (B, K). lo_ref, hi_ref [1]; table_ref [M] (the row's page table); q_ref [R, H]; k_ref, v_ref
-    [P * K * page_size, H] (pointers: only the gathered rows are read); then, for a quantized pool, ks_ref, vs_ref
-    [P * K * page_size]; output [R, H]."""
+def _paged_kernel_gpu(lo_ref, hi_ref, table_ref, q_ref, *refs, scale: float, page_size: int, block: int,
+                      kv_heads: int, quantized: bool, softcap: float | None = None, per_row: bool = False,
+                      value_queries: int = 0):
+    """Grid (B, K). lo_ref, hi_ref [1]; table_ref [M] (the row's page table); q_ref [R, H]; with `per_row`, row lo
+    and hi refs [R, 1] (lo_ref, hi_ref then span the rows' ranges); with `value_queries` = T, each query's lo and hi
+    refs [Tp] (`query_value_bounds`, padded to a power of two); k_ref, v_ref [P * K * page_size, H] (pointers: only
+    the gathered rows are read); then, for a quantized pool, ks_ref, vs_ref [P * K * page_size]; output [R, H]."""
+    rows_refs, refs = split_row_refs(refs, per_row)
+    (qlo_ref, qhi_ref), (k_ref, v_ref, *refs) = (refs[:2], refs[2:]) if value_queries else ((None, None), refs)
     ks_ref, vs_ref, (out_ref,) = split_scale_refs(refs, quantized)
+    bounds = load_rows(rows_refs)  # loaded once, before the loop
+    value_bounds = [(qlo_ref[t], qhi_ref[t]) for t in range(value_queries)] or None
     lo, hi = lo_ref[0], hi_ref[0]
     h = pl.program_id(1)
     q = q_ref[...]  # [R, H]
@@ -212,7 +237,8 @@ def _paged_kernel_gpu(lo_ref, hi_ref, table_ref, q_ref, k_ref, v_ref, *refs, sca
         v = pltriton.load(v_ref.at[rows_kv], mask=read_kv, other=0)
         k_scale, v_scale = ((pltriton.load(x.at[row[None, :]], mask=read[None, :], other=0) for x in (ks_ref, vs_ref))
                             if quantized else (None, None))  # [1, C] each
-        live, v_live = decode_masks(offset, offset, lo, hi, rows, block, head_dim)
+        live, v_live = decode_masks(offset, offset, lo, hi, rows, block, head_dim, row_bounds=bounds,
+                                    value_bounds=value_bounds)
         return online_softmax_step(*carry, q, k, v, live, v_live, scale=scale, k_scale=k_scale, v_scale=v_scale,
                                    softcap=softcap)
 
@@ -232,9 +258,10 @@ def gpu_block_slots(page_size: int, pages_per_seq: int, pages_per_block: int | N
 
 
 def _paged_gpu(q, k_pages, v_pages, k_scale, v_scale, page_table, lo, hi, *, scale: float, block: int, interpret,
-               softcap: float | None = None):
+               softcap: float | None = None, rows=None, values=None):
     """q [B, K, R, H] (R, H powers of two >= 16); pools [P, K, page_size, H]; scales f32[P, K, page_size] or None;
-    page_table int32[B, M]; lo, hi int32[B]; block: slots per loop iteration -> f32[B, K, R, H]."""
+    page_table int32[B, M]; lo, hi int32[B]; block: slots per loop iteration; rows, values: as `_paged_tpu`'s
+    -> f32[B, K, R, H]."""
     B, K, R, H = q.shape
     P, _, page_size, _ = k_pages.shape
     if H & (H - 1):
@@ -254,46 +281,78 @@ def _paged_gpu(q, k_pages, v_pages, k_scale, v_scale, page_table, lo, hi, *, sca
     def whole_scales(b, h):
         return (0,)
 
+    def bounds_map(b, h):
+        return b, 0, 0
+
     quantized = k_scale is not None
     scale_specs = [pl.BlockSpec(flat[:1], whole_scales)] * 2 if quantized else []
+    row_specs = [pl.BlockSpec((None, R, 1), bounds_map)] * 2 if rows is not None else []
+    if values is not None:  # Triton tensors are powers of two: pad with empty ranges (lo 1 > hi 0), never read
+        T = values[0].shape[1]
+        Tp = next_pow2(T)
+        values = [jnp.pad(x, ((0, 0), (0, Tp - T)), constant_values=fill) for x, fill in zip(values, (1, 0))]
+    value_specs = [pl.BlockSpec((None, values[0].shape[1]), lambda b, h: (b, 0))] * 2 if values is not None else []
     kernel = functools.partial(_paged_kernel_gpu, scale=scale, page_size=page_size, block=block, kv_heads=K,
-                               quantized=quantized, softcap=softcap)
+                               quantized=quantized, softcap=softcap, per_row=rows is not None,
+                               value_queries=0 if values is None else T)
     scales = [k_scale.astype(jnp.float32).reshape(-1), v_scale.astype(jnp.float32).reshape(-1)] if quantized else []
     return pl.pallas_call(
         kernel,
         grid=(B, K),
         in_specs=[pl.BlockSpec((1,), scalar_map), pl.BlockSpec((1,), scalar_map),
                   pl.BlockSpec((None, page_table.shape[1]), lambda b, h: (b, 0)),
-                  pl.BlockSpec((None, None, R, H), row_map),
+                  pl.BlockSpec((None, None, R, H), row_map), *row_specs, *value_specs,
                   pl.BlockSpec(flat, whole), pl.BlockSpec(flat, whole), *scale_specs],
         out_specs=pl.BlockSpec((None, None, R, H), row_map),
         out_shape=jax.ShapeDtypeStruct((B, K, R, H), jnp.float32),
-        # Explicit Triton params: without them JAX 0.10 lowers GPU pallas_calls with Mosaic GPU.
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+        # Explicit Triton params: without them JAX 0.10 lowers GPU pallas_calls with Mosaic GPU. More rows (several
+        # queries per sequence) hold more registers: 8 warps past 64 rows, as the contiguous decode kernel (not
+        # measured).
+        compiler_params=pltriton.CompilerParams(num_warps=8 if rows is not None and R > 64 else 4, num_stages=2),
         interpret=interpret,
         name="jaxkv_paged_decode_attention",
-    )(lo, hi, page_table, q, k_pages.reshape(flat), v_pages.reshape(flat), *scales)
+    )(lo, hi, page_table, q, *(rows or ()), *(values or ()), k_pages.reshape(flat), v_pages.reshape(flat),
+      *scales)
 
 
 # --- public --------------------------------------------------------------------------------------------------
+
+
+def query_value_bounds(lo, hi):
+    """Per-query bounds [B, T] -> the int32[B] range (lo, hi) spanning every query's nonempty range (0, -1: none).
+
+    Without a sliding window every query's range starts at slot 0, so the span is their union. With one, queries
+    whose slots are far apart (q_slots are arbitrary) leave gaps between their windows: the kernels then zero the
+    values of each block outside every query's own range (`decode_masks`' `value_bounds`), as the reference does."""
+    nonempty = lo <= hi
+    some = jnp.any(nonempty, axis=1)
+    lo_all = jnp.min(jnp.where(nonempty, lo, jnp.iinfo(jnp.int32).max), axis=1)
+    hi_all = jnp.max(jnp.where(nonempty, hi, -1), axis=1)
+    return jnp.where(some, lo_all, 0), hi_all
 
 
 def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale: float,
                            sliding_window: int | None = None, k_scale=None, v_scale=None, q_slots=None,
                            platform: str | None = None, pages_per_block: int | None = None, interpret=None,
                            softcap: float | None = None):
-    """Attention of one query per sequence over its pages; `paged_reference.paged_attention` with T == 1.
+    """Attention of one query (or a small block of queries) per sequence over its pages;
+    `paged_reference.paged_attention` without `fresh`.
+
+    With several queries per sequence (a speculative verify), the T queries times the G query heads of a KV group
+    are the kernel's T * G matmul rows, each masked by its own slot, and each live page is read once for all.
 
     Args:
-      q: [B, N, H], one query per sequence.
+      q: [B, N, H], one query per sequence, or [B, T, N, H].
       k_pages, v_pages: [P, K, page_size, H] pools, K dividing N (any float dtype, or int8 / float8_e4m3fn with
         scales).
       page_table: int32[B, M], each sequence's pages in slot order (-1: none; never read for a live slot).
-      lengths: int32[B], slots written per sequence (the query's own K/V included). A length-0 row returns 0.
+      lengths: int32[B], slots written per sequence (the queries' own K/V included). A length-0 row returns 0.
       scale: multiplies q.k.
-      sliding_window: if set, the query sees only the `sliding_window` most recent slots, itself included.
+      sliding_window: if set, a query sees only the `sliding_window` most recent slots, itself included.
       k_scale, v_scale: float32[P, K, page_size] dequantization scales of a quantized pool, else None.
-      q_slots: int32[B], the query's slot; default lengths - 1 (decode: its own K/V already written).
+      q_slots: int32[B] (q [B, N, H]) or int32[B, T] (q [B, T, N, H]), each query's slot (any slots: a query sees
+        the written slots up to its own, within the window); default the last T slots, lengths - T + t (decode:
+        the queries' own K/V already written).
       platform: "tpu" (Mosaic body) or "gpu" (Triton body); None: "gpu" on GPUs, else "tpu".
       pages_per_block: pages per grid step (TPU, `tpu_pages_per_block`) or per loop iteration (GPU: rounded up to
         a power-of-two number of slots, `gpu_block_slots`).
@@ -301,9 +360,15 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale: f
       softcap: Gemma 2's attention-logit soft-capping (`reference.soft_cap`), a static float; None: off.
 
     Returns:
-      [B, N, H] in q's dtype.
+      q's shape ([B, N, H] or [B, T, N, H]) in q's dtype; a query with no live slot gets 0.
     """
-    B, N, H = q.shape
+    kwargs = dict(scale=scale, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, platform=platform,
+                  pages_per_block=pages_per_block, interpret=interpret, softcap=softcap)
+    if q.ndim == 4 and q.shape[1] == 1:  # one query: exactly the [B, N, H] kernel
+        q_slots = None if q_slots is None else jnp.asarray(q_slots, jnp.int32)[:, 0]
+        return paged_decode_attention(q[:, 0], k_pages, v_pages, page_table, lengths, q_slots=q_slots, **kwargs)[:, None]
+    B, N, H = q.shape[0], q.shape[-2], q.shape[-1]
+    T = q.shape[1] if q.ndim == 4 else 1
     K, page_size = k_pages.shape[1], k_pages.shape[2]
     check_pool(k_pages, v_pages, page_table, k_scale, v_scale)
     softcap = check_softcap(softcap)
@@ -313,25 +378,46 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale: f
     M = page_table.shape[1]
     G, dtype = N // K, q.dtype
     lengths = jnp.asarray(lengths, jnp.int32)
-    q_slots = lengths - 1 if q_slots is None else jnp.asarray(q_slots, jnp.int32)
-    lo, hi = paged_live_bounds(lengths, q_slots, M * page_size, sliding_window)  # int32[B] each
+    rows = values = None
+    if T == 1:
+        q_slots = lengths - 1 if q_slots is None else jnp.asarray(q_slots, jnp.int32)
+        lo, hi = paged_live_bounds(lengths, q_slots, M * page_size, sliding_window)  # int32[B] each
+    else:
+        if q_slots is None:
+            q_slots = lengths[:, None] - T + jnp.arange(T, dtype=jnp.int32)[None, :]
+        q_slots = jnp.asarray(q_slots, jnp.int32)
+        if q_slots.shape != (B, T):
+            raise ValueError(f"q_slots must be int32[B, T] = {(B, T)} for q {q.shape}, got shape {q_slots.shape}")
+        lo_t, hi_t = paged_live_bounds(jnp.broadcast_to(lengths[:, None], (B, T)), q_slots, M * page_size,
+                                       sliding_window)  # int32[B, T] each
+        lo, hi = query_value_bounds(lo_t, hi_t)
+        values = None if sliding_window is None else (lo_t, hi_t)
     page_table = jnp.asarray(page_table, jnp.int32)
     mm_dtype = matmul_dtype(dtype, k_pages.dtype)
     if platform == "tpu" and page_size == 1:
         # JAX 0.10's Mosaic lowering of a [R, H] x [1, H] score dot with 16-bit inputs emits an ill-typed
         # vector.broadcast (a verification error); float32 inputs lower, and a 1-slot page's matmul is no cost.
         mm_dtype = jnp.float32
-    # [B, K, G, H]: query head n = kv_head * G + g; cast once here rather than per page in the kernel
-    q = q.reshape(B, K, G, H).astype(mm_dtype)
+    # [B, K, T * G, H]: row t * G + g is query t of head n = kv_head * G + g (T == 1: a free reshape); cast once
+    # here rather than per page in the kernel
+    q = (q.reshape(B, K, G, H) if T == 1
+         else q.reshape(B, T, K, G, H).transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, H))
+    q = q.astype(mm_dtype)
     if platform == "tpu":
-        R = cdiv(G, TPU_ROW_MULTIPLE) * TPU_ROW_MULTIPLE  # whole sublane tiles
+        R = cdiv(T * G, TPU_ROW_MULTIPLE) * TPU_ROW_MULTIPLE  # whole sublane tiles
+        rows = None if T == 1 else row_bounds(lo_t, hi_t, G, R)
         out = _paged_tpu(pad_axis(q, 2, R), k_pages, v_pages, scale_rows(k_scale), scale_rows(v_scale), page_table,
                          lo, hi, scale=scale, pages_per_block=tpu_pages_per_block(page_size, M, pages_per_block),
-                         interpret=interpret, softcap=softcap)
+                         interpret=interpret, softcap=softcap, rows=rows, values=values)
     elif platform == "gpu":
-        R = max(GPU_MIN_DIM, next_pow2(G))  # tl.dot needs M >= 16; the padded rows are zeros, sliced off below
+        R = max(GPU_MIN_DIM, next_pow2(T * G))  # tl.dot needs M >= 16; the padded rows are zeros, sliced off below
+        rows = None if T == 1 else row_bounds(lo_t, hi_t, G, R)
         out = _paged_gpu(pad_axis(q, 2, R), k_pages, v_pages, k_scale, v_scale, page_table, lo, hi, scale=scale,
-                         block=gpu_block_slots(page_size, M, pages_per_block), interpret=interpret, softcap=softcap)
+                         block=gpu_block_slots(page_size, M, pages_per_block), interpret=interpret, softcap=softcap,
+                         rows=rows, values=values)
     else:
         raise ValueError(f"platform must be 'tpu' or 'gpu', got {platform!r}")
-    return out[:, :, :G].reshape(B, N, H).astype(dtype)  # [B, N, H]
+    if T == 1:
+        return out[:, :, :G].reshape(B, N, H).astype(dtype)  # [B, N, H]
+    out = out[:, :, :T * G].reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4)  # [B, T, K, G, H]
+    return out.reshape(B, T, N, H).astype(dtype)

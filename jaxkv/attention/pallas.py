@@ -4,15 +4,17 @@
 `reference.attention` computes (for every query row with at least one live key; a row with none returns 0) and
 dispatches on the shape:
 
-  T == 1  ->  `decode_kernel.decode_attention`: flash-decoding over the cache, reading only live K/V blocks
-              (every block of a ring cache), dequantizing int8/fp8 blocks as they are read.
-  T > 1   ->  `prefill_kernel.prefill_attention`: causal flash attention, skipping masked key blocks. Quantized
+  T <= MAX_DECODE_QUERIES  ->  `decode_kernel.decode_attention`: flash-decoding over the cache, reading only live
+              K/V blocks (every block of a ring cache), dequantizing int8/fp8 blocks as they are read; T > 1 (a
+              speculative verify's k + 1 queries) folds the T query positions into the kernel's rows, each masked
+              by its own position, so each block is read once for all of them.
+  T larger    ->  `prefill_kernel.prefill_attention`: causal flash attention, skipping masked key blocks. Quantized
               caches are supported; ring caches are not (NotImplementedError: the library's prefill attends over
               the fresh prompt K/V, and there is no Pallas path that quietly calls the XLA one).
 
 `paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, ...)` computes what
-`paged_reference.paged_attention` computes, for one query per sequence (T == 1), with
-`paged_decode_kernel.paged_decode_attention`: only the live pages of each sequence are read.
+`paged_reference.paged_attention` computes (without `fresh`), for up to MAX_DECODE_QUERIES queries per sequence,
+with `paged_decode_kernel.paged_decode_attention`: only the live pages of each sequence are read.
 
 `softcap` (Gemma 2's attention-logit soft-capping, `reference.soft_cap`) is a static float of every kernel's
 configuration: each float32 score tile is capped in the kernel, before its mask.
@@ -35,6 +37,12 @@ from jaxkv.attention import decode_kernel, paged_decode_kernel, prefill_kernel
 from jaxkv.attention.reference import Unsupported
 
 PLATFORMS = ("tpu", "gpu")
+# The most queries per sequence the decode kernels take. They hold all T * G rows of a KV group (T queries times
+# its G query heads) in one program: the [T * G, H] float32 accumulator and the [T * G, block] score tile sit in
+# registers (GPU) or VMEM (TPU), and every row computes over the union of the rows' live blocks. A speculative
+# verify has T = k + 1 (2..9 in practice); 16 covers it with G up to 8 in 128 rows. Past that, the prefill
+# kernel's query tiles bound the rows per program and it skips the key blocks above each tile's diagonal.
+MAX_DECODE_QUERIES = 16
 
 
 def default_platform() -> str:
@@ -58,7 +66,8 @@ def attention(q, k, v, start, q_offset, *, scale: float, sliding_window: int | N
       scale: multiplies q.k.
       sliding_window: if set, a query sees only the `sliding_window` most recent slots, itself included.
       k_scale, v_scale: float32[B, K, S] dequantization scales of an int8/fp8 cache, else None.
-      ring: the cache is a ring buffer of S slots (`reference` module docstring); decode (T == 1) only.
+      ring: the cache is a ring buffer of S slots (`reference` module docstring); at most MAX_DECODE_QUERIES
+        queries (the decode kernel: the reference's ring formula per query).
       interpret: run in the Pallas interpreter; None means "only on CPU". Any value `pl.pallas_call` accepts
         (e.g. `pltpu.InterpretParams()`) is passed through.
       platform: "tpu" (Mosaic) or "gpu" (Triton) kernel body; None picks the default backend's.
@@ -75,16 +84,21 @@ def attention(q, k, v, start, q_offset, *, scale: float, sliding_window: int | N
     if platform not in PLATFORMS:
         raise ValueError(f"platform must be one of {PLATFORMS}, got {platform!r}")
     cache = dict(k_scale=k_scale, v_scale=v_scale, softcap=softcap)
-    if q.shape[1] == 1:
+    if q.shape[1] <= MAX_DECODE_QUERIES:
+        # A ring with T > 1 too: the kernel computes the reference's formula (each query's index-to-slot map over
+        # the S indices as they are), which is right whenever the reference's is: when no query of the block
+        # overwrote a slot an earlier one still sees (`reference` module docstring). The library never asks
+        # (a ring cache refuses writes of more than one token after its prompt).
         return decode_kernel.decode_attention(q, k, v, start, q_offset, scale=scale, sliding_window=sliding_window,
                                               ring=ring, platform=platform, block_k=decode_block_k,
                                               splits=decode_splits, interpret=interpret, **cache)
     if ring:
-        # Not only unimplemented: once a ring of S = window slots is full, a chunk's later queries overwrite the
-        # oldest slots its earlier queries still see, so no kernel could read what the reference's ring formula
-        # assumes (`reference` module docstring).
-        raise Unsupported("Pallas attention over a ring cache supports decode (T == 1) only, got "
-                          f"T={q.shape[1]}; prefill attends over the fresh prompt K/V (ring=False)")
+        # Past the decode kernel's rows the prefill kernel would have to serve it, and it has no ring layout; a
+        # chunk that long over a full ring of S = window slots overwrites the oldest slots its earlier queries
+        # still see, so the reference's ring formula is not the attention anyway (`reference` module docstring).
+        raise Unsupported(f"Pallas attention over a ring cache takes at most {MAX_DECODE_QUERIES} queries per "
+                          f"sequence (the decode kernel), got T={q.shape[1]}; prefill attends over the fresh "
+                          "prompt K/V (ring=False)")
     return prefill_kernel.prefill_attention(q, k, v, start, q_offset, scale=scale, sliding_window=sliding_window,
                                             platform=platform, block_q=prefill_block_q,
                                             block_k=prefill_block_k, interpret=interpret, **cache)
@@ -94,10 +108,12 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale:
                     sliding_window: int | None = None, k_scale=None, v_scale=None, interpret=None,
                     platform: str | None = None, pages_per_block: int | None = None, softcap: float | None = None,
                     fresh=None):
-    """Softmax attention of one query per sequence over its pages, as a Pallas kernel.
+    """Softmax attention of a few queries per sequence over its pages, as a Pallas kernel.
 
     Args:
-      q: [B, T, N, H] with T == 1 (decode); the query of sequence b sits in slot q_slots[b, 0].
+      q: [B, T, N, H], T <= MAX_DECODE_QUERIES (decode: 1; a speculative verify: k + 1); query t of sequence b
+        sits in slot q_slots[b, t] and sees its sequence's written slots up to its own (within the window): the
+        verify writes its K/V first and attends over the pages as stored.
       k_pages, v_pages: [P, K, page_size, H] pools (any float dtype, or int8 / float8_e4m3fn with scales).
       page_table: int32[B, M], each sequence's pages in slot order (-1: none).
       lengths: int32[B], slots written per sequence.
@@ -111,8 +127,9 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale:
     Returns:
       [B, T, N, H] in q's dtype; a query with no live slot gets 0.
     """
-    if q.shape[1] != 1:
-        raise Unsupported(f"Pallas paged attention takes one query per sequence (decode), got T={q.shape[1]}")
+    if q.shape[1] > MAX_DECODE_QUERIES:
+        raise Unsupported(f"Pallas paged attention takes at most {MAX_DECODE_QUERIES} queries per sequence (the "
+                          f"decode kernel's rows; there is no paged prefill kernel), got T={q.shape[1]}")
     if fresh is not None:
         raise Unsupported("the Pallas paged kernel reads every slot as stored; a prompt chunk attending over its own "
                           "fresh K/V (`fresh`) is the XLA formulation's")
@@ -121,9 +138,8 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale:
     platform = platform or default_platform()
     if platform not in PLATFORMS:
         raise ValueError(f"platform must be one of {PLATFORMS}, got {platform!r}")
-    out = paged_decode_kernel.paged_decode_attention(q[:, 0], k_pages, v_pages, page_table, lengths, scale=scale,
-                                                     sliding_window=sliding_window, k_scale=k_scale,
-                                                     v_scale=v_scale, q_slots=q_slots[:, 0], platform=platform,
-                                                     pages_per_block=pages_per_block, interpret=interpret,
-                                                     softcap=softcap)
-    return out[:, None]
+    return paged_decode_kernel.paged_decode_attention(q, k_pages, v_pages, page_table, lengths, scale=scale,
+                                                      sliding_window=sliding_window, k_scale=k_scale,
+                                                      v_scale=v_scale, q_slots=q_slots, platform=platform,
+                                                      pages_per_block=pages_per_block, interpret=interpret,
+                                                      softcap=softcap)

@@ -12,13 +12,14 @@ import pytest
 
 import jaxkv
 from jaxkv import attention as legacy
-from jaxkv.attention import api, mla, mla_reference, paged_reference, reference
+from jaxkv.attention import api, mla, mla_reference, paged_reference, pallas, reference
 from jaxkv.layers import mla as mla_layer
 
 from helpers.tolerances import atol
 
 ATOL = atol("attention reference")  # the same XLA reference computed twice (dispatch, direct): helpers.tolerances
 SCALE = 0.25
+TOO_MANY = pallas.MAX_DECODE_QUERIES + 1  # queries per sequence past the decode kernels' rows
 
 CONFIG = jaxkv.Config(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48)
 
@@ -131,14 +132,15 @@ def test_auto_falls_through_a_refusing_kernel(kind, kernels_first, monkeypatch):
 
 
 def test_auto_falls_through_the_real_kernels_where_they_cannot_serve(kernels_first):
-    """Real refusals, raised before any kernel runs: a chunk of queries over a ring (contiguous), more than one
-    query per sequence (paged), a prompt chunk's fresh K/V (paged)."""
-    args, kwargs = contiguous_args(T=3, ring=True)
+    """Real refusals, raised before any kernel runs: more queries over a ring than the decode kernel takes
+    (contiguous), more queries per sequence than the paged kernel takes, a prompt chunk's fresh K/V (paged)."""
+    args, kwargs = contiguous_args(T=TOO_MANY, S=32, ring=True)
     np.testing.assert_allclose(api.get("contiguous", "auto")(*args, **kwargs),
                                reference.attention(*args, **kwargs), atol=ATOL, rtol=0)
-    args, kwargs = paged_args(T=2)
+    args, kwargs = paged_args(T=TOO_MANY)
     np.testing.assert_allclose(api.get("paged", "auto")(*args, **kwargs),
                                paged_reference.paged_attention(*args, **kwargs), atol=ATOL, rtol=0)
+    args, kwargs = paged_args(T=2)
     rng = np.random.default_rng(4)
     fresh = (*(jnp.asarray(rng.normal(size=(2, 2, 2, 8)), jnp.float32) for _ in range(2)),  # [B, K, T, H]
              jnp.asarray([[True, True], [True, False]]))
@@ -147,11 +149,11 @@ def test_auto_falls_through_the_real_kernels_where_they_cannot_serve(kernels_fir
 
 
 def test_a_named_kernel_that_cannot_serve_raises_naming_itself():
-    args, kwargs = contiguous_args(T=3, ring=True)
+    args, kwargs = contiguous_args(T=TOO_MANY, S=32, ring=True)
     with pytest.raises(ValueError, match=r"'pallas' cannot serve this contiguous attention call: .*ring"):
         api.get("contiguous", "pallas")(*args, **kwargs)
-    args, kwargs = paged_args(T=2)
-    with pytest.raises(ValueError, match=r"'pallas' cannot serve this paged attention call: .*one query"):
+    args, kwargs = paged_args(T=TOO_MANY)
+    with pytest.raises(ValueError, match=r"'pallas' cannot serve this paged attention call: .*at most 16 queries"):
         api.get("paged", "pallas")(*args, **kwargs)
     # Still a NotImplementedError, as these refusals were before the one dispatch.
     with pytest.raises(NotImplementedError, match="no Pallas kernel for MLA over a paged cache"):

@@ -86,6 +86,78 @@ def test_kernel_matches_reference(platform, page_size, heads, dtype, pool_dtype,
         _check(platform, window, ppb, q, K, lengths, page_size, pool_dtype, seed)
 
 
+# --- several queries per sequence (a speculative verify: T = k + 1) -----------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _block_kernel(platform, window, pages_per_block):
+    def kernel(q, k, v, table, lengths, q_slots, k_scale=None, v_scale=None):
+        return pallas.paged_attention(q, k, v, table, lengths, q_slots, scale=SCALE, sliding_window=window,
+                                      k_scale=k_scale, v_scale=v_scale, platform=platform,
+                                      pages_per_block=pages_per_block, interpret=True)
+
+    return kernel
+
+
+@functools.lru_cache(maxsize=None)
+def _block_reference(window):
+    def ref(q, k, v, table, lengths, q_slots, k_scale=None, v_scale=None):
+        return paged_reference.paged_attention(q, k, v, table, lengths, q_slots, scale=SCALE, sliding_window=window,
+                                               k_scale=k_scale, v_scale=v_scale)
+
+    return ref
+
+
+def _read_by_some_query(table, lengths, q_slots, window, P, page_size):
+    """bool[P, page_size]: the pool slots some query of some row may read (the reference's live mask)."""
+    live = np.asarray(paged_reference.live_mask(lengths, q_slots, M * page_size, window).any(1))  # [B, S]
+    read = np.zeros((P, page_size), bool)
+    for b, s in zip(*np.nonzero(live)):
+        read[int(table[b, s // page_size]), s % page_size] = True
+    return read
+
+
+# (T, page size, heads, q dtype, pool dtype, window, pages per block {platform: n} or None): T * G rows of 10 and 20
+# (GQA 4:1), 5 and 8 (MQA); pages of 4 and 5 slots (a block's queries cross page boundaries); float32, bfloat16 and
+# int8 pools; windows shorter than the block's span (queries far apart then leave unread slots between them).
+BLOCK_CASES = [
+    (5, 4, "gqa", "float32", "float32", None, None),
+    (2, 5, "gqa", "float32", "int8", 3, {"tpu": 2, "gpu": 3}),
+    (5, 4, "mqa", "bfloat16", "bfloat16", 6, {"tpu": 1, "gpu": 2}),
+]
+
+
+@pytest.mark.parametrize("platform", ["tpu", "gpu"])
+@pytest.mark.parametrize("T,page_size,heads,dtype,pool_dtype,window,pages_per_block", BLOCK_CASES)
+def test_query_block_matches_reference(platform, T, page_size, heads, dtype, pool_dtype, window, pages_per_block):
+    """T queries per sequence through `pallas.paged_attention` against the reference: the last T slots of each
+    row (the verify's: its K/V written first; short rows' early queries sit before slot 0 and see nothing), and
+    arbitrary slots (before, inside and past a row's length, out of order). Every pool slot no query of any row may
+    read holds NaN: free pages, shared pages past a row's length, and the slots between far-apart queries'
+    windows."""
+    N, K = HEADS[heads]
+    lengths = kernels.edge_lengths(page_size)[0]
+    table, _, P = kernels.page_layout(lengths, page_size, 3)
+    k, v, scales = kernels.page_pool(P, K, page_size, pool_dtype, np.random.default_rng(4))
+    lengths = jnp.asarray(lengths, jnp.int32)
+    q = jnp.asarray(np.random.default_rng(5).normal(size=(len(lengths), T, N, H)), dtype)
+    rng = np.random.default_rng(6)
+    ppb = (pages_per_block or {}).get(platform)
+    for q_slots in (lengths[:, None] - T + jnp.arange(T, dtype=jnp.int32)[None, :],
+                    jnp.asarray(rng.integers(-1, M * page_size, size=(len(lengths), T)), jnp.int32)):
+        read = _read_by_some_query(np.asarray(table), lengths, q_slots, window, P, page_size)
+        bad = [kernels.poison(x, read) for x in (k, v, *scales)]
+        out = np.asarray(kernels.run(_block_kernel(platform, window, ppb), q, *bad[:2], table, lengths, q_slots,
+                                     *bad[2:]), np.float32)
+        want = np.asarray(kernels.run(_block_reference(window), q, k, v, table, lengths, q_slots, *scales),
+                          np.float32)
+        live = np.asarray(paged_reference.live_mask(lengths, q_slots, M * page_size, window).any(-1))  # [B, T]
+        assert np.isfinite(out).all() and live.any() and not live.all()
+        np.testing.assert_array_equal(out[~live], 0.0)
+        np.testing.assert_allclose(out[live], want[live], **TOLERANCES[jnp.dtype(dtype).name],
+                                   err_msg=f"q_slots={np.asarray(q_slots)}")
+
+
 def test_reference_ignores_poison():
     """The spec itself: NaN in every slot no row may read changes nothing (so the kernel tests may compare the
     kernel on a poisoned pool with the reference on a clean one)."""
@@ -102,7 +174,7 @@ def test_reference_ignores_poison():
 
 def test_dispatch_takes_the_query_slot():
     """`pallas.paged_attention` has the reference's signature (q_slots included: a query need not sit at its row's
-    last slot) and refuses T > 1."""
+    last slot) and refuses more queries per sequence than the decode kernel takes."""
     page_size, lengths = 4, jnp.asarray([17, 9, 3], jnp.int32)
     # The last slot; an earlier one; one past the row's length (it sees slots 0..2 only, not the page's slot 3).
     q_slots = jnp.asarray([[16], [4], [5]], jnp.int32)
@@ -113,8 +185,9 @@ def test_dispatch_takes_the_query_slot():
     out = pallas.paged_attention(*args, scale=SCALE, sliding_window=6)
     want = paged_reference.paged_attention(*args, scale=SCALE, sliding_window=6)
     np.testing.assert_allclose(out, want, **TOLERANCES["float32"])
-    with pytest.raises(ValueError, match="one query"):
-        pallas.paged_attention(jnp.concatenate([q, q], 1), k, v, table, lengths, jnp.concatenate([q_slots] * 2, 1),
+    T = pallas.MAX_DECODE_QUERIES + 1
+    with pytest.raises(ValueError, match="at most 16 queries"):
+        pallas.paged_attention(jnp.concatenate([q] * T, 1), k, v, table, lengths, jnp.concatenate([q_slots] * T, 1),
                                scale=SCALE)
 
 
@@ -170,17 +243,19 @@ def test_reads_only_live_pages(pages_per_block):
     assert [(int(f), int(c)) for f, c in groups] == [(0, 2), (15, 1), (0, 0)]  # slots 60..99; 984..1023; none
 
 
-@pytest.mark.parametrize("pool,page_size", [("float32", 16), ("int8", 5), ("bfloat16", 1)])
+@pytest.mark.parametrize("pool,page_size,T", [("float32", 16, 1), ("int8", 5, 1), ("bfloat16", 1, 1),
+                                             ("int8", 5, 5), ("bfloat16", 16, 5)])
 @pytest.mark.parametrize("platform,lowering_platform,custom_call",
                          [("tpu", "tpu", "tpu_custom_call"), ("gpu", "cuda", "__gpu$xla.gpu.triton")])
-def test_lowers_for_device(platform, lowering_platform, custom_call, pool, page_size):
+def test_lowers_for_device(platform, lowering_platform, custom_call, pool, page_size, T):
     """Compiled (interpret=False) kernels lower to Mosaic / Triton IR from this host: the whole Pallas lowering
     (block-shape rules, gather loads, scalar-prefetched index maps), not the device compiler. 1-slot bfloat16 pages
-    on TPU take the float32-matmul path (`paged_decode_attention`)."""
+    on TPU take the float32-matmul path (`paged_decode_attention`). T = 5: a verify's query block (per-row bounds
+    and, under the window, each query's value bounds)."""
     B, N, K, Hd, P, Mt = 2, 8, 2, 128, 64, 8
     dtype = jnp.bfloat16 if pool == "bfloat16" else jnp.float32
-    shapes = [((B, N, Hd), dtype), ((P, K, page_size, Hd), pool), ((P, K, page_size, Hd), pool), ((B, Mt), jnp.int32),
-              ((B,), jnp.int32)]
+    shapes = [((B, N, Hd) if T == 1 else (B, T, N, Hd), dtype), ((P, K, page_size, Hd), pool),
+              ((P, K, page_size, Hd), pool), ((B, Mt), jnp.int32), ((B,), jnp.int32)]
     if pool == "int8":
         shapes += [((P, K, page_size), jnp.float32)] * 2
     args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]

@@ -19,6 +19,7 @@ import pytest
 
 import jaxkv
 from jaxkv.attention import decode_kernel, pallas, prefill_kernel, reference
+from jaxkv.attention import paged_decode_kernel as pk
 
 from helpers import kernels
 from helpers.kernels import BLOCKS, INTERPRET, PLATFORMS, S, TOLERANCES
@@ -36,23 +37,26 @@ def _kernel(platform, window, ring=False, **knobs):
 
 
 @functools.lru_cache(maxsize=None)
-def _reference(window, ring=False):
+def _reference(window, ring=False, softcap=None):
     def ref(q, k, v, start, q_offset, k_scale=None, v_scale=None):
         return reference.attention(q, k, v, start, q_offset, scale=0.125, sliding_window=window, k_scale=k_scale,
-                                   v_scale=v_scale, ring=ring)
+                                   v_scale=v_scale, ring=ring, softcap=softcap)
 
     return ref
 
 
-def _check(platform, window, q, k, v, start, q_offset, *, scales=(), ring=False, expected_from=None, **knobs):
+def _check(platform, window, q, k, v, start, q_offset, *, scales=(), ring=False, expected_from=None, softcap=None,
+           **knobs):
     """Kernel vs reference on rows with at least one live key; every output finite. `scales`: (k_scale, v_scale)
     of a quantized cache. `expected_from`: (k, v, *scales) to compute the reference from instead (the clean cache
     of a poisoned one)."""
     start, q_offset = jnp.asarray(start, jnp.int32), jnp.int32(q_offset)
+    if softcap is not None:
+        knobs["softcap"] = softcap
     out = np.asarray(kernels.run(_kernel(platform, window, ring, **knobs), q, k, v, start, q_offset, *scales), np.float32)
     ref_cache = expected_from or (k, v, *scales)
-    want = np.asarray(kernels.run(_reference(window, ring), q, *ref_cache[:2], start, q_offset, *ref_cache[2:]),
-                      np.float32)
+    want = np.asarray(kernels.run(_reference(window, ring, softcap), q, *ref_cache[:2], start, q_offset,
+                                  *ref_cache[2:]), np.float32)
     T, num_slots = q.shape[1], k.shape[2]
     has_live = np.asarray(reference.live_mask(start, q_offset, T, num_slots, window, ring).any(-1))  # [B, T]
     assert np.isfinite(out).all(), "non-finite output (a fully masked row must give 0, not NaN)"
@@ -250,6 +254,102 @@ def test_decode_reads_only_live_blocks(splits):
         assert sorted(loaded) == sorted(live_blocks.get(b, ()))
 
 
+# --- decode over a query block (a speculative verify: T = k + 1 queries, causal within the block) -------------
+
+# (heads, head dim, q dtype, cache dtype, T, window, softcap, splits): GQA 4:1 with T * G = 20 rows (TPU: 24, GPU:
+# 32 padded), MHA with T = 2, int8 and bfloat16 caches, a window, a cap, splits; each compiles once per platform.
+QUERY_BLOCK_CASES = [
+    ("gqa", 64, "float32", "float32", 5, None, None, None),
+    ("gqa", 64, "float32", "int8", 5, 50, 2.0, 2),
+    ("mha", 128, "bfloat16", "bfloat16", 2, 129, None, 3),
+]
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("heads,H,dtype,cache_dtype,T,window,softcap,splits", QUERY_BLOCK_CASES)
+def test_query_block_matches_reference(platform, heads, H, dtype, cache_dtype, T, window, softcap, splits):
+    """T queries per sequence through `pallas.attention` (the decode kernel, each row masked by its own slot)
+    against the reference: blocks crossed by the queries, ragged starts (a row whose first queries see nothing,
+    one whose only live slots are the block's own), the last slots of the cache, and NaN in every slot no query
+    of the block may see."""
+    q, k, v, scales = kernels.inputs(3, T, heads, H, dtype, cache_dtype=cache_dtype, seed=5)
+    exact = (k.astype(jnp.float32), v.astype(jnp.float32)) if not scales and k.dtype != q.dtype else None
+    check = functools.partial(_check, platform, window, q, k, v, scales=scales, expected_from=exact,
+                              softcap=softcap, decode_splits=splits)
+    bk = BLOCKS[platform]["decode_block_k"]
+    for q_offset in (bk - 2, 2 * bk - 1, S - T):  # the block's queries straddle a key block boundary, or end at S
+        check([0, q_offset + 1, q_offset - 40], q_offset)  # row 1: the first query sees nothing, the rest 1..T-1
+        check([q_offset, q_offset + T - 1, q_offset + T], q_offset)  # own slots only; the last only; none at all
+    if cache_dtype == "float32":
+        start, q_offset = np.array([37, 0, 150]), 200
+        slot = np.arange(S)[None, :]
+        dead = jnp.asarray((slot < start[:, None]) | (slot > q_offset + T - 1))[:, None, :, None]
+        check_nan = functools.partial(_check, platform, window, q, jnp.where(dead, jnp.nan, k),
+                                      jnp.where(dead, jnp.nan, v), expected_from=(k, v), decode_splits=splits)
+        check_nan(start, q_offset)
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_query_block_over_a_ring_matches_reference(platform):
+    """The reference's ring formula for T > 1 (each query's index-to-slot map): fresh, wrapped and steady-state
+    rings with ragged starts, an int8 ring under a window of S - T + 1 (the largest the reference's ring formula
+    is the attention for: no query overwrote a slot an earlier one sees)."""
+    T = 5
+    q, k, v, scales = kernels.inputs(3, T, "gqa", 64, "float32", num_slots=S_RING, cache_dtype="int8", seed=6)
+    for start, q_offset in kernels.ring_offsets(S_RING):
+        _check(platform, S_RING - T + 1, q, k, v, start, q_offset, scales=scales, ring=True, decode_splits=2)
+
+
+def test_query_block_bounds_are_each_querys_and_their_union():
+    """`query_block_bounds` (the bounds the kernels mask rows with, and the blocks they read) against the
+    reference's mask, over random starts, offsets, windows and rings: each query's [lo, hi] is exactly its live
+    indices (wrapping in a ring), and the union's is exactly the indices some query of the block sees (the value
+    slots the kernels keep; the others are zeroed, so NaN there cannot leak)."""
+    rng = np.random.default_rng(0)
+    num_slots = 40
+
+    def indices(lo, hi):  # the live set of a (possibly wrapped) range over the S indices
+        index = np.arange(num_slots)
+        return ((index >= lo) & (index <= hi)) | ((index >= lo + num_slots) & (index < num_slots))
+
+    for ring in (False, True):
+        for window in (None, 1, 7, num_slots):
+            for T in (2, 5, 16):
+                q_offset = int(rng.integers(0, 4 * num_slots if ring else num_slots - T + 1))
+                start = rng.integers(0, q_offset + T + 2, size=6)
+                lo, hi, lo_all, hi_all = (np.asarray(x) for x in decode_kernel.query_block_bounds(
+                    start, q_offset, T, num_slots, window, ring))
+                live = np.asarray(reference.live_mask(jnp.asarray(start, jnp.int32), q_offset, T, num_slots,
+                                                      window, ring))  # [B, T, S]
+                for b in range(len(start)):
+                    for t in range(T):
+                        np.testing.assert_array_equal(indices(lo[b, t], hi[b, t]), live[b, t])
+                    np.testing.assert_array_equal(indices(lo_all[b], hi_all[b]), live[b].any(0),
+                                                  err_msg=f"ring={ring} window={window} T={T} start={start[b]}")
+
+
+def test_dispatch_sends_small_query_blocks_to_the_decode_kernel(monkeypatch):
+    """Up to MAX_DECODE_QUERIES queries per sequence (a ring too) the decode kernel serves `pallas.attention`;
+    more go to the prefill kernel (a ring: refused). Traced abstractly: nothing runs."""
+    called = []
+
+    def recording(name, real):
+        def kernel(q, *args, **kwargs):
+            called.append((name, q.shape[1]))
+            return real(q, *args, **kwargs)
+        return kernel
+
+    for module, name in ((decode_kernel, "decode_attention"), (prefill_kernel, "prefill_attention")):
+        monkeypatch.setattr(module, name, recording(name, getattr(module, name)))
+    limit = pallas.MAX_DECODE_QUERIES
+    for T, ring in ((1, False), (limit, False), (limit + 1, False), (limit, True)):
+        q, k, v, _ = kernels.inputs(1, T, "gqa", 64, "float32", num_slots=64)
+        jax.eval_shape(functools.partial(pallas.attention, scale=0.125, ring=ring, interpret=True), q, k, v,
+                       jnp.zeros((1,), jnp.int32), jnp.int32(64 - T))
+    assert called == [("decode_attention", 1), ("decode_attention", limit), ("prefill_attention", limit + 1),
+                      ("decode_attention", limit)]
+
+
 # --- prefill (T > 1) -----------------------------------------------------------------------------------------
 
 # (heads, head dim, dtype, batch, T, slots, window, q_offsets)
@@ -282,7 +382,7 @@ def test_prefill_quantized_cache_matches_reference(platform):
 
 
 def test_prefill_ring_is_not_implemented():
-    q, k, v, _ = kernels.inputs(1, 4, "gqa", 64, "float32", num_slots=16)
+    q, k, v, _ = kernels.inputs(1, pallas.MAX_DECODE_QUERIES + 1, "gqa", 64, "float32", num_slots=32)
     with pytest.raises(NotImplementedError, match="ring"):
         pallas.attention(q, k, v, jnp.zeros((1,), jnp.int32), jnp.int32(20), scale=0.125, sliding_window=16,
                          ring=True, interpret=INTERPRET)
@@ -328,28 +428,63 @@ def test_generate_pallas_equals_xla(name, cache_dtype):
     assert run(attention="pallas").tokens == run(attention="xla").tokens
 
 
+# One layer (compiles), GQA 2:1 and a window shorter than the prompts: a speculative cache is a plain one (no
+# ring), so the verify's queries are masked to the window per row. Only this test uses it: its loops are traced here.
+SPECULATION_CONFIG = jaxkv.Config(**{**_SMALL, "n_layers": 1}, n_kv_heads=2, sliding_window=8)
+
+
+@pytest.mark.parametrize("page_size,cache_dtype", [(None, "int8"), (4, None)], ids=["contiguous-int8", "paged"])
+def test_speculative_verify_runs_the_decode_kernels(page_size, cache_dtype, monkeypatch):
+    """generate(speculative=ngram, attention="pallas") gives plain decoding's greedy tokens, and its verify pass
+    (k + 1 = 5 queries per sequence) runs the decode kernel (contiguous) or the paged decode kernel (pages of 4: the
+    verify's queries cross pages), seen by recording the kernels' query shapes as the loop is traced."""
+    shapes = []
+
+    def recording(real):
+        def kernel(q, *args, **kwargs):
+            shapes.append(q.shape)
+            return real(q, *args, **kwargs)
+        return kernel
+
+    module, name = (decode_kernel, "decode_attention") if page_size is None else (pk, "paged_decode_attention")
+    monkeypatch.setattr(module, name, recording(getattr(module, name)))
+    model = jaxkv.Model.random(SPECULATION_CONFIG, seed=3)
+    rng = np.random.default_rng(0)
+    passage = rng.integers(0, SPECULATION_CONFIG.vocab_size, 9).tolist()
+    prompts = [passage * 3 + passage[:4], rng.integers(0, SPECULATION_CONFIG.vocab_size, 13).tolist()]
+    run = functools.partial(jaxkv.generate, model, prompts, max_new_tokens=12, stop_tokens=[],
+                            cache_dtype=cache_dtype, **({} if page_size is None else dict(page_size=page_size)))
+    plain = run(attention="xla")
+    got = run(attention="pallas", speculative=jaxkv.Speculation("ngram", 4, adaptive=False))
+    assert got.tokens == plain.tokens
+    assert got.stats["spec_verifies"] > 0
+    assert (len(prompts), 5, 4, 16) in [tuple(x) for x in shapes]  # [B, k + 1, N, H]: the verify's query block
+
+
 # --- lowering for real hardware without the hardware ---------------------------------------------------------
 
 
 @pytest.mark.parametrize("cache", ["bfloat16", "int8", "float8_e4m3fn"])
-@pytest.mark.parametrize("T", [1, 64], ids=["decode", "prefill"])
+@pytest.mark.parametrize("T", [1, 5, 64], ids=["decode", "verify", "prefill"])
 @pytest.mark.parametrize("platform,lowering_platform,custom_call",
                          [("tpu", "tpu", "tpu_custom_call"), ("gpu", "cuda", "__gpu$xla.gpu.triton")])
 def test_lowers_for_device(platform, lowering_platform, custom_call, T, cache):
     """Compiled (interpret=False) kernels lower to Mosaic / Triton IR from any host: this runs the whole Pallas
     lowering (block-shape rules, every primitive's Mosaic or Triton rule) but not the device compiler (Mosaic's
     layout passes live in libtpu, ptxas in the CUDA toolchain). The int8 and float8 caches come with their scales,
-    and in decode as a ring (S = window)."""
+    and in decode and a verify's query block (T = 5: the decode kernel with per-row bounds) as a ring (S =
+    window)."""
     B, N, K, H = 2, 8, 2, 128
     dtype = jnp.bfloat16
     quantized = cache != "bfloat16"
-    num_slots = 256 if quantized and T == 1 else 1000
+    decode = T <= pallas.MAX_DECODE_QUERIES
+    num_slots = 256 if quantized and decode else 1000
     shapes = [((B, T, N, H), dtype), ((B, K, num_slots, H), cache), ((B, K, num_slots, H), cache),
               ((B,), jnp.int32), ((), jnp.int32)]
     if quantized:
         shapes += [((B, K, num_slots), jnp.float32)] * 2
     args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
-    f = jax.jit(functools.partial(_lowering_target, platform=platform, ring=quantized and T == 1))
+    f = jax.jit(functools.partial(_lowering_target, platform=platform, ring=quantized and decode))
     text = f.trace(*args).lower(lowering_platforms=(lowering_platform,)).as_text()
     assert f"stablehlo.custom_call @{custom_call}" in text
 
