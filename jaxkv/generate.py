@@ -318,8 +318,8 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top
         model a plain cache masked to its window, not a ring). `stats` adds "spec_proposed", "spec_accepted",
         "spec_acceptance_rate", "spec_verifies", "target_forwards" and "tokens_per_target_forward". With the
         paged cache (n > 1, page_size, prefix_cache) each verify's rejected slots and the pages they took are
-        given back; the prefix cache only ever indexes prompt pages. Today: the "ngram" and "draft" methods, no
-        mesh, the built-in sampling settings (not a custom `sampler`).
+        given back; the prefix cache only ever indexes prompt pages. Every method ("ngram", "draft", "mtp") on
+        both caches; not yet: a mesh, a custom `sampler` (the built-in sampling settings only).
 
     Raises:
       ValueError: for any bad argument, before any compute (and for a custom sampler's out-of-vocabulary id).
@@ -329,9 +329,6 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top
     spec = None
     if speculative is not None:
         spec = _speculation_plan(model, speculative, sampler=sampler, mesh=mesh)
-        if spec.method == "mtp" and (page_size is not None or n > 1 or prefix_cache is not None):
-            raise ValueError("Speculation('mtp') runs on the contiguous cache today: not with n > 1, page_size or "
-                             "prefix_cache")
     if spec is not None and page_size is None and n == 1 and prefix_cache is None:
         return _generate_speculative(model, prompts, spec, speculative.draft, max_new_tokens=max_new_tokens,
                                      temperature=temperature,

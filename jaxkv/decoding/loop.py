@@ -257,8 +257,10 @@ class MtpState:
     the target's, and the pairs (h_t, token_{t+1}) not yet fed to it (the target's hidden state at each position
     the last pass computed, and the token that followed), fed at the start of the next pass.
 
-    cache:  the module's `KVCache`; its length + count = the target's.
-    hidden: [B, k + 1, D]; tokens: int32[B, k + 1]; count: int32[], the pairs pending (the rest padding).
+    cache:  the module's `KVCache` (its length + count = the target's), or over the paged cache (`generate` with
+            n > 1, page_size, prefix_cache) its own `PagedKVCache` (each row's length + count[b] = the target's).
+    hidden: [B, k + 1, D]; tokens: int32[B, k + 1]; count: the pairs pending (the rest padding), int32[] on the
+            contiguous cache (one length for the batch), int32[B] on the paged one (a row's own; 0: finished).
     """
 
     cache: KVCache
@@ -281,8 +283,15 @@ def _mtp_feed(mtp_params, params, mtp: MtpState, *, config, attention):
     from jaxkv.decoding.mtp import mtp_forward
 
     T = mtp.tokens.shape[1]
-    logits, h, cache = mtp_forward(mtp_params, params, mtp.hidden, mtp.tokens, mtp.cache.positions(T), mtp.cache,
+    positions = mtp.cache.positions(T)
+    if isinstance(mtp.cache, PagedKVCache):  # each row its own pairs; padding (-1) is not stored and takes no page
+        positions = jnp.where(jnp.arange(T)[None, :] < mtp.count[:, None], positions, -1)
+    logits, h, cache = mtp_forward(mtp_params, params, mtp.hidden, mtp.tokens, positions, mtp.cache,
                                    config=config, attention=attention)
+    if isinstance(cache, PagedKVCache):  # (mtp_forward advanced each row by its real pairs)
+        last = jnp.maximum(mtp.count - 1, 0)[:, None, None]  # each row's last real pair's outputs
+        return (mtp.replace(cache=cache, count=jnp.zeros_like(mtp.count)),
+                jnp.take_along_axis(logits, last, axis=1)[:, 0], jnp.take_along_axis(h, last, axis=1)[:, 0])
     last = mtp.count - 1  # the last real pair's outputs
     cache = dataclasses.replace(cache, length=mtp.cache.length + mtp.count)
     return (mtp.replace(cache=cache, count=jnp.zeros((), jnp.int32)),
@@ -292,8 +301,9 @@ def _mtp_feed(mtp_params, params, mtp: MtpState, *, config, attention):
 
 def _mtp_chain(mtp_params, params, cache, logits, h, key, sampler, *, config, attention, k: int):
     """k proposals from the MTP module: the first drawn from `logits` (after the pending pairs), each next one
-    from the module fed its own h' and the proposal (one position each; the writes rewound after) ->
-    (int32[B, k] proposals, float32[B, k, V] q)."""
+    from the module fed its own h' and the proposal (one position each; the chain's cache is dropped after, so
+    its writes, and on the paged cache the pages they took, are as if never made) -> (int32[B, k] proposals,
+    float32[B, k, V] q)."""
     from jaxkv.decoding.mtp import mtp_forward
 
     def one(carry, key):
@@ -336,7 +346,8 @@ def speculative_loop(params, cache: KVCache, logits, key, sampler, stop_ids, don
     base, feed = pick(base)
     mtp = plan.method == "mtp"
     if mtp:  # draft_cache: (the module's cache, [B, D] the last prompt position's hidden state)
-        draft_cache = MtpState.pending(draft_cache[0], draft_cache[1][:, None], feed[:, None], 1, k)
+        draft_cache = MtpState.pending(draft_cache[0], draft_cache[1][:, None], feed[:, None],
+                                       (~done).astype(jnp.int32) if paged else 1, k)
     history, length = speculation.append_history(history, length, base.tokens[:, :1], (~done).astype(jnp.int32))
     zeros = jnp.zeros((B,), jnp.int32)
     state = SpecState(base=base, last=feed, history=history, length=length,
@@ -356,7 +367,8 @@ def speculative_loop(params, cache: KVCache, logits, key, sampler, stop_ids, don
                                                          config=draft_config, attention=attention)[1])
         base, feed = pick(state.base.replace(cache=cache, logits=logits[:, 0]))
         if mtp:  # the pair (h at the fed token, the token drawn after it) waits for the next pass
-            state = state.replace(draft=MtpState.pending(state.draft.cache, hidden[0], feed[:, None], 1, k))
+            state = state.replace(draft=MtpState.pending(state.draft.cache, hidden[0], feed[:, None],
+                                                         running.astype(jnp.int32) if paged else 1, k))
         history, length = speculation.append_history(state.history, state.length,
                                                      base.tokens[:, base.step - 1][:, None], running.astype(jnp.int32))
         return state.replace(base=base, last=feed, history=history, length=length, idle=state.idle + 1,
@@ -412,7 +424,8 @@ def speculative_loop(params, cache: KVCache, logits, key, sampler, stop_ids, don
         rate = jnp.where(running, (1 - speculation.RATE_WEIGHT) * state.rate
                          + speculation.RATE_WEIGHT * out.accepted / k, state.rate)
         if mtp:  # the pairs at the kept positions: (h at the last token and each kept proposal, the next token)
-            draft = MtpState.pending(draft.cache, hidden[0], out.tokens, m + 1, k)
+            # (the paged rows: each its own kept slots, `count`)
+            draft = MtpState.pending(draft.cache, hidden[0], out.tokens, count if paged else m + 1, k)
         elif draft is not None:
             draft = dataclasses.replace(draft, length=state.draft.length + m + 1)  # (its own slots)
         pays = jnp.min(jnp.where(running, speculation.expected_tokens(rate, k), jnp.inf)) >= plan.verify_cost

@@ -99,7 +99,8 @@ class MtpModule(nn.Module):
         return Norm(cfg, name="final_norm")(x), cache
 
 
-def mtp_forward(mtp_params: dict, params: dict, hidden, tokens, positions, cache: KVCache | None = None, *,
+def mtp_forward(mtp_params: dict, params: dict, hidden, tokens, positions,
+                cache: KVCache | PagedKVCache | None = None, *,
                 config: Config, attention: str | None = None, prefill: bool = False):
     """One MTP module over T positions (pure, jittable with `config`, `attention` and `prefill` static).
 

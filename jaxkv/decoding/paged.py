@@ -23,7 +23,8 @@ def generate_paged(model: Model, prompts, *, n, page_size, max_new_tokens, tempe
     its n samples forked from it. With a mesh (data 1): weights Megatron-style over "model", the pools over KV
     heads, everything else on every device, as `jaxkv.Engine` runs on one. `speculative`: a checked
     `speculation.Plan` (no mesh): the speculative loop, each row verifying over its own pages (`draft`: the
-    draft model of method "draft", with a contiguous cache of its own)."""
+    draft model of method "draft", with a contiguous cache of its own; method "mtp": the checkpoint's module
+    over a paged pool of its own, forked as the target's rows)."""
     config = model.config
     token_lists = request.token_lists(prompts, config.vocab_size, model.tokenizer)
     max_new_tokens = checks.check_int("max_new_tokens", max_new_tokens, 1)
@@ -62,6 +63,19 @@ def generate_paged(model: Model, prompts, *, n, page_size, max_new_tokens, tempe
             logits, cache, hit, tokens = _prefill(params, token_lists, parents, pages, prefix_cache,
                                                   config=run_config, attention=attention, page_size=page_size,
                                                   cache_dtype=cache_dtype, mesh=mesh)
+        if speculative is not None and speculative.method == "mtp":
+            # The module's own pool (`programs.prefill_mtp_paged`): a pair's K/V depends on the token after it,
+            # so it cannot live in the target's shared pages. One more page per row than the target's plan: the
+            # module's partly filled last page at a fork is one slot behind the target's.
+            full, full_positions = request.right_pad(
+                token_lists, rows=pages.prefill_batch,
+                length=max(memory.MIN_PROMPT_BUCKET, memory.next_pow2(max(map(len, token_lists)))))
+            draft_args = (model.mtp.params[0], programs.prefill_mtp_paged(
+                params, model.mtp.params[0], jax.device_put(full), jax.device_put(full_positions),
+                jax.device_put(parents), config=run_config, attention=attention,
+                num_pages=pages.num_pages + pages.padded_rows, page_size=page_size, max_pages=pages.max_pages,
+                cache_dtype=cache_dtype, mtp_config=model.mtp.config))
+            draft_kwargs = {"draft_config": model.mtp.config}
         max_steps = loop.steps_bound(cache.capacity, False, max_new_tokens)
         with Phase() as decode_time:
             if speculative is None:

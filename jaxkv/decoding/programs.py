@@ -61,6 +61,35 @@ def prefill_mtp(params, mtp_params, tokens, start, *, config, capacity, attentio
     return logits[:, 0], cache, dataclasses.replace(mtp, length=mtp.length - 1), hidden[:, -1]
 
 
+@functools.partial(jax.jit, static_argnames=("config", "attention", "num_pages", "page_size", "max_pages",
+                                             "cache_dtype", "mtp_config"))
+def prefill_mtp_paged(params, mtp_params, tokens, positions, parents, *, config, attention, num_pages, page_size,
+                      max_pages, cache_dtype, mtp_config):
+    """The MTP module's own paged pool (one layer, `Mtp.config`) for the paged speculative loop:
+    the whole right-padded prompts (tokens, positions int32[B, T], -1 after each; never only a prefix-cache
+    miss's suffix: the module's K/V is never read from cached pages) run through the target into a throwaway
+    pool for their hidden states, the module prefilled from slot 0 with every pair (h_t, token_{t+1}) but the
+    last, then the rows forked by `parents` as the target's -> (the module's pool, [R, D] the last prompt
+    position's hidden state of each row: the pending pair, fed once the first new token is drawn, so the module
+    runs one position behind the target)."""
+    from jaxkv.decoding.mtp import mtp_forward
+
+    B, T = tokens.shape
+    scratch = PagedKVCache.allocate(config, B, num_pages=B * -(-T // page_size), page_size=page_size, max_len=T,
+                                    dtype=cache_dtype)
+    _, _, hidden = Decoder(config).apply({"params": params}, tokens, positions, scratch, prefill=True,
+                                         last_only=True, attention=attention, return_hidden=True)
+    last = jnp.maximum(jnp.sum(positions >= 0, axis=1) - 1, 0)  # [B]
+    following = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
+    pairs = jnp.where(positions < last[:, None], positions, -1)  # the last prompt position's pair is pending
+    mtp = PagedKVCache.allocate(mtp_config, B, num_pages=num_pages, page_size=page_size,
+                                max_len=max_pages * page_size, dtype=cache_dtype)
+    _, _, mtp = mtp_forward(mtp_params, params, hidden, following, pairs, mtp, config=mtp_config,
+                            attention=attention, prefill=True)
+    h_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
+    return mtp.fork(parents), h_last[jnp.maximum(parents, 0)]
+
+
 @functools.partial(jax.jit, static_argnames=("config", "attention", "mesh"), donate_argnames=("cache",))
 def decode_step(params, tokens, cache: KVCache, *, config, attention, mesh):
     """tokens int32[B] at slot `cache.length` -> (float32[B, V] logits, the cache, donated)."""

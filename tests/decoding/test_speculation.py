@@ -277,6 +277,37 @@ def test_mtp_greedy_equals_plain_decoding_and_a_right_module_keeps_every_proposa
     assert a.tokens == b.tokens and all(len(t) == 12 for t in a.tokens)
 
 
+def test_mtp_on_the_paged_cache_with_samples_pages_and_a_prefix_cache():
+    """The module over a paged pool of its own (forked as the target's rows, one slot behind them): n = 2 with
+    pages of 4 slots (prompts of 13 and 6 tokens: the module's fork point is a partly filled page for one prompt
+    and a page boundary for the other) and a prefix cache (a miss, then a hit) give plain decoding's tokens, and
+    the right module keeps every proposal there too (it must be fed each row's own pairs at its own slots);
+    the prefix cache's pool ends as without speculation."""
+    rng = np.random.default_rng(7)
+    ps = [rng.integers(0, MLA.vocab_size, 13).tolist(), rng.integers(0, MLA.vocab_size, 6).tolist()]
+    m = _with_mtp(bigram=False)
+    plain = jaxkv.generate(m, ps, max_new_tokens=16, stop_tokens=[], n=2, page_size=4)
+    got = jaxkv.generate(m, ps, max_new_tokens=16, stop_tokens=[], n=2, page_size=4,
+                         speculative=Speculation("mtp", 3, adaptive=False))
+    assert got.tokens == plain.tokens and got.stats["spec_verifies"] > 0
+    assert got.stats["pages_in_use_peak"] == plain.stats["pages_in_use_peak"]
+    pools = []
+    for speculative in (None, Speculation("mtp", 3, adaptive=False)):
+        pc = jaxkv.PrefixCache(m, num_pages=64, page_size=4)
+        for _ in range(2):
+            out = jaxkv.generate(m, ps, max_new_tokens=16, stop_tokens=[], prefix_cache=pc, speculative=speculative)
+            assert out.tokens == plain.tokens[::2]
+        assert out.stats["prefix_hit_tokens"] > 0
+        pools.append((pc.free_pages(), pc.cached_pages))
+    assert pools[0] == pools[1]
+    right = _with_mtp(bigram=True)
+    plain = jaxkv.generate(right, ps, max_new_tokens=16, stop_tokens=[], n=2, page_size=4)
+    got = jaxkv.generate(right, ps, max_new_tokens=16, stop_tokens=[], n=2, page_size=4,
+                         speculative=Speculation("mtp", 3, adaptive=False))
+    assert got.tokens == plain.tokens
+    assert got.stats["spec_accepted"] == got.stats["spec_proposed"] > 0
+
+
 def _oracle(monkeypatch, right):
     """Replaces the n-gram proposer by one that proposes the true greedy continuation (`right`: every proposal
     correct) or tokens it is not (every proposal wrong), read from a plain run's output."""
@@ -397,7 +428,6 @@ def test_bad_speculation_is_refused(make, message):
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(speculative=Speculation("mtp")), "multi-token-prediction"),
-    (dict(speculative=Speculation("mtp"), n=2, model=lambda: _with_mtp(False)), "contiguous cache"),
     (dict(speculative=Speculation("draft", draft=jaxkv.Model.random(CONFIGS["gqa"].replace(vocab_size=50)))),
      "vocabulary"),
     (dict(speculative=Speculation("ngram"), sampler=lambda logits, key: jnp.argmax(logits, -1)), "custom sampler"),
