@@ -315,7 +315,7 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top
       speculative: a `jaxkv.Speculation`: a proposer guesses k tokens and one forward pass over k + 1 positions
         verifies them (`jaxkv.decoding.speculation`); the output is distributed exactly as without it (greedy:
         the same tokens, up to float rounding of the wider pass). The cache gets k more slots (a sliding-window
-        model a plain cache masked to its window, not a ring). `stats` adds "spec_proposed", "spec_accepted",
+        model's rings window + k slots: a verify writes k + 1 tokens at once). `stats` adds "spec_proposed", "spec_accepted",
         "spec_acceptance_rate", "spec_verifies", "target_forwards" and "tokens_per_target_forward". With the
         paged cache (n > 1, page_size, prefix_cache) each verify's rejected slots and the pages they took are
         given back; the prefix cache only ever indexes prompt pages. Every method ("ngram", "draft", "mtp") on
@@ -416,24 +416,28 @@ def _generate_speculative(model, prompts, spec, draft, *, max_new_tokens, temper
                                                               new_tokens=req.max_new_tokens + k,
                                                               attention=attention))
         draft_kwargs = {"draft_config": draft.config}
-    history, length = speculation.prompt_history(req.token_lists, plan.padded_batch, plan.capacity + k + 2)
+    # (a ring's capacity does not bound the sequence: the history holds the whole of it)
+    history, length = speculation.prompt_history(req.token_lists, plan.padded_batch,
+                                                 plan.prompt_len + req.max_new_tokens + k + 2 if plan.ring
+                                                 else plan.capacity + k + 2)
     with Phase() as prefill_time:
         if spec.method == "mtp":  # the module's cache filled from the prompt too (one position behind)
             logits, cache, mtp_cache, hidden = programs.prefill_mtp(
                 model.params, model.mtp.params[0], jax.device_put(req.tokens), jax.device_put(req.start),
                 config=model.config, capacity=plan.capacity, attention=req.attention, cache_dtype=plan.cache_dtype,
-                mtp_config=model.mtp.config)
+                mtp_config=model.mtp.config, ring=plan.ring, lookahead=k)
             draft_args, draft_kwargs = (model.mtp.params[0], (mtp_cache, hidden)), {"draft_config": model.mtp.config}
         else:
             logits, cache = programs.prefill(model.params, jax.device_put(req.tokens), jax.device_put(req.start),
                                              config=model.config, capacity=plan.capacity, attention=req.attention,
-                                             cache_dtype=plan.cache_dtype, ring=plan.ring, mesh=None)
+                                             cache_dtype=plan.cache_dtype, ring=plan.ring, mesh=None, lookahead=k)
         logits.block_until_ready()
     with Phase() as decode_time:
         out = loop.on_host_surfacing(on_step, lambda: loop.on_host(loop.speculative_loop(
             model.params, cache, logits, req.key, req.sampler, req.stop_ids, req.done,
             np.int32(req.max_new_tokens), history, length, *draft_args, config=model.config,
-            max_steps=loop.steps_bound(plan.capacity, False, req.max_new_tokens), attention=req.attention,
+            max_steps=loop.steps_bound(plan.capacity, plan.ring and model.config.every_layer_sliding,
+                                       req.max_new_tokens), attention=req.attention,
             stream=on_step, logprobs=logprobs, plan=spec, **draft_kwargs)))
     return result.generation(model, req, out, prefill_time, decode_time)
 

@@ -226,7 +226,8 @@ def cache_shardings(cache, mesh: Mesh):
     return type(cache)(keys=tuple(kv for _ in cache.keys), values=tuple(kv for _ in cache.values),
                        start=NamedSharding(mesh, BATCH_SPEC), length=NamedSharding(mesh, P()),
                        key_scales=tuple(scale for _ in cache.key_scales),
-                       value_scales=tuple(scale for _ in cache.value_scales), rings=cache.rings)
+                       value_scales=tuple(scale for _ in cache.value_scales), rings=cache.rings,
+                       ring_lookahead=cache.ring_lookahead)
 
 
 def paged_cache_shardings(cache, mesh: Mesh):

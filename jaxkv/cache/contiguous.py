@@ -27,7 +27,12 @@ maximum over the head dimension maps to the format's largest value), kept beside
 Ring buffers: a sliding-window layer only ever attends to the last `window` slots, so its cache needs only
 S = window slots. Absolute slot s (what `start`, `length` and positions count) is stored at index s mod S and
 overwrites slot s - S; memory is O(window), not O(sequence). Attention maps indices back to absolute slots
-(`attention.reference.live_mask`).
+(`attention.reference.live_mask`). Such a ring takes one token per write: a second would overwrite a slot the
+first token's query still sees. A speculative verify writes k + 1 tokens at once (the last token and k
+proposals), so with `ring_lookahead` = k a ring layer holds window + k slots: the block's writes then overwrite
+only slots more than `window` behind its first query, and every later query's window ends past them too; the
+rejected tokens' slots, once the length is rewound, hold K/V no query's window reaches (each index maps to the
+absolute slot S behind it). Memory O(window + k).
 
 Per-layer geometry. Each layer has its own buffer, so each has its own length and layout (`rings`): a model that
 mixes sliding-window and full-attention layers (Gemma 2/3, `Config.layer_types`) gets, with `ring=True`, a ring of
@@ -55,7 +60,7 @@ from jaxkv.config import Config
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["keys", "values", "start", "length", "key_scales", "value_scales"],
-                   meta_fields=["rings"])
+                   meta_fields=["rings", "ring_lookahead"])
 @dataclasses.dataclass(frozen=True)
 class KVCache:
     keys: tuple[jax.Array, ...]  # L x [B, K, S, H]; MLA: L x [B, 1, S, R + E], the latent rows
@@ -67,6 +72,9 @@ class KVCache:
     # static, per layer: that layer's S slots are a ring of the most recent S (module docstring). A bool is
     # taken for every layer.
     rings: tuple[bool, ...] | bool = False
+    # static: k, the slots a ring layer holds beyond its window, so that it takes up to k + 1 tokens per write
+    # (a speculative verify's block; module docstring). 0: one token per write.
+    ring_lookahead: int = 0
 
     def __post_init__(self):
         if isinstance(self.rings, bool):
@@ -76,19 +84,21 @@ class KVCache:
 
     @classmethod
     def allocate(cls, config: Config, batch: int, max_len: int, *, dtype=None, start=None,
-                 ring: bool = False) -> "KVCache":
+                 ring: bool = False, lookahead: int = 0) -> "KVCache":
         """A zeroed cache for `batch` sequences of `max_len` slots each; with `ring`, each sliding-window layer
-        holds a ring of min(window, max_len) slots instead (`layer_slots`; a model without per-layer kinds and a
-        window: every layer). Each layer has its own KV heads and head dim (`Config.layer_kv_heads`,
+        holds a ring of min(window + lookahead, max_len) slots instead (`layer_slots`; a model without per-layer
+        kinds and a window: every layer, `max_len` being that bound), taking up to lookahead + 1 tokens per write
+        (`ring_lookahead`: a speculative verify's block). Each layer has its own KV heads and head dim (`Config.layer_kv_heads`,
         `layer_head_dim`); a layer that shares another's K/V gets an empty [B, K, 0, H] placeholder (no bytes).
         `dtype` is one of CACHE_DTYPES (default config.dtype); `start` defaults to zeros."""
-        slots = layer_slots(config, max_len, ring)
+        slots = layer_slots(config, max_len, ring, lookahead)
         keys, values, key_scales, value_scales = zeroed_buffers(
             config, [(batch, config.layer_kv_heads(layer), S, config.layer_head_dim(layer))
                      for layer, (S, _) in enumerate(slots)], dtype)
         start = jnp.zeros((batch,), jnp.int32) if start is None else jnp.asarray(start, jnp.int32)
         return cls(keys=keys, values=values, start=start, length=jnp.zeros((), jnp.int32),
-                   key_scales=key_scales, value_scales=value_scales, rings=tuple(r for _, r in slots))
+                   key_scales=key_scales, value_scales=value_scales, rings=tuple(r for _, r in slots),
+                   ring_lookahead=lookahead if ring else 0)
 
     @property
     def ring(self) -> bool:
@@ -152,8 +162,9 @@ class KVCache:
         fit writes the existing contents back (a no-op) instead, and `advance` still moves `length` past
         `capacity`, so the overflow stays visible: `overflowed` is then true, the decoder returns NaN logits (see
         `jaxkv.model.Decoder`) and `check()` fails under `checkify`. A ring layer takes one token per write (every
-        such write fits); a chunk of more is a ValueError at trace time (its attention could not be right once the
-        ring is full), except through `write_prompt` into an empty cache.
+        such write fits), up to ring_lookahead + 1 in a ring allocated with a lookahead (wrapping past its last
+        index); a longer chunk is a ValueError at trace time (its attention could not be right once the ring is
+        full), except through `write_prompt` into an empty cache.
         """
         return self._write(layer, k, v, zero_dead_values=zero_dead_values, prompt=False)
 
@@ -161,16 +172,21 @@ class KVCache:
         T, S, ring = k.shape[2], self.layer_capacity(layer), self.rings[layer]
         if T > S:  # known at trace time: refuse before compute
             raise ValueError(f"cannot write {T} tokens into a cache of {S} slots")
-        if ring and T > 1 and not prompt:
+        if ring and T > 1 + self.ring_lookahead and not prompt:
             # The chunk's later tokens would overwrite slots its earlier queries still see once the ring is full
-            # (a window of W in W slots has no room for more than one new token), so its attention would be
-            # wrong; refused rather than computed. Prefill (`write_prompt`) attends over the fresh K/V instead.
-            raise ValueError(f"a ring cache layer ({S} slots) takes one token per step after prefill, got a chunk "
-                             f"of {T}: decode token by token, or allocate the cache without ring=True")
+            # (a window of W in W + k slots has room for k + 1 new tokens), so its attention would be wrong;
+            # refused rather than computed. Prefill (`write_prompt`) attends over the fresh K/V instead.
+            per_step = f"at most {1 + self.ring_lookahead} tokens" if self.ring_lookahead else "one token"
+            raise ValueError(f"a ring cache layer ({S} slots) takes {per_step} per step after prefill, got a chunk "
+                             f"of {T}: decode token by token, or allocate the cache without ring=True (or with a "
+                             "lookahead)")
         at = self.length % S if ring else self.length
         fits = at + T <= S
 
         def update(buf, new):
+            if ring and T > 1 and not prompt:  # a verify's block may wrap past the ring's last index
+                index = (self.length + jnp.arange(T, dtype=jnp.int32)) % S
+                return buf.at[:, :, index].set(new.astype(buf.dtype))
             old = lax.dynamic_slice_in_dim(buf, at, T, axis=2)
             new = jnp.where(fits, new.astype(buf.dtype), old)
             return lax.dynamic_update_slice_in_dim(buf, new, at, axis=2)

@@ -96,16 +96,18 @@ def positive_int(name: str, value) -> int:
     return int(value)
 
 
-def layer_slots(config: Config, max_len: int, ring: bool) -> tuple[tuple[int, bool], ...]:
+def layer_slots(config: Config, max_len: int, ring: bool, lookahead: int = 0) -> tuple[tuple[int, bool], ...]:
     """(slots, is a ring) of each layer of a cache of `max_len` slots: with `ring`, a layer with a sliding window
-    gets a ring of min(window, max_len) slots; every other layer max_len plain slots. A config whose every layer
+    gets a ring of min(window + lookahead, max_len) slots (`lookahead`: the k more tokens a speculative verify
+    writes at once, `KVCache.ring_lookahead`); every other layer max_len plain slots. A config whose every layer
     slides (or none: no `ring`) has one geometry: every layer max_len slots, all rings or none. A layer that
     shares another's K/V (`Config.kv_source`) stores nothing: 0 slots, with its source's ring flag. The planner
     and `KVCache.allocate` both use this."""
     if not ring or config.every_layer_sliding:
         slots = [(max_len, bool(ring)) for _ in range(config.n_layers)]
     else:
-        slots = [(min(w, max_len), True) if w is not None else (max_len, False) for w in config.layer_windows]
+        slots = [(min(w + lookahead, max_len), True) if w is not None else (max_len, False)
+                 for w in config.layer_windows]
     return tuple(slots[layer] if config.stores_kv(layer) else (0, slots[config.kv_source(layer)][1])
                  for layer in range(config.n_layers))
 

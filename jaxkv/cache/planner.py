@@ -197,7 +197,8 @@ class CachePlan:
                      least MIN_CAPACITY, at most the model's max positions); a sliding-window model's ring holds
                      at most `window` slots. A model mixing layer kinds: the full layers' slots.
     ring:            the cache is a ring buffer of `capacity` slots; a model mixing layer kinds: its sliding
-                     layers are rings of min(window, capacity) slots (`jaxkv.cache.geometry.layer_slots`).
+                     layers are rings of min(window + lookahead, capacity) slots
+                     (`jaxkv.cache.geometry.layer_slots`).
     requested_bytes: `kv_cache_bytes` for `batch` sequences of the longest prompt plus max_new_tokens: what the
                      call needs.
     allocated_bytes: padded_batch x capacity slots: what the cache arrays hold (`Generation.stats`
@@ -212,6 +213,7 @@ class CachePlan:
     cache_dtype: str
     requested_bytes: int
     allocated_bytes: int
+    lookahead: int = 0  # k: a speculative verify's extra tokens per write; a ring holds window + k slots
 
 
 def _check_request(planner: str, config, prompt_lengths, max_new_tokens):
@@ -236,8 +238,8 @@ def plan_cache(config: Config, prompt_lengths, max_new_tokens: int, *, max_len: 
     (see `CachePlan`): the same function generate calls, so its figures are the allocation exactly.
 
     `lookahead`: k, the positions a speculative verify writes past the last token (`jaxkv.Speculation`): they
-    count as k more new tokens for the slots and positions needed, and a sliding-window model gets a plain cache
-    (its attention masked to the window) instead of a ring, which takes one token per write.
+    count as k more new tokens for the slots and positions needed, and a sliding-window model's rings hold
+    window + k slots (a verify writes k + 1 tokens at once: `jaxkv.cache.contiguous`, "Ring buffers").
 
     Raises:
       ValueError: a prompt plus max_new_tokens (plus lookahead) beyond the model's max positions, max_len beyond
@@ -258,19 +260,19 @@ def plan_cache(config: Config, prompt_lengths, max_new_tokens: int, *, max_len: 
                              f"could never be used")
     bucket = max(MIN_PROMPT_BUCKET, next_pow2(longest))
     default = min(max(MIN_CAPACITY, next_pow2(bucket + max_new_tokens)), limit)
-    window = config.sliding_window if not lookahead else None
+    window = config.sliding_window
     if window is not None and not config.every_layer_sliding:
         # Mixed layer kinds (Gemma 2/3): the full layers bound the sequence as a plain cache does; each sliding
-        # layer holds a ring of min(window, capacity) slots (`jaxkv.cache.geometry.layer_slots`).
+        # layer holds a ring of min(window + lookahead, capacity) slots (`jaxkv.cache.geometry.layer_slots`).
         if max_len is not None and longest + max_new_tokens > max_len:
             raise ValueError(f"the longest prompt has {longest} tokens; prompt_len + max_new_tokens = "
                              f"{longest} + {max_new_tokens} = {longest + max_new_tokens} exceeds max_len={max_len}")
         ring, capacity = True, default if max_len is None else max_len
         prompt_len = min(bucket, capacity - max_new_tokens)
-    elif window is not None and (max_len is None or max_len >= window):
-        # A ring of at most `window` slots: memory O(window), not O(sequence). A ring that never wraps
-        # (capacity < window) is just a plain cache. The padded prompt may be longer than the ring.
-        ring, capacity, prompt_len = True, min(default, window), bucket
+    elif window is not None and (max_len is None or max_len >= window + lookahead):
+        # A ring of at most `window` (+ lookahead) slots: memory O(window), not O(sequence). A ring that never
+        # wraps (capacity < window) is just a plain cache. The padded prompt may be longer than the ring.
+        ring, capacity, prompt_len = True, min(default, window + lookahead), bucket
     else:
         if max_len is not None and longest + max_new_tokens > max_len:
             raise ValueError(f"the longest prompt has {longest} tokens; prompt_len + max_new_tokens = "
@@ -281,12 +283,12 @@ def plan_cache(config: Config, prompt_lengths, max_new_tokens: int, *, max_len: 
     padded_batch = -(-next_pow2(len(lengths)) // batch_multiple) * batch_multiple
 
     per_slot = _layer_bytes_per_slot(CacheGeometry.of(config), cache_dtype)
-    slot_bytes = sum(S * b for (S, _), b in zip(layer_slots(config, capacity, ring), per_slot))
+    slot_bytes = sum(S * b for (S, _), b in zip(layer_slots(config, capacity, ring, lookahead), per_slot))
     return CachePlan(batch=len(lengths), padded_batch=padded_batch, prompt_len=prompt_len, capacity=capacity,
                      ring=ring, cache_dtype=cache_dtype,
                      requested_bytes=kv_cache_bytes(config, tokens=longest + requested[1], batch=len(lengths),
                                                     cache_dtype=cache_dtype),
-                     allocated_bytes=padded_batch * slot_bytes)
+                     allocated_bytes=padded_batch * slot_bytes, lookahead=lookahead)
 
 
 # --- paged pools ------------------------------------------------------------------------------------------------

@@ -31,29 +31,35 @@ def forward(params, tokens, cache, *, config, attention, prefill=False, last_onl
     return (out[0], sharding.constrain_cache(out[1], mesh)) + tuple(out[2:])
 
 
-@functools.partial(jax.jit, static_argnames=("config", "capacity", "attention", "cache_dtype", "ring", "mesh"))
-def prefill(params, tokens, start, *, config, capacity, attention, cache_dtype, ring, mesh):
+@functools.partial(jax.jit, static_argnames=("config", "capacity", "attention", "cache_dtype", "ring", "mesh",
+                                             "lookahead"))
+def prefill(params, tokens, start, *, config, capacity, attention, cache_dtype, ring, mesh, lookahead=0):
     """Left-padded prompts (tokens int32[B, T], start int32[B]) into a fresh contiguous cache of `capacity`
-    slots -> (float32[B, V] the last token's logits, the cache)."""
+    slots (`lookahead`: a speculative verify's k, the slots a ring holds beyond its window) -> (float32[B, V]
+    the last token's logits, the cache)."""
     cache = sharding.constrain_cache(KVCache.allocate(config, tokens.shape[0], capacity, dtype=cache_dtype,
-                                                      start=start, ring=ring), mesh)
+                                                      start=start, ring=ring, lookahead=lookahead), mesh)
     logits, cache = forward(params, tokens, cache, config=config, attention=attention, prefill=True,
                             last_only=True, mesh=mesh)
     return logits[:, 0], cache
 
 
-@functools.partial(jax.jit, static_argnames=("config", "capacity", "attention", "cache_dtype", "mtp_config"))
-def prefill_mtp(params, mtp_params, tokens, start, *, config, capacity, attention, cache_dtype, mtp_config):
+@functools.partial(jax.jit, static_argnames=("config", "capacity", "attention", "cache_dtype", "mtp_config", "ring",
+                                             "lookahead"))
+def prefill_mtp(params, mtp_params, tokens, start, *, config, capacity, attention, cache_dtype, mtp_config,
+                ring=False, lookahead=0):
     """`prefill`, and the MTP module's own cache (`jaxkv.decoding.mtp`) filled with the prompts' pairs (h_t,
     token_{t+1}) for every position but the last -> (float32[B, V] the last token's logits, the cache, the MTP
     cache, [B, D] the last position's hidden state: the pair (h_{T-1}, first new token) is fed once that token is
     drawn, so the MTP cache runs one position behind the main cache's)."""
     from jaxkv.decoding.mtp import mtp_forward
 
-    cache = KVCache.allocate(config, tokens.shape[0], capacity, dtype=cache_dtype, start=start)
+    cache = KVCache.allocate(config, tokens.shape[0], capacity, dtype=cache_dtype, start=start, ring=ring,
+                             lookahead=lookahead)
     logits, cache, hidden = forward(params, tokens, cache, config=config, attention=attention, prefill=True,
                                     last_only=True, return_hidden=True)
-    mtp = KVCache.allocate(mtp_config, tokens.shape[0], capacity, dtype=cache_dtype, start=start)
+    mtp = KVCache.allocate(mtp_config, tokens.shape[0], capacity, dtype=cache_dtype, start=start, ring=ring,
+                           lookahead=lookahead)
     T = tokens.shape[1]
     following = jnp.concatenate([tokens[:, 1:], tokens[:, -1:]], axis=1)  # the last pair's token: a placeholder
     _, _, mtp = mtp_forward(mtp_params, params, hidden, following, mtp.positions(T), mtp, config=mtp_config,

@@ -122,6 +122,29 @@ def test_a_chunk_into_a_ring_layer_is_refused_and_a_plain_cache_takes_it():
     np.testing.assert_allclose(np.asarray(logits[0]), want, rtol=1e-4, atol=1e-4)
 
 
+def test_a_ring_with_a_lookahead_takes_a_verify_block():
+    """Rings allocated with lookahead k (a speculative verify's block: window + k slots, `KVCache.ring_lookahead`)
+    take a chunk of up to k + 1 tokens after prefill, also over a ring that has wrapped and across its last index,
+    attended as recompute; a chunk of k + 2 is refused before compute."""
+    from jaxkv.decoding import programs
+
+    model, k = random_model(mixed_config()), 4
+    prompt, chunk = PROMPTS[0], [9, 14, 21, 3, 30]  # 13 prompt slots: the rings of 6 + 4 slots have wrapped
+    _, cache = programs.prefill(model.params, jnp.asarray([prompt], jnp.int32), jnp.zeros(1, jnp.int32),
+                                config=model.config, capacity=64, attention="xla", cache_dtype=None, ring=True,
+                                mesh=None, lookahead=k)
+    assert [cache.layer_capacity(i) for i in range(6)] == [WINDOW + k if t == "sliding_attention" else 64
+                                                           for t in TYPES]
+    for blocks in (1, 2):  # slots 13..17 (ring indices 3..7), then 18..22 (indices 8, 9, 0, 1, 2: across the end)
+        logits, cache = model.apply(jnp.asarray([chunk], jnp.int32), cache.positions(len(chunk)), cache,
+                                    attention="xla")
+        seq = prompt + chunk * blocks
+        want = jaxkv.logits(model, [seq])[0, len(seq) - len(chunk):]
+        np.testing.assert_allclose(np.asarray(logits[0]), want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="takes at most 5 tokens per step after prefill"):
+        model.apply(jnp.asarray([chunk + [1]], jnp.int32), cache.positions(k + 2), cache, attention="xla")
+
+
 def test_paged_cache_and_parallel_samples_decode_the_mixed_model():
     """The paged cache keeps every token on every layer and masks each layer's window: the same tokens."""
     model = random_model(mixed_config())

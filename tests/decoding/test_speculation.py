@@ -165,6 +165,47 @@ def test_cache_after_rejections_equals_plain_decoding():
                                atol=1e-6, rtol=0)
 
 
+def test_ring_after_rejections_holds_plain_decodings_window():
+    """A sliding-window model under speculation keeps a ring of window + k slots (a verify writes k + 1 tokens at
+    once); after many rejected proposals its length, and every K/V in the window of the next query (index slot mod
+    S), equal plain decoding's ring of `window` slots. With a ring of `window` slots instead the verify's writes
+    would overwrite slots its first queries still see (test_greedy_equals_plain_decoding[sliding] fails then)."""
+    from jaxkv.decoding import programs
+
+    m = model("sliding")
+    cfg, k, window = m.config, 4, m.config.sliding_window
+    ps = prompts(cfg.vocab_size, seed=5)
+    tokens, start = jaxkv.left_pad(ps)
+    sampler = Sampler.make(temperature=[0.0, 0.0])
+    stop = jnp.full((8,), -1, jnp.int32)
+    history, length = speculation.prompt_history(ps, 2, 64)
+    outs = []
+    for spec in (None, speculation.Speculation("ngram", k, adaptive=False).check(m)):
+        lookahead = 0 if spec is None else k
+        logits, cache = programs.prefill(m.params, tokens, start, config=cfg, capacity=window + lookahead,
+                                         attention="xla", cache_dtype="float32", ring=True, mesh=None,
+                                         lookahead=lookahead)
+        assert cache.ring and cache.capacity == window + lookahead
+        args = (m.params, cache, logits, jax.random.PRNGKey(0), sampler, stop, jnp.zeros((2,), bool), jnp.int32(20))
+        if spec is None:
+            out = loop.decode_loop(*args, config=cfg, max_steps=64, rows=None, attention="xla", stream=None,
+                                   mesh=None)
+        else:
+            out = loop.speculative_loop(*args, history, length, config=cfg, max_steps=64, attention="xla",
+                                        stream=None, logprobs=0, plan=spec)
+            assert int(out.verifies) > 0 and int(np.sum(out.accepted)) < int(np.sum(out.proposed))
+        outs.append(out)
+    plain, spec = outs
+    np.testing.assert_array_equal(plain.tokens, spec.tokens)
+    n = int(plain.cache.length)
+    assert int(spec.cache.length) == n
+    live = np.arange(n - window + 1, n)  # what the next query (slot n) sees besides itself
+    for layer, (a, b) in enumerate(zip(plain.cache.keys + plain.cache.values, spec.cache.keys + spec.cache.values)):
+        a, b = np.asarray(a)[:, :, live % window], np.asarray(b)[:, :, live % (window + k)]
+        np.testing.assert_allclose(a, b, **(dict(atol=1e-6, rtol=0) if layer in (0, cfg.n_layers)
+                                            else tolerance("speculative cache", "float32")))
+
+
 def test_paged_cache_after_rejections_equals_plain_decoding():
     """Rows of two lengths on pages of 4 slots, a verify of 5 positions every pass (most rejected): each row's
     length, its count of pages, the pool's refcounts and every kept slot's K/V (read through the row's page
