@@ -129,32 +129,40 @@ def test_stops_where_plain_decoding_stops_and_never_exceeds_the_budget():
     assert plain.finish_reasons == ["stop"] and plain.tokens[0][-1] == stop
 
 
+def _plain_and_speculative(m, prefill, history, length, *, max_steps: int, k: int = 4):
+    """Two greedy rows, 20 new tokens each, decoded plainly and with the n-gram proposer verifying every pass:
+    prefill(lookahead) -> (logits, cache) gives each run's cache (lookahead 0 for the plain run, k for the
+    speculative one) -> (plain `LoopOut`, speculative `LoopOut`), their tokens checked equal."""
+    sampler, stop = Sampler.make(temperature=[0.0, 0.0]), jnp.full((8,), -1, jnp.int32)
+    outs = []
+    for spec in (None, speculation.Speculation("ngram", k, adaptive=False).check(m)):
+        logits, cache = prefill(0 if spec is None else k)
+        args = (m.params, cache, logits, jax.random.PRNGKey(0), sampler, stop, jnp.zeros((2,), bool), jnp.int32(20))
+        if spec is None:
+            out = loop.decode_loop(*args, config=m.config, max_steps=max_steps, rows=None, attention="xla",
+                                   stream=None, mesh=None)
+        else:
+            out = loop.speculative_loop(*args, history, length, config=m.config, max_steps=max_steps,
+                                        attention="xla", stream=None, logprobs=0, plan=spec)
+        outs.append(out)
+    np.testing.assert_array_equal(outs[0].tokens, outs[1].tokens)
+    return outs
+
+
 def test_cache_after_rejections_equals_plain_decoding():
     m = model("gqa")
     ps = prompts(m.config.vocab_size, seed=5)
     cfg = m.config
     tokens, start = jaxkv.left_pad(ps)
     cap = 64
-    sampler = Sampler.make(temperature=[0.0, 0.0])
-    stop = jnp.full((8,), -1, jnp.int32)
     history = np.zeros((2, cap + 8), np.int32)
     for b, p in enumerate(ps):
         history[b, : len(p)] = p
     length = np.array([len(p) for p in ps], np.int32)
-    outs = []
-    for spec in (None, speculation.Speculation("ngram", 4, adaptive=False).check(m)):
-        logits, cache = jaxkv.prefill(m.params, tokens, start, config=cfg, capacity=cap)
-        args = (m.params, cache, logits, jax.random.PRNGKey(0), sampler, stop, jnp.zeros((2,), bool), jnp.int32(20))
-        if spec is None:
-            out = loop.decode_loop(*args, config=cfg, max_steps=cap + 1, rows=None, attention="xla", stream=None,
-                                   mesh=None)
-        else:
-            out = loop.speculative_loop(*args, history, length, config=cfg, max_steps=cap + 1, attention="xla",
-                                        stream=None, logprobs=0, plan=spec)
-            assert int(out.verifies) > 0 and int(np.sum(out.accepted)) < int(np.sum(out.proposed))
-        outs.append(out)
-    plain, spec = outs
-    np.testing.assert_array_equal(plain.tokens, spec.tokens)
+    plain, spec = _plain_and_speculative(
+        m, lambda lookahead: jaxkv.prefill(m.params, tokens, start, config=cfg, capacity=cap), history, length,
+        max_steps=cap + 1)
+    assert int(spec.verifies) > 0 and int(np.sum(spec.accepted)) < int(np.sum(spec.proposed))
     n = int(plain.cache.length)
     assert int(spec.cache.length) == n
     for a, b in zip(plain.cache.keys + plain.cache.values, spec.cache.keys + spec.cache.values):
@@ -176,27 +184,17 @@ def test_ring_after_rejections_holds_plain_decodings_window():
     cfg, k, window = m.config, 4, m.config.sliding_window
     ps = prompts(cfg.vocab_size, seed=5)
     tokens, start = jaxkv.left_pad(ps)
-    sampler = Sampler.make(temperature=[0.0, 0.0])
-    stop = jnp.full((8,), -1, jnp.int32)
     history, length = speculation.prompt_history(ps, 2, 64)
-    outs = []
-    for spec in (None, speculation.Speculation("ngram", k, adaptive=False).check(m)):
-        lookahead = 0 if spec is None else k
+
+    def prefill(lookahead):
         logits, cache = programs.prefill(m.params, tokens, start, config=cfg, capacity=window + lookahead,
                                          attention="xla", cache_dtype="float32", ring=True, mesh=None,
                                          lookahead=lookahead)
         assert cache.ring and cache.capacity == window + lookahead
-        args = (m.params, cache, logits, jax.random.PRNGKey(0), sampler, stop, jnp.zeros((2,), bool), jnp.int32(20))
-        if spec is None:
-            out = loop.decode_loop(*args, config=cfg, max_steps=64, rows=None, attention="xla", stream=None,
-                                   mesh=None)
-        else:
-            out = loop.speculative_loop(*args, history, length, config=cfg, max_steps=64, attention="xla",
-                                        stream=None, logprobs=0, plan=spec)
-            assert int(out.verifies) > 0 and int(np.sum(out.accepted)) < int(np.sum(out.proposed))
-        outs.append(out)
-    plain, spec = outs
-    np.testing.assert_array_equal(plain.tokens, spec.tokens)
+        return logits, cache
+
+    plain, spec = _plain_and_speculative(m, prefill, history, length, max_steps=64, k=k)
+    assert int(spec.verifies) > 0 and int(np.sum(spec.accepted)) < int(np.sum(spec.proposed))
     n = int(plain.cache.length)
     assert int(spec.cache.length) == n
     live = np.arange(n - window + 1, n)  # what the next query (slot n) sees besides itself
@@ -220,24 +218,13 @@ def test_paged_cache_after_rejections_equals_plain_decoding():
     tokens, positions = np.zeros((2, 32), np.int32), np.full((2, 32), -1, np.int32)
     for b, p in enumerate(ps):
         tokens[b, : len(p)], positions[b, : len(p)] = p, np.arange(len(p))
-    sampler, stop = Sampler.make(temperature=[0.0, 0.0]), jnp.full((8,), -1, jnp.int32)
     history, length = speculation.prompt_history(ps, 2, 80)
-    outs = []
-    for spec in (None, speculation.Speculation("ngram", 4, adaptive=False).check(m)):
-        logits, cache = programs.prefill_paged(m.params, tokens, positions, jnp.arange(2, dtype=jnp.int32),
-                                               config=cfg, attention="xla", num_pages=32, page_size=4,
-                                               max_pages=16, cache_dtype="float32")
-        args = (m.params, cache, logits, jax.random.PRNGKey(0), sampler, stop, jnp.zeros((2,), bool), jnp.int32(20))
-        if spec is None:
-            out = loop.decode_loop(*args, config=cfg, max_steps=65, rows=None, attention="xla", stream=None,
-                                   mesh=None)
-        else:
-            out = loop.speculative_loop(*args, history, length, config=cfg, max_steps=65, attention="xla",
-                                        stream=None, logprobs=0, plan=spec)
-            assert int(out.verifies) > 5 and int(np.sum(out.accepted)) < int(np.sum(out.proposed)) / 2
-        outs.append(out)
-    plain, spec = outs
-    np.testing.assert_array_equal(plain.tokens, spec.tokens)
+    plain, spec = _plain_and_speculative(
+        m, lambda lookahead: programs.prefill_paged(m.params, tokens, positions, jnp.arange(2, dtype=jnp.int32),
+                                                    config=cfg, attention="xla", num_pages=32, page_size=4,
+                                                    max_pages=16, cache_dtype="float32"),
+        history, length, max_steps=65)
+    assert int(spec.verifies) > 5 and int(np.sum(spec.accepted)) < int(np.sum(spec.proposed)) / 2
     a, b = plain.cache, spec.cache
     np.testing.assert_array_equal(a.lengths, b.lengths)
     np.testing.assert_array_equal(np.sum(np.asarray(a.page_table) >= 0, axis=1),
