@@ -23,7 +23,8 @@ A family's extra modules outside the decoder (DeepSeek-V3's multi-token predicti
 the same way, each against its own tensor list, and load into `Model.mtp`; the decoder's params are the same
 with or without them.
 
-Also from config.json: `eos_token_id` (int or list) becomes Config.eos_ids. Weights keep the checkpoint's dtype
+Also from config.json: `eos_token_id` (int or list) becomes Config.eos_ids, joined by generation_config.json's
+when the directory has one (`generation_eos_ids`). Weights keep the checkpoint's dtype
 unless `load_hf(..., dtype=...)` casts them; Config.dtype always records the params' dtype. Block-quantized FP8
 checkpoints are dequantized at load (`jaxkv.io.fp8`).
 """
@@ -53,6 +54,7 @@ from jaxkv.layers import ALL_OUT_IN_ORDER, in_out_names
 from jaxkv.model import Model
 
 CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
 ARCHITECTURES = families.architectures()  # every `architectures[0]` a registered family loads
 
 
@@ -68,6 +70,31 @@ def read_config(directory: str | os.PathLike) -> dict:
     if not isinstance(hf, dict):
         raise ValueError(f"{path}: expected a JSON object, got {type(hf).__name__}")
     return hf
+
+
+def read_generation_config(directory: str | os.PathLike) -> dict | None:
+    """The parsed generation_config.json of a checkpoint directory, or None where it has none. ValueError naming
+    the file for one that is not a JSON object."""
+    path = Path(directory) / GENERATION_CONFIG_FILE
+    if not path.is_file():
+        return None
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def generation_eos_ids(generation: dict | None, config: Config, *, source: str) -> tuple[int, ...]:
+    """Config.eos_ids joined by generation_config.json's `eos_token_id` (an int or a list): chat releases list
+    their end-of-turn tokens only there (Llama 3 and Qwen2.5 instruct, Gemma's <end_of_turn>), and transformers'
+    `generate` stops at them. The config's ids first, then the new ones in the file's order."""
+    if generation is None:
+        return config.eos_ids
+    extra = eos_ids(Fields(generation, source), config.vocab_size)
+    return config.eos_ids + tuple(i for i in dict.fromkeys(extra) if i not in config.eos_ids)
 
 
 def architecture(hf: dict, *, source: str) -> str:
@@ -197,6 +224,8 @@ def load_hf(directory: str | os.PathLike, *, dtype: str | None = None) -> Model:
     source = str(root / CONFIG_FILE)
     family = families.of_config(hf, source=source)
     config = config_from_hf(hf, source=source)
+    config = config.replace(eos_ids=generation_eos_ids(read_generation_config(root), config,
+                                                       source=str(root / GENERATION_CONFIG_FILE)))
     block = fp8.block_size(hf, source=source)  # block-quantized FP8: dequantized at load
     stored, scales = fp8.split_scales(read_headers(*weight_files(root)), block)
     by_name, stored_name = checkpoint_names(stored, family)
