@@ -24,7 +24,8 @@ import jaxkv  # noqa: E402
 from jaxkv.config import Config, Mla, YarnScaling  # noqa: E402
 
 from helpers.hf import (MLA_LIKE, RAGGED, SINGLE, VOCAB, build_hf,  # noqa: E402
-                        check_greedy_generation_is_token_identical, check_logits_match, hf_greedy, hf_logits)
+                        check_greedy_generation_is_token_identical, check_logits_match, check_speculative_greedy,
+                        hf_greedy, hf_logits)
 from helpers.models import left_pad  # noqa: E402
 from helpers.tolerances import atol, by_dtype  # noqa: E402
 
@@ -360,3 +361,10 @@ def test_mla_config_validation():
         Mla(kv_lora_rank=RANK, qk_nope_head_dim=NOPE, qk_rope_head_dim=7, v_head_dim=V_DIM)
     with pytest.raises(ValueError, match="q_lora_rank"):
         Mla(kv_lora_rank=RANK, qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE, v_head_dim=V_DIM, q_lora_rank=0)
+
+
+@pytest.mark.parametrize("pair", ["v3-q-lora"], indirect=True)
+def test_speculative_greedy_equals_transformers(pair):
+    """MLA's latent cache under a (k + 1)-wide verify."""
+    name, hf, model, _ = pair
+    check_speculative_greedy(model, hf_greedy(hf, RAGGED), name)

@@ -24,7 +24,7 @@ from jaxkv.config import MoeConfig  # noqa: E402
 from jaxkv.model import Decoder  # noqa: E402
 from helpers.hf import (ATOL, DEEPSEEK_MOE_LAYERS as MOE_LAYERS, DEEPSEEK_MOE_LIKE as MLA,  # noqa: E402
                         NEW_TOKENS, RAGGED, SINGLE, VOCAB, assert_no_near_ties, build_deepseek_moe_hf as build_hf,
-                        greedy_cases, hf_greedy, hf_logits, per_row)
+                        check_speculative_greedy, greedy_cases, hf_greedy, hf_logits, per_row)
 
 # MLA (helpers.hf's DEEPSEEK_MOE_LIKE): 3 layers, layer 0 dense, layers 1-2 MoE (MOE_LAYERS); build_hf
 # (helpers.hf's build_deepseek_moe_hf) randomizes V3's e_score_correction_bias, which transformers zeroes.
@@ -255,3 +255,10 @@ def test_random_moe_model_cached_decoding_equals_recompute():
     # the paged cache (n samples forked from one prefill) runs the same MoE blocks
     paged = jaxkv.generate(model, prompts, max_new_tokens=12, stop_tokens=[], n=2, page_size=4).tokens
     assert paged == [row for row in out for _ in range(2)]
+
+
+@pytest.mark.parametrize("pair", ["v3"], indirect=True)
+def test_speculative_greedy_equals_transformers(pair):
+    """Group-limited expert routing of k + 1 tokens per row at once."""
+    name, hf, model = pair
+    check_speculative_greedy(model, hf_greedy(hf, RAGGED), name)

@@ -23,7 +23,7 @@ import jaxkv  # noqa: E402
 from jaxkv.checkpoint_hf import config_from_hf  # noqa: E402
 from jaxkv.config import LinearScaling  # noqa: E402
 from helpers.hf import (BOS, EOS, MIN_MARGIN, NEW_TOKENS, PAD, assert_clear_margins,  # noqa: E402
-                        greedy_cases, hf_greedy, hf_logits, per_row, saved_and_loaded)
+                        check_speculative_greedy, greedy_cases, hf_greedy, hf_logits, per_row, saved_and_loaded)
 from helpers.tolerances import atol  # noqa: E402
 
 # Whole-sequence logits against transformers: twice the other families' tolerance (why: helpers.tolerances).
@@ -264,3 +264,9 @@ def test_gemma2_release_config():
     assert (cfg.attn_logit_softcap, cfg.final_logit_softcap, cfg.query_pre_attn_scalar) == (50.0, 30.0, 256.0)
     assert cfg.tie_embeddings and cfg.eos_ids == (1, 107) and cfg.rope_local_theta is None and not cfg.qk_norm
     assert cfg.embed_scale == 2304 ** 0.5 and cfg.head_dim == 256
+
+
+def test_speculative_greedy_equals_transformers(tmp_path_factory):
+    """Mixed sliding and full layers (rings of window + k beside plain layers), soft-capped logits."""
+    hf, model, _ = loaded("gemma3-text", tmp_path_factory)
+    check_speculative_greedy(model, hf_greedy(hf, RAGGED), "gemma3-text", RAGGED)

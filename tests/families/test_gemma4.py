@@ -31,7 +31,7 @@ from jaxkv.checkpoint_hf import config_from_hf  # noqa: E402
 from jaxkv.config import ProportionalRope  # noqa: E402
 from jaxkv.cache.paged import PagedKVCache  # noqa: E402
 from helpers.hf import (ATOL, BOS, EOS, MIN_MARGIN, NEW_TOKENS, PAD, assert_clear_margins,  # noqa: E402
-                        greedy_cases, hf_greedy, hf_logits, per_row, saved_and_loaded)
+                        check_speculative_greedy, greedy_cases, hf_greedy, hf_logits, per_row, saved_and_loaded)
 from helpers.tolerances import atol  # noqa: E402
 
 # Whole-sequence logits against transformers: twice the other families' tolerance (why: helpers.tolerances).
@@ -399,3 +399,9 @@ def test_mesh_needs_the_sharing_layers_ffn_to_divide(tmp_path_factory):
     mesh = jax.make_mesh((1, 8), ("data", "model"))
     with pytest.raises(ValueError, match=r"kv_shared_ffn_dim \(196\) must be divisible by the mesh's 'model' axis"):
         sharding.check_config(model.config.replace(n_heads=8, kv_shared_ffn_dim=196), mesh)
+
+
+def test_speculative_greedy_equals_transformers(tmp_path_factory):
+    """Layers reading another layer's K/V (kv_shared_layers) in a verify's k + 1-wide pass."""
+    hf, model, _ = loaded("gemma4-text", tmp_path_factory)
+    check_speculative_greedy(model, hf_greedy(hf, RAGGED), "gemma4-text", RAGGED)

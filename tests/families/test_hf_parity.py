@@ -23,7 +23,7 @@ from jaxkv.checkpoint_hf import config_from_hf, load_hf  # noqa: E402
 # families' files run on their own models too.
 from helpers.hf import (ATOL, BOS, EOS, LLAMA_LIKE, MIN_MARGIN, NEW_TOKENS, PAD, RAGGED, SINGLE, VOCAB,  # noqa: E402
                         assert_clear_margins, build_hf, check_greedy_generation_is_token_identical, check_logits_match,
-                        hf_greedy, hf_logits)
+                        check_speculative_greedy, hf_greedy, hf_logits)
 from helpers.models import left_pad  # noqa: E402
 
 # name -> (config class, config kwargs). Each covers one mapping feature the others do not.
@@ -188,3 +188,10 @@ def test_transformers_4_rope_fields_give_the_same_config():
     v4_type = config_from_hf(dict(common, rope_theta=5e5, rope_scaling=dict(scaling, type="llama3")), source="v4")
     assert v5 == v4 == v4_type
     assert v5.rope_scaling == jaxkv.RopeScaling(8.0, 1.0, 4.0, 32) and v5.rope_theta == 5e5
+
+
+# A sliding window (under speculation its ring holds window + k slots) and learned positions.
+@pytest.mark.parametrize("pair", ["mistral-window8", "gpt2"], indirect=True)
+def test_speculative_greedy_equals_transformers(pair):
+    name, hf, model, _ = pair
+    check_speculative_greedy(model, hf_greedy(hf, RAGGED), name)

@@ -17,7 +17,7 @@ import jaxkv  # noqa: E402
 from jaxkv.checkpoint_hf import config_from_hf  # noqa: E402
 from jaxkv.config import YarnScaling  # noqa: E402
 from helpers.hf import (ATOL, BOS, EOS, MIN_MARGIN, NEW_TOKENS, PAD, assert_clear_margins,  # noqa: E402
-                        greedy_cases, hf_greedy, hf_logits, per_row, saved_and_loaded)
+                        check_speculative_greedy, greedy_cases, hf_greedy, hf_logits, per_row, saved_and_loaded)
 
 VOCAB, WINDOW = 128, 8
 # The seeds below are chosen so that no greedy step of the reference output comes near a tie (MIN_MARGIN).
@@ -150,3 +150,9 @@ def test_sliding_layers_from_layer_types_or_max_window_layers():
     listed = config_from_hf(dict(common, use_sliding_window=True, sliding_window=8, layer_types=types),
                             source="config.json")
     assert (listed.sliding_window, listed.layer_types) == (8, tuple(types))
+
+
+def test_speculative_greedy_equals_transformers(tmp_path_factory):
+    """q/k norms and Qwen3's sliding layers (max_window_layers) under speculation."""
+    hf, model, _ = loaded("qwen3-sliding", tmp_path_factory)
+    check_speculative_greedy(model, hf_greedy(hf, RAGGED), "qwen3-sliding", RAGGED)

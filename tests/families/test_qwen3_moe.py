@@ -22,7 +22,7 @@ from jaxkv.checkpoint_hf import config_from_hf  # noqa: E402
 from helpers.hf import build_hf as hf_model  # noqa: E402
 from helpers.hf import (ATOL, BOS, EOS, PAD, RAGGED, SINGLE, VOCAB,  # noqa: E402
                         check_moe_beam_search, check_moe_engine, check_moe_greedy_generation,
-                        check_moe_parallel_greedy_samples, check_moe_routing, greedy_cases, hf_greedy, hf_logits)
+                        check_moe_parallel_greedy_samples, check_speculative_greedy, check_moe_routing, greedy_cases, hf_greedy, hf_logits)
 
 # 3 layers: experts on layers 0 and 2, layer 1 dense (mlp_only_layers); head_dim left out: hidden / heads = 16.
 FIELDS = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
@@ -125,3 +125,7 @@ def test_beam_search_equals_transformers(pair, greedy):
 
 def test_every_token_is_routed_to_the_same_experts(pair):
     check_moe_routing(pair[0], pair[1], MOE_LAYERS)
+
+
+def test_speculative_greedy_equals_transformers(pair, greedy):
+    check_speculative_greedy(pair[1], greedy[len(RAGGED)], "qwen3-moe")

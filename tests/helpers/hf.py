@@ -218,6 +218,16 @@ def check_greedy_generation_is_token_identical(pair):
             assert got[b] == row, f"{name}, {len(prompts)} prompt(s), row {b}"
 
 
+def check_speculative_greedy(model, expected, name="", prompts=RAGGED):
+    """The ragged batch (`prompts`) with speculation (issue 29) gives transformers' greedy tokens (`expected`, per row): the
+    model drafting for itself (every proposal its own argmax, so nearly every verify keeps all k and emits k + 1
+    tokens from the (k + 1)-wide pass's logits at every position), verifying every pass."""
+    spec = jaxkv.Speculation("draft", 3, draft=model, adaptive=False)
+    got = jaxkv.generate(model, prompts, max_new_tokens=NEW_TOKENS, stop_tokens=[], speculative=spec)
+    assert got.tokens == expected, name
+    assert got.stats["spec_acceptance_rate"] > 0.8 and got.stats["target_forwards"] < NEW_TOKENS // 2, name
+
+
 # --- the parity checks every MoE family's test runs (Qwen3-MoE, Mixtral): each test file keeps thin tests of these
 # names, so a family's parity reads in its own file and the bodies are written once.
 
