@@ -214,7 +214,7 @@ def corpus_files() -> list[str]:
 
 
 def train_tokenizer(vocab_size: int, path: str) -> str:
-    """A byte-level BPE tokenizer of vocab_size tokens (the last is not special; <|endoftext|> is id 0)."""
+    """A byte-level BPE tokenizer of vocab_size tokens; <|endoftext|> (special, the eos) is id 0."""
     if os.path.exists(path):
         return path
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
