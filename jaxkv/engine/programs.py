@@ -46,7 +46,10 @@ class State:
     draft:    with a draft model proposing, its paged cache: only its pools are used, always under the main
               cache's page tables and lengths (`draft_rows`), so the draft's K/V of a token lives in the same page
               and slot as the target's and every page the target reserves, moves or frees carries the draft's too;
-              its own tables stay empty. Else None
+              its own tables stay empty. With the MTP proposer, the module's one-layer paged cache, used alike
+              (the module's K/V for the pair (h_t, token_{t+1}) in the slot of position t). Else None
+    staged_hidden: with the MTP proposer, float[Q, D] the target's hidden state (after its final norm) at each
+              staging row's last prompt token: the module's first pair once the first token is drawn. Else None
     """
 
     cache: PagedKVCache
@@ -60,6 +63,7 @@ class State:
     top: jax.Array
     spec: Any = None
     draft: Any = None
+    staged_hidden: Any = None
 
 
 def finish_code(finished, nan, stopped):
@@ -123,7 +127,8 @@ def admit(state: State, row, table_row, length, *, mesh=None):
 
 
 @functools.partial(jax.jit, static_argnames=("config", "mesh", "draft_config"), donate_argnames=("state",))
-def prefill(params, state: State, rows, tokens, counts, draft=None, *, config, mesh=None, draft_config=None):
+def prefill(params, state: State, rows, tokens, counts, draft=None, mtp=None, *, config, mesh=None,
+            draft_config=None):
     """One prompt chunk per prefill row: tokens int32[R, C] (right-padded; counts int32[R] real, 0: no chunk)
     into staging rows `rows` int32[R] (cache rows S + j; -1: none), attending over the row's pages so far. Each
     row's last token's logits go to `staged[j]` (what the slot it moves to samples from first, once its prompt is
@@ -135,17 +140,37 @@ def prefill(params, state: State, rows, tokens, counts, draft=None, *, config, m
     its counts, int32[R] the slots it has written per row) -> the draft's chunk into its pools under the same
     rows, after the target's, which has reserved every page it needs: the draft's chunks start at slot 0 even
     after a prefix-cache hit (the cached pages hold the target's K/V; the draft's of an earlier request there are
-    not relied on), so they trail the target's and never pass it."""
+    not relied on), so they trail the target's and never pass it.
+
+    mtp: with the MTP proposer (`State.draft` its module's pools; `draft_config` its config), (the module's
+    params, int32[R, C] the token after each chunk token, -1 after the prompt's last) -> the module fed the pairs
+    (the chunk's hidden states, the next tokens) at the chunk's positions, under the same rows; the last prompt
+    token's hidden state goes to `staged_hidden` (its pair waits for the first drawn token). After a prefix-cache
+    hit the module's K/V over the cached pages are those an earlier request wrote (the same pairs but at the last
+    cached position, whose next token may differ): only how many proposals are kept can depend on it."""
+    from jaxkv.decoding.mtp import mtp_forward
+
     R, C = tokens.shape
     sub = rows_of(state.cache, rows)
     t = jnp.arange(C, dtype=jnp.int32)[None, :]
     positions = jnp.where(t < counts[:, None], sub.lengths[:, None] + t, -1)  # [R, C], -1: padding
     # XLA attention: the Pallas paged kernel takes one query per sequence.
-    logits, sub = Decoder(config, mesh).apply({"params": params}, tokens, positions, sub, last_only=True,
-                                              attention="xla", chunk=True)
+    out = Decoder(config, mesh).apply({"params": params}, tokens, positions, sub, last_only=True, attention="xla",
+                                      chunk=True, return_hidden=mtp is not None)
+    (logits, new), hidden = (out[:2], out[2]) if mtp is not None else (out, None)
     S, Q = state.logits.shape[0], state.staged.shape[0]
-    staged = state.staged.at[jnp.where(counts > 0, rows - S, Q)].set(logits[:, 0], mode="drop")
-    state = state.replace(cache=put_rows(state.cache, rows, sub), staged=staged)
+    staging = jnp.where(counts > 0, rows - S, Q)  # out of range where a row has no chunk: dropped
+    staged = state.staged.at[staging].set(logits[:, 0], mode="drop")
+    state = state.replace(cache=put_rows(state.cache, rows, new), staged=staged)
+    if mtp is not None:
+        mtp_params, nexts = mtp
+        view = draft_rows(state.draft, rows_of(state.cache, rows), sub.lengths)
+        pairs = jnp.where(nexts >= 0, positions, -1)
+        _, _, view = mtp_forward(mtp_params, params, hidden, jnp.maximum(nexts, 0), pairs, view,
+                                 config=draft_config, attention="xla")
+        last = jnp.take_along_axis(hidden, jnp.maximum(counts - 1, 0)[:, None, None], axis=1)[:, 0]
+        state = state.replace(draft=draft_pools(state.draft, view),
+                              staged_hidden=state.staged_hidden.at[staging].set(last, mode="drop"))
     if draft is not None:
         draft_params, draft_tokens, draft_counts, draft_written = draft
         view = draft_rows(state.draft, rows_of(state.cache, rows), jnp.where(rows >= 0, draft_written, 0))

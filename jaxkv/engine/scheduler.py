@@ -71,7 +71,9 @@ class Engine:
         adds the speculation counters. `Speculation("draft", draft=...)`: the draft model's K/V live in a pool
         of its own under the target's page tables (`programs.State.draft`), so its pages come and go with the
         target's; its prompt is prefilled beside the target's chunks (from slot 0, also after a prefix-cache
-        hit). MTP: ValueError; no mesh.
+        hit). `Speculation("mtp")` (a checkpoint with MTP layers, `Model.mtp`): the first module's one-layer
+        K/V live alike under the target's tables, one position behind; its prompt pairs are written with the
+        target's chunks. No mesh.
     """
 
     def __init__(self, model: Model, *, slots: int, max_len: int, page_size: int | None = None,
@@ -104,12 +106,15 @@ class Engine:
             if not isinstance(speculative, Speculation):
                 raise ValueError(f"speculative must be a jaxkv.Speculation, got {type(speculative).__name__}")
             self.speculation = speculative.check(model)
-            if self.speculation.method == "mtp":
-                raise ValueError("the engine speculates with the n-gram and draft-model proposers "
-                                 "(Speculation('ngram') or Speculation('draft', draft=...)), not 'mtp' yet")
             if self.mesh is not None:
                 raise ValueError("the engine does not speculate on a mesh yet")
         self.draft = None if self.speculation is None or self.speculation.method != "draft" else speculative.draft
+        # With the MTP proposer: the checkpoint's first module (`Model.mtp`), proposing as a draft would.
+        self.mtp = None if self.speculation is None or self.speculation.method != "mtp" else model.mtp
+        self._mtp_pools = None  # the module's pools between two leases of a prefix cache's pool (`_return_pool`)
+        if self.mtp is not None:
+            self._draft_cache_dtype = request.cache_dtype(self.mtp.config, self.cache_dtype)
+            self._draft_attention = request.attention(self.mtp.config, attention, paged=True)
         if self.draft is not None:
             # The draft's cache lives in pages of the same pool geometry, under the target's tables.
             if self.draft.config.max_positions < self.max_len:
@@ -395,10 +400,14 @@ class Engine:
                             top_p=jnp.ones((S,), jnp.float32), min_p=jnp.zeros((S,), jnp.float32)),
             stop_ids=jnp.full((S, STOP_SLOTS), -1, jnp.int32), budget=jnp.zeros((S,), jnp.int32),
             top=jnp.zeros((S,), jnp.int32),
-            spec=None if self.speculation is None else speculative_program.Slots.empty(S, self._history_width),
-            draft=None if self.draft is None else programs.allocate(
-                self.draft.config, S + Q, num_pages=self.num_pages, page_size=self.page_size,
-                max_len=self.max_pages * self.page_size, dtype=self._draft_cache_dtype))
+            spec=None if self.speculation is None else speculative_program.Slots.empty(
+                S, self._history_width, None if self.mtp is None else (self._lookahead, self.config.d_model,
+                                                                       self.config.dtype)),
+            draft=self._mtp_pools if self._mtp_pools is not None
+            else None if self.draft is None and self.mtp is None else programs.allocate(
+                (self.draft or self.mtp).config, S + Q, num_pages=self.num_pages, page_size=self.page_size,
+                max_len=self.max_pages * self.page_size, dtype=self._draft_cache_dtype),
+            staged_hidden=None if self.mtp is None else jnp.zeros((Q, self.config.d_model), self.config.dtype))
         if self.mesh is not None:  # the pools split over KV heads, everything else on every device
             rep = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
             shardings = jax.tree.map(lambda _: rep, self._state)
@@ -420,6 +429,9 @@ class Engine:
         if self.prefix_cache is not None and self._state is not None and not self._requests:
             self.prefix_cache.store(self._state.cache)
             self.prefix_cache.lent_to = None
+            # The MTP module's pools stay with the engine: the cached prefixes' module K/V, which later hits rely
+            # on (`programs.prefill`), come back with the pool at the next lease.
+            self._mtp_pools = None if self.mtp is None else self._state.draft
             self._state = None
 
     def _pending_pages(self) -> int:
@@ -487,6 +499,7 @@ class Engine:
         drafting = self.draft is not None
         draft_tokens, draft_counts, draft_written = np.zeros((R, C), np.int32), np.zeros((R,), np.int32), \
             np.zeros((R,), np.int32)
+        nexts = np.full((R, C), -1, np.int32)
         for j, req in enumerate(prefilling[:R]):
             chunk = req.prompt[req.written:req.written + C]
             rows[j], counts[j] = req.row, len(chunk)
@@ -494,12 +507,17 @@ class Engine:
             if drafting:  # the draft's chunk, from its own progress (it trails the target's after a prefix hit)
                 chunk = req.prompt[req.draft_written:req.draft_written + C]
                 draft_tokens[j, :len(chunk)], draft_counts[j], draft_written[j] = chunk, len(chunk), req.draft_written
+            if self.mtp is not None:  # the token after each chunk token: the module's pairs (-1: the last's waits)
+                after = req.prompt[req.written + 1:req.written + 1 + counts[j]]
+                nexts[j, :len(after)] = after
             chunked.append((j, req))
         if not chunked:
             return False
         t0 = time.perf_counter()
         draft = {} if not drafting else dict(draft=(self.draft.params, draft_tokens, draft_counts, draft_written),
                                              draft_config=self.draft.config)
+        if self.mtp is not None:
+            draft = dict(mtp=(self.mtp.params[0], nexts), draft_config=self.mtp.config)
         self._state, free = programs.prefill(self._params, self._state, rows, tokens, counts, config=self._run_config,
                                              mesh=self.mesh, **draft)
         self._free = int(free)
@@ -514,7 +532,11 @@ class Engine:
             if req.written == len(req.prompt) and not done and self.prefix_cache is not None:
                 # its whole prompt pages stay cached for later requests
                 table = np.asarray(self._state.cache.page_table[req.row])
-                adopted = self.prefix_cache.adopt([req.prompt], [table])
+                # With MTP, the whole pages of the prompt but its last token: the module's pair at the last
+                # position waits for the first drawn token, so its page is written after the prefill and must not
+                # be shared before (another request's read of it would depend on this one's draw).
+                adopted = self.prefix_cache.adopt([req.prompt[:-1] if self.mtp is not None else req.prompt],
+                                                  [table])
                 if adopted:
                     self._state, free = programs.refs(self._state, padded(adopted, self.num_pages), np.int32(1),
                                                       mesh=self.mesh)
@@ -596,6 +618,9 @@ class Engine:
             return state, out, free, None
         draft = {} if self.draft is None else dict(draft_params=self.draft.params, draft_config=self.draft.config,
                                                    draft_attention=self._draft_attention)
+        if self.mtp is not None:
+            draft = dict(draft_params=self.mtp.params[0], draft_config=self.mtp.config,
+                         draft_attention=self._draft_attention)
         return speculative_program.decode(self._params, self._state, shifts, moves, keys, sampler, stop_ids,
                                           budget, top, *prompts, config=self._run_config, attention=self.attention,
                                           steps=self.steps_per_dispatch, width=width, plan=self.speculation,

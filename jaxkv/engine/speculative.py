@@ -29,7 +29,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxkv.attention.pallas import MAX_DECODE_QUERIES
 from jaxkv.decoding import speculation, step
+from jaxkv.decoding.mtp import mtp_forward
 from jaxkv.engine.programs import (MAX_LOGPROBS, State, draft_pools, draft_rows, finish_code, move_in, placed,
                                    put_rows, rows_of, shift_slots)
 from jaxkv.model import Decoder
@@ -58,6 +60,10 @@ class Slots:
              slot's own probe clock).
     probe_idle, probe_wait: int32[], the greedy slots' shared probe clock (passes since they last verified,
              passes before they probe together).
+    mtp_hidden, mtp_tokens, mtp_count: with the MTP proposer, each slot's pairs (h_t, token_{t+1}) not yet fed
+             to the module ([S, k + 1, D] the target's hidden states after its final norm, int32[S, k + 1] the
+             tokens after them, int32[S] how many are real): what its last pass kept, fed at the start of its next
+             pass, so the module runs one position behind the target. Else None.
     """
 
     last: jax.Array
@@ -68,20 +74,26 @@ class Slots:
     wait: jax.Array
     probe_idle: jax.Array
     probe_wait: jax.Array
+    mtp_hidden: jax.Array | None = None
+    mtp_tokens: jax.Array | None = None
+    mtp_count: jax.Array | None = None
 
     @classmethod
-    def empty(cls, slots: int, width: int) -> "Slots":
+    def empty(cls, slots: int, width: int, mtp: tuple | None = None) -> "Slots":
+        """`mtp`: (k, D, the hidden states' dtype) with the MTP proposer."""
         def z():  # (one buffer each: the state is donated)
             return jnp.zeros((slots,), jnp.int32)
 
+        pairs = {} if mtp is None else dict(mtp_hidden=jnp.zeros((slots, mtp[0] + 1, mtp[1]), mtp[2]),
+                                            mtp_tokens=jnp.zeros((slots, mtp[0] + 1), jnp.int32), mtp_count=z())
         return cls(last=z(), history=jnp.zeros((slots, width), jnp.int32), length=z(),
                    rate=jnp.zeros((slots,), jnp.float32), idle=z(), wait=z(),
-                   probe_idle=jnp.zeros((), jnp.int32), probe_wait=jnp.zeros((), jnp.int32))
+                   probe_idle=jnp.zeros((), jnp.int32), probe_wait=jnp.zeros((), jnp.int32), **pairs)
 
     def moved(self, pick) -> "Slots":
         """The per-slot fields through `pick` (`programs.shift_slots`, `move_in`); the shared clock stays."""
         return self.replace(**{f.name: pick(getattr(self, f.name)) for f in dataclasses.fields(self)
-                               if not f.name.startswith("probe_")})
+                               if not f.name.startswith("probe_") and getattr(self, f.name) is not None})
 
 
 @functools.partial(jax.jit, static_argnames=("config", "attention", "steps", "width", "plan", "mesh", "draft_config",
@@ -96,14 +108,20 @@ def decode(params, state: State, shifts, moves, keys, sampler, stop_ids, budget,
     alternatives and finish codes, int32[] free pages, int32[6] `COUNTERS`). prompts int32[S, H] /
     prompt_lengths int32[S]: each moving slot's prompt (the n-gram proposer's history; other rows ignored).
     plan: the checked `speculation.Plan`. Method "draft": draft_params / draft_config / draft_attention the
-    draft model's, its pools in `state.draft` (its prompt prefilled there by `programs.prefill`)."""
+    draft model's, its pools in `state.draft` (its prompt prefilled there by `programs.prefill`). Method "mtp":
+    the same three of the checkpoint's first MTP module (`Model.mtp`), its pools in `state.draft` (the prompt's
+    pairs written by `programs.prefill`, the last one's hidden state in `state.staged_hidden`); each slot's
+    pending pairs in `Slots.mtp_*`."""
     S, W, k = state.logits.shape[0], width, plan.num_tokens
-    drafting = plan.method == "draft"
+    drafting, mtp = plan.method == "draft", plan.method == "mtp"
     cost = plan.cost_at(W)  # c_verify / c_step of a verify over W slots
     # A verify writes k slots past the last token: within the target's positions and the draft's
     max_positions = min(config.max_positions, draft_config.max_positions) if drafting else config.max_positions
     moving = moves >= 0
     state = move_in(shift_slots(state, shifts), moves, keys, sampler, stop_ids, budget, top)
+    # A slot that moves in has one pending pair: its last prompt position's hidden state (its prefill's), and the
+    # first token, drawn below.
+    moved_hidden = state.staged_hidden[jnp.maximum(moves, 0)] if mtp else None  # [S, D]
     spec = state.spec
     spec = spec.replace(history=jnp.where(moving[:, None], prompts, spec.history),
                         length=jnp.where(moving, prompt_lengths, spec.length),
@@ -146,6 +164,22 @@ def decode(params, state: State, shifts, moves, keys, sampler, stop_ids, budget,
                block(top_logp, 0), block(code, 0))
         return placed(state, mesh), out
 
+    def pend(state, which, hidden, tokens, count):
+        """Slots `which` (bool[W]) get their pending MTP pairs: hidden [W, T, D], tokens int32[W, T], the first
+        count[w] real (T <= k + 1; padded)."""
+        spec = state.spec
+        pad = k + 1 - tokens.shape[1]
+        hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).astype(spec.mtp_hidden.dtype)
+        tokens = jnp.pad(jnp.maximum(tokens, 0), ((0, 0), (0, pad)))
+
+        def put(field, new):
+            old = getattr(spec, field)
+            return old.at[:W].set(jnp.where(which.reshape((W,) + (1,) * (new.ndim - 1)), new, old[:W]))
+
+        return state.replace(spec=spec.replace(mtp_hidden=put("mtp_hidden", hidden),
+                                               mtp_tokens=put("mtp_tokens", tokens),
+                                               mtp_count=put("mtp_count", count)))
+
     # The slots that just moved in: their first token, from their prefill's logits (as the plain program's
     # first step draws it).
     run = w(state.decoding & moving)
@@ -155,6 +189,8 @@ def decode(params, state: State, shifts, moves, keys, sampler, stop_ids, budget,
     state = state.replace(keys=state.keys.at[:W].set(jnp.where(run[:, None], split[:, 0], w(state.keys))))
     state, first = settle(state, run, picked.tokens[:, None], run.astype(jnp.int32), picked.nan, picked.stopped,
                           picked.logprob[:, None], picked.top_ids[:, None], picked.top_logprobs[:, None])
+    if mtp:
+        state = pend(state, w(moving), w(moved_hidden)[:, None], picked.tokens[:, None], run.astype(jnp.int32))
 
     def decide(state) -> Pass:
         """What the next pass does, from the state alone (so a sampled slot's choice is its own whatever ran
@@ -162,7 +198,7 @@ def decode(params, state: State, shifts, moves, keys, sampler, stop_ids, budget,
         run = w(state.decoding)
         spec = state.spec
         split = jax.vmap(jax.random.split)(w(state.keys))
-        if drafting:  # the draft always has proposals; it drafts them only in a verify pass (`check`)
+        if drafting or mtp:  # these proposers always have proposals; drafted only in a verify pass (`check`)
             proposals, found = jnp.zeros((W, k), jnp.int32), jnp.ones((W,), bool)
         else:
             proposals, found = speculation.ngram_propose(w(spec.history), w(spec.length), k, plan.ngram_min,
@@ -193,11 +229,34 @@ def decode(params, state: State, shifts, moves, keys, sampler, stop_ids, budget,
                     together=together, running=running, verifying=verifying, wants=wants)
 
     def forward(state, inputs, real):
+        """-> (logits, the cache, and with the MTP proposer the hidden states [W, T, D] the head read)."""
         sub = rows_of(state.cache, slots)
         positions = jnp.where(real, sub.lengths[:, None] + jnp.arange(inputs.shape[1])[None, :], -1)
-        logits, new = Decoder(config, mesh).apply({"params": params}, jnp.where(real, inputs, 0), positions,
-                                                  sub, attention=attention if inputs.shape[1] == 1 else "xla")
-        return logits, put_rows(state.cache, slots, new)
+        # (a verify's k + 1 queries go through the paged decode kernel too, up to its query block)
+        out = Decoder(config, mesh).apply({"params": params}, jnp.where(real, inputs, 0), positions, sub,
+                                          attention=attention if inputs.shape[1] <= MAX_DECODE_QUERIES else "xla",
+                                          return_hidden=mtp)
+        return (out[0], put_rows(state.cache, slots, out[1])) + tuple(out[2:])
+
+    def mtp_feed(state, run):
+        """Every running slot's pending pairs into the module (under the slot's pages, at the positions just
+        below the target's length: the module runs one behind) -> (state, float32[W, V] the module's logits
+        after each slot's last pair: its first proposal's q, [W, D] its h' there: the chain's next input)."""
+        spec = state.spec
+        count = jnp.where(run, w(spec.mtp_count), 0)
+        lengths = w(state.cache.lengths) - count
+        T = k + 1
+        i = jnp.arange(T)[None, :]
+        positions = jnp.where(i < count[:, None], lengths[:, None] + i, -1)
+        view = draft_rows(state.draft, rows_of(state.cache, slots), lengths)
+        logits, h, view = mtp_forward(draft_params, params, w(spec.mtp_hidden), w(spec.mtp_tokens), positions,
+                                      view, config=draft_config, attention=draft_attention)
+        last = jnp.maximum(count - 1, 0)[:, None, None]
+        state = state.replace(draft=draft_pools(state.draft, view),
+                              spec=spec.replace(mtp_count=spec.mtp_count.at[:W].set(
+                                  jnp.where(run, 0, w(spec.mtp_count)))))
+        return (state, jnp.take_along_axis(logits, last, axis=1)[:, 0],
+                jnp.take_along_axis(h, last, axis=1)[:, 0])
 
     def draft_step(state, tokens, real, lengths):
         """One draft token per row (tokens int32[W], real bool[W]) at slot lengths[w], under the rows'
@@ -212,11 +271,15 @@ def decode(params, state: State, shifts, moves, keys, sampler, stop_ids, budget,
         """One token per running slot, drawn as the plain program draws it -> `check`'s results at T = 1."""
         run, sampler_w = d.run, jax.tree.map(w, state.sampler)
         lengths = w(state.cache.lengths)
-        logits, cache = forward(state, w(state.spec.last)[:, None], run[:, None])
+        if mtp:  # the module is fed at every pass, so that it stays one position behind
+            state = mtp_feed(state, run)[0]
+        logits, cache, *hidden = forward(state, w(state.spec.last)[:, None], run[:, None])
         if drafting:  # the draft's cache keeps every token the target's does
             state = draft_step(state.replace(cache=cache), w(state.spec.last), run, lengths)[1]
         picked = step.select(logits[:, 0], d.split[:, 1], sampler_w, w(state.stop_ids), top=MAX_LOGPROBS,
                              top_wanted=top_wanted)
+        if mtp:  # the pair (h at the fed token, the token drawn after it) waits for the next pass
+            state = pend(state, run, hidden[0], picked.tokens[:, None], run.astype(jnp.int32))
         return (state.replace(cache=cache), run.astype(jnp.int32), picked.tokens[:, None], picked.nan,
                 picked.stopped, picked.logprob[:, None], picked.top_ids[:, None], picked.top_logprobs[:, None],
                 jnp.zeros((W,), jnp.int32))
@@ -230,9 +293,11 @@ def decode(params, state: State, shifts, moves, keys, sampler, stop_ids, budget,
         q, props = None, d.proposals
         if drafting:
             state, props, q = draft_chain(state, d, written)
+        elif mtp:
+            state, props, q = mtp_chain(state, d, written)
         inputs = jnp.concatenate([w(state.spec.last)[:, None], props], axis=1)  # [W, k + 1]
         real = run[:, None] & ((jnp.arange(k + 1) == 0)[None, :] | wants[:, None])
-        logits, cache = forward(state, inputs, real)
+        logits, cache, *hidden = forward(state, inputs, real)
 
         def per_slot(top):  # each slot's draws from its own key (`verify`'s per-row keys)
             return speculation.verify(logits, props, pass_keys, sampler_w, q=q, top=top)
@@ -270,8 +335,10 @@ def decode(params, state: State, shifts, moves, keys, sampler, stop_ids, budget,
                          jnp.minimum(speculation.PROBE_BACKOFF * w(spec.wait), speculation.MAX_PROBE_WAIT))
         spec = spec.replace(rate=spec.rate.at[:W].set(rate),
                             wait=spec.wait.at[:W].set(jnp.where(wants, wait, w(spec.wait)).astype(jnp.int32)))
-        return (state.replace(cache=cache, spec=spec), count, tokens, nan, ended, logprob, top_ids, top_logp,
-                kept)
+        state = state.replace(cache=cache, spec=spec)
+        if mtp:  # the pairs at the kept positions: (h at the last token and each kept proposal, the next token)
+            state = pend(state, run, hidden[0], tokens, count)
+        return state, count, tokens, nan, ended, logprob, top_ids, top_logp, kept
 
     def draft_chain(state, d: Pass, written):
         """The draft proposes (`loop`'s chain, per slot): pages for the verify's k + 1 slots first (the
@@ -294,6 +361,32 @@ def decode(params, state: State, shifts, moves, keys, sampler, stop_ids, budget,
 
         (state, _), (drawn, q) = lax.scan(one, (state, w(state.spec.last)), jnp.arange(k + 1))
         return state, drawn[:k].T, jnp.swapaxes(q[:k], 0, 1)
+
+    def mtp_chain(state, d: Pass, written):
+        """The MTP module proposes (`loop._mtp_chain`, per slot): pages for the verify's k + 1 slots first, the
+        pending pairs fed (`mtp_feed`), proposal 1 drawn from the module's q after them, then each next one from
+        the module fed its own h' and the proposal before, at the slot's next positions (writes past the module's
+        length, overwritten by the pairs the verify keeps), each under the slot's own settings and a key folded
+        from its pass key -> (state, int32[W, k] proposals, float32[W, k, V] q)."""
+        run, wants, sampler_w = d.run, d.wants, jax.tree.map(w, state.sampler)
+        sub = rows_of(state.cache, slots).reserve(jnp.where(run, jnp.where(wants, k + 1, 1), 0))
+        state = state.replace(cache=put_rows(state.cache, slots, sub))
+        state, logits, h = mtp_feed(state, run)
+        chain_keys = jax.vmap(lambda key: jax.random.split(jax.random.fold_in(key, 1), k))(d.split[:, 1])
+        real = run & wants
+
+        def one(carry, i):
+            state, logits, h = carry
+            q = sampler_w.distribution(logits)
+            drawn = jax.vmap(jax.random.categorical)(chain_keys[:, i], jnp.log(q)).astype(jnp.int32)
+            view = draft_rows(state.draft, rows_of(state.cache, slots), written + i)
+            logits, h, view = mtp_forward(draft_params, params, h[:, None], drawn[:, None],
+                                          jnp.where(real, written + i, -1)[:, None], view, config=draft_config,
+                                          attention=draft_attention)
+            return (state.replace(draft=draft_pools(state.draft, view)), logits[:, 0], h[:, 0]), (drawn, q)
+
+        (state, _, _), (drawn, q) = lax.scan(one, (state, logits, h), jnp.arange(k))
+        return state, drawn.T, jnp.swapaxes(q, 0, 1)
 
     def after(state, counts, d: Pass, results):
         """The pass's bookkeeping: probe clocks, keys, its tokens recorded (`settle`), the counters ->

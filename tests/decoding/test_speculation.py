@@ -10,10 +10,10 @@ from scipy import stats as scipy_stats
 
 import jaxkv
 from jaxkv import Speculation
-from jaxkv.config import Config, Mla
+from jaxkv.config import Config
 from jaxkv.decoding import loop, speculation
 from jaxkv.sampling import Sampler
-from tests.helpers.models import CONFIGS, model_for
+from tests.helpers.models import CONFIGS, MTP_CONFIG, model_for, with_mtp
 from tests.helpers.tolerances import tolerance
 
 # One worker runs the whole file, in order: tests on the same model and shapes then share compiled programs (the
@@ -24,8 +24,7 @@ pytestmark = pytest.mark.xdist_group("speculation")
 MIXED = Config(vocab_size=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48,
                sliding_window=6, layer_types=("sliding_attention", "full_attention", "sliding_attention"),
                max_positions=256)
-MLA = Config(vocab_size=80, d_model=48, n_layers=2, n_heads=4, ffn_dim=64,
-             mla=Mla(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12))
+MLA = MTP_CONFIG
 _extra = {}
 
 
@@ -264,35 +263,15 @@ def test_paged_greedy_equals_plain_decoding_with_samples_pages_and_a_prefix_cach
     assert pools[0] == pools[1]
 
 
-def _with_mtp(bigram: bool):
-    """The MLA model with a random MTP module, or (`bigram`) a model whose layers are zeroed (its next token a
-    function g of the current one: logits = head(norm(embed(x)))) with an MTP module that reads only the next
-    token's embedding through zeroed layers (eh_proj = [I, 0]): it predicts g(token_{t+1}), the true token at
-    t + 2, so every proposal is right exactly when the module is fed the right pairs at the right positions."""
-    from jaxkv.decoding.mtp import Mtp, random_mtp
-
-    m = jaxkv.Model.random(MLA, seed=2)
-    mtp = random_mtp(MLA, seed=1)
-    if not bigram:
-        m.mtp = mtp
-        return m
-    params = {k: jax.tree.map(jnp.zeros_like, v) if k.startswith("layer_") else v for k, v in m.params.items()}
-    module = dict(mtp.params[0], layer_0=jax.tree.map(jnp.zeros_like, mtp.params[0]["layer_0"]),
-                  eh_proj=jnp.concatenate([jnp.eye(MLA.d_model), jnp.zeros((MLA.d_model,) * 2)], axis=1))
-    m = jaxkv.Model(MLA, params)
-    m.mtp = Mtp(mtp.config, (module,))
-    return m
-
-
 def test_mtp_greedy_equals_plain_decoding_and_a_right_module_keeps_every_proposal():
     ps = prompts(MLA.vocab_size, seed=4)
-    m = _with_mtp(bigram=False)
+    m = with_mtp(bigram=False)
     plain = jaxkv.generate(m, ps, max_new_tokens=24, stop_tokens=[])
     for adaptive in (False, True):
         got = jaxkv.generate(m, ps, max_new_tokens=24, stop_tokens=[], speculative=Speculation("mtp", 3,
                                                                                                 adaptive=adaptive))
         assert got.tokens == plain.tokens and got.stats["spec_verifies"] > 0, adaptive
-    m = _with_mtp(bigram=True)
+    m = with_mtp(bigram=True)
     plain = jaxkv.generate(m, ps, max_new_tokens=24, stop_tokens=[])
     assert len(set(plain.tokens[1])) > 2  # g cycles through several tokens: a pair off by one would be refused
     got = jaxkv.generate(m, ps, max_new_tokens=24, stop_tokens=[], speculative=Speculation("mtp", 3, adaptive=False))
@@ -313,7 +292,7 @@ def test_mtp_on_the_paged_cache_with_samples_pages_and_a_prefix_cache():
     the prefix cache's pool ends as without speculation."""
     rng = np.random.default_rng(7)
     ps = [rng.integers(0, MLA.vocab_size, 13).tolist(), rng.integers(0, MLA.vocab_size, 6).tolist()]
-    m = _with_mtp(bigram=False)
+    m = with_mtp(bigram=False)
     plain = jaxkv.generate(m, ps, max_new_tokens=16, stop_tokens=[], n=2, page_size=4)
     got = jaxkv.generate(m, ps, max_new_tokens=16, stop_tokens=[], n=2, page_size=4,
                          speculative=Speculation("mtp", 3, adaptive=False))
@@ -328,7 +307,7 @@ def test_mtp_on_the_paged_cache_with_samples_pages_and_a_prefix_cache():
         assert out.stats["prefix_hit_tokens"] > 0
         pools.append((pc.free_pages(), pc.cached_pages))
     assert pools[0] == pools[1]
-    right = _with_mtp(bigram=True)
+    right = with_mtp(bigram=True)
     plain = jaxkv.generate(right, ps, max_new_tokens=16, stop_tokens=[], n=2, page_size=4)
     got = jaxkv.generate(right, ps, max_new_tokens=16, stop_tokens=[], n=2, page_size=4,
                          speculative=Speculation("mtp", 3, adaptive=False))

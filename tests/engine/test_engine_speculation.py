@@ -9,7 +9,7 @@ import jaxkv
 from jaxkv import Speculation
 from jaxkv.engine import Engine
 from helpers.compiles import count_compiles
-from helpers.models import model_for
+from helpers.models import model_for, with_mtp
 from helpers.engine import alone, assert_all_free, drain, recomputed_logprobs
 from helpers.tolerances import atol
 
@@ -135,6 +135,107 @@ def test_sampled_draft_requests_draw_what_each_draws_alone_in_the_engine():
 
     ids = drain(together := engine(), arrivals, rng)
     assert together.stats["spec_verifies"] > 0
+    single = engine()
+    for r in together.results():
+        prompt, new, kwargs = ids[r.id]
+        kwargs = dict(kwargs, stop_tokens=[])
+        assert r.tokens == single.generate([prompt], max_new_tokens=new, **kwargs)[0].tokens, kwargs
+        assert len(r.tokens) == new
+    assert_all_free(together)
+
+
+def test_mtp_in_the_engine_equals_plain_decoding_and_a_right_module_keeps_every_proposal():
+    """The checkpoint's MTP module in the engine (its one-layer K/V under the target's page tables, one position
+    behind; each slot's pending pairs fed at its next pass): greedy requests with random arrivals and a prefix
+    cache equal plain decoding, every page comes back; with the module built to be right (it predicts the true
+    token after next exactly when fed each slot's own pairs at its own positions) every proposal is kept."""
+    rng = np.random.default_rng(5)
+    shared = rng.integers(1, 80, 20).tolist()  # 2.5 pages of 8: two whole pages cached after the first request
+    prompts = [shared + rng.integers(1, 80, int(rng.integers(1, 12))).tolist() for _ in range(2)]
+    prompts += [rng.integers(1, 80, int(rng.integers(2, 30))).tolist() for _ in range(3)]
+    for bigram in (False, True):
+        model = with_mtp(bigram)
+        pc = jaxkv.PrefixCache(model, num_pages=48, page_size=8)
+        engine = Engine(model, slots=3, max_len=96, prefill_chunk=16, prefill_rows=2, prefix_cache=pc,
+                        speculative=Speculation("mtp", 3, adaptive=False))
+        # budgets of 1 + 4j or 2 + 4j tokens: the last verify is never cut short by the budget
+        arrivals = [(p, int(4 * rng.integers(1, 6) + rng.integers(1, 3)), {}) for p in prompts]
+        ids = drain(engine, arrivals, rng)
+        assert engine.pending == 0 and pc.lent_to is None and pc.free_pages() == 48 - pc.cached_pages
+        stats = engine.stats
+        assert stats["prefix_hit_tokens"] >= 16 and stats["spec_verifies"] > 0
+        for r in engine.results():
+            prompt, new, kwargs = ids[r.id]
+            assert r.tokens == alone(model, prompt, new).tokens[0], prompt
+        if bigram:
+            assert stats["spec_acceptance_rate"] == 1.0, stats
+        else:
+            assert stats["spec_acceptance_rate"] < 0.5  # random weights: most proposals rejected, rewound
+    # A noisy module's proposals depend on every pair it attends over, at its positions (the right module's
+    # ignore them): one request alone in the engine keeps what `generate` keeps (the module over a contiguous
+    # cache, checked against its definition in tests/families/test_deepseek_mtp.py), verify for verify.
+    model, prompt = with_mtp(True, noisy=True), prompts[0]
+    engine = Engine(model, slots=1, max_len=96, page_size=8, prefill_chunk=16,
+                    speculative=Speculation("mtp", 3, adaptive=False))
+    engine.generate([prompt], max_new_tokens=21, stop_tokens=[])
+    plain = jaxkv.generate(model, [prompt], max_new_tokens=21, stop_tokens=[],
+                           speculative=Speculation("mtp", 3, adaptive=False))
+    counts = ("spec_verifies", "spec_proposed", "spec_accepted")
+    assert [engine.stats[c] for c in counts] == [plain.stats[c] for c in counts] and plain.stats["spec_accepted"] > 0
+
+
+def test_mtp_never_writes_into_a_page_the_prefix_cache_shares(monkeypatch):
+    """The module's pair at a prompt's last position waits for the first drawn token, so with MTP the engine
+    indexes the whole pages of the prompt but its last token: every module slot of a shared page is final when
+    the page is shared. A prompt of exactly two pages (its last position the last slot of page 2), then longer
+    ones extending it: the module's K/V in every indexed page stay as they were when indexed, through the run;
+    the pool comes back with the module's pools kept for the next lease."""
+    from jaxkv.engine import programs
+
+    model = with_mtp(True, noisy=True)
+    rng = np.random.default_rng(9)
+    first = rng.integers(1, 80, 16).tolist()
+    pc = jaxkv.PrefixCache(model, num_pages=48, page_size=8)
+    engine = Engine(model, slots=2, max_len=64, prefill_chunk=8, prefix_cache=pc,
+                    speculative=Speculation("mtp", 3, adaptive=False))
+    indexed = {}  # page -> the module's K/V bytes when indexed
+    real_refs = programs.refs
+
+    def refs(state, pages, delta, **kwargs):
+        for page in np.asarray(pages):
+            if page >= 0 and delta > 0:
+                indexed[int(page)] = [np.asarray(x[page]).copy() for x in state.draft.keys]
+        return real_refs(state, pages, delta, **kwargs)
+
+    monkeypatch.setattr(programs, "refs", refs)
+    arrivals = [(first, 9, {})] + [(first + rng.integers(1, 80, int(rng.integers(1, 9))).tolist(), 9, {})
+                                   for _ in range(3)]
+    ids = drain(engine, arrivals, rng)
+    assert engine.stats["prefix_hit_tokens"] >= 8 and len(indexed) >= 2
+    for r in engine.results():
+        prompt, new, _ = ids[r.id]
+        assert r.tokens == alone(model, prompt, new).tokens[0]
+    pools = engine._mtp_pools
+    for page, before in indexed.items():
+        for x, b in zip(pools.keys, before):
+            np.testing.assert_array_equal(np.asarray(x[page]), b, err_msg=f"page {page}")
+
+
+def test_sampled_mtp_requests_draw_what_each_draws_alone_in_the_engine():
+    """Sampled requests with the MTP proposer: each draws what it draws alone in the engine (its proposals from
+    its own key and settings, its own pending pairs), beside greedy ones."""
+    model = with_mtp(bigram=True)
+    rng = np.random.default_rng(8)
+    settings = [dict(temperature=0.8, seed=1), dict(), dict(temperature=1.0, top_k=8, seed=2), dict()]
+    arrivals = [(rng.integers(1, 80, int(rng.integers(2, 20))).tolist(), int(rng.integers(4, 16)), s)
+                for s in settings]
+
+    def engine():
+        return Engine(model, slots=3, max_len=96, page_size=4, prefill_chunk=16,
+                      speculative=Speculation("mtp", 3, adaptive=False))
+
+    ids = drain(together := engine(), arrivals, rng)
+    assert together.stats["spec_verifies"] > 0 and together.stats["spec_accepted"] > 0
     single = engine()
     for r in together.results():
         prompt, new, kwargs = ids[r.id]

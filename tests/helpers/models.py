@@ -25,6 +25,11 @@ CONFIGS = {
     "sliding": jaxkv.Config(**BASE, n_kv_heads=2, sliding_window=8),
 }
 
+# A DeepSeek-style MLA model for the MTP proposer's tests (`with_mtp`).
+MTP_CONFIG = jaxkv.Config(vocab_size=80, d_model=48, n_layers=2, n_heads=4, ffn_dim=64,
+                          mla=Mla(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12))
+
+
 _models = {}
 
 
@@ -68,3 +73,27 @@ def placed_like(model: jaxkv.Model, loaded: jaxkv.Model) -> jaxkv.Model:
 MLA_DENSE = jaxkv.Config(vocab_size=160, d_model=48, n_layers=2, n_heads=6, ffn_dim=64,
                          mla=Mla(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
                                  q_lora_rank=24))
+
+
+def with_mtp(bigram: bool, noisy: bool = False):
+    """The MLA model with a random MTP module, or (`bigram`) a model whose layers are zeroed (its next token a
+    function g of the current one: logits = head(norm(embed(x)))) with an MTP module that reads only the next
+    token's embedding through zeroed layers (eh_proj = [I, 0]): it predicts g(token_{t+1}), the true token at
+    t + 2, so every proposal is right exactly when the module is fed the right pairs (tokens) in order. Its
+    layer ignores the positions; `noisy` gives it back its random layer, whose attention over the pairs before
+    makes the proposals depend on every pair and position fed (some kept, some not)."""
+    from jaxkv.decoding.mtp import Mtp, random_mtp
+
+    MLA = MTP_CONFIG
+    m = jaxkv.Model.random(MLA, seed=2)  # the same weights as test_speculation's model("mla")
+    mtp = random_mtp(MLA, seed=1)
+    if not bigram:
+        m.mtp = mtp
+        return m
+    params = {k: jax.tree.map(jnp.zeros_like, v) if k.startswith("layer_") else v for k, v in m.params.items()}
+    module = dict(mtp.params[0], layer_0=mtp.params[0]["layer_0"] if noisy
+                  else jax.tree.map(jnp.zeros_like, mtp.params[0]["layer_0"]),
+                  eh_proj=jnp.concatenate([jnp.eye(MLA.d_model), jnp.zeros((MLA.d_model,) * 2)], axis=1))
+    m = jaxkv.Model(MLA, params)
+    m.mtp = Mtp(mtp.config, (module,))
+    return m
