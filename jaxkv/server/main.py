@@ -79,7 +79,8 @@ def parser() -> argparse.ArgumentParser:
                                 "forward pass verifies them; outputs are distributed exactly as without it")
     spec.add_argument("--speculative-method", choices=["ngram", "draft", "mtp"], default=None,
                       help="ngram: prompt lookup (the sequence's own earlier text proposes); draft: a smaller model "
-                           "with the same vocabulary (--draft-model); mtp: not in the engine yet (refused)")
+                           "with the same vocabulary (--draft-model); mtp: the checkpoint's own multi-token-"
+                           "prediction module (DeepSeek-V3's, num_nextn_predict_layers > 0)")
     spec.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
                       help="tokens proposed per verify (1-16)")
     spec.add_argument("--draft-model", default=None, metavar="PATH",
@@ -104,9 +105,6 @@ def check(args):
         raise ValueError("--draft-model goes with --speculative-method draft, and it needs one")
     if args.draft_model not in (None, "tiny") and not os.path.isdir(args.draft_model):
         raise ValueError(f"--draft-model {args.draft_model}: no such directory (a checkpoint directory or 'tiny')")
-    if args.speculative_method == "mtp":
-        raise ValueError("--speculative-method mtp: jaxkv serve's engine speculates with the n-gram and draft-model "
-                         "proposers (--speculative-method ngram, or draft with --draft-model)")
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key is empty")
     if args.preset is not None:
@@ -142,6 +140,10 @@ def build(args):
     from jaxkv.server.worker import EngineWorker, warm_up_scoring
 
     model, directory, name = _model(args)
+    if args.speculative_method == "mtp" and model.mtp is None:  # (the engine would refuse it too, after the pool)
+        raise ValueError(f"--speculative-method mtp: {name} has no multi-token-prediction layers (a checkpoint "
+                         "with num_nextn_predict_layers > 0 and their tensors); use ngram, or draft with "
+                         "--draft-model")
     config = model.config
     mesh = _mesh(args, config)
     max_len = min(config.max_positions, 2048) if args.max_len is None else args.max_len

@@ -557,8 +557,74 @@ def test_a_server_speculating_with_a_draft_model_answers_as_generate():
         server_main.build(args)
 
 
+def _mtp_checkpoint(root):
+    """A tiny DeepSeek-V3 checkpoint (helpers.hf's MLA_LIKE, every layer dense, the MTP layer too) with one MTP
+    module stored as decoder layer 2, as the release stores it: its block a copy of layer 1, its norms and
+    eh_proj seeded, shared_head.norm the model's final norm. transformers drops MTP tensors, so they are added
+    to its save by hand (as tests/families/test_deepseek_mtp.py builds its checkpoint)."""
+    import numpy as np
+
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    safetensors_numpy = pytest.importorskip("safetensors.numpy")
+    from helpers.hf import MLA_LIKE, build_hf
+
+    fields = dict(MLA_LIKE, q_lora_rank=24, first_k_dense_replace=3, num_nextn_predict_layers=1)
+    build_hf("DeepseekV3Config", fields, seed=3).save_pretrained(root, safe_serialization=True)
+    path = str(root / "model.safetensors")
+    tensors = safetensors_numpy.load_file(path)
+    L, D = fields["num_hidden_layers"], fields["hidden_size"]
+    rng = np.random.default_rng(4)
+    mtp = {f"model.layers.{L}." + k.removeprefix(f"model.layers.{L - 1}."): v for k, v in tensors.items()
+           if k.startswith(f"model.layers.{L - 1}.")}
+    mtp |= {f"model.layers.{L}.enorm.weight": (1 + 0.2 * rng.standard_normal(D)).astype(np.float32),
+            f"model.layers.{L}.hnorm.weight": (1 + 0.2 * rng.standard_normal(D)).astype(np.float32),
+            f"model.layers.{L}.eh_proj.weight": (rng.standard_normal((D, 2 * D)) / np.sqrt(2 * D)).astype(np.float32),
+            f"model.layers.{L}.shared_head.norm.weight": tensors["model.norm.weight"]}
+    safetensors_numpy.save_file(tensors | mtp, path, metadata={"format": "pt"})
+    return root
+
+
+def test_a_server_speculating_with_mtp_answers_as_generate(tmp_path):
+    """`jaxkv serve --model DIR --speculative-method mtp` on a checkpoint with an MTP layer: the engine's MTP
+    proposer (the module's K/V under the target's page tables, one position behind) gives greedy completions equal
+    to `generate` without speculation, and /metrics counts its proposals; on a checkpoint without MTP layers it is
+    a one-line error naming the problem, before any compute (no pool, no engine)."""
+    from starlette.testclient import TestClient
+
+    from jaxkv.server import main as server_main
+    from jaxkv.server.app import create_app
+
+    directory = _mtp_checkpoint(tmp_path / "mtp")
+    args = server_main.parser().parse_args(["--model", str(directory), "--slots", "1", "--max-len", "64",
+                                            "--page-size", "8", "--speculative-method", "mtp",
+                                            "--num-speculative-tokens", "2", "--steps-per-dispatch", "4"])
+    server_main.check(args)
+    state, engine = server_main.build(args)
+    assert engine.speculation.method == "mtp" and state.model.mtp is not None
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [20, 21, 22]]
+    expected = jaxkv.generate(state.model, prompts, max_new_tokens=14, stop_tokens=[]).tokens
+    state.worker.start()
+    try:
+        with TestClient(create_app(state)) as client:
+            for prompt, want in zip(prompts, expected):
+                r = client.post("/v1/completions", json={"model": state.model_name, "prompt": prompt,
+                                                         "max_tokens": 14, "temperature": 0, "ignore_eos": True,
+                                                         "return_token_ids": True})
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["token_ids"] == want
+            m = client.get("/metrics?format=json").json()
+            assert m["spec_verifies"] > 0 and m["spec_proposed"] >= 2 * m["spec_verifies"], m
+    finally:
+        state.worker.close()
+    args = server_main.parser().parse_args(["--preset", "test-tiny", "--speculative-method", "mtp"])
+    server_main.check(args)  # (the flags are fine; the model decides)
+    with pytest.raises(ValueError, match="test-tiny has no multi-token-prediction layers") as e:
+        server_main.build(args)
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("args,words", [
-    (["--speculative-method", "mtp"], "n-gram and draft-model proposers"),
     (["--speculative-method", "draft"], "needs one"),
     (["--speculative-method", "draft", "--draft-model", "/nonexistent/draft"], "no such directory"),
     (["--draft-model", "tiny"], "goes with --speculative-method draft"),
