@@ -63,21 +63,17 @@ def read_config(directory: str | os.PathLike) -> dict:
     path = Path(directory) / CONFIG_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path}: not found; a Hugging Face checkpoint directory needs a {CONFIG_FILE}")
-    try:
-        hf = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(hf, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(hf).__name__}")
-    return hf
+    return _json_object(path)
 
 
 def read_generation_config(directory: str | os.PathLike) -> dict | None:
     """The parsed generation_config.json of a checkpoint directory, or None where it has none. ValueError naming
     the file for one that is not a JSON object."""
     path = Path(directory) / GENERATION_CONFIG_FILE
-    if not path.is_file():
-        return None
+    return _json_object(path) if path.is_file() else None
+
+
+def _json_object(path: Path) -> dict:
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
