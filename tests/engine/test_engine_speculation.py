@@ -100,24 +100,31 @@ def test_draft_model_in_the_engine_equals_plain_decoding_also_after_prefix_hits(
     shared = rng.integers(1, 97, 20).tolist()  # 2.5 pages of 8: two whole pages cached after the first request
     prompts = [shared + rng.integers(1, 97, int(rng.integers(1, 12))).tolist() for _ in range(3)]
     prompts += [rng.integers(1, 97, int(rng.integers(2, 30))).tolist() for _ in range(3)]
-    for draft in (model_for("mqa"), model):
-        pc = jaxkv.PrefixCache(model, num_pages=48, page_size=8)
-        engine = Engine(model, slots=3, max_len=96, prefill_chunk=16, prefill_rows=2, prefix_cache=pc,
-                        speculative=Speculation("draft", 3, draft=draft, adaptive=False))
-        # budgets of 1 + 4j or 2 + 4j tokens: the last verify is never cut short by the budget (which would count
-        # its proposals past the budget as not accepted)
-        arrivals = [(p, int(4 * rng.integers(0, 6) + rng.integers(1, 3)), {}) for p in prompts]
-        ids = drain(engine, arrivals, rng)
-        assert engine.pending == 0 and pc.lent_to is None and pc.free_pages() == 48 - pc.cached_pages
-        stats = engine.stats
-        assert stats["prefix_hit_tokens"] >= 16 and stats["spec_verifies"] > 0
-        for r in engine.results():
-            prompt, new, kwargs = ids[r.id]
-            assert r.tokens == alone(model, prompt, new).tokens[0], prompt
-        if draft is model:
-            assert stats["spec_acceptance_rate"] == 1.0, stats
-        else:
-            assert stats["spec_acceptance_rate"] < 0.5  # (another model: most proposals rejected, rewound)
+    for draft in (model_for("mqa"), model):  # (another model: most proposals rejected, rewound)
+        greedy_with_prefix_hits(model, Speculation("draft", 3, draft=draft, adaptive=False), prompts, rng,
+                                keeps_all=draft is model, first_block=0)
+
+
+def greedy_with_prefix_hits(model, speculative, prompts, rng, *, keeps_all: bool, first_block: int = 1):
+    """Greedy requests with random arrivals through an engine (3 slots, a prefix cache of pages of 8) speculating
+    with `speculative`: each equals plain decoding, prefixes were hit, every page comes back; every proposal
+    kept (`keeps_all`) or most rejected. Budgets of 1 + 4j or 2 + 4j tokens (j >= first_block): the last verify
+    is never cut short by the budget (which would count its proposals past the budget as not accepted)."""
+    pc = jaxkv.PrefixCache(model, num_pages=48, page_size=8)
+    engine = Engine(model, slots=3, max_len=96, prefill_chunk=16, prefill_rows=2, prefix_cache=pc,
+                    speculative=speculative)
+    arrivals = [(p, int(4 * rng.integers(first_block, 6) + rng.integers(1, 3)), {}) for p in prompts]
+    ids = drain(engine, arrivals, rng)
+    assert engine.pending == 0 and pc.lent_to is None and pc.free_pages() == 48 - pc.cached_pages
+    stats = engine.stats
+    assert stats["prefix_hit_tokens"] >= 16 and stats["spec_verifies"] > 0
+    for r in engine.results():
+        prompt, new, kwargs = ids[r.id]
+        assert r.tokens == alone(model, prompt, new).tokens[0], prompt
+    if keeps_all:
+        assert stats["spec_acceptance_rate"] == 1.0, stats
+    else:
+        assert stats["spec_acceptance_rate"] < 0.5
 
 
 def test_sampled_draft_requests_draw_what_each_draws_alone_in_the_engine():
@@ -153,24 +160,9 @@ def test_mtp_in_the_engine_equals_plain_decoding_and_a_right_module_keeps_every_
     shared = rng.integers(1, 80, 20).tolist()  # 2.5 pages of 8: two whole pages cached after the first request
     prompts = [shared + rng.integers(1, 80, int(rng.integers(1, 12))).tolist() for _ in range(2)]
     prompts += [rng.integers(1, 80, int(rng.integers(2, 30))).tolist() for _ in range(3)]
-    for bigram in (False, True):
-        model = with_mtp(bigram)
-        pc = jaxkv.PrefixCache(model, num_pages=48, page_size=8)
-        engine = Engine(model, slots=3, max_len=96, prefill_chunk=16, prefill_rows=2, prefix_cache=pc,
-                        speculative=Speculation("mtp", 3, adaptive=False))
-        # budgets of 1 + 4j or 2 + 4j tokens: the last verify is never cut short by the budget
-        arrivals = [(p, int(4 * rng.integers(1, 6) + rng.integers(1, 3)), {}) for p in prompts]
-        ids = drain(engine, arrivals, rng)
-        assert engine.pending == 0 and pc.lent_to is None and pc.free_pages() == 48 - pc.cached_pages
-        stats = engine.stats
-        assert stats["prefix_hit_tokens"] >= 16 and stats["spec_verifies"] > 0
-        for r in engine.results():
-            prompt, new, kwargs = ids[r.id]
-            assert r.tokens == alone(model, prompt, new).tokens[0], prompt
-        if bigram:
-            assert stats["spec_acceptance_rate"] == 1.0, stats
-        else:
-            assert stats["spec_acceptance_rate"] < 0.5  # random weights: most proposals rejected, rewound
+    for bigram in (False, True):  # (random weights: most proposals rejected, rewound)
+        greedy_with_prefix_hits(with_mtp(bigram), Speculation("mtp", 3, adaptive=False), prompts, rng,
+                                keeps_all=bigram)
     # A noisy module's proposals depend on every pair it attends over, at its positions (the right module's
     # ignore them): one request alone in the engine keeps what `generate` keeps (the module over a contiguous
     # cache, checked against its definition in tests/families/test_deepseek_mtp.py), verify for verify.
