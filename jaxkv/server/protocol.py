@@ -161,7 +161,10 @@ def _check_fields(body, allowed: set[str], ignored: set[str]):
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed", "stop", "stop_token_ids",
            "ignore_eos", "stream", "stream_options", "frequency_penalty", "presence_penalty", "logit_bias",
-           "return_token_ids"}
+           "return_token_ids",
+           # transformers' names that harnesses forward with their generation settings (lm-evaluation-harness):
+           # honoured where jaxkv does the same thing, else refused as any unsupported value is
+           "max_new_tokens", "do_sample", "num_beams", "repetition_penalty"}
 _IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls"}
 
 
@@ -175,6 +178,12 @@ def _model(body) -> str:
 def _sampling(body, *, default_max_tokens: int | None, logprobs: int | None, max_tokens_name="max_tokens",
               min_tokens: int = 1) -> Sampling:
     max_tokens = _int(body, max_tokens_name, default_max_tokens, lo=min_tokens)
+    if body.get("max_new_tokens") is not None:  # transformers' name for the same budget
+        new = _int(body, "max_new_tokens", None, lo=min_tokens)
+        if body.get(max_tokens_name) is not None and new != max_tokens:
+            raise ApiError(f"'max_new_tokens' ({new}) and '{max_tokens_name}' ({max_tokens}) disagree; send one",
+                           param="max_new_tokens")
+        max_tokens = new
     top_k = _int(body, "top_k", None, lo=-1, hi=INT32_MAX)
     stop = body.get("stop")
     stop_strings, stop_ids = [], list(_token_ids(body["stop_token_ids"], "stop_token_ids")
@@ -204,7 +213,13 @@ def _sampling(body, *, default_max_tokens: int | None, logprobs: int | None, max
     _neutral(body, "frequency_penalty", 0, "no repetition penalties")
     _neutral(body, "presence_penalty", 0, "no repetition penalties")
     _neutral(body, "logit_bias", {}, "no logit bias")
+    _int(body, "num_beams", 1, lo=1)
+    _neutral(body, "num_beams", 1, "no beam search through the API")
+    _float(body, "repetition_penalty", 1.0, 0.0, 10.0, lo_open=True)
+    _neutral(body, "repetition_penalty", 1.0, "no repetition penalties")
     temperature = _float(body, "temperature", 1.0, 0.0, 2.0)
+    if _bool(body, "do_sample", True) is False:  # transformers' greedy switch: greedy whatever the temperature
+        temperature = 0.0
     top_p, min_p = _float(body, "top_p", None, 0.0, 1.0, lo_open=True), _float(body, "min_p", None, 0.0, 1.0)
     if temperature == 0:  # greedy: a filter changes nothing (OpenAI and vLLM accept it, and many clients send top_p)
         top_k = top_p = min_p = None

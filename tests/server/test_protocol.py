@@ -1,0 +1,31 @@
+"""Request parsing (`jaxkv.server.protocol`) without a server: the generation settings harnesses forward under
+transformers' names (issue 30, item 6d)."""
+
+import pytest
+
+from jaxkv.server.protocol import ApiError, chat_request, completion_request
+
+OK = {"model": "m", "prompt": "x"}
+
+
+def test_transformers_names_jaxkv_honours_are_accepted():
+    r = completion_request({**OK, "max_new_tokens": 7, "do_sample": False, "temperature": 0.8, "num_beams": 1,
+                            "repetition_penalty": 1.0})
+    assert r.sampling.max_tokens == 7 and r.sampling.temperature == 0.0  # do_sample false: greedy
+    assert completion_request({**OK, "max_tokens": 5, "max_new_tokens": 5}).sampling.max_tokens == 5
+    assert completion_request({**OK, "do_sample": True, "temperature": 0.7}).sampling.temperature == 0.7
+    chat = chat_request({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_new_tokens": 3})
+    assert chat.sampling.max_tokens == 3
+
+
+@pytest.mark.parametrize("extra, param", [
+    (dict(num_beams=4), "num_beams"),
+    (dict(repetition_penalty=1.3), "repetition_penalty"),
+    (dict(repetition_penalty=0), "repetition_penalty"),
+    (dict(max_tokens=5, max_new_tokens=6), "max_new_tokens"),
+    (dict(do_sample="no"), "do_sample"),
+])
+def test_values_it_cannot_honour_are_400s_naming_them(extra, param):
+    with pytest.raises(ApiError) as e:
+        completion_request({**OK, **extra})
+    assert e.value.param == param
