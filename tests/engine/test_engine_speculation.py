@@ -130,18 +130,23 @@ def greedy_with_prefix_hits(model, speculative, prompts, rng, *, keeps_all: bool
 def test_sampled_draft_requests_draw_what_each_draws_alone_in_the_engine():
     """Sampled requests with a draft model: each draws what it draws alone in the engine (its proposals from its
     own key and settings), beside greedy ones."""
-    model, draft = model_for("gqa"), model_for("mqa")
-    rng = np.random.default_rng(7)
+    stats = sampled_draw_alone(model_for("gqa"), Speculation("draft", 3, draft=model_for("mqa"), adaptive=False),
+                               np.random.default_rng(7), 97)
+    assert stats["spec_verifies"] > 0
+
+
+def sampled_draw_alone(model, speculative, rng, vocab: int) -> dict:
+    """Sampled requests (two settings) beside greedy ones, with random arrivals, in an engine speculating with
+    `speculative` (3 slots, pages of 4): each draws what it draws alone in such an engine, its full budget, and
+    every page comes back -> the shared engine's stats."""
     settings = [dict(temperature=0.8, seed=1), dict(), dict(temperature=1.0, top_k=8, seed=2), dict()]
-    arrivals = [(rng.integers(1, 97, int(rng.integers(2, 20))).tolist(), int(rng.integers(4, 16)), s)
+    arrivals = [(rng.integers(1, vocab, int(rng.integers(2, 20))).tolist(), int(rng.integers(4, 16)), s)
                 for s in settings]
 
     def engine():
-        return Engine(model, slots=3, max_len=96, page_size=4, prefill_chunk=16,
-                      speculative=Speculation("draft", 3, draft=draft, adaptive=False))
+        return Engine(model, slots=3, max_len=96, page_size=4, prefill_chunk=16, speculative=speculative)
 
     ids = drain(together := engine(), arrivals, rng)
-    assert together.stats["spec_verifies"] > 0
     single = engine()
     for r in together.results():
         prompt, new, kwargs = ids[r.id]
@@ -149,6 +154,7 @@ def test_sampled_draft_requests_draw_what_each_draws_alone_in_the_engine():
         assert r.tokens == single.generate([prompt], max_new_tokens=new, **kwargs)[0].tokens, kwargs
         assert len(r.tokens) == new
     assert_all_free(together)
+    return together.stats
 
 
 def test_mtp_in_the_engine_equals_plain_decoding_and_a_right_module_keeps_every_proposal():
@@ -216,25 +222,9 @@ def test_mtp_never_writes_into_a_page_the_prefix_cache_shares(monkeypatch):
 def test_sampled_mtp_requests_draw_what_each_draws_alone_in_the_engine():
     """Sampled requests with the MTP proposer: each draws what it draws alone in the engine (its proposals from
     its own key and settings, its own pending pairs), beside greedy ones."""
-    model = with_mtp(bigram=True)
-    rng = np.random.default_rng(8)
-    settings = [dict(temperature=0.8, seed=1), dict(), dict(temperature=1.0, top_k=8, seed=2), dict()]
-    arrivals = [(rng.integers(1, 80, int(rng.integers(2, 20))).tolist(), int(rng.integers(4, 16)), s)
-                for s in settings]
-
-    def engine():
-        return Engine(model, slots=3, max_len=96, page_size=4, prefill_chunk=16,
-                      speculative=Speculation("mtp", 3, adaptive=False))
-
-    ids = drain(together := engine(), arrivals, rng)
-    assert together.stats["spec_verifies"] > 0 and together.stats["spec_accepted"] > 0
-    single = engine()
-    for r in together.results():
-        prompt, new, kwargs = ids[r.id]
-        kwargs = dict(kwargs, stop_tokens=[])
-        assert r.tokens == single.generate([prompt], max_new_tokens=new, **kwargs)[0].tokens, kwargs
-        assert len(r.tokens) == new
-    assert_all_free(together)
+    stats = sampled_draw_alone(with_mtp(bigram=True), Speculation("mtp", 3, adaptive=False),
+                               np.random.default_rng(8), 80)
+    assert stats["spec_verifies"] > 0 and stats["spec_accepted"] > 0
 
 
 def test_greedy_slots_speculate_together_only_while_it_pays_at_their_width():
