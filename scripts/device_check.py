@@ -1,28 +1,47 @@
-"""Checks the Pallas attention kernels on a GPU or TPU: the kernel tests compiled, then a micro-benchmark.
+"""Checks jaxkv on a GPU or TPU: the Pallas kernels' tests compiled, kernel bandwidth, and the whole decode step.
 
-Run from the repository root on the accelerator machine:
+Run from the repository root on the accelerator machine (issue 34; figures: docs/design/attention.md, "On a GPU"):
 
-    python scripts/device_check.py                # tests (compiled, not interpreted) + benchmark
-    python scripts/device_check.py --bench-only   # benchmark only
-    python scripts/device_check.py --tests-only
+    python scripts/device_check.py                       # every section, each in its own process, in this order
+    python scripts/device_check.py --sections tests,step  # some of them
+    python scripts/device_check.py --interpret           # on CPU: the Pallas interpreter, tiny shapes (checks the
+                                                         # script itself; the numbers say nothing)
 
-1. Tests: `pytest tests/attention/test_pallas.py` with JAXKV_PALLAS_COMPILED=1, which that file reads to call the
-   kernels with interpret=False and only the device's kernel body (Triton on GPU, Mosaic on TPU).
-2. Benchmark (bfloat16), each kernel timed in a jitted `fori_loop` so that dispatch overhead is not measured:
-   * decode: achieved HBM bandwidth = bytes of *live* K/V (and, for the int8 cache, their scales) read / time, at
-     several live lengths in a long cache, for a bfloat16 and an int8 cache, next to the XLA reference's time
-     (which reads every slot);
-   * prefill: causal TFLOP/s, counting only the unmasked half of QK^T and PV (4 * B * N * H * T(T+1)/2 FLOPs).
+Sections (each a subprocess with its own time limit, so one that fails or hangs does not stop the others; with
+`--budget S` the whole run ends within S seconds, each section getting at most what is left):
 
-On a CPU-only machine it says so and exits with status 2; `--interpret` runs everything in the Pallas
-interpreter instead (slow, tiny benchmark shapes, numbers meaningless), to check the script itself.
+  env        versions (python, jax, jaxlib, flax, numpy), devices, nvidia-smi's clocks and memory.
+  copy       the device's copy bandwidth (a 4 GiB device-to-device copy, bytes read + written / time): the
+             ceiling the bandwidth figures below are read against, next to the 4.8 TB/s datasheet figure.
+  tests      the kernel test files (`tests/attention/test_{pallas,paged_decode_kernel,mla_decode_kernel,softcap}.py`)
+             with JAXKV_PALLAS_COMPILED=1: the kernels compiled (interpret=False), the device's body only, against
+             the XLA references, float32 and bfloat16 queries, float / int8 / fp8 caches, windows, rings, soft-capping
+             and the speculative verify's query blocks.
+  bandwidth  decode attention (one query per row) over live K/V of 1k / 8k / 32k tokens at batch 1 / 8 / 64,
+             bfloat16 and int8 caches, contiguous and paged (page 16, pages shuffled in the pool): achieved
+             bandwidth = live K/V bytes (and scales) read / time, for the Pallas kernel and the XLA reference. Each
+             time is the median of 5 runs of a jitted `fori_loop` of calls (so dispatch is not measured); live
+             bytes under 4x the L2 (60 MB on an H200) are marked: repeated calls then read from the L2.
+  prefill    causal prefill attention, TFLOP/s counting only the unmasked half (4 B N H T (T+1) / 2 FLOPs).
+  step       the whole decode step of a Llama-3-8B-shaped model (32 layers, 4096 wide, 32 query / 8 KV heads of
+             128, FFN 14336, vocabulary 128256; random bfloat16 weights drawn on the device), `jaxkv.generate.decode`
+             of 32 tokens over a cache holding 1k or 8k random tokens, batch 1 / 8 / 64, `attention="pallas"` and
+             `"xla"`: tokens/s and the fraction of the roofline (weights + live K/V bytes per step, over the copy
+             bandwidth measured in the same process).
+  engine     `jaxkv.Engine` at 64 slots on the same model: 64 requests of 960 prompt tokens and 128 new tokens,
+             pallas and xla: decode tokens/s (generated tokens / the engine's decode seconds), after a warm-up run.
+
+Prints a table per section; with $OUT set (the device tool) it also appends every figure to $OUT/device_check.json
+(one JSON object per section) and the compiled tests' report to $OUT/kernel_tests.xml. On a CPU-only machine without --interpret it says so and exits with 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -31,27 +50,46 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax import lax  # noqa: E402
-
-from jaxkv.attention import pallas, reference  # noqa: E402
-from jaxkv.cache.storage import quantize  # noqa: E402
-
-
-def run_tests(interpret: bool) -> int:
-    env = dict(os.environ)
-    if not interpret:
-        env["JAXKV_PALLAS_COMPILED"] = "1"
-    cmd = [sys.executable, "-m", "pytest", "-q", "tests/attention/test_pallas.py"]
-    print(f"$ {'' if interpret else 'JAXKV_PALLAS_COMPILED=1 '}{' '.join(cmd[1:])}", flush=True)
-    return subprocess.call(cmd, cwd=ROOT, env=env)
+SECTIONS = ("env", "copy", "tests", "bandwidth", "step", "engine", "prefill")
+# Seconds each section may take at most: the device tool's lease is 15 minutes, so the whole run fits in two calls
+# of at most 10 (env,copy,tests,bandwidth,prefill; then step,engine).
+LIMITS = {"env": 60, "copy": 40, "tests": 150, "bandwidth": 120, "prefill": 40, "step": 250, "engine": 150}
+KERNEL_TESTS = ["tests/attention/test_pallas.py", "tests/attention/test_paged_decode_kernel.py",
+                "tests/attention/test_mla_decode_kernel.py", "tests/attention/test_softcap.py"]
+L2_BYTES = 60e6  # the H200's L2 (KINDS.md)
+DATASHEET_BW = 4.8e12  # H200 HBM3e, the vendor's figure
 
 
-def time_per_call(fn, *args, iters: int) -> float:
-    """Seconds per call of fn(q, *rest) -> like q, run `iters` times inside one jit with a data dependency
-    (each query is perturbed by 0 * the previous output) so XLA can neither hoist nor drop the calls."""
+def out_dir() -> Path | None:
+    out = os.environ.get("OUT")
+    return Path(out) if out else None
+
+
+def record(section: str, figures: dict):
+    """Appends one section's figures to $OUT/device_check.json (a JSON object per line)."""
+    out = out_dir()
+    if out is not None:
+        with open(out / "device_check.json", "a") as f:
+            f.write(json.dumps({"section": section, **figures}) + "\n")
+
+
+def median_seconds(fn, reps: int = 5) -> float:
+    """Median wall seconds of fn() (which blocks until its results are ready), after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def time_per_call(fn, *args, iters: int, reps: int = 5) -> float:
+    """Median seconds per call of fn(q, *rest) -> like q, run `iters` times inside one jit with a data dependency
+    (each query is perturbed by 0 * the previous output) so that XLA can neither hoist nor drop the calls."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
 
     @jax.jit
     def loop(q, *rest):
@@ -59,94 +97,413 @@ def time_per_call(fn, *args, iters: int) -> float:
             return fn(q + carry * 0, *rest).astype(q.dtype)
         return lax.fori_loop(0, iters, body, jnp.zeros_like(q))
 
-    loop(*args).block_until_ready()  # compile and warm up
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        loop(*args).block_until_ready()
-        best = min(best, (time.perf_counter() - t0) / iters)
-    return best
+    return median_seconds(lambda: loop(*args).block_until_ready(), reps) / iters
 
 
-def bench_decode(small: bool, interpret: bool, platform: str, cache_dtype: str):
-    B, N, K, H, S = (2, 8, 2, 64, 512) if small else (8, 32, 8, 128, 8192)
-    lengths = (64, 512) if small else (128, 1024, 8192)
-    iters = 2 if small else 100
-    dtype = jnp.bfloat16
+# --- sections -----------------------------------------------------------------------------------------------------
+
+
+def section_env(args) -> int:
+    import jax
+    import jaxlib
+    import numpy as np
+    import flax
+
+    figures = {"python": sys.version.split()[0], "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+               "flax": flax.__version__, "numpy": np.__version__, "backend": jax.default_backend(),
+               "devices": [str(d) for d in jax.devices()]}
+    try:
+        figures["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                                           text=True).stdout.strip() or None
+    except OSError:
+        figures["commit"] = None
+    for k, v in figures.items():
+        print(f"{k}: {v}")
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,memory.used,clocks.sm,clocks.mem,"
+                              "clocks.max.sm,driver_version", "--format=csv"], capture_output=True, text=True,
+                             timeout=20)
+        print(smi.stdout.strip())
+        figures["nvidia_smi"] = smi.stdout.strip()
+    except (OSError, subprocess.TimeoutExpired) as e:
+        print(f"nvidia-smi: {e}")
+    record("env", figures)
+    import jaxkv  # noqa: F401  (the package imports under this jax)
+    print("import jaxkv: ok")
+    return 0
+
+
+def copy_bandwidth(nbytes: int) -> float:
+    """Bytes per second of a device-to-device copy (read + written), median of 5."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jax.random.normal(jax.random.PRNGKey(0), (nbytes // 4,), jnp.float32)
+    copy = jax.jit(lambda x: x * 1.0 + 0.0)  # one read, one write
+    t = median_seconds(lambda: copy(x).block_until_ready())
+    return 2 * nbytes / t
+
+
+def section_copy(args) -> int:
+    nbytes = (64 << 20) if args.interpret else (4 << 30)
+    bw = copy_bandwidth(nbytes)
+    print(f"device copy: {nbytes / 2**30:.2f} GiB, {bw / 1e9:.0f} GB/s (read + written); "
+          f"{bw / DATASHEET_BW:.0%} of the {DATASHEET_BW / 1e12:.1f} TB/s datasheet")
+    record("copy", {"bytes": nbytes, "gb_s": bw / 1e9})
+    return 0
+
+
+def section_tests(args) -> int:
+    env = dict(os.environ)
+    if not args.interpret:
+        env["JAXKV_PALLAS_COMPILED"] = "1"
+    # No 8 fake host devices, no LLVM -O0 (tests/conftest.py sets them only when XLA_FLAGS is unset), no 75% of the
+    # GPU's memory taken by each pytest worker.
+    env["XLA_FLAGS"] = ""
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", *KERNEL_TESTS]
+    try:
+        import xdist  # noqa: F401
+        cmd[4:4] = ["-n", str(min(8, os.cpu_count() or 1))]
+    except ImportError:
+        pass
+    out = out_dir()
+    if out is not None:
+        cmd.insert(4, f"--junitxml={out / 'kernel_tests.xml'}")
+    print(f"$ {'' if args.interpret else 'JAXKV_PALLAS_COMPILED=1 '}{' '.join(cmd[1:])}", flush=True)
+    status = subprocess.call(cmd, cwd=ROOT, env=env)
+    record("tests", {"exit": status, "files": KERNEL_TESTS})
+    return status
+
+
+def _device_normal(shape, dtype, seed):
+    """Normal(0, 1) drawn on the device (host numpy would take minutes for gigabytes)."""
+    import jax
+    import jax.numpy as jnp
+
+    return jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float32).astype(dtype)
+
+
+def section_bandwidth(args) -> int:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxkv.attention import paged_reference, pallas, reference
+    from jaxkv.cache.storage import quantize
+
+    N, K, H = (8, 2, 64) if args.interpret else (32, 8, 128)
+    batches = (1, 2) if args.interpret else (1, 8, 64)
+    lives = (64, 256) if args.interpret else (1024, 8192, 32768)
+    page = 16
+    iters = 1 if args.interpret else 20
+    platform = pallas.default_platform()
+    scale = H ** -0.5
+    rows = []
+    print(f"decode attention: N={N} K={K} H={H}, bfloat16 queries; GB/s = live K/V bytes read / time "
+          "('L2': live bytes under 4x the L2, read from the cache on repeats)")
+    print(f"{'layout':>10} {'cache':>8} {'B':>3} {'live':>6} {'MB live':>8} {'pallas us':>10} {'GB/s':>7} "
+          f"{'xla us':>9} {'GB/s':>7}")
+
+    def show(r):
+        print(f"{r['layout']:>10} {r['cache']:>8} {r['B']:>3} {r['live']:>6} {r['live_mb']:>8.1f} "
+              f"{r['pallas_us']:>10.1f} {r['pallas_gb_s']:>7.0f} {r['xla_us']:>9.1f} {r['xla_gb_s']:>7.0f}"
+              f"{'  L2' if r['live_mb'] * 1e6 < 4 * L2_BYTES else ''}", flush=True)
+
+    for cache_dtype in ("bfloat16", "int8"):
+        for B in batches:
+            S = max(lives)
+            key = jax.random.PRNGKey(B)
+            q = jax.random.normal(key, (B, 1, N, H), jnp.float32).astype(jnp.bfloat16)
+            # Contiguous: [B, K, S, H], the live prefix of each row read.
+            k = _device_normal((B, K, S, H), jnp.float32, 1)
+            v = _device_normal((B, K, S, H), jnp.float32, 2)
+            if cache_dtype == "int8":
+                (k, ks), (v, vs) = quantize(k, "int8"), quantize(v, "int8")
+                slot_bytes = H + 4
+            else:
+                k, v, ks, vs = k.astype(cache_dtype), v.astype(cache_dtype), None, None
+                slot_bytes = H * 2
+            start = jnp.zeros((B,), jnp.int32)
+            kern = functools.partial(pallas.attention, scale=scale, interpret=args.interpret, platform=platform)
+            for live in lives:
+                off = jnp.int32(live - 1)
+                live_bytes = 2 * B * K * live * slot_bytes
+                tp = time_per_call(lambda q, k, v, ks, vs: kern(q, k, v, start, off, k_scale=ks, v_scale=vs),
+                                   q, k, v, ks, vs, iters=iters)
+                tx = time_per_call(lambda q, k, v, ks, vs: reference.attention(q, k, v, start, off, scale=scale,
+                                                                               k_scale=ks, v_scale=vs),
+                                   q, k, v, ks, vs, iters=iters)
+                r = dict(layout="contiguous", cache=cache_dtype, B=B, live=live, live_mb=live_bytes / 1e6,
+                         pallas_us=tp * 1e6, pallas_gb_s=live_bytes / tp / 1e9, xla_us=tx * 1e6,
+                         xla_gb_s=live_bytes / tx / 1e9)
+                rows.append(r)
+                show(r)
+            # Paged: the same slots as pages of 16 in a shuffled pool; lengths traced, one table width.
+            P, M = B * S // page, S // page
+            def to_pages(x):  # [B, K, S, ...] -> [P, K, page, ...] with a shuffled page order
+                x = x.reshape(B, K, M, page, *x.shape[3:]).swapaxes(1, 2).reshape(P, K, page, *x.shape[3:])
+                return x
+            perm = np.random.default_rng(B).permutation(P)
+            kp, vp = to_pages(k)[perm], to_pages(v)[perm]
+            ksp = None if ks is None else to_pages(ks)[perm]
+            vsp = None if vs is None else to_pages(vs)[perm]
+            del k, v, ks, vs
+            inverse = np.argsort(perm)
+            table = jnp.asarray(inverse.reshape(B, M), jnp.int32)
+            for live in lives:
+                lengths = jnp.full((B,), live, jnp.int32)
+                q_slots = (lengths - 1)[:, None]
+                live_bytes = 2 * B * K * live * slot_bytes
+                tp = time_per_call(lambda q, kp, vp, ks, vs: pallas.paged_attention(
+                    q, kp, vp, table, lengths, q_slots, scale=scale, k_scale=ks, v_scale=vs,
+                    interpret=args.interpret, platform=platform), q, kp, vp, ksp, vsp, iters=iters)
+                tx = time_per_call(lambda q, kp, vp, ks, vs: paged_reference.paged_attention(
+                    q, kp, vp, table, lengths, q_slots, scale=scale, k_scale=ks, v_scale=vs),
+                    q, kp, vp, ksp, vsp, iters=iters)
+                r = dict(layout="paged", cache=cache_dtype, B=B, live=live, live_mb=live_bytes / 1e6,
+                         pallas_us=tp * 1e6, pallas_gb_s=live_bytes / tp / 1e9, xla_us=tx * 1e6,
+                         xla_gb_s=live_bytes / tx / 1e9)
+                rows.append(r)
+                show(r)
+            del kp, vp, ksp, vsp
+    record("bandwidth", {"rows": rows})
+    return 0
+
+
+def section_prefill(args) -> int:
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxkv.attention import pallas, reference
+
+    shapes = [(1, 64, 4, 2, 64)] if args.interpret else [(4, 2048, 32, 8, 128), (1, 8192, 32, 8, 128)]
+    rows = []
+    for B, T, N, K, H in shapes:
+        rng = np.random.default_rng(0)
+        q = jnp.asarray(rng.normal(size=(B, T, N, H)), jnp.bfloat16)
+        k = jnp.asarray(rng.normal(size=(B, K, T, H)), jnp.bfloat16)
+        v = jnp.asarray(rng.normal(size=(B, K, T, H)), jnp.bfloat16)
+        start, off = jnp.zeros((B,), jnp.int32), jnp.int32(0)
+        flops = 4 * B * N * H * T * (T + 1) / 2
+        for name, fn in [("pallas", functools.partial(pallas.attention, interpret=args.interpret)),
+                         ("xla", reference.attention)]:
+            t = time_per_call(lambda q, k, v: fn(q, k, v, start, off, scale=H ** -0.5), q, k, v,
+                              iters=1 if args.interpret else 5)
+            rows.append(dict(impl=name, B=B, T=T, N=N, K=K, H=H, ms=t * 1e3, tflop_s=flops / t / 1e12))
+            print(f"prefill B={B} T={T} N={N} K={K} H={H} bf16 causal {name:>7}: {t * 1e3:8.3f} ms "
+                  f"{flops / t / 1e12:7.1f} TFLOP/s", flush=True)
+    record("prefill", {"rows": rows})
+    return 0
+
+
+def llama3_8b(interpret: bool):
+    from jaxkv.config import Config
+
+    if interpret:  # the same structure, tiny
+        return Config(vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128,
+                      max_positions=4096, rope_theta=500000.0, dtype="bfloat16")
+    return Config(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+                  max_positions=16384, rope_theta=500000.0, norm_eps=1e-5, dtype="bfloat16")
+
+
+def device_params(config):
+    """Random parameters drawn on the device: Normal(0, 0.02) weights, unit norm scales, zero biases (host numpy,
+    as `Model.random` draws, would take minutes for 8B parameters)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxkv.model import param_shapes
+
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(config))
+    keys = jax.random.split(jax.random.PRNGKey(0), len(leaves))
+
+    @functools.partial(jax.jit, static_argnums=(1, 2))
+    def normal(key, shape, dtype):
+        return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+    out = []
+    for (path, leaf), key in zip(leaves, keys):
+        name = path[-1].key
+        if name == "scale" or name == "layer_scalar":
+            out.append(jnp.ones(leaf.shape, leaf.dtype))
+        elif name.endswith("bias"):
+            out.append(jnp.zeros(leaf.shape, leaf.dtype))
+        else:
+            out.append(normal(key, leaf.shape, leaf.dtype))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def random_cache(config, batch, capacity, live, seed):
+    """A KVCache of `capacity` slots holding `live` tokens of random K/V (not zeros: see METHOD.md)."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxkv.cache.contiguous import KVCache
+
+    cache = KVCache.allocate(config, batch, capacity)
+    fill = jax.jit(lambda x, key: jax.random.normal(key, x.shape, jnp.float32).astype(x.dtype), donate_argnums=0)
+    keys = tuple(fill(x, jax.random.PRNGKey(seed + i)) for i, x in enumerate(cache.keys))
+    values = tuple(fill(x, jax.random.PRNGKey(seed + 1000 + i)) for i, x in enumerate(cache.values))
+    return dataclasses.replace(cache, keys=keys, values=values, length=jnp.int32(live))
+
+
+def section_step(args) -> int:
+    import jax
+    import jax.numpy as jnp
+
+    from jaxkv import roofline
+    from jaxkv.generate import decode
+    from jaxkv.sampling import Sampler
+
+    config = llama3_8b(args.interpret)
+    batches = (1, 2) if args.interpret else (1, 8, 64)
+    lives = (64, 256) if args.interpret else (1024, 8192)
+    steps = 4 if args.interpret else 32
+    capacity = max(lives) + steps + 1
+    t0 = time.perf_counter()
+    params = device_params(config)
+    jax.block_until_ready(params)
+    print(f"model: {config.param_count() / 1e9:.2f}B parameters, bfloat16, drawn in {time.perf_counter() - t0:.1f} s; "
+          f"cache capacity {capacity}", flush=True)
+    bw = copy_bandwidth((64 << 20) if args.interpret else (4 << 30))
+    print(f"copy bandwidth (the roofline's): {bw / 1e9:.0f} GB/s")
+    print(f"{'attention':>9} {'B':>3} {'live':>6} {'first s':>9} {'ms/step':>8} {'tokens/s':>9} {'GB/step':>8} "
+          f"{'roofline':>8}")
+    rows = []
+    for attention in ("pallas", "xla"):
+        for B in batches:
+            compile_s = None
+            for live in lives:
+                def once():
+                    cache = random_cache(config, B, capacity, live, seed=B)
+                    inputs = (cache, jnp.zeros((B, config.vocab_size), jnp.float32), jax.random.PRNGKey(0),
+                              Sampler.make(), jnp.full((8,), -1, jnp.int32))
+                    jax.block_until_ready(inputs)
+                    t = time.perf_counter()
+                    out = decode(params, *inputs, config=config, steps=steps + 1, attention=attention)
+                    jax.block_until_ready(out)
+                    return time.perf_counter() - t
+                try:
+                    first = once()
+                    if compile_s is None:
+                        compile_s = first
+                    step_s = statistics.median(once() for _ in range(3)) / steps
+                except Exception as e:  # noqa: BLE001  (one configuration's failure is a figure too)
+                    print(f"{attention:>9} {B:>3} {live:>6} FAILED: {type(e).__name__}: {str(e)[:400]}", flush=True)
+                    rows.append(dict(attention=attention, B=B, live=live, error=f"{type(e).__name__}: {e}"[:2000]))
+                    continue
+                nbytes = roofline.decode_bytes_per_step(config, B, live + steps / 2, 2)
+                r = dict(attention=attention, B=B, live=live, compile_s=compile_s, ms_per_step=step_s * 1e3,
+                         tokens_s=B / step_s, gb_per_step=nbytes / 1e9, roofline=nbytes / step_s / bw)
+                rows.append(r)
+                print(f"{attention:>9} {B:>3} {live:>6} {compile_s:>9.1f} {step_s * 1e3:>8.2f} {B / step_s:>9.0f} "
+                      f"{nbytes / 1e9:>8.2f} {r['roofline']:>8.0%}", flush=True)
+    record("step", {"copy_gb_s": bw / 1e9, "steps": steps, "capacity": capacity, "rows": rows})
+    return 0
+
+
+def section_engine(args) -> int:
+    import jax
+    import numpy as np
+
+    import jaxkv
+
+    config = llama3_8b(args.interpret)
+    model = jaxkv.Model(config=config, params=device_params(config))
+    slots = 4 if args.interpret else 64
+    prompt_len, new = (32, 8) if args.interpret else (960, 128)
     rng = np.random.default_rng(0)
-    q = jnp.asarray(rng.normal(size=(B, 1, N, H)), dtype)
-    k = jnp.asarray(rng.normal(size=(B, K, S, H)), jnp.float32)
-    v = jnp.asarray(rng.normal(size=(B, K, S, H)), jnp.float32)
-    if cache_dtype == "int8":
-        (k, k_scale), (v, v_scale) = quantize(k, cache_dtype), quantize(v, cache_dtype)
-        slot_bytes = H + 4  # int8 values and a float32 scale per slot and KV head
-    else:
-        k, v, k_scale, v_scale = k.astype(cache_dtype), v.astype(cache_dtype), None, None
-        slot_bytes = H * jnp.dtype(cache_dtype).itemsize
-    start = jnp.zeros((B,), jnp.int32)
-    kernel = functools.partial(pallas.attention, scale=H ** -0.5, interpret=interpret, platform=platform)
-    xla = functools.partial(reference.attention, scale=H ** -0.5)
-    print(f"\ndecode: B={B} N={N} K={K} H={H} S={S} q {jnp.dtype(dtype).name}, cache {cache_dtype}; "
-          "GB/s = live K+V bytes / time")
-    print(f"{'live':>8} {'pallas us':>10} {'pallas GB/s':>12} {'xla us':>10} {'xla GB/s (live)':>16}")
-    for live in lengths:
-        q_offset = jnp.int32(live - 1)
-        live_bytes = 2 * B * K * live * slot_bytes
-        t_kernel = time_per_call(lambda q, k, v, ks, vs: kernel(q, k, v, start, q_offset, k_scale=ks, v_scale=vs),
-                                 q, k, v, k_scale, v_scale, iters=iters)
-        t_xla = time_per_call(lambda q, k, v, ks, vs: xla(q, k, v, start, q_offset, k_scale=ks, v_scale=vs),
-                              q, k, v, k_scale, v_scale, iters=iters)
-        print(f"{live:>8} {t_kernel * 1e6:>10.1f} {live_bytes / t_kernel / 1e9:>12.1f} {t_xla * 1e6:>10.1f} "
-              f"{live_bytes / t_xla / 1e9:>16.1f}")
+    requests = [dict(prompt=rng.integers(1, config.vocab_size, prompt_len).tolist(), max_new_tokens=new)
+                for _ in range(slots)]
+    rows = []
+    print(f"engine: {slots} slots, {slots} requests of {prompt_len} prompt + {new} new tokens")
+    for attention in ("pallas", "xla"):
+        try:
+            engine = jaxkv.Engine(model, slots=slots, max_len=prompt_len + new, prefill_chunk=512 if not
+                                  args.interpret else 16, prefill_rows=8, attention=attention,
+                                  decode_widths=[slots])  # every slot busy: one decode program to compile
+            t0 = time.perf_counter()
+            engine.generate(requests, stop_tokens=[])  # compiles
+            warm = time.perf_counter() - t0
+            before = dict(engine.stats)
+            t0 = time.perf_counter()
+            engine.generate(requests, stop_tokens=[])
+            wall = time.perf_counter() - t0
+            s = {k: engine.stats[k] - before.get(k, 0) for k in engine.stats
+                 if isinstance(engine.stats[k], (int, float))}
+        except Exception as e:  # noqa: BLE001
+            print(f"{attention}: FAILED: {type(e).__name__}: {str(e)[:400]}", flush=True)
+            rows.append(dict(attention=attention, error=f"{type(e).__name__}: {e}"[:2000]))
+            continue
+        r = dict(attention=attention, first_run_s=warm, wall_s=wall, prefill_s=s["prefill_s"],
+                 decode_s=s["decode_s"], generated=s["generated_tokens"],
+                 decode_tokens_s=s["generated_tokens"] / s["decode_s"], decode_steps=s["decode_steps"])
+        rows.append(r)
+        print(f"{attention:>7}: first run {warm:.1f} s; then {wall:.2f} s wall, prefill {s['prefill_s']:.2f} s, "
+              f"decode {s['decode_s']:.2f} s for {s['generated_tokens']} tokens: "
+              f"{r['decode_tokens_s']:.0f} tokens/s", flush=True)
+        del engine
+    record("engine", {"slots": slots, "prompt": prompt_len, "new": new, "rows": rows})
+    return 0
 
 
-def bench_prefill(small: bool, interpret: bool, platform: str):
-    B, T, N, K, H = (1, 64, 4, 2, 64) if small else (4, 2048, 32, 8, 128)
-    iters = 1 if small else 10
-    dtype = jnp.bfloat16
-    rng = np.random.default_rng(0)
-    q = jnp.asarray(rng.normal(size=(B, T, N, H)), dtype)
-    k = jnp.asarray(rng.normal(size=(B, K, T, H)), dtype)
-    v = jnp.asarray(rng.normal(size=(B, K, T, H)), dtype)
-    start, q_offset = jnp.zeros((B,), jnp.int32), jnp.int32(0)
-    flops = 4 * B * N * H * T * (T + 1) / 2  # QK^T and PV over the causal triangle
-    print(f"\nprefill: B={B} T={T} N={N} K={K} H={H} {jnp.dtype(dtype).name}, causal; "
-          f"{flops / 1e12:.3f} TFLOP per call")
-    for name, fn in [("pallas", functools.partial(pallas.attention, interpret=interpret, platform=platform)),
-                     ("xla", reference.attention)]:
-        t = time_per_call(lambda q, k, v: fn(q, k, v, start, q_offset, scale=H ** -0.5), q, k, v, iters=iters)
-        print(f"{name:>8}: {t * 1e3:8.3f} ms  {flops / t / 1e12:8.2f} TFLOP/s")
+# --- driver -------------------------------------------------------------------------------------------------------
+
+
+def run_section(name: str, args, budget_left: float) -> tuple[int, float]:
+    """Runs one section in a fresh process (its own GPU client and memory) -> (exit status, seconds)."""
+    limit = max(5.0, min(LIMITS[name], budget_left))
+    cmd = [sys.executable, "-u", str(Path(__file__).resolve()), "--section", name]
+    if args.interpret:
+        cmd.append("--interpret")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_MEM_FRACTION="0.92")
+    print(f"\n===== {name} (limit {limit:.0f} s) =====", flush=True)
+    t0 = time.perf_counter()
+    try:
+        status = subprocess.call(cmd, cwd=ROOT, env=env, timeout=limit)
+    except subprocess.TimeoutExpired:
+        print(f"===== {name}: TIMED OUT after {limit:.0f} s", flush=True)
+        status = 124
+    return status, time.perf_counter() - t0
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--interpret", action="store_true",
-                        help="run in the Pallas interpreter (CPU allowed; slow; benchmark numbers meaningless)")
-    only = parser.add_mutually_exclusive_group()
-    only.add_argument("--tests-only", action="store_true")
-    only.add_argument("--bench-only", action="store_true")
+                        help="run in the Pallas interpreter on any backend (tiny shapes; numbers meaningless)")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
+    parser.add_argument("--budget", type=float, default=540.0, help="seconds for the whole run")
+    parser.add_argument("--section", help=argparse.SUPPRESS)  # internal: run one section in this process
     args = parser.parse_args(argv)
 
-    backend = jax.default_backend()
-    print(f"backend: {backend}; devices: {jax.devices()}")
-    if backend not in ("gpu", "tpu") and not args.interpret:
-        print("device_check needs a GPU or TPU: the compiled Pallas kernels cannot run on "
-              f"{backend!r}. Use --interpret to run the interpreted kernels here instead.", file=sys.stderr)
-        return 2
-    if args.interpret:
-        print("WARNING: interpret mode: kernels run in the Pallas interpreter; benchmark shapes are tiny and "
-              "the numbers say nothing about the hardware.", file=sys.stderr)
-    platform = pallas.default_platform()
+    if args.section:
+        import jax
+        if jax.default_backend() not in ("gpu", "tpu") and not args.interpret:
+            print(f"device_check needs a GPU or TPU (backend {jax.default_backend()!r}); --interpret runs the "
+                  "Pallas interpreter instead", file=sys.stderr)
+            return 2
+        return globals()[f"section_{args.section}"](args)
 
-    status = 0
-    if not args.bench_only:
-        status = run_tests(args.interpret)
-        print(f"tests: {'passed' if status == 0 else f'FAILED (exit {status})'}", flush=True)
-    if not args.tests_only:
-        for cache_dtype in ("bfloat16", "int8"):
-            bench_decode(args.interpret, args.interpret, platform, cache_dtype)
-        bench_prefill(args.interpret, args.interpret, platform)
-    return status
+    names = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = [s for s in names if s not in SECTIONS]
+    if unknown:
+        parser.error(f"unknown section(s) {unknown}; choose from {', '.join(SECTIONS)}")
+    deadline = time.perf_counter() + args.budget
+    results = {}
+    for name in names:
+        left = deadline - time.perf_counter()
+        if left < 5:
+            results[name] = ("skipped: out of budget", 0.0)
+            continue
+        results[name] = run_section(name, args, left)
+    print("\n===== summary =====")
+    for name, (status, seconds) in results.items():
+        print(f"{name:>10}: {status if isinstance(status, str) else ('ok' if status == 0 else f'exit {status}')} "
+              f"({seconds:.0f} s)")
+    return 0 if all(s == 0 for s, _ in results.values()) else 1
 
 
 if __name__ == "__main__":

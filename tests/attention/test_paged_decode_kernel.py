@@ -20,7 +20,7 @@ from jaxkv.attention import paged_decode_kernel as pk
 # their reasons in helpers.tolerances (the paged kernel shares the contiguous kernel's math; quantized pools give both
 # sides the same stored numbers and scales).
 from helpers import kernels
-from helpers.kernels import TOLERANCES
+from helpers.kernels import INTERPRET, PLATFORMS, TOLERANCES  # the interpreter on CPU; compiled with JAXKV_PALLAS_COMPILED=1
 
 HEADS = {"mha": (2, 2), "gqa": (8, 2), "mqa": (4, 1)}  # (N, K)
 H = kernels.PAGED_HEAD_DIM
@@ -33,7 +33,7 @@ def _kernel(platform, window, pages_per_block):
     def kernel(q, k, v, table, lengths, k_scale=None, v_scale=None):
         return pk.paged_decode_attention(q, k, v, table, lengths, scale=SCALE, sliding_window=window,
                                          k_scale=k_scale, v_scale=v_scale, platform=platform,
-                                         pages_per_block=pages_per_block, interpret=True)
+                                         pages_per_block=pages_per_block, interpret=INTERPRET)
 
     return kernel
 
@@ -76,7 +76,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("platform", ["tpu", "gpu"])
+@pytest.mark.parametrize("platform", PLATFORMS)
 @pytest.mark.parametrize("page_size,heads,dtype,pool_dtype,window,pages_per_block", CASES)
 def test_kernel_matches_reference(platform, page_size, heads, dtype, pool_dtype, window, pages_per_block):
     N, K = HEADS[heads]
@@ -94,7 +94,7 @@ def _block_kernel(platform, window, pages_per_block):
     def kernel(q, k, v, table, lengths, q_slots, k_scale=None, v_scale=None):
         return pallas.paged_attention(q, k, v, table, lengths, q_slots, scale=SCALE, sliding_window=window,
                                       k_scale=k_scale, v_scale=v_scale, platform=platform,
-                                      pages_per_block=pages_per_block, interpret=True)
+                                      pages_per_block=pages_per_block, interpret=INTERPRET)
 
     return kernel
 
@@ -127,7 +127,7 @@ BLOCK_CASES = [
 ]
 
 
-@pytest.mark.parametrize("platform", ["tpu", "gpu"])
+@pytest.mark.parametrize("platform", PLATFORMS)
 @pytest.mark.parametrize("T,page_size,heads,dtype,pool_dtype,window,pages_per_block", BLOCK_CASES)
 def test_query_block_matches_reference(platform, T, page_size, heads, dtype, pool_dtype, window, pages_per_block):
     """T queries per sequence through `pallas.paged_attention` against the reference: the last T slots of each
