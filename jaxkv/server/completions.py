@@ -12,6 +12,7 @@ import uuid
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from jaxkv.engine import Event
 from jaxkv.server import intake, protocol, sequences, sse
 from jaxkv.server.sequences import Choice
 from jaxkv.server.protocol import ApiError
@@ -22,7 +23,7 @@ from jaxkv.server.text import TextStream, added_tokens, prompt_text
 async def completions(request: Request) -> Response:
     state, req = await intake.accept(request, "completions", protocol.completion_request)
     s = req.sampling
-    prompts, budgets, echoed, prompt_part = await _prepare(state, req)
+    prompts, budgets, echoed, prompt_part, next_tops = await _prepare(state, req)
     cid, created = "cmpl-" + uuid.uuid4().hex, int(time.time())
     choice_json = _choice_writer(s, echoed, prompt_part, token_ids=s.return_token_ids or state.tokenizer is None)
 
@@ -34,6 +35,9 @@ async def completions(request: Request) -> Response:
         choices = [Choice(index=i, prompt=prompts[i // s.n], text=TextStream(state.tokenizer), stop_ids=set(),
                           finish_reason="length") for i in range(len(prompts) * s.n)]
         return answer([choice_json(c, echoed[c.index // s.n], 0, True) for c in choices], choices)
+    if next_tops is not None:  # the one greedy token, read off the scoring pass: no engine sequence
+        choices = _scored_choices(state, s, prompts, budgets, next_tops)
+        return answer([choice_json(c, echoed[c.index // s.n] + c.text.text, 0, True) for c in choices], choices)
     choices, queue = await sequences.start(request, state, s, prompts, budgets, s.stop)
 
     if not s.stream:
@@ -51,9 +55,50 @@ async def completions(request: Request) -> Response:
                                          prompts if s.include_usage else None))
 
 
+# Engine arguments that do not change which token greedy decoding picks first, at the values that change nothing.
+# A request with any other argument (or another value) is decoded by the engine, never answered by the scoring pass.
+_FIRST_TOKEN_NEUTRAL = {"repetition_penalty": (None, 1.0), "presence_penalty": (None, 0.0),
+                        "frequency_penalty": (None, 0.0), "logit_bias": (None, {}), "min_tokens": (None, 0),
+                        "bad_words": (None, []), "bad_words_ids": (None, [])}
+_SAMPLING_ARGUMENTS = {"prompt", "max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop_tokens",
+                       "logprobs"}
+
+
+def _answered_by_scoring(req: protocol.CompletionRequest, call: dict) -> bool:
+    """Whether the prompt scoring that echo + logprobs runs also gives the whole answer: one greedy token (what
+    lm-evaluation-harness's log-likelihood requests ask, and drop). Greedy decoding's first token is the argmax
+    of the logits after the prompt, which the scoring pass computes (with the same weights and cache dtype; equal
+    to the engine's to float rounding), so no engine sequence, prefill or decode is needed. Sampled requests are
+    decoded by the engine (its per-request key decides the draw), as are streams and anything that changes the
+    first token beyond the argmax (`_FIRST_TOKEN_NEUTRAL`). Stop strings and stop ids apply to the token as they
+    would to the engine's (`sequences.take_event`)."""
+    s = req.sampling
+    if not (req.echo and s.logprobs is not None and s.max_tokens == 1 and s.temperature == 0 and not s.stream):
+        return False
+    extra = set(call) - _SAMPLING_ARGUMENTS
+    return all(name in _FIRST_TOKEN_NEUTRAL and call[name] in _FIRST_TOKEN_NEUTRAL[name] for name in extra)
+
+
+def _scored_choices(state: ServerState, s: protocol.Sampling, prompts, budgets, next_tops) -> list[Choice]:
+    """The choices of a request `_answered_by_scoring`: each prompt's greedy token (the best of its `next_tops`,
+    ties to the lower id as greedy decoding breaks them) as the engine's one event would report it."""
+    _, stop_ids = intake.engine_calls(s, prompts, budgets, state)  # the stop ids, checked as for the engine
+    choices = []
+    for i in range(len(prompts) * s.n):
+        tops = next_tops[i // s.n]
+        token, logprob = tops[0]
+        c = Choice(index=i, prompt=prompts[i // s.n], text=TextStream(state.tokenizer, s.stop), stop_ids=stop_ids)
+        sequences.take_event(c, Event(id=-1, tokens=[token], logprobs=[logprob], finished=True,
+                                      finish_reason="stop" if token in stop_ids else "length",
+                                      top_logprobs=[tops[:s.logprobs]] if s.logprobs else None))
+        choices.append(c)
+    return choices
+
+
 async def _prepare(state: ServerState, req: protocol.CompletionRequest):
     """A completion request checked against the model and the server's capacity -> (each prompt's ids, each one's
-    token budget, the echoed prompts' text or None, the prompts' own logprobs blocks or None)."""
+    token budget, the echoed prompts' text or None, the prompts' own logprobs blocks or None, and for a request
+    `_answered_by_scoring` each prompt's next-token top logprobs, else None)."""
     s = req.sampling
     if s.stop and state.tokenizer is None:
         raise ApiError("stop strings need a model with a tokenizer: pass stop token ids", param="stop")
@@ -67,14 +112,18 @@ async def _prepare(state: ServerState, req: protocol.CompletionRequest):
     budgets = [intake.budget(s, p, state, "prompt") for p in prompts]
     echoed = [p if isinstance(p, str) else state.tokenizer.decode(ids, skip_special_tokens=False)
               for p, ids in zip(req.prompts, prompts)] if req.echo else None
-    prompt_part = None
+    prompt_part = next_tops = None
     if req.echo and s.logprobs is not None:  # the prompt's own log-probabilities, as evaluation harnesses ask
+        whole = s.max_tokens == 1 and _answered_by_scoring(req, intake.engine_calls(s, prompts[:1], budgets[:1],
+                                                                                    state)[0][0])
         with state.worker.hold(len(prompts)):  # held against the server's capacity (429) as engine sequences are
             # one prompt at a time: each runs a program compiled at start (`worker.warm_up_scoring`: one per length
             # bucket, batch 1), and the engine steps between them, so running streams go on
-            prompt_part = [(await _prompt_logprobs(state, [p], s.logprobs, [given]))[0]
-                           for p, given in zip(prompts, req.prompts)]
-    return prompts, budgets, echoed, prompt_part
+            scored = [await _prompt_logprobs(state, p, s.logprobs, given, next_token=whole)
+                      for p, given in zip(prompts, req.prompts)]
+        prompt_part = [part for part, _ in scored]
+        next_tops = [tops for _, tops in scored] if whole else None
+    return prompts, budgets, echoed, prompt_part, next_tops
 
 
 def _choice_writer(s: protocol.Sampling, echoed, prompt_part, *, token_ids: bool):
@@ -104,30 +153,35 @@ def _choice_writer(s: protocol.Sampling, echoed, prompt_part, *, token_ids: bool
     return choice_json
 
 
-async def _prompt_logprobs(state: ServerState, prompts, k: int, texts) -> list[dict]:
-    """Each prompt's completions-style logprobs block (its first token has none), computed on the engine thread.
-    `texts`: the prompts as given; a text prompt's tokens are read as its echo shows it, the text as given: a
+async def _prompt_logprobs(state: ServerState, p: list[int], k: int, given, *, next_token: bool = False):
+    """A prompt's completions-style logprobs block (its first token has none), computed on the engine thread ->
+    (the block, with `next_token` the top max(k, 1) (id, logprob) of the token after the prompt, best first, else
+    None). `given`: the prompt as given; a text prompt's tokens are read as its echo shows it, the text as given: a
     token the tokenizer added (a BOS) is "" at offset 0 (`text.added_tokens`); an id prompt's echo is its ids
-    decoded with their special tokens, and so are its tokens."""
+    decoded with their special tokens, and so are its tokens.
+
+    `next_token` scores one placeholder token after the prompt, in the same pass: its position's logits are those
+    after the whole prompt (its own logprob is dropped). The continuation stays within the buckets compiled at
+    start: a prompt that may make a token has at most max_len - 1 tokens."""
     from jaxkv.score import score
 
-    scored = [p for p in prompts if len(p) > 1]
-    results = iter(await state.worker.call(lambda: score(state.model, [p[:1] for p in scored],
-                                                         [p[1:] for p in scored], top_logprobs=max(k, 1)))
-                   if scored else [])
+    tail = [0] if next_token else []
+    r = None
+    if len(p) > 1 or next_token:
+        r = (await state.worker.call(lambda: score(state.model, [p[:1]], [p[1:] + tail], top_logprobs=max(k, 1))))[0]
+    tops = r.top_logprobs[-1] if next_token else None
 
-    def listing(p, given, r):  # off the event loop: a long prompt's listing is many decodes
+    def listing():  # off the event loop: a long prompt's listing is many decodes
         decoded = prompt_text(state.tokenizer, p, added_tokens(state.tokenizer, given, p) if isinstance(given, str)
                               else None)
         first = decoded.pieces[0]
         part = {"tokens": [first], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [0]}
-        if r is not None:
-            tops = [t[:k] for t in r.top_logprobs] if k else []
-            part = _completion_logprobs(decoded, 1, p[1:], list(r), tops, len(first), part)
+        if len(p) > 1:
+            top = [t[:k] for t in r.top_logprobs[:len(p) - 1]] if k else []
+            part = _completion_logprobs(decoded, 1, p[1:], list(r)[:len(p) - 1], top, len(first), part)
         return part
 
-    return [await asyncio.to_thread(listing, p, given, next(results) if len(p) > 1 else None)
-            for p, given in zip(prompts, texts)]
+    return await asyncio.to_thread(listing), tops
 
 
 def _completion_logprobs(decoded, first, tokens, logprobs, tops, offset, prompt_part=None) -> dict:

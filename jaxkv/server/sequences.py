@@ -38,6 +38,25 @@ async def _until_disconnect(request: Request):
         pass
 
 
+def take_event(c: Choice, event: Event) -> str:
+    """An engine Event's tokens added to choice c (its text, tokens, logprobs, finish_reason) -> the new text. A
+    stop string (`c.text.stopped` after it) keeps only the tokens that made the text and finishes the choice."""
+    feed = event.tokens
+    if event.finish_reason == "stop" and feed and feed[-1] in c.stop_ids:
+        feed = feed[:-1]  # a stop token ends the text and is not part of it
+    delta = c.text.add(feed)
+    c.tokens += event.tokens
+    c.logprobs += event.logprobs
+    c.tops += event.top_logprobs or []
+    if c.text.stopped:
+        del c.tokens[c.text.tokens_used:], c.logprobs[c.text.tokens_used:], c.tops[c.text.tokens_used:]
+        c.finish_reason = "stop"
+    elif event.finished:
+        delta += c.text.finish()
+        c.finish_reason = event.finish_reason
+    return delta
+
+
 async def updates(request: Request, state: ServerState, choices: list[Choice], queue: asyncio.Queue):
     """Yields (choice, new text, index of its first new token) as its sequence progresses, until every choice has
     finished. Ends early, cancelling them all, if the client disconnects."""
@@ -57,20 +76,9 @@ async def updates(request: Request, state: ServerState, choices: list[Choice], q
                 if c.text.stopped:
                     continue  # tokens made in the same dispatch after a stop string: dropped
                 first = len(c.tokens)
-                feed = item.tokens
-                if item.finish_reason == "stop" and feed and feed[-1] in c.stop_ids:
-                    feed = feed[:-1]  # a stop token ends the text and is not part of it
-                delta = c.text.add(feed)
-                c.tokens += item.tokens
-                c.logprobs += item.logprobs
-                c.tops += item.top_logprobs or []
-                if c.text.stopped:  # a stop string: keep only the tokens that made the text, end the sequence
-                    del c.tokens[c.text.tokens_used:], c.logprobs[c.text.tokens_used:], c.tops[c.text.tokens_used:]
-                    c.finish_reason = "stop"
+                delta = take_event(c, item)
+                if c.text.stopped:  # a stop string: end the sequence
                     worker.cancel([c.handle], reason="stop")
-                elif item.finished:
-                    delta += c.text.finish()
-                    c.finish_reason = item.finish_reason
                 yield c, delta, first
             else:  # the sequence's Result (or the engine's failure): it is over
                 open_ -= 1

@@ -11,6 +11,7 @@ import threading
 import time
 
 import jax
+import numpy as np
 import pytest
 
 import jaxkv
@@ -635,3 +636,51 @@ def test_bad_speculation_flags_are_one_line_errors(args, words):
 
     with pytest.raises(ValueError, match=words):
         check(parser().parse_args(args))
+
+
+# --- issue 30, item 6: what lm-evaluation-harness sends ------------------------------------------------------------
+
+
+def _answer(client, body):
+    r = client.post("/v1/completions", json={"model": "test-tiny", "temperature": 0, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_a_log_likelihood_request_is_answered_by_its_scoring_pass(text_client):
+    """lm-eval's log-likelihood request (echo, logprobs 1, max_tokens 1, temperature 0) gets the greedy token from
+    the pass that scores the prompt, with no engine sequence: the same token, text, logprobs, finish reason and
+    usage as the engine's answer to the request without echo, stop strings and stop ids included."""
+    client, state = text_client
+    counters = state.worker.counters
+    for prompt in ([9], [7, 8, 9, 10, 11], list(range(40, 103))):  # 63 = max_len - 1 tokens: the largest bucket
+        plain = _answer(client, {"prompt": prompt, "max_tokens": 1, "return_token_ids": True})["choices"][0]
+        text = plain["text"]
+        cases = [{}, {"logprobs": 0}, {"logprobs": 5, "n": 2}, {"stop_token_ids": plain["token_ids"]}]
+        if text:
+            cases.append({"stop": [text]})
+        for extra in cases:
+            body = {"prompt": prompt, "max_tokens": 1, "logprobs": 3, **extra}
+            engine = _answer(client, body)
+            submitted = counters["sequences"]
+            scored = _answer(client, {**body, "echo": True, "seed": 1234})
+            assert counters["sequences"] == submitted, extra  # no engine sequence
+            echo = state.tokenizer.decode(prompt, skip_special_tokens=False)
+            assert scored["usage"] == engine["usage"], extra
+            for s, e in zip(scored["choices"], engine["choices"], strict=True):
+                assert s["text"] == echo + e["text"] and s["finish_reason"] == e["finish_reason"], extra
+                n = len(e["logprobs"]["tokens"])
+                lp = s["logprobs"]
+                assert len(lp["tokens"]) == len(prompt) + n and lp["tokens"][len(prompt):] == e["logprobs"]["tokens"]
+                np.testing.assert_allclose(lp["token_logprobs"][len(prompt):], e["logprobs"]["token_logprobs"],
+                                           atol=1e-4)
+                for got, want in zip(lp["top_logprobs"][len(prompt):], e["logprobs"]["top_logprobs"]):
+                    assert got.keys() == want.keys()
+                    np.testing.assert_allclose(list(got.values()), list(want.values()), atol=1e-4)
+    # sampled, or streamed: the engine decodes it
+    for extra in ({"temperature": 1.0, "seed": 3}, {"stream": True}):
+        submitted = counters["sequences"]
+        r = client.post("/v1/completions", json={"model": "test-tiny", "prompt": [5, 6], "max_tokens": 1,
+                                                 "logprobs": 1, "echo": True, "temperature": 0, **extra})
+        assert r.status_code == 200 and counters["sequences"] == submitted + 1, (extra, r.text)
+
