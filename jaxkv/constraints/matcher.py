@@ -1,0 +1,189 @@
+"""The host side of constrained decoding: llguidance matchers, one per constrained row, and the packed masks
+they fill.
+
+- `lltokenizer(tokenizer, vocab_size, eos_ids)`: the llguidance view of a model's `tokenizers.Tokenizer`, built
+  once per (tokenizer, logits width, eos ids) and kept (about 1 s at a 150k vocabulary).
+- `compiled(constraint, lltok)`: a fresh matcher for a constraint, copied from one compiled per (grammar,
+  tokenizer) and kept (LRU), so n samples, beams and repeated requests compile once.
+- `Rows`: one call's rows. `first()` fills the mask of the first token; `advance(tokens, emitted)` feeds each
+  constrained row its new token and fills the next mask, returning which rows the constraint has just ended
+  (nothing but a stop token could follow: the row finishes there, "stop"). A row that runs out of tokens first
+  is `incomplete()` ("length"). A token a matcher refuses (a custom sampler ignoring the mask) ends the row and
+  is reported by `check()` after the loop: nothing raises inside a host callback, where XLA would turn it into
+  an opaque runtime error.
+
+Stop tokens: llguidance allows its eos ids where the grammar may end. The rows' own stop ids replace them there
+(a call's stop_tokens may differ from the model's eos), and are allowed only where the grammar may end.
+
+The compiled loop reaches a call's `Rows` through `host_step(handle, ...)`: one module-level function for every
+call (no recompile per call), the handle a traced int32 naming the registered `Rows`.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import itertools
+import os
+import threading
+
+import numpy as np
+
+from jaxkv.constraints import mask as device_mask
+from jaxkv.constraints.spec import Constraint, llguidance
+
+COMPILED_KEPT = 256  # compiled grammars kept per process (LRU); each is its grammar's lexer and parser tables
+
+_lock = threading.Lock()
+_tokenizers: dict = {}  # (id(tokenizer), V, eos) -> (tokenizer, LLTokenizer): the tokenizer is held, so its id stays
+_compiled: collections.OrderedDict = collections.OrderedDict()  # (grammar, id(LLTokenizer)) -> LLMatcher
+_executor = None
+
+
+def lltokenizer(tokenizer, vocab_size: int, eos_ids) -> object:
+    """The `llguidance.LLTokenizer` of a `tokenizers.Tokenizer` for a model whose logits are `vocab_size` wide
+    (ids past the tokenizer's are never allowed), with `eos_ids` as its end tokens; built once and kept."""
+    if tokenizer is None:
+        raise ValueError("constrained decoding needs a model with a tokenizer (the grammar is over text)")
+    key = (id(tokenizer), int(vocab_size), tuple(int(t) for t in eos_ids))
+    with _lock:
+        hit = _tokenizers.get(key)
+    if hit is not None:
+        return hit[1]
+    llg = llguidance()
+    if not list(eos_ids):
+        raise ValueError("constrained decoding needs the model to have an eos id (config.eos_ids)")
+    lltok = llg.LLTokenizer(tokenizer.to_str(), n_vocab=int(vocab_size), eos_token=[int(t) for t in eos_ids])
+    with _lock:
+        _tokenizers[key] = (tokenizer, lltok)
+    return lltok
+
+
+def compiled(constraint: Constraint, lltok) -> object:
+    """A fresh `llguidance.LLMatcher` for `constraint` over `lltok`, or ValueError naming what the grammar
+    cannot be compiled for (a grammar valid alone may still refer to a token the tokenizer lacks)."""
+    key = (constraint.grammar, id(lltok))
+    with _lock:
+        template = _compiled.get(key)
+        if template is not None:
+            _compiled.move_to_end(key)
+    if template is None:
+        template = llguidance().LLMatcher(lltok, constraint.grammar, log_level=0)
+        if template.is_error():
+            raise ValueError(f"the constraint {constraint!r} cannot be compiled: {template.get_error()}")
+        with _lock:
+            _compiled[key] = template
+            while len(_compiled) > COMPILED_KEPT:
+                _compiled.popitem(last=False)
+    return template.deep_copy()
+
+
+def executor():
+    """The llguidance thread pool that fills a batch's masks in parallel (half the CPUs, 1 to 8 threads)."""
+    global _executor
+    if _executor is None:
+        _executor = llguidance().LLExecutor(num_threads=max(1, min(8, (os.cpu_count() or 2) // 2)))
+    return _executor
+
+
+class Rows:
+    """One call's constrained rows (see the module docstring). `matchers[b]`: row b's matcher, None for an
+    unconstrained row (its mask stays all ones); rows past the list are batch filler."""
+
+    def __init__(self, matchers: list, *, rows: int, vocab_size: int, stop_ids, eos_ids):
+        self.matchers = list(matchers) + [None] * (rows - len(matchers))
+        self.vocab_size = vocab_size
+        self.mask = np.full((rows, device_mask.words(vocab_size)), -1, np.int32)
+        stop = sorted({int(t) for t in np.asarray(stop_ids).ravel() if t >= 0})
+        self._stop = np.zeros((device_mask.words(vocab_size),), np.int32)  # the call's stop ids as mask bits
+        for t in stop:
+            self._stop[t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
+        self._eos = np.zeros_like(self._stop)  # llguidance's eos bits: cleared unless a stop id
+        for t in eos_ids:
+            if int(t) not in stop:
+                self._eos[int(t) // 32] |= np.int32(np.uint32(1 << (int(t) % 32)).view(np.int32))
+        self.over = np.array([m is None for m in self.matchers])  # no more masks to fill for the row
+        self.finished = np.zeros((rows,), bool)  # the constraint ended the row
+        self.errors: dict[int, str] = {}
+        self.mask_seconds = 0.0
+        self.masks_filled = 0
+
+    @property
+    def constrained(self) -> list[int]:
+        return [b for b, m in enumerate(self.matchers) if m is not None]
+
+    def _fill(self, rows):
+        import time
+
+        start = time.perf_counter()
+        if rows:
+            from llguidance.numpy import fill_next_token_bitmask_par
+
+            fill_next_token_bitmask_par(executor(), [(self.matchers[b], b) for b in rows], self.mask)
+            for b in rows:
+                m = self.matchers[b]
+                self.mask[b] &= ~self._eos
+                if m.is_accepting():
+                    self.mask[b] |= self._stop
+        self.mask_seconds += time.perf_counter() - start
+        self.masks_filled += len(rows)
+
+    def first(self) -> np.ndarray:
+        """int32[B, W]: the mask of each row's first token."""
+        self._fill([b for b in range(len(self.matchers)) if not self.over[b]])
+        return self.mask.copy()
+
+    def advance(self, tokens, emitted) -> tuple[np.ndarray, np.ndarray]:
+        """Feeds each live constrained row that `emitted` its token (int32[B], bool[B]; a row that did not emit is
+        over: it stopped) -> (int32[B, W] the next masks, bool[B] the rows the constraint ended just now)."""
+        tokens, emitted = np.asarray(tokens), np.asarray(emitted)
+        ended = np.zeros_like(self.finished)
+        live = []
+        for b in np.flatnonzero(~self.over):
+            if not emitted[b]:
+                self.over[b] = True
+                continue
+            m = self.matchers[b]
+            if not m.consume_token(int(tokens[b])):
+                self.errors[b] = f"token {int(tokens[b])} is not allowed by the constraint: {m.get_error()}"
+                self.over[b] = ended[b] = True
+            elif m.is_stopped():
+                self.over[b] = ended[b] = self.finished[b] = True
+            else:
+                live.append(b)
+        self._fill(live)
+        return self.mask.copy(), ended
+
+    def incomplete(self, rows: int) -> list[int]:
+        """The first `rows` rows' indices whose constraint was not satisfied when they finished (out of tokens)."""
+        return [b for b in self.constrained[:rows] if b < rows and not self.finished[b]
+                and not self.matchers[b].is_accepting()]
+
+    def check(self, what: str = "prompt"):
+        """ValueError for the first row whose matcher refused a token."""
+        for b, error in sorted(self.errors.items()):
+            raise ValueError(f"{what} {b}: {error}")
+
+
+_live: dict[int, Rows] = {}
+_handles = itertools.count(1)
+
+
+@contextlib.contextmanager
+def registered(rows: Rows):
+    """`rows` reachable from the compiled loop by the yielded handle (an int) while the context lasts."""
+    handle = next(_handles) % (2**31 - 1)
+    _live[handle] = rows
+    try:
+        yield handle
+    finally:
+        _live.pop(handle, None)
+
+
+def host_step(handle, tokens, emitted, *, words: int):
+    """The compiled loop's callback: `Rows.advance` of the registered rows (int32[B, words] masks, bool[B])."""
+    rows = _live.get(int(handle))
+    if rows is None:  # a stale handle (the call ended): allow everything, end nothing
+        B = np.shape(tokens)[0]
+        return np.full((B, words), -1, np.int32), np.zeros((B,), bool)
+    return rows.advance(tokens, emitted)
