@@ -68,7 +68,7 @@ def seed_words(seed) -> tuple[int, int]:
     return seed >> 32, seed & 0xFFFFFFFF
 
 
-def _per_row(name: str, value, rows: int | None, check):
+def per_row(name: str, value, rows: int | None, check):
     """A scalar setting, or one value per row (a sequence or 1-D array of length `rows`), each checked."""
     if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray)):
         return check(value)
@@ -119,10 +119,10 @@ def sampling(temperature=0.0, top_k=None, top_p=None, min_p=None, *, rows: int |
     A filter set while every row is greedy (temperature 0) would be silently ignored: refused instead, since it
     almost always means a temperature was forgotten.
     """
-    out = {"temperature": _per_row("temperature", temperature, rows, _temperature),
-           "top_k": _per_row("top_k", top_k, rows, _top_k),
-           "top_p": _per_row("top_p", top_p, rows, _top_p),
-           "min_p": _per_row("min_p", min_p, rows, _min_p)}
+    out = {"temperature": per_row("temperature", temperature, rows, _temperature),
+           "top_k": per_row("top_k", top_k, rows, _top_k),
+           "top_p": per_row("top_p", top_p, rows, _top_p),
+           "min_p": per_row("min_p", min_p, rows, _min_p)}
     temps = out["temperature"] if isinstance(out["temperature"], list) else [out["temperature"]]
     if all(t == 0.0 for t in temps):
         inactive = {"top_k": (None,), "top_p": (None, 1.0), "min_p": (None, 0.0)}  # values that filter nothing

@@ -43,7 +43,7 @@ from jaxkv.cache.contiguous import KVCache
 from jaxkv.cache.paged import PagedKVCache
 from jaxkv.cache.prefix import PrefixCache
 from jaxkv.config import Config
-from jaxkv.decoding import loop, paged, programs, request, result, speculation
+from jaxkv.decoding import loop, paged, processing, programs, request, result, speculation
 from jaxkv.decoding.speculation import Speculation
 from jaxkv.decoding.phase import Phase, compile_seconds  # noqa: F401 (compile_seconds: its old home)
 from jaxkv.decoding.request import MAX_TOP_LOGPROBS, STOP_ID_SLOTS, left_pad
@@ -236,7 +236,8 @@ def _lowering(prepare, jitted):
 
 
 def _contiguous_request(model: Model, prompts, *, max_new_tokens, temperature, top_k, top_p, min_p, sampler, seed, stop_tokens,
-             max_len, cache_dtype, attention, batch_multiple: int = 1, lookahead: int = 0) -> result.Request:
+             max_len, cache_dtype, attention, batch_multiple: int = 1, lookahead: int = 0,
+             penalties=None) -> result.Request:
     """Validates a `generate` call (ValueError, before any compute) and lays it out as `memory.plan_cache` says:
     the batch padded to a power of two (then a multiple of `batch_multiple`, the devices it is split over), the
     prompts left-padded to a length bucket."""
@@ -253,8 +254,11 @@ def _contiguous_request(model: Model, prompts, *, max_new_tokens, temperature, t
     sample_fn, rows = request.sampler_for(temperature, top_k, top_p, min_p, sampler, len(token_lists), plan.padded_batch)
     tokens, start = request.left_pad(token_lists + [[0]] * (plan.padded_batch - plan.batch), length=plan.prompt_len)
     done = np.arange(plan.padded_batch) >= plan.batch
+    penalties = processing.settings(**(penalties or {}), rows=len(token_lists), padded=plan.padded_batch,
+                                    vocab_size=config.vocab_size, max_new_tokens=max_new_tokens)
     return result.Request(token_lists=token_lists, max_new_tokens=max_new_tokens, sampler=sample_fn, rows=rows,
-                    stop_ids=stop_ids, key=key, attention=attention, plan=plan, tokens=tokens, start=start, done=done)
+                    stop_ids=stop_ids, key=key, attention=attention, plan=plan, tokens=tokens, start=start, done=done,
+                    penalties=penalties)
 
 
 def generate(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top_k=None, top_p=None, min_p=None,
@@ -262,7 +266,8 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top
              max_len: int | None = None, cache_dtype: str | None = None, attention: str | None = None,
              stream: Callable | None = None, mesh: Mesh | None = None, n: int = 1,
              page_size: int | None = None, prefix_cache=None, logprobs: int = 0,
-             speculative: Speculation | None = None) -> Generation:
+             speculative: Speculation | None = None, repetition_penalty=None, presence_penalty=None,
+             frequency_penalty=None, logit_bias=None, min_tokens=None) -> Generation:
     """Generates up to `max_new_tokens` tokens for each prompt.
 
     Args:
@@ -319,16 +324,33 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top
         "spec_acceptance_rate", "spec_verifies", "target_forwards" and "tokens_per_target_forward". With the
         paged cache (n > 1, page_size, prefix_cache) each verify's rejected slots and the pages they took are
         given back; the prefix cache only ever indexes prompt pages. Every method ("ngram", "draft", "mtp") on
-        both caches; not yet: a mesh, a custom `sampler` (the built-in sampling settings only).
+        both caches; not yet: a mesh, a custom `sampler` (the built-in sampling settings only), the penalties,
+        logit_bias and min_tokens below (ValueError).
+      repetition_penalty: p > 0, transformers' (over the prompt and the output: a token that appeared has its
+        logit divided by p where positive, multiplied by p otherwise); 1.0 or None: off.
+      presence_penalty, frequency_penalty: OpenAI's, in [-2, 2] (over the output: logit - count * frequency -
+        (count > 0) * presence); 0.0 or None: off.
+      logit_bias: {token id: bias} added to the logits (at most 300 ids, each in the vocabulary); None: none.
+      min_tokens: a prompt's stop tokens (eos included) cannot be drawn before it has this many new tokens
+        (<= max_new_tokens); 0 or None: off.
+        Each of these five is one value for every prompt or a list with one per prompt (logit_bias: a dict, or
+        a list of dicts or None). They change the logits before temperature and the filters (bias, then the
+        penalties, then min_tokens, as vLLM orders them; `jaxkv.decoding.processing`), and the reported
+        log-probabilities are those of the changed logits. They are traced: new values never recompile.
 
     Raises:
       ValueError: for any bad argument, before any compute (and for a custom sampler's out-of-vocabulary id).
     """
     n = checks.check_int("n", n, 1)
     logprobs = checks.check_int("logprobs", logprobs, 0, request.MAX_TOP_LOGPROBS)
+    penalties = dict(repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                     frequency_penalty=frequency_penalty, logit_bias=logit_bias, min_tokens=min_tokens)
     spec = None
     if speculative is not None:
         spec = _speculation_plan(model, speculative, sampler=sampler, mesh=mesh)
+        if processing.requested(penalties):
+            raise ValueError(f"speculative decoding does not take {', '.join(processing.requested(penalties))} "
+                             "yet (each verified position would need the penalties of the proposals before it)")
     if spec is not None and page_size is None and n == 1 and prefix_cache is None:
         return _generate_speculative(model, prompts, spec, speculative.draft, max_new_tokens=max_new_tokens,
                                      temperature=temperature,
@@ -349,7 +371,7 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top
                                temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, sampler=sampler,
                                seed=seed, stop_tokens=stop_tokens, cache_dtype=cache_dtype, attention=attention,
                                stream=stream, prefix_cache=prefix_cache, max_len=max_len, logprobs=logprobs,
-                               mesh=mesh, speculative=spec,
+                               mesh=mesh, speculative=spec, penalties=penalties,
                                draft=None if speculative is None else speculative.draft)
     if mesh is not None:
         mesh = sharding.check_mesh(mesh)
@@ -358,7 +380,7 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top
             raise ValueError("stream is not supported with a mesh spanning several processes")
     req = _contiguous_request(model, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                    min_p=min_p, sampler=sampler, seed=seed, stop_tokens=stop_tokens, max_len=max_len,
-                   cache_dtype=cache_dtype, attention=attention,
+                   cache_dtype=cache_dtype, attention=attention, penalties=penalties,
                    batch_multiple=1 if mesh is None else sharding.data_size(mesh))
     on_step = loop.step_stream(stream, len(req.token_lists))
     params, config = model.params, model.config
@@ -376,11 +398,13 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top
                                  config=config, capacity=plan.capacity, attention=req.attention,
                                  cache_dtype=plan.cache_dtype, ring=plan.ring, mesh=mesh)
         logits.block_until_ready()
+    rows = processing.start(req.penalties, processing.prompt_ids(req.token_lists, plan.padded_batch),
+                            vocab_size=config.vocab_size)
     with Phase() as decode_time:
         out = loop.on_host_surfacing(on_step, lambda: loop.on_host(loop.decode_loop(
             params, cache, logits, put(req.key, replicated), put(req.sampler, replicated),
             put(req.stop_ids, replicated), put(req.done, sharding.BATCH_SPEC),
-            put(np.int32(req.max_new_tokens), replicated), config=config,
+            put(np.int32(req.max_new_tokens), replicated), put(rows, sharding.BATCH_SPEC), config=config,
             max_steps=loop.steps_bound(plan.capacity, plan.ring and config.every_layer_sliding, req.max_new_tokens),
             rows=req.rows, attention=req.attention,
             stream=on_step, mesh=mesh, logprobs=logprobs), sharding.to_host))

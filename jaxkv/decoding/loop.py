@@ -27,6 +27,7 @@ from jaxkv.cache.contiguous import KVCache
 from jaxkv.cache.paged import PagedKVCache
 from jaxkv.config import Config
 from jaxkv.decoding import programs, step
+from jaxkv.decoding.processing import Processing
 
 
 @flax.struct.dataclass
@@ -44,6 +45,8 @@ class LoopState:
              `tokens` is -1.
     top_ids, top_logprobs: int32 and float32[B, max_steps, k], each step's k most likely tokens (k static, from
              the shape; k = 0 records none).
+    processing: the rows' logits-processing state (`jaxkv.decoding.processing.Processing`: penalties, logit
+             bias, min_tokens), advanced with every token emitted; None: none.
     """
 
     cache: KVCache
@@ -56,15 +59,16 @@ class LoopState:
     logprobs: jax.Array
     top_ids: jax.Array
     top_logprobs: jax.Array
+    processing: Processing | None = None
 
     @classmethod
-    def start(cls, cache, logits, key, done, *, width: int, top: int) -> "LoopState":
+    def start(cls, cache, logits, key, done, *, width: int, top: int, processing=None) -> "LoopState":
         """The state before the first token: buffers of `width` columns (k = `top` alternatives each)."""
         B = logits.shape[0]
         return cls(cache=cache, logits=logits, key=key, done=done, num_new=jnp.zeros((B,), jnp.int32),
                    step=jnp.zeros((), jnp.int32), tokens=jnp.full((B, width), -1, jnp.int32),
                    logprobs=jnp.zeros((B, width), jnp.float32), top_ids=jnp.zeros((B, width, top), jnp.int32),
-                   top_logprobs=jnp.zeros((B, width, top), jnp.float32))
+                   top_logprobs=jnp.zeros((B, width, top), jnp.float32), processing=processing)
 
 
 def emit(state: LoopState, *, sampler, stop_ids, stream, rows):
@@ -76,8 +80,11 @@ def emit(state: LoopState, *, sampler, stop_ids, stream, rows):
     io_callback: the compiled loop stays one loop, the host sees every step in order).
     """
     key, sample_key = jax.random.split(state.key)
-    picked = step.select(state.logits, sample_key, sampler, stop_ids, top=state.top_ids.shape[-1], rows=rows)
+    picked = step.select(state.logits, sample_key, sampler, stop_ids, top=state.top_ids.shape[-1], rows=rows,
+                         processing=state.processing)
     tokens, running = picked.tokens, ~state.done
+    if state.processing is not None:
+        state = state.replace(processing=state.processing.advance(tokens, running & picked.valid))
     if stream is not None:
         io_callback(functools.partial(call_stream, stream), None, tokens, running & picked.valid, ordered=True)
 
@@ -140,13 +147,14 @@ class LoopOut(NamedTuple):
 @functools.partial(jax.jit, static_argnames=("config", "max_steps", "rows", "attention", "stream", "mesh",
                                              "logprobs"),
                    donate_argnames=("cache",))
-def decode_loop(params, cache: KVCache, logits, key, sampler, stop_ids, done, steps, *, config: Config,
-                max_steps: int, rows: int | None, attention: str, stream: Callable | None, mesh: Mesh | None,
-                logprobs: int = 0) -> LoopOut:
+def decode_loop(params, cache: KVCache, logits, key, sampler, stop_ids, done, steps, processing=None, *,
+                config: Config, max_steps: int, rows: int | None, attention: str, stream: Callable | None,
+                mesh: Mesh | None, logprobs: int = 0) -> LoopOut:
     """Emits up to `steps` (traced, <= max_steps) tokens per row, feeding back all but the last, and stops early
     once every row is done (`done` may start true: batch filler rows). `logprobs`: k, the alternatives recorded
-    per token (static; 0 records only each token's own log-probability)."""
-    state = LoopState.start(cache, logits, key, done, width=max_steps, top=logprobs)
+    per token (static; 0 records only each token's own log-probability). `processing`: the rows'
+    `Processing` state (`LoopState`), None: none."""
+    state = LoopState.start(cache, logits, key, done, width=max_steps, top=logprobs, processing=processing)
     pick = functools.partial(emit, sampler=sampler, stop_ids=stop_ids, stream=stream, rows=rows)
     paged = isinstance(cache, PagedKVCache)
 

@@ -11,20 +11,22 @@ import numpy as np
 
 from jaxkv import checks, sharding
 from jaxkv.cache import planner as memory
-from jaxkv.decoding import loop, programs, request, result, speculation
+from jaxkv.decoding import loop, processing, programs, request, result, speculation
 from jaxkv.decoding.phase import Phase
 from jaxkv.model import Model
 
 
 def generate_paged(model: Model, prompts, *, n, page_size, max_new_tokens, temperature, top_k, top_p, min_p,
                    sampler, seed, stop_tokens, cache_dtype, attention, stream, prefix_cache=None,
-                   max_len=None, logprobs=0, mesh=None, speculative=None, draft=None) -> result.Generation:
+                   max_len=None, logprobs=0, mesh=None, speculative=None, draft=None,
+                   penalties=None) -> result.Generation:
     """`generate` on a paged cache: each prompt prefilled once (after its cached prefix, with a prefix cache),
     its n samples forked from it. With a mesh (data 1): weights Megatron-style over "model", the pools over KV
     heads, everything else on every device, as `jaxkv.Engine` runs on one. `speculative`: a checked
     `speculation.Plan` (no mesh): the speculative loop, each row verifying over its own pages (`draft`: the
     draft model of method "draft", with a contiguous cache of its own; method "mtp": the checkpoint's module
-    over a paged pool of its own, forked as the target's rows)."""
+    over a paged pool of its own, forked as the target's rows). `penalties`: generate's penalty arguments
+    ({name: value}, per prompt: each of its n samples counts its own output)."""
     config = model.config
     token_lists = request.token_lists(prompts, config.vocab_size, model.tokenizer)
     max_new_tokens = checks.check_int("max_new_tokens", max_new_tokens, 1)
@@ -50,6 +52,8 @@ def generate_paged(model: Model, prompts, *, n, page_size, max_new_tokens, tempe
     parents[:rows] = np.repeat(np.arange(pages.batch), n)
     done = np.arange(pages.padded_rows) >= rows
     row_prompts = [token_lists[p] for p in parents[:rows]]
+    row_penalties = processing.settings(**(penalties or {}), rows=pages.batch, padded=pages.padded_rows,
+                                        vocab_size=config.vocab_size, max_new_tokens=max_new_tokens, repeat=n)
     draft_args, draft_kwargs = (), {}
     if draft is not None:  # (before the prefix cache's transaction: it checks the draft before any compute)
         draft_args = (draft.params, speculation.prefill_draft(draft, row_prompts, rows=pages.padded_rows,
@@ -79,9 +83,11 @@ def generate_paged(model: Model, prompts, *, n, page_size, max_new_tokens, tempe
         max_steps = loop.steps_bound(cache.capacity, False, max_new_tokens)
         with Phase() as decode_time:
             if speculative is None:
+                state = processing.start(row_penalties, processing.prompt_ids(row_prompts, pages.padded_rows),
+                                         vocab_size=config.vocab_size)
                 out = loop.on_host_surfacing(on_step, lambda: loop.on_host(loop.decode_loop(
                     params, cache, logits, jax.device_put(key), sample_fn, jax.device_put(stop_ids),
-                    jax.device_put(done), jax.device_put(np.int32(max_new_tokens)), config=run_config,
+                    jax.device_put(done), jax.device_put(np.int32(max_new_tokens)), state, config=run_config,
                     max_steps=max_steps, rows=sampler_rows, attention=attention, stream=on_step, mesh=mesh,
                     logprobs=logprobs)))
             else:

@@ -52,6 +52,7 @@ class Request:
     tokens: np.ndarray  # int32[padded batch, T], left-padded
     start: np.ndarray  # int32[padded batch]
     done: np.ndarray  # bool[padded batch]: filler rows start done, so they never hold the loop open
+    penalties: object = None  # `processing.Penalties` per padded row (host arrays); None: neutral
 
     @property
     def lengths(self) -> list[int]:

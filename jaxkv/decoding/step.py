@@ -21,14 +21,16 @@ from jax import lax
 from jaxkv.sampling import token_logprobs
 
 
-def process_logits(logits):
+def process_logits(logits, processing=None, stop_ids=None):
     """float32[B, V] -> float32[B, V]: the logits a token is picked from and its log-probability read from.
 
-    The identity today. It is the seam for what changes the distribution itself rather than how it is sampled
-    (a grammar's mask, a verifier's target): every decode path (`generate`, `decode`, the engine, beam search)
+    It is the seam for what changes the distribution itself rather than how it is sampled (penalties, a
+    grammar's mask, a verifier's target): every decode path (`generate`, `decode`, the engine, beam search)
     looks it up here when it is traced, so replacing it (and clearing JAX's compile caches) changes them all.
+    processing: a path's per-row state (`jaxkv.decoding.processing.Processing`: logit bias, penalties,
+    min_tokens; None: none, the identity), with the rows' stop ids (what min_tokens holds back).
     NaN rows are detected before it runs (a NaN row stops whatever the hook makes of it)."""
-    return logits
+    return logits if processing is None else processing.apply(logits, stop_ids)
 
 
 def log_probs(logits):
@@ -73,7 +75,8 @@ class Selected(NamedTuple):
     top_logprobs: jax.Array
 
 
-def select(logits, key, sampler, stop_ids, *, top: int = 0, top_wanted=None, rows: int | None = None) -> Selected:
+def select(logits, key, sampler, stop_ids, *, top: int = 0, top_wanted=None, rows: int | None = None,
+           processing=None) -> Selected:
     """One decode step's token choice for B rows of float32[B, V] logits (see the module docstring).
 
     key: what `sampler` takes as its key (one PRNG key, or one per row for the engine's per-slot keys).
@@ -82,10 +85,12 @@ def select(logits, key, sampler, stop_ids, *, top: int = 0, top_wanted=None, row
     top: k, the alternatives read per row (static).
     top_wanted: None, or a traced bool: read the k alternatives only when it is true (zeros otherwise), so a
       batch where nobody asked for them does not pay for a top-k over the vocabulary.
+    processing: the rows' `Processing` state for `process_logits` (None: none); the caller advances it with the
+      tokens it keeps (`Processing.advance`).
     """
     B, V = logits.shape
     nan = nan_rows(logits)
-    logits = process_logits(logits)
+    logits = process_logits(logits, processing, stop_ids)
     tokens = sampler(logits if rows is None else logits[:rows], key)
     want = (B if rows is None else rows,)
     if getattr(tokens, "shape", None) != want or not jnp.issubdtype(tokens.dtype, jnp.integer):

@@ -17,7 +17,7 @@ from jax import lax
 
 from jaxkv import sharding
 from jaxkv.cache.paged import NO_PAGE, PagedKVCache
-from jaxkv.decoding import programs, step
+from jaxkv.decoding import processing, programs, step
 from jaxkv.decoding.request import MAX_TOP_LOGPROBS, STOP_ID_SLOTS
 from jaxkv.model import Decoder
 from jaxkv.sampling import Sampler
@@ -50,6 +50,10 @@ class State:
               (the module's K/V for the pair (h_t, token_{t+1}) in the slot of position t). Else None
     staged_hidden: with the MTP proposer, float[Q, D] the target's hidden state (after its final norm) at each
               staging row's last prompt token: the module's first pair once the first token is drawn. Else None
+    processing: each slot's logits-processing state (`jaxkv.decoding.processing.Processing`: penalties, logit
+              bias, min_tokens; its token counts), rows [0, S)
+    staged_processing: the same for the Q staging rows: set at `admit` (and `mark_prompt`), taken by the slot a
+              request moves into (its counts still zero)
     """
 
     cache: PagedKVCache
@@ -64,6 +68,8 @@ class State:
     spec: Any = None
     draft: Any = None
     staged_hidden: Any = None
+    processing: Any = None
+    staged_processing: Any = None
 
 
 def finish_code(finished, nan, stopped):
@@ -114,16 +120,32 @@ def put_rows(cache: PagedKVCache, rows, sub: PagedKVCache) -> PagedKVCache:
 
 
 @functools.partial(jax.jit, static_argnames=("mesh",), donate_argnames=("state",))
-def admit(state: State, row, table_row, length, *, mesh=None):
+def admit(state: State, row, table_row, length, penalties, *, mesh=None):
     """A request into staging row `row` of the cache: its page-table row holds the pages of its cached prefix
-    (`length` slots), each taking a reference."""
+    (`length` slots), each taking a reference. `penalties`: its `Penalties` (one row), its prompt unmarked (see
+    `mark_prompt`)."""
     cache = state.cache
     cache = dataclasses.replace(cache, page_table=cache.page_table.at[row].set(table_row),
                                 lengths=cache.lengths.at[row].set(length),
                                 overflowed=cache.overflowed.at[row].set(False),
                                 refcounts=cache.count_pages(table_row, +1, cache.refcounts))
-    state = placed(state.replace(cache=cache), mesh)
+    j = row - state.logits.shape[0]
+    staged = state.staged_processing
+    staged = staged.replace(penalties=jax.tree.map(lambda all_rows, one: all_rows.at[j].set(one[0]),
+                                                   staged.penalties, penalties),
+                            prompt=staged.prompt.at[j].set(False))
+    state = placed(state.replace(cache=cache, staged_processing=staged), mesh)
     return state, _free_pages(state)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh",), donate_argnames=("state",))
+def mark_prompt(state: State, row, ids, *, mesh=None):
+    """Staging row `row`'s prompt tokens (int32[n], -1 padding) marked for its repetition penalty: only requests
+    with one pay for this."""
+    j = row - state.logits.shape[0]
+    staged = state.staged_processing
+    prompt = staged.prompt.at[j].set(processing.mark(staged.prompt[j][None], ids[None])[0])
+    return placed(state.replace(staged_processing=staged.replace(prompt=prompt)), mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "mesh", "draft_config"), donate_argnames=("state",))
@@ -206,6 +228,7 @@ def shift_slots(state: State, shifts) -> State:
     return state.replace(cache=cache, logits=pick(state.logits), keys=pick(state.keys), decoding=decoding,
                          sampler=jax.tree.map(pick, state.sampler), stop_ids=pick(state.stop_ids),
                          budget=pick(state.budget), top=pick(state.top),
+                         processing=jax.tree.map(pick, state.processing),
                          spec=None if state.spec is None else state.spec.moved(pick))
 
 
@@ -227,10 +250,12 @@ def move_in(state: State, moves, keys, sampler: Sampler, stop_ids, budget, top) 
     def pick(new, old):
         return jnp.where(moving.reshape((S,) + (1,) * (old.ndim - 1)), new, old)
 
+    staged = jax.tree.map(lambda x: x[jnp.maximum(moves, 0)], state.staged_processing)
     return state.replace(cache=cache, logits=pick(state.staged[jnp.maximum(moves, 0)], state.logits),
                          keys=pick(keys, state.keys), decoding=state.decoding | moving,
                          sampler=jax.tree.map(pick, sampler, state.sampler), stop_ids=pick(stop_ids, state.stop_ids),
-                         budget=pick(budget, state.budget), top=pick(top, state.top))
+                         budget=pick(budget, state.budget), top=pick(top, state.top),
+                         processing=jax.tree.map(pick, staged, state.processing))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "attention", "steps", "width", "mesh"),
@@ -252,11 +277,13 @@ def decode(params, state: State, shifts, moves, keys, sampler, stop_ids, budget,
     def live(state):
         run, logits_w = state.decoding[:W], state.logits[:W]
         sampler_w = jax.tree.map(lambda x: x[:W], state.sampler)
+        processing_w = jax.tree.map(lambda x: x[:W], state.processing)
         split = jax.vmap(jax.random.split)(state.keys[:W])  # [W, 2, key]: (the next key, this token's key)
         # The one decode step: NaN rows (the model could not place the row's last token) get -1 and stop; the
         # top alternatives are read only when a decoding slot asked for them.
         picked = step.select(logits_w, split[:, 1], sampler_w, state.stop_ids[:W], top=MAX_LOGPROBS,
-                             top_wanted=jnp.any(run & (state.top[:W] > 0)))
+                             top_wanted=jnp.any(run & (state.top[:W] > 0)), processing=processing_w)
+        processing_w = processing_w.advance(picked.tokens, run & picked.valid)
         tokens, nan, stopped = picked.tokens, picked.nan, picked.stopped
         chosen, top_ids, top_logp = picked.logprob, picked.top_ids, picked.top_logprobs
         budget = state.budget[:W] - run
@@ -277,7 +304,9 @@ def decode(params, state: State, shifts, moves, keys, sampler, stop_ids, budget,
         code = finish_code(finished, nan, stopped)
         keys = jnp.where(run[:, None], split[:, 0], state.keys[:W])
         state = state.replace(cache=cache, logits=state.logits.at[:W].set(logits), keys=state.keys.at[:W].set(keys),
-                              decoding=state.decoding.at[:W].set(going), budget=state.budget.at[:W].set(budget))
+                              decoding=state.decoding.at[:W].set(going), budget=state.budget.at[:W].set(budget),
+                              processing=jax.tree.map(lambda x, w: x.at[:W].set(w), state.processing,
+                                                      processing_w))
         state = placed(state, mesh)
 
         def full(x, fill):  # [W, ...] -> [S, ...]: the slots past W did not decode

@@ -33,6 +33,7 @@ class Request:
     top_logprobs: list = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    penalties: object = None  # its `jaxkv.decoding.processing.Penalties` (one row, host arrays)
 
 
 

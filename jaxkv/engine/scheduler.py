@@ -18,7 +18,7 @@ from jaxkv import checks, sharding
 from jaxkv.cache import planner as memory
 from jaxkv.cache.paged import NO_PAGE
 from jaxkv.cache.prefix import PrefixCache
-from jaxkv.decoding import request
+from jaxkv.decoding import processing, request
 from jaxkv.decoding.speculation import Speculation
 from jaxkv.engine import outputs, programs
 from jaxkv.engine import speculative as speculative_program
@@ -165,7 +165,8 @@ class Engine:
 
     def submit(self, prompt, *, max_new_tokens: int, temperature=0.0, top_k=None, top_p=None, min_p=None,
                seed: int = 0, stop_tokens: Sequence[int] | None = None, logprobs: int = 0,
-               callback: Callable | None = None) -> int:
+               callback: Callable | None = None, repetition_penalty=None, presence_penalty=None,
+               frequency_penalty=None, logit_bias=None, min_tokens=None) -> int:
         """Queues a request -> its id. Every setting is checked here (ValueError), never in a running batch.
 
         prompt: token ids, or text for a model with a tokenizer. max_new_tokens: at most this many new tokens;
@@ -176,6 +177,8 @@ class Engine:
         STOP_SLOTS). logprobs: k in [0, 20], the top-k alternatives to report per token (each token's own
         log-probability is always reported). callback: called with each `Event` of this request as it is
         produced; if it raises, this request ends with finish_reason "error" and the others go on.
+        repetition_penalty, presence_penalty, frequency_penalty, logit_bias, min_tokens: as `jaxkv.generate`
+        (scalars; logit_bias one dict); traced per slot, so they never recompile (not with speculation yet).
         """
         config = self.config
         with checks.about("prompt"):  # each refusal names its argument (`checks.ArgumentError`)
@@ -203,12 +206,20 @@ class Engine:
                 raise ValueError(f"at most {STOP_SLOTS} stop tokens per request, got {(stop_ids >= 0).sum()}")
         stop_ids = np.concatenate([stop_ids, np.full(STOP_SLOTS, -1, np.int32)])[:STOP_SLOTS]
         top = checks.check_int("logprobs", logprobs, 0, MAX_LOGPROBS)
+        asked = dict(repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                     frequency_penalty=frequency_penalty, logit_bias=logit_bias, min_tokens=min_tokens)
+        if self.speculation is not None and processing.requested(asked):
+            raise checks.ArgumentError(f"the engine does not take {', '.join(processing.requested(asked))} with "
+                                       "speculation yet", processing.requested(asked)[0])
+        penalties = processing.settings(**asked, rows=1, padded=1, vocab_size=config.vocab_size,
+                                        max_new_tokens=max_new_tokens)
         if callback is not None and not callable(callback):
             raise ValueError(f"callback must be a callable (event), got {callback!r}")
         rid = self._next_id
         self._next_id += 1
         self._requests[rid] = Request(id=rid, prompt=prompt, max_new_tokens=max_new_tokens, settings=settings,
-                                       key=key, stop_ids=stop_ids, top=top, callback=callback, pages=pages)
+                                       key=key, stop_ids=stop_ids, top=top, callback=callback, pages=pages,
+                                       penalties=penalties)
         self._waiting.append(rid)
         self._order.append(rid)
         return rid
@@ -407,7 +418,11 @@ class Engine:
             else None if self.draft is None and self.mtp is None else programs.allocate(
                 (self.draft or self.mtp).config, S + Q, num_pages=self.num_pages, page_size=self.page_size,
                 max_len=self.max_pages * self.page_size, dtype=self._draft_cache_dtype),
-            staged_hidden=None if self.mtp is None else jnp.zeros((Q, self.config.d_model), self.config.dtype))
+            staged_hidden=None if self.mtp is None else jnp.zeros((Q, self.config.d_model), self.config.dtype),
+            processing=processing.start(processing.Penalties.neutral(S), np.full((S, 1), -1, np.int32),
+                                        vocab_size=V),
+            staged_processing=processing.start(processing.Penalties.neutral(Q), np.full((Q, 1), -1, np.int32),
+                                               vocab_size=V))
         if self.mesh is not None:  # the pools split over KV heads, everything else on every device
             rep = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
             shardings = jax.tree.map(lambda _: rep, self._state)
@@ -423,6 +438,7 @@ class Engine:
         self._state, _ = programs.release(self._state, np.zeros((S + Q,), bool), mesh=self.mesh)
         self._state, free = programs.refs(self._state, padded([], self.num_pages), np.int32(0), mesh=self.mesh)
         self._free = int(free)
+        self._state = programs.mark_prompt(self._state, np.int32(S), padded([], self.max_len), mesh=self.mesh)
 
     def _return_pool(self):
         """Idle: a prefix cache gets its pool back (every row empty, the cached prefixes kept)."""
@@ -466,8 +482,11 @@ class Engine:
             req.hit_pages = tuple(hits)
             self._staging[j] = req.id
             self._state, free = programs.admit(self._state, np.int32(req.row), table, np.int32(req.written),
-                                               mesh=self.mesh)
+                                               req.penalties, mesh=self.mesh)
             self._free = int(free)
+            if req.penalties.repetition[0] != 1.0:  # it penalizes its prompt's tokens too
+                self._state = programs.mark_prompt(self._state, np.int32(req.row), padded(req.prompt, self.max_len),
+                                                   mesh=self.mesh)
             self._stats["requests_admitted"] += 1
             self._stats["prefix_hit_tokens"] += req.cached
 

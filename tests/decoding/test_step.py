@@ -20,9 +20,9 @@ PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6]]
 NEW = 4
 
 
-def forcing(logits):
-    """A hook that leaves only FORCED possible: every path must then emit FORCED at every step, with log-probability
-    0 (probability 1 under the processed logits)."""
+def forcing(logits, processing=None, stop_ids=None):
+    """A hook that leaves only FORCED possible (whatever the path's processing state): every path must then emit
+    FORCED at every step, with log-probability 0 (probability 1 under the processed logits)."""
     return jnp.where(jnp.arange(logits.shape[-1]) == FORCED, logits, -jnp.inf)
 
 
