@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -132,3 +132,45 @@ def sampling(temperature=0.0, top_k=None, top_p=None, min_p=None, *, rows: int |
                 raise ArgumentError(f"{name} has no effect with temperature 0 (greedy decoding): set a temperature "
                                     f"> 0 to sample, or drop {name}", name)
     return out
+
+
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
+
+
+def logit_bias(value, vocab_size: int | None):
+    """A checked logit_bias: {token id: bias} (ids may be int-like strings, as JSON keys are) -> ([ids], [biases]).
+    vocab_size None: ids are checked against the vocabulary later."""
+    if value is None:
+        return [], []
+    if not isinstance(value, Mapping):
+        raise ArgumentError(f"logit_bias must be a mapping {{token id: bias}}, got {type(value).__name__}",
+                            "logit_bias")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise ArgumentError(f"logit_bias has {len(value)} entries; at most {MAX_LOGIT_BIAS}", "logit_bias")
+    ids, biases = [], []
+    for token, bias in value.items():
+        try:
+            t = int(token)
+        except (TypeError, ValueError):
+            raise ArgumentError(f"logit_bias keys must be token ids, got {token!r}", "logit_bias") from None
+        if isinstance(token, (bool, float)) or t < 0 or (vocab_size is not None and t >= vocab_size):
+            raise ArgumentError(f"logit_bias: token id {token!r} is outside the vocabulary [0, "
+                                f"{vocab_size if vocab_size is not None else 'V'})", "logit_bias")
+        ids.append(t)
+        biases.append(check_float(f"logit_bias[{token!r}]", bias))
+    return ids, biases
+
+
+def repetition_penalty(value) -> float:
+    value = check_float("repetition_penalty", value)
+    if not value > 0:
+        raise ArgumentError(f"repetition_penalty must be > 0 (1.0 is off), got {value}", "repetition_penalty")
+    return value
+
+
+def openai_penalty(name: str, value) -> float:
+    """presence_penalty or frequency_penalty: OpenAI's range [-2, 2]."""
+    value = check_float(name, value)
+    if not -2.0 <= value <= 2.0:
+        raise ArgumentError(f"{name} must be in [-2, 2] (0 is off), got {value}", name)
+    return value

@@ -3,6 +3,8 @@
   jaxkv generate --prompt TEXT [--model PATH|tiny] [--max-new-tokens N] [--temperature T] [--top-k K]
                  [--top-p P] [--min-p M] [--seed S] [--dtype D] [--max-len N]
                  [--cache-dtype D] [--n N] [--logprobs K] [--json] [--no-compile-cache]
+                 [--repetition-penalty P] [--presence-penalty R] [--frequency-penalty F]
+                 [--logit-bias ID:BIAS,...] [--min-tokens N]
   jaxkv generate --prompt TEXT --num-beams K [--length-penalty F] [--early-stopping true|false|never]
                  [--num-return-sequences R] [--model PATH|tiny] [--max-new-tokens N] [--dtype D] [--max-len N]
                  [--cache-dtype D] [--json]

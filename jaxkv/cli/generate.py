@@ -31,6 +31,19 @@ def add_parser(commands):
     gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--min-p", type=float, default=None)
     gen.add_argument("--seed", type=int, default=0)
+    pen = gen.add_argument_group("penalties", "change the logits before temperature and the filters, as "
+                                 "jaxkv.generate's arguments of the same names")
+    pen.add_argument("--repetition-penalty", type=float, default=None, metavar="P",
+                     help="transformers': a token of the prompt or the output has its logit divided by P where "
+                          "positive, multiplied by P otherwise (P > 0; 1.0 is off)")
+    pen.add_argument("--presence-penalty", type=float, default=None, metavar="R",
+                     help="OpenAI's: R subtracted from the logit of every token already generated ([-2, 2])")
+    pen.add_argument("--frequency-penalty", type=float, default=None, metavar="F",
+                     help="OpenAI's: F times its count subtracted from the logit of every token generated ([-2, 2])")
+    pen.add_argument("--logit-bias", default=None, metavar="ID:BIAS,...",
+                     help="biases added to those tokens' logits, e.g. 50256:-100,13:2.5 (at most 300)")
+    pen.add_argument("--min-tokens", type=int, default=None, metavar="N",
+                     help="no stop token (eos included) before N new tokens")
     gen.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     gen.add_argument("--max-len", type=int, default=None, help="KV-cache capacity in tokens")
     gen.add_argument("--cache-dtype", choices=memory.CACHE_DTYPES, default=None,
@@ -106,6 +119,38 @@ class _Stream:
             sys.stdout.write(text[len(self.printed):])
 
 
+def _logit_bias(text: str | None) -> dict | None:
+    """--logit-bias ID:BIAS,... -> {id: bias} (checked as the API checks it, the vocabulary later), or ValueError."""
+    if text is None:
+        return None
+    bias = {}
+    for item in text.split(","):
+        token, sep, value = item.partition(":")
+        try:
+            bias[int(token)] = float(value)
+        except ValueError:
+            raise ValueError(f"--logit-bias takes ID:BIAS pairs separated by commas, got {item!r}") from None
+        if not sep:
+            raise ValueError(f"--logit-bias takes ID:BIAS pairs separated by commas, got {item!r}")
+    checks.logit_bias(bias, None)
+    return bias
+
+
+def _penalties(args) -> dict:
+    """The penalty flags as `jaxkv.generate` arguments (checked without JAX; ValueError)."""
+    out = dict(repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+               frequency_penalty=args.frequency_penalty, logit_bias=_logit_bias(args.logit_bias),
+               min_tokens=args.min_tokens)
+    if out["repetition_penalty"] is not None:
+        checks.repetition_penalty(out["repetition_penalty"])
+    for name in ("presence_penalty", "frequency_penalty"):
+        if out[name] is not None:
+            checks.openai_penalty(name, out[name])
+    if out["min_tokens"] is not None:
+        checks.check_int("min_tokens", out["min_tokens"], 0, args.max_new_tokens)
+    return out
+
+
 def _check_generate(args):
     """Every `generate` flag checked without JAX (jaxkv.checks: the same checks as the API), before anything is
     printed or imported. Returns the prompt: the text, or the list of ids. Raises ValueError."""
@@ -127,6 +172,13 @@ def _check_generate(args):
     if args.max_len is not None:
         checks.check_int("max_len", args.max_len, 1)
     checks.sampling(args.temperature, args.top_k, args.top_p, args.min_p)
+    penalties = [flag for flag, name in (("--repetition-penalty", "repetition_penalty"),
+                                         ("--presence-penalty", "presence_penalty"),
+                                         ("--frequency-penalty", "frequency_penalty"), ("--logit-bias", "logit_bias"),
+                                         ("--min-tokens", "min_tokens")) if getattr(args, name) is not None]
+    if penalties and args.num_beams > 1:
+        raise ValueError(f"{penalties[0]} is for sampling and greedy decoding, not beam search (--num-beams)")
+    _penalties(args)
     checks.seed_words(args.seed)
     checks.check_int("num_speculative_tokens", args.num_speculative_tokens, 1, 16)
     if args.speculative_method is not None and args.num_beams > 1:
@@ -199,7 +251,7 @@ def run(args, started: float) -> dict:
     out = generate(model, [prompt], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
                    max_len=args.max_len, cache_dtype=args.cache_dtype, stream=stream, n=args.n,
-                   logprobs=args.logprobs,
+                   logprobs=args.logprobs, **_penalties(args),
                    speculative=None if args.speculative_method is None
                    else Speculation(args.speculative_method, args.num_speculative_tokens,
                                     draft=None if args.draft_model is None else load(args.draft_model,

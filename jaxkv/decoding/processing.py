@@ -31,7 +31,7 @@ from jax import lax
 
 from jaxkv import checks
 
-MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries: one fixed [B, E] shape for every request
+MAX_LOGIT_BIAS = checks.MAX_LOGIT_BIAS  # one fixed [B, E] shape for every request
 NEUTRAL = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None,
            "min_tokens": 0}
 
@@ -63,45 +63,6 @@ class Penalties:
         return jnp.any(self.repetition != 1.0) | jnp.any(self.presence != 0.0) | jnp.any(self.frequency != 0.0)
 
 
-def _logit_bias(value, vocab_size: int):
-    """A checked logit_bias: {token id: bias} (ids may be int-like strings, as JSON keys are) -> ([ids], [biases])."""
-    if value is None:
-        return [], []
-    if not isinstance(value, Mapping):
-        raise checks.ArgumentError(f"logit_bias must be a mapping {{token id: bias}}, got {type(value).__name__}",
-                                   "logit_bias")
-    if len(value) > MAX_LOGIT_BIAS:
-        raise checks.ArgumentError(f"logit_bias has {len(value)} entries; at most {MAX_LOGIT_BIAS}", "logit_bias")
-    ids, biases = [], []
-    for token, bias in value.items():
-        try:
-            t = int(token)
-        except (TypeError, ValueError):
-            raise checks.ArgumentError(f"logit_bias keys must be token ids, got {token!r}", "logit_bias") from None
-        if isinstance(token, (bool, float)) or not 0 <= t < vocab_size:
-            raise checks.ArgumentError(f"logit_bias: token id {token!r} is outside the vocabulary [0, {vocab_size})",
-                                       "logit_bias")
-        ids.append(t)
-        biases.append(checks.check_float(f"logit_bias[{token!r}]", bias))
-    return ids, biases
-
-
-def _repetition(value):
-    value = checks.check_float("repetition_penalty", value)
-    if not value > 0:
-        raise checks.ArgumentError(f"repetition_penalty must be > 0 (1.0 is off), got {value}", "repetition_penalty")
-    return value
-
-
-def _openai_penalty(name):
-    def check(value):
-        value = checks.check_float(name, value)
-        if not -2.0 <= value <= 2.0:
-            raise checks.ArgumentError(f"{name} must be in [-2, 2] (0 is off), got {value}", name)
-        return value
-    return check
-
-
 def settings(*, repetition_penalty=None, presence_penalty=None, frequency_penalty=None, logit_bias=None,
              min_tokens=None, rows: int, padded: int, vocab_size: int, max_new_tokens: int | None = None,
              repeat: int = 1) -> Penalties:
@@ -120,9 +81,9 @@ def settings(*, repetition_penalty=None, presence_penalty=None, frequency_penalt
         getattr(out, {"repetition_penalty": "repetition", "presence_penalty": "presence",
                       "frequency_penalty": "frequency", "min_tokens": "min_tokens"}[name])[:len(values)] = values
 
-    fill("repetition_penalty", repetition_penalty, _repetition)
-    fill("presence_penalty", presence_penalty, _openai_penalty("presence_penalty"))
-    fill("frequency_penalty", frequency_penalty, _openai_penalty("frequency_penalty"))
+    fill("repetition_penalty", repetition_penalty, checks.repetition_penalty)
+    fill("presence_penalty", presence_penalty, lambda v: checks.openai_penalty("presence_penalty", v))
+    fill("frequency_penalty", frequency_penalty, lambda v: checks.openai_penalty("frequency_penalty", v))
 
     def check_min(value):
         value = checks.check_int("min_tokens", value, 0)
@@ -141,7 +102,7 @@ def settings(*, repetition_penalty=None, presence_penalty=None, frequency_penalt
             raise checks.ArgumentError(f"logit_bias must be a dict, or a list of {rows} (one per prompt, None: "
                                        f"none), got {type(logit_bias).__name__}", "logit_bias")
         for p, bias in enumerate(biases):
-            ids, values = _logit_bias(bias, vocab_size)
+            ids, values = checks.logit_bias(bias, vocab_size)
             for r in range(p * repeat, (p + 1) * repeat):
                 out.bias_ids[r, :len(ids)], out.bias[r, :len(ids)] = ids, values
     return out

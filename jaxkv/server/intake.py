@@ -146,13 +146,21 @@ def engine_calls(s: protocol.Sampling, prompts: list[list[int]], budgets: list[i
         raise ApiError(f"at most {protocol.MAX_STOP_IDS} stop token ids per request, the model's {len(eos)} "
                        f"end-of-sequence ids included (ignore_eos leaves those out), got {len(stop_ids)}",
                        param="stop_token_ids")
+    for t in s.logit_bias or {}:
+        if t >= vocab:
+            raise ApiError(f"logit_bias: token id {t} is outside the vocabulary [0, {vocab})", param="logit_bias")
+    if s.min_tokens > min(budgets, default=s.min_tokens):
+        raise ApiError(f"'min_tokens' ({s.min_tokens}) exceeds the completion's token budget ({min(budgets)})",
+                       param="min_tokens")
     base = secrets.randbits(62) if s.seed is None else s.seed
     calls = []
     for prompt, budget in zip(prompts, budgets):
         for i in range(s.n):  # sample i of a seeded request draws with seed + i: reproducible, and distinct
             calls.append(dict(prompt=prompt, max_new_tokens=budget, temperature=s.temperature, top_k=s.top_k,
                               top_p=s.top_p, min_p=s.min_p, seed=base + i, stop_tokens=stop_ids,
-                              logprobs=s.logprobs or 0))
+                              logprobs=s.logprobs or 0, repetition_penalty=s.repetition_penalty,
+                              presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+                              logit_bias=s.logit_bias, min_tokens=s.min_tokens))
     return calls, set(stop_ids)
 
 

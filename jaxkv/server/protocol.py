@@ -3,14 +3,15 @@
 Every body is checked here, before anything reaches the engine: a field of the wrong type or out of range, an
 unknown field, or a parameter jaxkv does not implement is an `ApiError` (status 400, OpenAI's error shape, the
 field named in "param"), never a 500 and never a silently ignored setting. Parameters OpenAI defines that change
-the output but are not implemented (penalties, logit_bias, suffix, best_of > n, tools, JSON response formats) are
-accepted only at their neutral value. `user`, `store`, `metadata`, `service_tier` and `parallel_tool_calls` do not
-change the output and are accepted and ignored.
+the output but are not implemented (suffix, best_of > n, tools, JSON response formats) are accepted only at their
+neutral value; presence_penalty, frequency_penalty and logit_bias are honoured (`jaxkv.decoding.processing`).
+`user`, `store`, `metadata`, `service_tier` and `parallel_tool_calls` do not change the output and are accepted
+and ignored.
 
-Extensions beside OpenAI's fields, as vLLM and sglang name them: top_k, min_p, stop_token_ids, ignore_eos,
-return_token_ids (each choice, or streamed chunk, also carries "token_ids": its new token ids; always on for a
-model without a tokenizer, which has no text); chat: add_generation_prompt, chat_template_kwargs. `stop` may hold
-strings or token ids.
+Extensions beside OpenAI's fields, as vLLM and sglang name them: top_k, min_p, repetition_penalty, min_tokens,
+stop_token_ids, ignore_eos, return_token_ids (each choice, or streamed chunk, also carries "token_ids": its new
+token ids; always on for a model without a tokenizer, which has no text); chat: add_generation_prompt,
+chat_template_kwargs. `stop` may hold strings or token ids.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ MAX_N = 64  # samples per prompt (each takes an engine slot)
 MAX_STOP = 16  # stop strings per request
 MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs; the engine reports at most this many alternatives
 MAX_SEED = 2**63 - 1
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries (`jaxkv.decoding.processing.MAX_LOGIT_BIAS`)
 MAX_STOP_IDS = 32  # stop token ids per sequence, the model's end-of-sequence ids included (jaxkv.engine.STOP_SLOTS)
 INT32_MAX = 2**31 - 1  # the largest top_k the sampler holds
 # chat_template_kwargs may not set what the request sets itself (the template's own arguments)
@@ -62,6 +64,11 @@ class Sampling:
     stream: bool
     include_usage: bool
     return_token_ids: bool  # also send each choice's new token ids ("token_ids"; always, for a model without text)
+    repetition_penalty: float = 1.0  # the penalties as `jaxkv.generate` takes them (neutral by default)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict | None = None  # {token id: bias}, ids checked against the vocabulary by `intake.engine_calls`
+    min_tokens: int = 0
 
 
 @dataclasses.dataclass
@@ -144,6 +151,27 @@ def _neutral(body, name, neutral, what):
                    code="unsupported_parameter")
 
 
+def _logit_bias(body) -> dict | None:
+    """OpenAI's logit_bias: an object {token id (a JSON key: a string of digits): bias in [-100, 100]}."""
+    value = body.get("logit_bias")
+    if value is None or value == {}:
+        return None
+    if not isinstance(value, dict):
+        raise ApiError(f"'logit_bias' must be an object {{token id: bias}}, got {_type_name(value)}", param="logit_bias")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise ApiError(f"'logit_bias' takes at most {MAX_LOGIT_BIAS} tokens, got {len(value)}", param="logit_bias")
+    out = {}
+    for key in value:
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10):
+            raise ApiError(f"'logit_bias' keys must be token ids, got {_show(key)}", param="logit_bias")
+        bias = value[key]
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise ApiError(f"'logit_bias' values must be numbers in [-100, 100], got {_show(bias)} for token {key}",
+                           param="logit_bias")
+        out[int(key)] = float(bias)
+    return out
+
+
 def _token_ids(value, name) -> list[int]:
     if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         raise ApiError(f"'{name}' must be a list of integer token ids", param=name)
@@ -161,7 +189,7 @@ def _check_fields(body, allowed: set[str], ignored: set[str]):
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed", "stop", "stop_token_ids",
            "ignore_eos", "stream", "stream_options", "frequency_penalty", "presence_penalty", "logit_bias",
-           "return_token_ids",
+           "return_token_ids", "min_tokens",
            # transformers' names that harnesses forward with their generation settings (lm-evaluation-harness):
            # honoured where jaxkv does the same thing, else refused as any unsupported value is
            "max_new_tokens", "do_sample", "num_beams", "repetition_penalty"}
@@ -208,15 +236,12 @@ def _sampling(body, *, default_max_tokens: int | None, logprobs: int | None, max
     if options is not None and not stream:
         raise ApiError("'stream_options' is only allowed with 'stream': true", param="stream_options")
     include_usage = _bool(options or {}, "include_usage")
-    _float(body, "frequency_penalty", 0.0, -2.0, 2.0)
-    _float(body, "presence_penalty", 0.0, -2.0, 2.0)
-    _neutral(body, "frequency_penalty", 0, "no repetition penalties")
-    _neutral(body, "presence_penalty", 0, "no repetition penalties")
-    _neutral(body, "logit_bias", {}, "no logit bias")
+    penalties = dict(frequency_penalty=_float(body, "frequency_penalty", 0.0, -2.0, 2.0),
+                     presence_penalty=_float(body, "presence_penalty", 0.0, -2.0, 2.0),
+                     repetition_penalty=_float(body, "repetition_penalty", 1.0, 0.0, 10.0, lo_open=True),
+                     logit_bias=_logit_bias(body), min_tokens=_int(body, "min_tokens", 0, lo=0))
     _int(body, "num_beams", 1, lo=1)
     _neutral(body, "num_beams", 1, "no beam search through the API")
-    _float(body, "repetition_penalty", 1.0, 0.0, 10.0, lo_open=True)
-    _neutral(body, "repetition_penalty", 1.0, "no repetition penalties")
     temperature = _float(body, "temperature", 1.0, 0.0, 2.0)
     if _bool(body, "do_sample", True) is False:  # transformers' greedy switch: greedy whatever the temperature
         temperature = 0.0
@@ -228,7 +253,7 @@ def _sampling(body, *, default_max_tokens: int | None, logprobs: int | None, max
                     n=_int(body, "n", 1, lo=1, hi=MAX_N), seed=_int(body, "seed", None, lo=-MAX_SEED - 1, hi=MAX_SEED),
                     stop=stop_strings, stop_token_ids=stop_ids, ignore_eos=_bool(body, "ignore_eos"),
                     logprobs=logprobs, stream=stream, include_usage=include_usage,
-                    return_token_ids=_bool(body, "return_token_ids"))
+                    return_token_ids=_bool(body, "return_token_ids"), **penalties)
 
 
 # --- the two endpoints ----------------------------------------------------------------------------------------

@@ -71,6 +71,19 @@ def test_logprobs(model_dir, capsys):
     assert [[tuple(alt) for alt in step] for step in result["top_logprobs"]] == want.top_logprobs[0]
 
 
+def test_penalties(model_dir, capsys):
+    args = ["generate", "--model", model_dir, "--prompt", "Hi", "--max-new-tokens", "8", "--json"]
+    assert cli.main(args) == 0
+    plain = json.loads(capsys.readouterr().out)["tokens"]
+    assert cli.main(args + ["--repetition-penalty", "1.5", "--presence-penalty", "0.5", "--frequency-penalty", "1",
+                            "--logit-bias", f"{plain[0]}:-50,7:1.5", "--min-tokens", "2"]) == 0
+    got = json.loads(capsys.readouterr().out)["tokens"]
+    want = jaxkv.generate(jaxkv.load(model_dir), ["Hi"], max_new_tokens=8, repetition_penalty=1.5,
+                          presence_penalty=0.5, frequency_penalty=1.0, logit_bias={plain[0]: -50.0, 7: 1.5},
+                          min_tokens=2).tokens[0]
+    assert got == want != plain
+
+
 def test_n_samples(model_dir, capsys):
     args = ["generate", "--model", model_dir, "--prompt", "Hi", "--max-new-tokens", "5", "--n", "3",
             "--temperature", "0.9", "--seed", "2"]
@@ -125,6 +138,10 @@ LONG_PROMPT = "The KV cache " * 1600  # 20,800 characters
     (["--prompt", "Hi", "--temperature", "nan"], "temperature must be finite"),
     (["--prompt", "Hi", "--seed", str(2**64)], "seed must be <="),
     (["--prompt", "Hi", "--max-len", "0"], "max_len must be >= 1"),
+    (["--prompt", "Hi", "--repetition-penalty", "0"], "repetition_penalty must be > 0"),
+    (["--prompt", "Hi", "--presence-penalty", "3"], "presence_penalty must be in [-2, 2]"),
+    (["--prompt", "Hi", "--logit-bias", "5"], "--logit-bias takes ID:BIAS pairs"),
+    (["--prompt", "Hi", "--min-tokens", "100"], "min_tokens must be <= 64"),
     (["--prompt", "Hi", "--model", "/nonexistent/dir"], "/nonexistent/dir: no such directory"),
 ])
 def test_flags_are_checked_before_the_model_is_loaded(no_load, capsys, args, match):
@@ -261,6 +278,7 @@ def test_beam_search_json_has_every_hypothesis_best_first(model_dir, capsys):
     (["--num-beams", "2", "--min-p", "0.1"], "--min-p samples; beam search"),
     (["--num-beams", "2", "--n", "2"], "--n is for sampling"),
     (["--num-beams", "2", "--logprobs", "1"], "--logprobs is for sampling"),
+    (["--num-beams", "2", "--repetition-penalty", "1.2"], "--repetition-penalty is for sampling and greedy"),
 ])
 def test_beam_flags_are_checked_before_the_model_is_loaded(no_load, capsys, args, match):
     usage_error(capsys, ["generate", "--prompt", "Hi", *args], match)

@@ -684,3 +684,20 @@ def test_a_log_likelihood_request_is_answered_by_its_scoring_pass(text_client):
                                                  "logprobs": 1, "echo": True, "temperature": 0, **extra})
         assert r.status_code == 200 and counters["sequences"] == submitted + 1, (extra, r.text)
 
+
+def test_penalties_logit_bias_and_min_tokens_are_honoured(app_client):
+    client, state = app_client
+    prompt = [5, 6, 7, 8, 9]
+    plain = jaxkv.generate(state.model, [prompt], max_new_tokens=12, stop_tokens=[]).tokens[0]
+    stop = plain[1]  # plain greedy's second token: min_tokens holds it back
+    settings = dict(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.8, min_tokens=4)
+    expected = jaxkv.generate(state.model, [prompt], max_new_tokens=12, stop_tokens=[stop],
+                              logit_bias={plain[0]: -5.0, 40: 2.0}, **settings).tokens[0]
+    assert expected != plain[:len(expected)]
+    r = client.post("/v1/completions", json={"model": "test-tiny", "prompt": prompt, "max_tokens": 12,
+                                             "temperature": 0, "ignore_eos": True, "stop_token_ids": [stop],
+                                             "logit_bias": {str(plain[0]): -5, "40": 2.0}, **settings})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == expected
+    r = client.post("/v1/completions", json={"model": "test-tiny", "prompt": prompt, "logit_bias": {"99999": 1}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"

@@ -20,7 +20,12 @@ def test_transformers_names_jaxkv_honours_are_accepted():
 
 @pytest.mark.parametrize("extra, param", [
     (dict(num_beams=4), "num_beams"),
-    (dict(repetition_penalty=1.3), "repetition_penalty"),
+    (dict(repetition_penalty=10.5), "repetition_penalty"),
+    (dict(presence_penalty=-2.5), "presence_penalty"),
+    (dict(min_tokens=-1), "min_tokens"),
+    (dict(logit_bias={"x": 1}), "logit_bias"),
+    (dict(logit_bias={"5": 101}), "logit_bias"),
+    (dict(logit_bias={str(t): 1 for t in range(301)}), "logit_bias"),
     (dict(repetition_penalty=0), "repetition_penalty"),
     (dict(max_tokens=5, max_new_tokens=6), "max_new_tokens"),
     (dict(do_sample="no"), "do_sample"),
@@ -29,3 +34,12 @@ def test_values_it_cannot_honour_are_400s_naming_them(extra, param):
     with pytest.raises(ApiError) as e:
         completion_request({**OK, **extra})
     assert e.value.param == param
+
+
+def test_penalties_and_logit_bias_are_parsed():
+    s = completion_request({**OK, "repetition_penalty": 1.3, "presence_penalty": 0.5, "frequency_penalty": -1,
+                            "logit_bias": {"50": -100, "7": 2.5}, "min_tokens": 3}).sampling
+    assert (s.repetition_penalty, s.presence_penalty, s.frequency_penalty, s.min_tokens) == (1.3, 0.5, -1.0, 3)
+    assert s.logit_bias == {50: -100.0, 7: 2.5}
+    neutral = completion_request(OK).sampling
+    assert (neutral.repetition_penalty, neutral.logit_bias, neutral.min_tokens) == (1.0, None, 0)
