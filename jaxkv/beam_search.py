@@ -46,7 +46,7 @@ from jaxkv import checks
 from jaxkv.cache import planner as memory
 from jaxkv.cache.paged import PagedKVCache
 from jaxkv.config import Config
-from jaxkv.decoding import programs, request, step
+from jaxkv.decoding import constrained, programs, request, step
 from jaxkv.decoding.phase import Phase
 from jaxkv.model import Model
 
@@ -114,6 +114,7 @@ class _Beams:
     step:      int32[], tokens chosen so far
     peak:      int32[], the most pages in use after any step
     starved:   bool[], some beam found no free page (its row was poisoned): a planner bug if ever true
+    grammar:   with a constraint, each beam's token mask (`constrained.Grammar`), rows as the cache's; else None
     """
 
     cache: PagedKVCache
@@ -130,6 +131,7 @@ class _Beams:
     step: jax.Array
     peak: jax.Array
     starved: jax.Array
+    grammar: constrained.Grammar | None = None
 
 
 def _take(x, index):
@@ -150,7 +152,8 @@ def _choose(state: _Beams, *, stop_ids, max_new_tokens, length_penalty, early_st
     V = state.logits.shape[-1]
     t = state.step
     length = t + 1  # tokens generated once this step's token is appended
-    logp = step.log_probs(state.logits).reshape(B, W, V) + state.running[:, :, None]
+    allowed = None if state.grammar is None else state.grammar.allowed
+    logp = step.log_probs(state.logits, allowed).reshape(B, W, V) + state.running[:, :, None]
     values, index = lax.top_k(logp.reshape(B, W * V), candidates)  # [B, C], best first
     parent, token = index // V, index % V
     ends = step.matches_stop(token, stop_ids) | (length >= max_new_tokens)  # [B, C]
@@ -194,10 +197,11 @@ def _choose(state: _Beams, *, stop_ids, max_new_tokens, length_penalty, early_st
 
 @functools.partial(jax.jit, static_argnames=("config", "attention", "early_stopping", "num_beams", "candidates"),
                    donate_argnames=("cache",))
-def _search(params, cache: PagedKVCache, logits, real, stop_ids, max_new_tokens, length_penalty, *, config: Config,
-            attention: str, early_stopping, num_beams: int, candidates: int):
+def _search(params, cache: PagedKVCache, logits, real, stop_ids, max_new_tokens, length_penalty, grammar=None, *,
+            config: Config, attention: str, early_stopping, num_beams: int, candidates: int):
     """The whole search after prefill, one `lax.while_loop` (cache rows B * W, forked from the prompts) ->
-    the final `_Beams`, every page released."""
+    the final `_Beams`, every page released. `grammar`: the beams' `constrained.Grammar` (None: none); after
+    each choice the host forks the chosen beams' matchers and feeds them their tokens."""
     BW, V = logits.shape
     W = num_beams
     B = BW // W
@@ -208,10 +212,18 @@ def _search(params, cache: PagedKVCache, logits, real, stop_ids, max_new_tokens,
                    sums=jnp.zeros((B, W), jnp.float32), lengths=jnp.zeros((B, W), jnp.int32),
                    hyps=jnp.full((B, W, S), -1, jnp.int32), finished=jnp.zeros((B, W), bool),
                    open=real, live=real, step=jnp.zeros((), jnp.int32), peak=cache.pages_in_use(),
-                   starved=jnp.any(cache.overflowed))
+                   starved=jnp.any(cache.overflowed), grammar=grammar)
     rows = jnp.arange(BW, dtype=jnp.int32).reshape(B, W)
-    choose = functools.partial(_choose, stop_ids=stop_ids, max_new_tokens=max_new_tokens, length_penalty=length_penalty,
-                               early_stopping=early_stopping, num_beams=W, candidates=candidates)
+    chooser = functools.partial(_choose, stop_ids=stop_ids, max_new_tokens=max_new_tokens,
+                                length_penalty=length_penalty, early_stopping=early_stopping, num_beams=W,
+                                candidates=candidates)
+
+    def choose(state):
+        state, parent, token = chooser(state)
+        if state.grammar is not None:  # the chosen beams' matchers: their parents' fed their new tokens
+            parents = jnp.where(state.live[:, None], _take(rows, parent), -1).reshape(BW)
+            state = state.replace(grammar=state.grammar.reorder(parents, token.reshape(BW)))
+        return state, parent, token
 
     def cond(carry):
         return jnp.any(carry[0].live)
@@ -247,7 +259,7 @@ def beam_search(model: Model, prompts, *, num_beams: int, max_new_tokens: int, l
                 early_stopping: bool | str = False, num_return_sequences: int = 1,
                 stop_tokens: Sequence[int] | None = None, max_len: int | None = None, cache_dtype: str | None = None,
                 page_size: int = memory.DEFAULT_PAGE_SIZE, num_pages: int | None = None,
-                attention: str | None = None) -> BeamSearchResult:
+                attention: str | None = None, constraint=None) -> BeamSearchResult:
     """Beam search for a batch of prompts on a paged cache, with transformers' scoring (see the module docstring).
 
     Args:
@@ -268,6 +280,10 @@ def beam_search(model: Model, prompts, *, num_beams: int, max_new_tokens: int, l
       num_pages: the page pool to use; default what the plan needs (`stats["pages_needed"]`, rounded up to a
         power of two). A pool too small for the worst case is a ValueError.
       attention: "auto", "xla" or "pallas" (the paged decode kernel); default the config's.
+      constraint: as in `jaxkv.generate` (one for every prompt, or one per prompt, None for none): each beam's
+        continuations are scored under its own matcher's mask (a chosen beam's matcher is its parent's, fed the
+        beam's token), so every hypothesis that ends at a stop token satisfies its constraint; one cut by
+        max_new_tokens ("length") may not. Needs a stop token.
 
     Returns:
       A `BeamSearchResult`: per prompt, its best `num_return_sequences` `Hypothesis` (tokens, score, logprob,
@@ -303,18 +319,22 @@ def beam_search(model: Model, prompts, *, num_beams: int, max_new_tokens: int, l
     real = np.arange(B) < len(token_lists)
     parents = np.where(np.repeat(real, W), np.repeat(np.arange(B), W), -1).astype(np.int32)
     candidates = min((1 + len(stop_ids)) * W, W * config.vocab_size)
+    grammar_rows = constrained.rows_for(model, constraint, len(token_lists), rows=B * W, stop_ids=stop_ids, repeat=W)
+    if grammar_rows is not None and not (stop_ids >= 0).any():
+        raise ValueError("beam search with a constraint needs a stop token (stop_tokens=[] leaves a complete "
+                         "constraint nothing to end with)")
 
     with Phase() as prefill_time:
         logits, cache = programs.prefill_paged(model.params, jax.device_put(tokens), jax.device_put(positions),
                                        jax.device_put(parents), config=config, attention=attention, num_pages=pool,
                                        page_size=page_size, max_pages=plan.max_pages, cache_dtype=cache_dtype)
         start_pages = int(cache.pages_in_use())
-    with Phase() as search_time:
+    with Phase() as search_time, constrained.carried(grammar_rows) as grammar:
         state = _search(model.params, cache, logits, jax.device_put(real), jax.device_put(stop_ids),
-                        jnp.int32(max_new_tokens), jnp.float32(length_penalty), config=config,
+                        jnp.int32(max_new_tokens), jnp.float32(length_penalty), grammar, config=config,
                         attention=attention, early_stopping=early_stopping, num_beams=W, candidates=candidates)
         final_cache = state.cache
-        state = jax.device_get(state.replace(cache=None))  # everything but the pools, to the host
+        state = jax.device_get(state.replace(cache=None, grammar=None))  # everything but the pools, to the host
     end_pages = int(final_cache.pages_in_use())
     if bool(state.starved) or bool(np.isnan(state.scores[:len(token_lists)]).any()):
         raise RuntimeError("the beams ran out of pages or positions; the plan should have prevented it")

@@ -43,7 +43,7 @@ from jaxkv.cache.contiguous import KVCache
 from jaxkv.cache.paged import PagedKVCache
 from jaxkv.cache.prefix import PrefixCache
 from jaxkv.config import Config
-from jaxkv.decoding import loop, paged, processing, programs, request, result, speculation
+from jaxkv.decoding import constrained, loop, paged, processing, programs, request, result, speculation
 from jaxkv.decoding.speculation import Speculation
 from jaxkv.decoding.phase import Phase, compile_seconds  # noqa: F401 (compile_seconds: its old home)
 from jaxkv.decoding.request import MAX_TOP_LOGPROBS, STOP_ID_SLOTS, left_pad
@@ -267,7 +267,7 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top
              stream: Callable | None = None, mesh: Mesh | None = None, n: int = 1,
              page_size: int | None = None, prefix_cache=None, logprobs: int = 0,
              speculative: Speculation | None = None, repetition_penalty=None, presence_penalty=None,
-             frequency_penalty=None, logit_bias=None, min_tokens=None) -> Generation:
+             frequency_penalty=None, logit_bias=None, min_tokens=None, constraint=None) -> Generation:
     """Generates up to `max_new_tokens` tokens for each prompt.
 
     Args:
@@ -337,12 +337,24 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top
         a list of dicts or None). They change the logits before temperature and the filters (bias, then the
         penalties, then min_tokens, as vLLM orders them; `jaxkv.decoding.processing`), and the reported
         log-probabilities are those of the changed logits. They are traced: new values never recompile.
+      constraint: a `jaxkv.JsonSchema`, `Regex`, `Choice` or `Grammar` for every prompt, or a list with one per
+        prompt (None: that prompt is unconstrained); needs a model with a tokenizer. At each step a packed mask
+        of the tokens the constraint allows (filled on the host by llguidance, `jaxkv.constraints`) is applied
+        to the logits in the compiled step: disallowed tokens get -inf, so greedy picks the argmax among the
+        allowed ones and `logprobs` are those of the constrained distribution. Stop tokens are allowed only where
+        the constraint may end; a row whose constraint is complete (nothing but a stop token could follow) ends
+        there with reason "stop", no stop token emitted. A row that runs out of max_new_tokens first ends with
+        "length" and is listed in `stats["constraint_incomplete"]`. With n > 1 each sample has its own matcher.
+        Not yet: speculative, a mesh.
 
     Raises:
       ValueError: for any bad argument, before any compute (and for a custom sampler's out-of-vocabulary id).
     """
     n = checks.check_int("n", n, 1)
     logprobs = checks.check_int("logprobs", logprobs, 0, request.MAX_TOP_LOGPROBS)
+    if constraint is not None and (speculative is not None or mesh is not None):
+        raise ValueError("constraint does not work with " + ("speculative" if speculative is not None else "a mesh")
+                         + " yet")
     penalties = dict(repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                      frequency_penalty=frequency_penalty, logit_bias=logit_bias, min_tokens=min_tokens)
     spec = None
@@ -371,7 +383,7 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top
                                temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, sampler=sampler,
                                seed=seed, stop_tokens=stop_tokens, cache_dtype=cache_dtype, attention=attention,
                                stream=stream, prefix_cache=prefix_cache, max_len=max_len, logprobs=logprobs,
-                               mesh=mesh, speculative=spec, penalties=penalties,
+                               mesh=mesh, speculative=spec, penalties=penalties, constraint=constraint,
                                draft=None if speculative is None else speculative.draft)
     if mesh is not None:
         mesh = sharding.check_mesh(mesh)
@@ -383,6 +395,8 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top
                    cache_dtype=cache_dtype, attention=attention, penalties=penalties,
                    batch_multiple=1 if mesh is None else sharding.data_size(mesh))
     on_step = loop.step_stream(stream, len(req.token_lists))
+    grammar_rows = constrained.rows_for(model, constraint, len(req.token_lists), rows=req.plan.padded_batch,
+                                        stop_ids=req.stop_ids)
     params, config = model.params, model.config
     if mesh is None:
         # device_put, not jnp.asarray: the latter compiles a staging function per shape.
@@ -400,15 +414,18 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top
         logits.block_until_ready()
     rows = processing.start(req.penalties, processing.prompt_ids(req.token_lists, plan.padded_batch),
                             vocab_size=config.vocab_size)
-    with Phase() as decode_time:
+    with Phase() as decode_time, constrained.carried(grammar_rows) as grammar:
         out = loop.on_host_surfacing(on_step, lambda: loop.on_host(loop.decode_loop(
             params, cache, logits, put(req.key, replicated), put(req.sampler, replicated),
             put(req.stop_ids, replicated), put(req.done, sharding.BATCH_SPEC),
-            put(np.int32(req.max_new_tokens), replicated), put(rows, sharding.BATCH_SPEC), config=config,
+            put(np.int32(req.max_new_tokens), replicated), put(rows, sharding.BATCH_SPEC), grammar=grammar,
+            config=config,
             max_steps=loop.steps_bound(plan.capacity, plan.ring and config.every_layer_sliding, req.max_new_tokens),
             rows=req.rows, attention=req.attention,
             stream=on_step, mesh=mesh, logprobs=logprobs), sharding.to_host))
-    return result.generation(model, req, out, prefill_time, decode_time)
+    gen = result.generation(model, req, out, prefill_time, decode_time)
+    constrained.report(grammar_rows, gen.stats, len(req.token_lists))
+    return gen
 
 
 def _speculation_plan(model, speculative, *, sampler, mesh):

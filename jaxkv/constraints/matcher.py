@@ -154,6 +154,24 @@ class Rows:
         self._fill(live)
         return self.mask.copy(), ended
 
+    def reorder(self, parents, tokens) -> np.ndarray:
+        """Beam search: row r continues row parents[r] (-1: none, the row is over) with tokens[r] (each new row
+        its parent's matcher copied, then fed) -> int32[B, W] the new rows' masks. A row the constraint cannot
+        continue (refused, or complete) allows only the stop ids, so its every continuation ends it."""
+        parents, tokens = np.asarray(parents), np.asarray(tokens)
+        old, live = self.matchers, []
+        self.matchers = [None] * len(old)
+        for r, p in enumerate(parents):
+            if p < 0 or old[p] is None:
+                continue
+            m = self.matchers[r] = old[p].deep_copy()
+            if m.consume_token(int(tokens[r])) and not m.is_stopped():
+                live.append(r)
+            else:
+                self.mask[r] = self._stop
+        self._fill(live)
+        return self.mask.copy()
+
     def incomplete(self, rows: int) -> list[int]:
         """The first `rows` rows' indices whose constraint was not satisfied when they finished (out of tokens)."""
         return [b for b in self.constrained[:rows] if b < rows and not self.finished[b]
@@ -180,10 +198,12 @@ def registered(rows: Rows):
         _live.pop(handle, None)
 
 
-def host_step(handle, tokens, emitted, *, words: int):
-    """The compiled loop's callback: `Rows.advance` of the registered rows (int32[B, words] masks, bool[B])."""
+def host_call(method: str, handle, *args, words: int, ended: bool):
+    """The compiled loops' callback: `Rows.<method>(*args)` of the registered rows (int32[B, words] masks, and
+    with `ended` bool[B])."""
     rows = _live.get(int(handle))
     if rows is None:  # a stale handle (the call ended): allow everything, end nothing
-        B = np.shape(tokens)[0]
-        return np.full((B, words), -1, np.int32), np.zeros((B,), bool)
-    return rows.advance(tokens, emitted)
+        B = np.shape(args[0])[0]
+        full = np.full((B, words), -1, np.int32)
+        return (full, np.zeros((B,), bool)) if ended else full
+    return getattr(rows, method)(*args)

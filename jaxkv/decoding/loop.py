@@ -27,6 +27,7 @@ from jaxkv.cache.contiguous import KVCache
 from jaxkv.cache.paged import PagedKVCache
 from jaxkv.config import Config
 from jaxkv.decoding import programs, step
+from jaxkv.decoding.constrained import Grammar
 from jaxkv.decoding.processing import Processing
 
 
@@ -47,6 +48,8 @@ class LoopState:
              the shape; k = 0 records none).
     processing: the rows' logits-processing state (`jaxkv.decoding.processing.Processing`: penalties, logit
              bias, min_tokens), advanced with every token emitted; None: none.
+    grammar: the rows' constraint masks (`Grammar`), refilled on the host with every token emitted; None: no
+             row is constrained (the step has no mask and no callback).
     """
 
     cache: KVCache
@@ -60,15 +63,18 @@ class LoopState:
     top_ids: jax.Array
     top_logprobs: jax.Array
     processing: Processing | None = None
+    grammar: Grammar | None = None
 
     @classmethod
-    def start(cls, cache, logits, key, done, *, width: int, top: int, processing=None) -> "LoopState":
+    def start(cls, cache, logits, key, done, *, width: int, top: int, processing=None,
+              grammar=None) -> "LoopState":
         """The state before the first token: buffers of `width` columns (k = `top` alternatives each)."""
         B = logits.shape[0]
         return cls(cache=cache, logits=logits, key=key, done=done, num_new=jnp.zeros((B,), jnp.int32),
                    step=jnp.zeros((), jnp.int32), tokens=jnp.full((B, width), -1, jnp.int32),
                    logprobs=jnp.zeros((B, width), jnp.float32), top_ids=jnp.zeros((B, width, top), jnp.int32),
-                   top_logprobs=jnp.zeros((B, width, top), jnp.float32), processing=processing)
+                   top_logprobs=jnp.zeros((B, width, top), jnp.float32), processing=processing,
+                   grammar=grammar)
 
 
 def emit(state: LoopState, *, sampler, stop_ids, stream, rows):
@@ -81,8 +87,13 @@ def emit(state: LoopState, *, sampler, stop_ids, stream, rows):
     """
     key, sample_key = jax.random.split(state.key)
     picked = step.select(state.logits, sample_key, sampler, stop_ids, top=state.top_ids.shape[-1], rows=rows,
-                         processing=state.processing)
+                         processing=state.processing,
+                         allowed=None if state.grammar is None else state.grammar.allowed)
     tokens, running = picked.tokens, ~state.done
+    stopped = picked.stopped
+    if state.grammar is not None:  # a row whose constraint is complete ends here ("stop")
+        grammar, ended = state.grammar.advance(tokens, running & picked.valid & ~picked.stopped)
+        state, stopped = state.replace(grammar=grammar), stopped | ended
     if state.processing is not None:
         state = state.replace(processing=state.processing.advance(tokens, running & picked.valid))
     if stream is not None:
@@ -91,7 +102,7 @@ def emit(state: LoopState, *, sampler, stop_ids, stream, rows):
     def column(buf, x):
         return lax.dynamic_update_slice(buf, x[:, None], (0, state.step) + (0,) * (buf.ndim - 2))
 
-    state = state.replace(key=key, done=state.done | picked.stopped,
+    state = state.replace(key=key, done=state.done | stopped,
                           num_new=state.num_new + running.astype(jnp.int32), step=state.step + 1,
                           tokens=column(state.tokens, jnp.where(running, tokens, -1)),
                           logprobs=column(state.logprobs, picked.logprob), top_ids=column(state.top_ids, picked.top_ids),
@@ -147,14 +158,16 @@ class LoopOut(NamedTuple):
 @functools.partial(jax.jit, static_argnames=("config", "max_steps", "rows", "attention", "stream", "mesh",
                                              "logprobs"),
                    donate_argnames=("cache",))
-def decode_loop(params, cache: KVCache, logits, key, sampler, stop_ids, done, steps, processing=None, *,
+def decode_loop(params, cache: KVCache, logits, key, sampler, stop_ids, done, steps, processing=None,
+                grammar: Grammar | None = None, *,
                 config: Config, max_steps: int, rows: int | None, attention: str, stream: Callable | None,
                 mesh: Mesh | None, logprobs: int = 0) -> LoopOut:
     """Emits up to `steps` (traced, <= max_steps) tokens per row, feeding back all but the last, and stops early
     once every row is done (`done` may start true: batch filler rows). `logprobs`: k, the alternatives recorded
     per token (static; 0 records only each token's own log-probability). `processing`: the rows'
-    `Processing` state (`LoopState`), None: none."""
-    state = LoopState.start(cache, logits, key, done, width=max_steps, top=logprobs, processing=processing)
+    `Processing` state (`LoopState`), None: none. `grammar`: the constrained rows' `Grammar` (None: none)."""
+    state = LoopState.start(cache, logits, key, done, width=max_steps, top=logprobs, processing=processing,
+                            grammar=grammar)
     pick = functools.partial(emit, sampler=sampler, stop_ids=stop_ids, stream=stream, rows=rows)
     paged = isinstance(cache, PagedKVCache)
 

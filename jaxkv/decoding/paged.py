@@ -11,7 +11,7 @@ import numpy as np
 
 from jaxkv import checks, sharding
 from jaxkv.cache import planner as memory
-from jaxkv.decoding import loop, processing, programs, request, result, speculation
+from jaxkv.decoding import constrained, loop, processing, programs, request, result, speculation
 from jaxkv.decoding.phase import Phase
 from jaxkv.model import Model
 
@@ -19,7 +19,7 @@ from jaxkv.model import Model
 def generate_paged(model: Model, prompts, *, n, page_size, max_new_tokens, temperature, top_k, top_p, min_p,
                    sampler, seed, stop_tokens, cache_dtype, attention, stream, prefix_cache=None,
                    max_len=None, logprobs=0, mesh=None, speculative=None, draft=None,
-                   penalties=None) -> result.Generation:
+                   penalties=None, constraint=None) -> result.Generation:
     """`generate` on a paged cache: each prompt prefilled once (after its cached prefix, with a prefix cache),
     its n samples forked from it. With a mesh (data 1): weights Megatron-style over "model", the pools over KV
     heads, everything else on every device, as `jaxkv.Engine` runs on one. `speculative`: a checked
@@ -44,6 +44,8 @@ def generate_paged(model: Model, prompts, *, n, page_size, max_new_tokens, tempe
                                             for name in ("temperature", "top_k", "top_p", "min_p"))
     sample_fn, sampler_rows = request.sampler_for(temperature, top_k, top_p, min_p, sampler, rows, pages.padded_rows)
     on_step = loop.step_stream(stream, rows, "row_index")
+    grammar_rows = constrained.rows_for(model, constraint, len(token_lists), rows=pages.padded_rows,
+                                        stop_ids=stop_ids, repeat=n)
     if prefix_cache is not None:
         prefix_cache.check(model, cache_dtype, page_size, mesh)
     params, run_config = (model.params, config) if mesh is None else sharding.sharded_weights(model.params, config,
@@ -81,13 +83,14 @@ def generate_paged(model: Model, prompts, *, n, page_size, max_new_tokens, tempe
                 cache_dtype=cache_dtype, mtp_config=model.mtp.config))
             draft_kwargs = {"draft_config": model.mtp.config}
         max_steps = loop.steps_bound(cache.capacity, False, max_new_tokens)
-        with Phase() as decode_time:
+        with Phase() as decode_time, constrained.carried(grammar_rows) as grammar:
             if speculative is None:
                 state = processing.start(row_penalties, processing.prompt_ids(row_prompts, pages.padded_rows),
                                          vocab_size=config.vocab_size)
                 out = loop.on_host_surfacing(on_step, lambda: loop.on_host(loop.decode_loop(
                     params, cache, logits, jax.device_put(key), sample_fn, jax.device_put(stop_ids),
-                    jax.device_put(done), jax.device_put(np.int32(max_new_tokens)), state, config=run_config,
+                    jax.device_put(done), jax.device_put(np.int32(max_new_tokens)), state, grammar=grammar,
+                    config=run_config,
                     max_steps=max_steps, rows=sampler_rows, attention=attention, stream=on_step, mesh=mesh,
                     logprobs=logprobs)))
             else:
@@ -111,6 +114,7 @@ def generate_paged(model: Model, prompts, *, n, page_size, max_new_tokens, tempe
                          sampler=sample_fn, rows=sampler_rows, stop_ids=stop_ids, key=key, attention=attention,
                          plan=plan, tokens=tokens, start=np.zeros((pages.prefill_batch,), np.int32), done=done)
     gen = result.generation(model, req, out, prefill_time, decode_time)
+    constrained.report(grammar_rows, gen.stats, rows, "row")
     gen.stats.update(_pool_stats(config, token_lists, n, page_size, cache_dtype, pages, prefix_cache, peak, hit))
     return gen
 

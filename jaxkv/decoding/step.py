@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxkv.constraints import mask as constraint_mask
 from jaxkv.sampling import token_logprobs
 
 
@@ -33,9 +34,12 @@ def process_logits(logits, processing=None, stop_ids=None):
     return logits if processing is None else processing.apply(logits, stop_ids)
 
 
-def log_probs(logits):
-    """float32[B, V]: log_softmax of the processed logits (beam search's scores)."""
-    return jax.nn.log_softmax(process_logits(logits).astype(jnp.float32), axis=-1)
+def log_probs(logits, allowed=None):
+    """float32[B, V]: log_softmax of the processed logits (beam search's scores); `allowed` as in `select`."""
+    logits = process_logits(logits)
+    if allowed is not None:
+        logits = constraint_mask.apply(logits, allowed)
+    return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
 
 
 def nan_rows(logits):
@@ -76,7 +80,7 @@ class Selected(NamedTuple):
 
 
 def select(logits, key, sampler, stop_ids, *, top: int = 0, top_wanted=None, rows: int | None = None,
-           processing=None) -> Selected:
+           processing=None, allowed=None) -> Selected:
     """One decode step's token choice for B rows of float32[B, V] logits (see the module docstring).
 
     key: what `sampler` takes as its key (one PRNG key, or one per row for the engine's per-slot keys).
@@ -87,10 +91,15 @@ def select(logits, key, sampler, stop_ids, *, top: int = 0, top_wanted=None, row
       batch where nobody asked for them does not pay for a top-k over the vocabulary.
     processing: the rows' `Processing` state for `process_logits` (None: none); the caller advances it with the
       tokens it keeps (`Processing.advance`).
+    allowed: None, or int32[B, ceil(V / 32)], a constraint's packed token mask (`jaxkv.constraints.mask`): the
+      tokens it leaves out get -inf after `process_logits`, so they are never picked and the log-probabilities
+      are those of the constrained distribution.
     """
     B, V = logits.shape
     nan = nan_rows(logits)
     logits = process_logits(logits, processing, stop_ids)
+    if allowed is not None:
+        logits = constraint_mask.apply(logits, allowed)
     tokens = sampler(logits if rows is None else logits[:rows], key)
     want = (B if rows is None else rows,)
     if getattr(tokens, "shape", None) != want or not jnp.issubdtype(tokens.dtype, jnp.integer):
