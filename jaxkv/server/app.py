@@ -33,6 +33,8 @@ from jaxkv.server.state import ServerState
 
 __all__ = ["ServerState", "create_app"]
 
+RETRY_AFTER_S = 1  # every 429's Retry-After: room comes back as sequences finish, many per second
+
 
 def _error_response(request: Request, exc: Exception) -> Response:
     if isinstance(exc, ApiError):
@@ -41,8 +43,8 @@ def _error_response(request: Request, exc: Exception) -> Response:
         error = ApiError(exc.detail if isinstance(exc.detail, str) else "HTTP error", status=exc.status_code)
     else:  # a bug: say what it was, as JSON, rather than a bare 500 page
         error = ApiError(f"internal error: {type(exc).__name__}: {exc}", status=500, type="server_error")
-    return JSONResponse(error.body(), status_code=error.status,
-                        headers={"WWW-Authenticate": "Bearer"} if error.status == 401 else None)
+    headers = {401: {"WWW-Authenticate": "Bearer"}, 429: {"Retry-After": str(RETRY_AFTER_S)}}.get(error.status)
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
 class _CountStatus:

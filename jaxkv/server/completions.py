@@ -23,7 +23,7 @@ from jaxkv.server.text import TextStream, added_tokens, prompt_text
 async def completions(request: Request) -> Response:
     state, req = await intake.accept(request, "completions", protocol.completion_request)
     s = req.sampling
-    prompts, budgets, echoed, prompt_part, next_tops = await _prepare(state, req)
+    prompts, budgets, echoed, prompt_part, next_tops = await _prepare(request, state, req)
     cid, created = "cmpl-" + uuid.uuid4().hex, int(time.time())
     choice_json = _choice_writer(s, echoed, prompt_part, token_ids=s.return_token_ids or state.tokenizer is None)
 
@@ -95,7 +95,7 @@ def _scored_choices(state: ServerState, s: protocol.Sampling, prompts, budgets, 
     return choices
 
 
-async def _prepare(state: ServerState, req: protocol.CompletionRequest):
+async def _prepare(request: Request, state: ServerState, req: protocol.CompletionRequest):
     """A completion request checked against the model and the server's capacity -> (each prompt's ids, each one's
     token budget, the echoed prompts' text or None, the prompts' own logprobs blocks or None, and for a request
     `_answered_by_scoring` each prompt's next-token top logprobs, else None)."""
@@ -116,7 +116,8 @@ async def _prepare(state: ServerState, req: protocol.CompletionRequest):
     if req.echo and s.logprobs is not None:  # the prompt's own log-probabilities, as evaluation harnesses ask
         whole = s.max_tokens == 1 and _answered_by_scoring(req, intake.engine_calls(s, prompts[:1], budgets[:1],
                                                                                     state)[0][0])
-        with state.worker.hold(len(prompts)):  # held against the server's capacity (429) as engine sequences are
+        async with sequences.admitted(request, state.worker.hold(len(prompts), wait=not s.stream)):
+            # held against the server's capacity as engine sequences are (a stream's 429, a whole answer's queue);
             # one prompt at a time: each runs a program compiled at start (`worker.warm_up_scoring`: one per length
             # bucket, batch 1), and the engine steps between them, so running streams go on
             scored = [await _prompt_logprobs(state, p, s.logprobs, given, next_token=whole)

@@ -2,7 +2,7 @@
 
   jaxkv serve [--model PATH|tiny | --preset NAME] [--host 127.0.0.1] [--port 8000] [--slots N] [--max-len N]
               [--cache-dtype D] [--page-size P] [--api-key KEY] [--served-model-name NAME] [--dtype D]
-              [--num-pages N] [--max-waiting N] [--no-prefix-cache] [--steps-per-dispatch K]
+              [--num-pages N] [--max-waiting N] [--max-queued N] [--no-prefix-cache] [--steps-per-dispatch K]
               [--prefill-chunk C] [--tensor-parallel-size N] [--shutdown-timeout S] [--log-level L]
 
 Needs the serve extra (`pip install "jaxkv[serve]"`: Starlette and uvicorn). Order of work, so that mistakes
@@ -67,7 +67,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="the model's name in /v1/models (default: the "
                                                              "checkpoint directory's name, or tiny / the preset)")
     p.add_argument("--max-waiting", type=int, default=256,
-                   help="sequences that may wait for a slot; requests beyond get 429")
+                   help="sequences that may wait in the engine for a slot; beyond slots + staging rows + this, "
+                        "non-streaming requests wait in the server's queue (--max-queued) and streams get 429")
+    p.add_argument("--max-queued", type=int, default=1024,
+                   help="sequences of non-streaming requests that may wait for room beyond those (first in, first "
+                        "out; their prompts are at most this x max-len token ids of memory); beyond, 429")
     p.add_argument("--no-prefix-cache", action="store_true", help="do not keep prompt pages for later requests")
     p.add_argument("--steps-per-dispatch", type=int, default=8, help="decode steps per engine dispatch")
     p.add_argument("--prefill-chunk", type=int, default=128, help="prompt tokens per prefill chunk")
@@ -93,6 +97,7 @@ def parser() -> argparse.ArgumentParser:
 def check(args):
     for name in ("slots", "page_size", "max_waiting", "steps_per_dispatch", "prefill_chunk", "tensor_parallel_size"):
         checks.check_int(f"--{name.replace('_', '-')}", getattr(args, name), 1 if name != "max_waiting" else 0)
+    checks.check_int("--max-queued", args.max_queued, 0)
     checks.check_int("--port", args.port, 0, 65535)
     if args.max_len is not None:
         checks.check_int("--max-len", args.max_len, 2)
@@ -167,7 +172,7 @@ def build(args):
     engine.warm_up()  # compiles every engine program (each decode width) before the first client
     if scoring is not None:
         scoring()
-    worker = EngineWorker(engine, max_waiting=args.max_waiting)
+    worker = EngineWorker(engine, max_waiting=args.max_waiting, max_queued=args.max_queued)
     aliases = {args.model} if args.model else set()
     state = ServerState(model=model, worker=worker, model_name=args.served_model_name or name, aliases=aliases,
                         max_len=max_len, chat_template=ChatTemplate.from_directory(directory),

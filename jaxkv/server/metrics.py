@@ -22,6 +22,8 @@ _GAUGES = {  # metrics name -> (worker snapshot key, help)
     "jaxkv_sequences_waiting": ("sequences_waiting", "Sequences queued for a cache row (the queue)."),
     "jaxkv_sequences_held": ("sequences_held", "Sequences submitted and not yet answered, and prompts being scored "
                                                "(the 429 limit counts these)."),
+    "jaxkv_sequences_queued": ("sequences_queued", "Sequences of non-streaming requests waiting for room beyond "
+                                                   "those (--max-queued bounds them)."),
     "jaxkv_slots_total": ("slots_total", "Decode slots of the engine."),
     "jaxkv_slots_free": ("slots_free", "Decode slots no sequence holds."),
     "jaxkv_pages_total": ("pages_total", "KV-cache pages in the pool."),

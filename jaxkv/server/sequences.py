@@ -5,6 +5,7 @@ stop strings), a client that disconnects cancelling them all at once, and the us
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 
 from starlette.requests import Request
@@ -96,12 +97,40 @@ async def updates(request: Request, state: ServerState, choices: list[Choice], q
         worker.cancel([c.handle for c in choices if c.handle is not None])
 
 
+async def unless_gone(request: Request, awaitable):
+    """`awaitable`'s result (a wait for room on the engine thread), unless the client leaves first: then it is
+    cancelled (giving up its place in the queue, or what it was given) and the answer is ApiError 499."""
+    task = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task not in done:
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        raise ApiError("the client closed the connection while its request waited for room", status=499)
+    return task.result()
+
+
+@contextlib.asynccontextmanager
+async def admitted(request: Request, held):
+    """`held` (a `worker.hold(...)`) entered `unless_gone`, and left after the block."""
+    await unless_gone(request, held.__aenter__())
+    try:
+        yield
+    finally:
+        await held.__aexit__(None, None, None)
+
+
 async def start(request: Request, state: ServerState, s: protocol.Sampling, prompts, budgets, stop_text):
     """Every sequence of a request (its prompts times n) submitted to the engine thread -> (its choices, the queue
-    their events arrive on)."""
+    their events arrive on). A stream is refused (429) when the server is full; a whole answer waits in the
+    worker's queue for room (429 when that is full too)."""
     calls, stop_ids = intake.engine_calls(s, prompts, budgets, state)
     queue = asyncio.Queue()
-    handles = await state.worker.submit(calls, queue)
+    handles = await unless_gone(request, state.worker.submit(calls, queue, wait=not s.stream))
     choices = []
     for i, (call, handle) in enumerate(zip(calls, handles)):
         choices.append(Choice(index=i, prompt=call["prompt"], text=TextStream(state.tokenizer, stop_text),

@@ -12,9 +12,13 @@ chunk and a decode dispatch. So the engine lives on its own thread, and the two 
     accumulates there).
 
 A sequence is counted from `submit` until its Result is handed over, and a prompt being scored (echo + logprobs)
-while `hold` holds it; `submit` and `hold` refuse (429) what would take the count past the engine's slots, its
-staging rows and `max_waiting`, so a burst of clients queues a bounded number of requests instead of growing
-memory without limit.
+while `hold` holds it. The count may not pass `capacity` (the engine's slots, its staging rows and `max_waiting`).
+A request that would pass it waits, when it asks to (`wait`: the server's non-streaming requests), in a first-in
+first-out queue of at most `max_queued` sequences, and is admitted as others finish; a request that may not wait,
+or finds that queue full, is refused (429). So a burst of clients queues a bounded amount of work (the queued
+requests' prompts: at most max_queued x max_len token ids) instead of growing memory without limit, and a harness
+that sends more requests at once than the engine holds gets answers, not errors. While requests are queued, no
+later request goes before them.
 
 Prompt scoring runs `jaxkv.score` one prompt at a time, so that its programs are one per continuation-length
 bucket, all compiled at start (`warm_up_scoring`): no request compiles on the engine thread, which would stall
@@ -46,10 +50,22 @@ class Handle:
         self.ended_by: str | None = None  # why the server cancelled it ("stop": a stop string), for /metrics
 
 
+class _Waiter:
+    """A request queued for room: `count` sequences, admitted (under the worker's lock) by settling `future`."""
+
+    def __init__(self, count: int, scoring: bool, loop: asyncio.AbstractEventLoop):
+        self.count, self.scoring, self.loop = count, scoring, loop
+        self.future = loop.create_future()
+        self.admitted = False
+
+
 class EngineWorker:
-    def __init__(self, engine, *, max_waiting: int):
+    def __init__(self, engine, *, max_waiting: int, max_queued: int = 0):
         self.engine = engine
         self.capacity = engine.slots + 2 * engine.prefill_rows + max_waiting  # sequences held at once
+        self.max_queued = max_queued  # sequences that may wait for room beyond those (`submit(wait=True)`)
+        self._queue: collections.deque[_Waiter] = collections.deque()
+        self._queued = 0  # sequences in _queue
         self._lock = threading.Lock()
         self._inbox: list[tuple] = []
         self._wake = threading.Event()
@@ -68,9 +84,11 @@ class EngineWorker:
 
     def stop(self):
         """Refuses new work (503) and cancels every sequence, running or queued: each gets its Result, finish_reason
-        "cancelled", by the next step (so each response ends as it should). Returns at once."""
+        "cancelled", by the next step (so each response ends as it should); requests waiting for room get 503.
+        Returns at once."""
         with self._lock:
             self._stopping = True
+            self._refuse_queued(ApiError("the server is shutting down", status=503, type="server_error"))
         self._wake.set()
 
     def close(self, timeout: float = 30.0):
@@ -80,17 +98,19 @@ class EngineWorker:
 
     # --- called from the event loop thread ------------------------------------------------------------------------
 
-    async def submit(self, calls: list[dict], queue: asyncio.Queue) -> list[Handle]:
+    async def submit(self, calls: list[dict], queue: asyncio.Queue, *, wait: bool = False) -> list[Handle]:
         """Submits `calls` (engine.submit keyword arguments, "prompt" included) together -> one Handle each.
-        ApiError 429 when the server holds too many sequences, 400 if the engine refuses one (none is kept),
-        503 if the server is stopping or broken."""
+        With `wait`, waits in the queue for room when the server holds too many sequences (`admit`). ApiError 429
+        when it may not wait or the queue is full, 400 if the engine refuses one (none is kept), 503 if the server
+        is stopping or broken."""
         loop = asyncio.get_running_loop()
         handles = [Handle(queue, i) for i in range(len(calls))]
         future = loop.create_future()
         self.check_count(len(calls))
+        await self.admit(len(calls), wait=wait)
         with self._lock:
-            self._check_room(len(calls))
-            self._held += len(calls)
+            if self.failed:  # the engine thread is gone: nothing would answer the inbox
+                raise ApiError(f"the engine failed: {self.failed}", status=503, type="server_error")
             self._inbox.append(("submit", calls, handles, loop, future))
         self._wake.set()
         try:
@@ -100,33 +120,102 @@ class EngineWorker:
             raise
         return handles
 
+    @property
+    def held(self) -> int:
+        """Sequences held now (engine sequences and prompts being scored), of `capacity`."""
+        return self._held + self._scoring
+
+    @property
+    def queued(self) -> int:
+        """Sequences of requests waiting for room, of `max_queued`."""
+        return self._queued
+
     def check_count(self, count: int, param: str = "n"):
         """ApiError 400 if `count` sequences could never be held at once, however idle the server."""
         if count > self.capacity:
             raise ApiError(f"the request asks for {count} sequences (prompts x n); this server holds at most "
                            f"{self.capacity} at once", param=param)
 
-    def _check_room(self, count: int):  # under the lock
+    async def admit(self, count: int, *, scoring: bool = False, wait: bool = False):
+        """Counts `count` sequences as held (`scoring`: prompts to score, released by `release`; else engine
+        sequences, released as their Results are handed over): at once if they fit and no request is queued, else,
+        with `wait`, once the requests queued before this one are in and these fit. ApiError 429 (the queue is
+        full, or it may not wait), 503 (stopping or broken). A waiter cancelled (its client left) gives up its
+        place, or the room it was just given."""
+        with self._lock:
+            self._check_open()
+            if not self._queue and self._fits(count):
+                self._take(count, scoring)
+                return
+            if not wait or self._queued + count > self.max_queued:
+                raise ApiError(f"the server is at capacity ({self._held + self._scoring} sequences in flight or "
+                               f"queued of {self.capacity}, {self._queued} more waiting of {self.max_queued}): "
+                               f"retry later", status=429, code="rate_limit_exceeded")
+            waiter = _Waiter(count, scoring, asyncio.get_running_loop())
+            self._queue.append(waiter)
+            self._queued += count
+        try:
+            await waiter.future
+        except BaseException:
+            with self._lock:
+                if waiter.admitted:
+                    self._release_locked(count, scoring)
+                elif waiter in self._queue:
+                    self._queue.remove(waiter)
+                    self._queued -= count
+                    self._admit_queued()  # a smaller request behind it may fit now
+            raise
+
+    def release(self, count: int, *, scoring: bool = False):
+        """Gives back room `admit` counted (thread-safe); queued requests that now fit are admitted."""
+        with self._lock:
+            self._release_locked(count, scoring)
+
+    def _check_open(self):  # under the lock
         if self._stopping or self.failed:
             raise ApiError("the server is shutting down" if self._stopping else f"the engine failed: {self.failed}",
                            status=503, type="server_error")
-        if self._held + self._scoring + count > self.capacity:
-            raise ApiError(f"the server is at capacity ({self._held + self._scoring} sequences in flight or queued "
-                           f"of {self.capacity}): retry later", status=429, code="rate_limit_exceeded")
 
-    @contextlib.contextmanager
-    def hold(self, count: int):
-        """Counts `count` sequences as held while the block runs (prompts being scored): ApiError 400, 429 or 503
-        as `submit` refuses them."""
-        self.check_count(count, "prompt")
-        with self._lock:
-            self._check_room(count)
+    def _fits(self, count: int) -> bool:  # under the lock
+        return self._held + self._scoring + count <= self.capacity
+
+    def _take(self, count: int, scoring: bool):  # under the lock
+        if scoring:
             self._scoring += count
+        else:
+            self._held += count
+
+    def _release_locked(self, count: int, scoring: bool):
+        if scoring:
+            self._scoring -= count
+        else:
+            self._held -= count
+        self._admit_queued()
+
+    def _admit_queued(self):  # under the lock: the queue's head, in order, while each fits
+        while self._queue and self._fits(self._queue[0].count) and not (self._stopping or self.failed):
+            waiter = self._queue.popleft()
+            self._queued -= waiter.count
+            self._take(waiter.count, waiter.scoring)
+            waiter.admitted = True
+            waiter.loop.call_soon_threadsafe(_settle, waiter.future, None, None)
+
+    def _refuse_queued(self, error: Exception):  # under the lock
+        while self._queue:
+            waiter = self._queue.popleft()
+            self._queued -= waiter.count
+            waiter.loop.call_soon_threadsafe(_settle, waiter.future, None, error)
+
+    @contextlib.asynccontextmanager
+    async def hold(self, count: int, *, wait: bool = False):
+        """Counts `count` prompts being scored as held while the block runs: ApiError 400, 429 or 503 as `submit`
+        refuses them; with `wait`, queued for room as `submit` is."""
+        self.check_count(count, "prompt")
+        await self.admit(count, scoring=True, wait=wait)
         try:
             yield
         finally:
-            with self._lock:
-                self._scoring -= count
+            self.release(count, scoring=True)
 
     def cancel(self, handles: list[Handle], *, reason: str | None = None):
         """Ends these sequences now (thread-safe; each still gets its Result, "cancelled" unless it had finished).
@@ -190,8 +279,7 @@ class EngineWorker:
             for rid in ids:
                 engine.cancel(rid)
                 engine.take(rid)
-            with self._lock:
-                self._held -= len(calls)
+            self.release(len(calls))
             error = api_error(exc) if isinstance(exc, ValueError) else exc
             loop.call_soon_threadsafe(_settle, future, None, error)
             return
@@ -224,8 +312,7 @@ class EngineWorker:
             result = self.engine.take(event.id)
             del self._handles[event.id]
             handle.done = True
-            with self._lock:
-                self._held -= 1
+            self.release(1)
             reason = result.finish_reason if result else "cancelled"
             if reason == "cancelled" and handle.ended_by:
                 reason = handle.ended_by  # the server ended it, for a reason of its own (a stop string)
@@ -240,6 +327,7 @@ class EngineWorker:
         self._handles.clear()
         with self._lock:
             self._held = 0
+            self._refuse_queued(ApiError(f"the engine failed: {message}", status=503, type="server_error"))
             for command in self._inbox:
                 if command[0] in ("submit", "call"):
                     command[-2].call_soon_threadsafe(_settle, command[-1], None, RuntimeError(message))
@@ -253,7 +341,7 @@ class EngineWorker:
         self.metrics = {
             "time": time.time(),
             "sequences_running": running, "sequences_waiting": engine.waiting,
-            "sequences_held": self._held + self._scoring,
+            "sequences_held": self._held + self._scoring, "sequences_queued": self._queued,
             "slots_total": engine.slots, "slots_free": engine.free_slots,
             "pages_total": engine.num_pages, "pages_free": engine.free_pages,
             "pages_held": engine.held_pages(),

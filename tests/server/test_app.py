@@ -217,8 +217,8 @@ def test_echo_only_scoring_is_checked_and_counted(text_client, monkeypatch):
                                                         "max_tokens": 60, "ignore_eos": True, "stream": True}) as s:
         lines = s.iter_lines()
         assert next(lines).startswith("data: {")  # two of the three sequences are held
-        r = client.post("/v1/completions", json={**echo, "prompt": [[5, 6], [7, 8]]})
-        assert r.status_code == 429, r.text
+        r = client.post("/v1/completions", json={**echo, "prompt": [[5, 6], [7, 8]], "stream": False})
+        assert r.status_code == 200, r.text  # waited for room (issue 30, item 6b)
 
 
 _BIG = b"1" + b"0" * 400  # a JSON integer no float holds
@@ -683,6 +683,50 @@ def test_a_log_likelihood_request_is_answered_by_its_scoring_pass(text_client):
         r = client.post("/v1/completions", json={"model": "test-tiny", "prompt": [5, 6], "max_tokens": 1,
                                                  "logprobs": 1, "echo": True, "temperature": 0, **extra})
         assert r.status_code == 200 and counters["sequences"] == submitted + 1, (extra, r.text)
+
+
+
+def test_a_full_server_queues_whole_answers_and_refuses_streams_with_retry_after(text_client, monkeypatch):
+    """At capacity, a non-streaming request waits for room in a bounded queue and is answered (lm-eval's 512
+    requests in flight got 429 before); a stream, or a request finding the queue full, is 429 with Retry-After.
+    The engine thread is held at its next step meanwhile, so nothing finishes while the queue is looked at."""
+    client, state = text_client
+    worker, engine = state.worker, state.worker.engine
+    monkeypatch.setattr(worker, "capacity", 3)
+    monkeypatch.setattr(worker, "max_queued", 4)
+    gate, step = threading.Event(), engine.step
+    monkeypatch.setattr(engine, "step", lambda: (gate.wait(30), step())[1])
+    body = {"model": "test-tiny", "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    answers = {}
+
+    def send(name, prompt, n):
+        answers[name] = client.post("/v1/completions", json={**body, "prompt": prompt, "n": n})
+
+    def until(condition):
+        deadline = time.time() + 30
+        while not condition() and time.time() < deadline:
+            time.sleep(0.01)
+        assert condition()
+
+    threads = [threading.Thread(target=send, args=("full", [1, 2], 3))]
+    threads[0].start()
+    until(lambda: worker.held == 3)
+    for name, prompt in (("first", [3, 4]), ("second", [5, 6])):
+        threads.append(threading.Thread(target=send, args=(name, prompt, 2)))
+        threads[-1].start()
+        until(lambda: worker.queued == len(threads) * 2 - 2)
+    for extra in ({"n": 1}, {"n": 1, "stream": True}):  # the queue is full; a stream never waits
+        r = client.post("/v1/completions", json={**body, "prompt": [7], **extra})
+        assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text
+        assert r.json()["error"]["type"] == "rate_limit_error"
+    gate.set()
+    for thread in threads:
+        thread.join(60)
+    for name, prompt in (("full", [1, 2]), ("first", [3, 4]), ("second", [5, 6])):
+        assert answers[name].status_code == 200, answers[name].text
+        expected = jaxkv.generate(state.model, [prompt], max_new_tokens=5, stop_tokens=[]).tokens[0]
+        assert all(c["text"] == state.tokenizer.decode(expected) for c in answers[name].json()["choices"]), name
+    until(lambda: worker.held == 0 and worker.queued == 0)
 
 
 def test_penalties_logit_bias_and_min_tokens_are_honoured(app_client):

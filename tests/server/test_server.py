@@ -310,13 +310,27 @@ def test_bad_requests_get_openai_errors(url):
     assert httpx.get(url + "/v1/models").status_code == 401
     status, err = error(url, {**ok, "n": CAPACITY + 1})  # more sequences than the server could ever hold
     assert status == 400 and "at most" in err["message"]
-    # a full server: one streaming request holds every sequence it may hold; the next request is 429, not queued
+    # a full server: one streaming request holds every sequence it may hold; the next stream is 429 with
+    # Retry-After, a whole answer waits for room (issue 30, item 6b) and is answered once the stream is gone
+    queued = {}
     with httpx.stream("POST", url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
                       json={**ok, "n": CAPACITY, "max_tokens": MAX_LEN - 8, "ignore_eos": True, "stream": True}) as r:
         lines = r.iter_lines()  # kept: a dropped httpx line iterator closes the response (a disconnect)
         assert next(lines).startswith("data: {")
-        status, err = error(url, ok)
-        assert status == 429 and err["type"] == "rate_limit_error"
+        with pytest.raises(openai.RateLimitError) as refused:
+            openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0).completions.create(
+                model="tiny-chat", prompt="x", max_tokens=4, stream=True)
+        assert refused.value.response.headers["retry-after"] == "1"
+        waiting = threading.Thread(target=lambda: queued.update(out=openai.OpenAI(
+            base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60).completions.create(
+            model="tiny-chat", prompt="x", max_tokens=4, temperature=0, extra_body={"ignore_eos": True})))
+        waiting.start()
+        deadline = time.time() + 30
+        while metrics(url)["sequences_queued"] != 1 and time.time() < deadline:
+            time.sleep(0.05)
+        assert metrics(url)["sequences_queued"] == 1
+    waiting.join(60)
+    assert queued["out"].usage.completion_tokens == 4
     # none of the above left anything running
     m = wait_idle(url)
     assert m["slots_free"] == SLOTS and m["pages_held"] == 0
