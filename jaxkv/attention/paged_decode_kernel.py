@@ -233,8 +233,10 @@ def _paged_kernel_gpu(lo_ref, hi_ref, table_ref, q_ref, *refs, scale: float, pag
         row = (page * kv_heads + h) * page_size + slot % page_size  # [C] rows of the flat pool
         rows_kv = (row[:, None], lax.broadcasted_iota(jnp.int32, (1, head_dim), 1))  # [C, 1], [1, H]: a [C, H] gather
         read_kv = jnp.broadcast_to(read[:, None], (block, head_dim))
-        k = pltriton.load(k_ref.at[rows_kv], mask=read_kv, other=0)  # [C, H]
-        v = pltriton.load(v_ref.at[rows_kv], mask=read_kv, other=0)
+        # `other` in the pool's dtype: Triton's lowering cannot cast an integer 0 to float8 (NotImplementedError
+        # "cannot cast ... tp tensor<...xf8E4M3FN>", seen compiling on an H200, session 19).
+        k = pltriton.load(k_ref.at[rows_kv], mask=read_kv, other=jnp.zeros((), k_ref.dtype))  # [C, H]
+        v = pltriton.load(v_ref.at[rows_kv], mask=read_kv, other=jnp.zeros((), v_ref.dtype))
         k_scale, v_scale = ((pltriton.load(x.at[row[None, :]], mask=read[None, :], other=0) for x in (ks_ref, vs_ref))
                             if quantized else (None, None))  # [1, C] each
         live, v_live = decode_masks(offset, offset, lo, hi, rows, block, head_dim, row_bounds=bounds,
