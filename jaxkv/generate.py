@@ -412,8 +412,9 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top
                                  config=config, capacity=plan.capacity, attention=req.attention,
                                  cache_dtype=plan.cache_dtype, ring=plan.ring, mesh=mesh)
         logits.block_until_ready()
-    rows = processing.start(req.penalties, processing.prompt_ids(req.token_lists, plan.padded_batch),
-                            vocab_size=config.vocab_size)
+    # (the prompts padded to the cache's capacity: a shape the loop compiles for anyway)
+    rows = processing.Fresh(req.penalties, processing.prompt_ids(req.token_lists, plan.padded_batch,
+                                                                 max(plan.capacity, plan.prompt_len)))
     with Phase() as decode_time, constrained.carried(grammar_rows) as grammar:
         out = loop.on_host_surfacing(on_step, lambda: loop.on_host(loop.decode_loop(
             params, cache, logits, put(req.key, replicated), put(req.sampler, replicated),

@@ -28,7 +28,7 @@ from jaxkv.cache.paged import PagedKVCache
 from jaxkv.config import Config
 from jaxkv.decoding import programs, step
 from jaxkv.decoding.constrained import Grammar
-from jaxkv.decoding.processing import Processing
+from jaxkv.decoding.processing import Fresh, Processing
 
 
 @flax.struct.dataclass
@@ -165,7 +165,10 @@ def decode_loop(params, cache: KVCache, logits, key, sampler, stop_ids, done, st
     """Emits up to `steps` (traced, <= max_steps) tokens per row, feeding back all but the last, and stops early
     once every row is done (`done` may start true: batch filler rows). `logprobs`: k, the alternatives recorded
     per token (static; 0 records only each token's own log-probability). `processing`: the rows'
-    `Processing` state (`LoopState`), None: none. `grammar`: the constrained rows' `Grammar` (None: none)."""
+    `Processing` state (`LoopState`), or the `processing.Fresh` it is built from here; None: none. `grammar`: the
+    constrained rows' `Grammar` (None: none)."""
+    if isinstance(processing, Fresh):
+        processing = processing.state(logits.shape[-1])
     state = LoopState.start(cache, logits, key, done, width=max_steps, top=logprobs, processing=processing,
                             grammar=grammar)
     pick = functools.partial(emit, sampler=sampler, stop_ids=stop_ids, stream=stream, rows=rows)

@@ -85,8 +85,8 @@ def generate_paged(model: Model, prompts, *, n, page_size, max_new_tokens, tempe
         max_steps = loop.steps_bound(cache.capacity, False, max_new_tokens)
         with Phase() as decode_time, constrained.carried(grammar_rows) as grammar:
             if speculative is None:
-                state = processing.start(row_penalties, processing.prompt_ids(row_prompts, pages.padded_rows),
-                                         vocab_size=config.vocab_size)
+                state = processing.Fresh(row_penalties, processing.prompt_ids(row_prompts, pages.padded_rows,
+                                                                              cache.capacity))
                 out = loop.on_host_surfacing(on_step, lambda: loop.on_host(loop.decode_loop(
                     params, cache, logits, jax.device_put(key), sample_fn, jax.device_put(stop_ids),
                     jax.device_put(done), jax.device_put(np.int32(max_new_tokens)), state, grammar=grammar,

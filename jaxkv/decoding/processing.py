@@ -175,12 +175,27 @@ class Processing:
                             generated=self.generated + emitted.astype(jnp.int32))
 
 
+@flax.struct.dataclass
+class Fresh:
+    """What a compiled loop builds its `Processing` state from, inside its own jit (no program of its own to
+    compile per shape): the settings and prompts int32[B, T] (-1 padding, `prompt_ids`; T a shape the loop
+    already compiles for, such as the cache's capacity)."""
+
+    penalties: Penalties
+    prompts: jax.Array
+
+    def state(self, vocab_size: int) -> Processing:
+        """The state before a row's first token: no output yet."""
+        B = self.prompts.shape[0]
+        return Processing(penalties=self.penalties, counts=jnp.zeros((B, vocab_size), jnp.int32),
+                          prompt=mark(jnp.zeros((B, vocab_size), bool), self.prompts),
+                          generated=jnp.zeros((B,), jnp.int32))
+
+
 @functools.partial(jax.jit, static_argnames=("vocab_size",))
 def start(penalties: Penalties, prompts, *, vocab_size: int) -> Processing:
-    """The state before a row's first token: prompts int32[B, T] (-1 padding, `prompt_ids`), no output yet."""
-    B = prompts.shape[0]
-    return Processing(penalties=penalties, counts=jnp.zeros((B, vocab_size), jnp.int32),
-                      prompt=mark(jnp.zeros((B, vocab_size), bool), prompts), generated=jnp.zeros((B,), jnp.int32))
+    """`Fresh(penalties, prompts).state(vocab_size)` as a program of its own (the engine's, once per pool)."""
+    return Fresh(penalties, prompts).state(vocab_size)
 
 
 def requested(arguments: Mapping) -> list[str]:
