@@ -89,7 +89,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
-from jaxkv.attention.reference import MASKED, check_softcap, soft_cap
+from jaxkv.attention.reference import MASKED, check_softcap, dot_precision, soft_cap
 
 # Triton's dot (tl.dot) needs every matmul dimension >= 16, and every loaded tensor a power-of-two size.
 GPU_MIN_DIM = 16
@@ -159,11 +159,6 @@ def split_scale_refs(refs, quantized: bool):
 def load_scale(ref, *index):
     """The f32[1, C] scale block at `index` of a scale ref, or None for an unquantized cache."""
     return None if ref is None else ref[index or (...,)]
-
-
-def dot_precision(dtype):
-    # float32 inputs: full-precision matmuls (no TF32 on GPU, 6-pass bf16 on TPU), to match the XLA reference.
-    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
 def reset_softmax_state(m_scr, l_scr, acc_scr):

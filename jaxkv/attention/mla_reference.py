@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxkv.attention.reference import MASKED, MIN_PREFIX, decode_prefix, softmax, live_mask, prefix_lengths
+from jaxkv.attention.reference import (MASKED, MIN_PREFIX, decode_prefix, dot_precision, softmax, live_mask,
+                                      prefix_lengths)
 
 
 def attention(q, latent, start, q_offset, *, latent_dim: int, scale: float, latent_scale=None,
@@ -78,8 +79,9 @@ def full_attention(q, latent, start, q_offset, *, latent_dim: int, scale: float,
     if latent_scale is not None:
         rows = rows * latent_scale[..., None].astype(jnp.float32)
     live = live_mask(start, q_offset, T, S, sliding_window, ring)  # [B, T, S]
-    scores = jnp.einsum("btnc,bsc->bnts", q.astype(jnp.float32), rows) * scale
+    precision = dot_precision(q.dtype)
+    scores = jnp.einsum("btnc,bsc->bnts", q.astype(jnp.float32), rows, precision=precision) * scale
     weights = softmax(jnp.where(live[:, None], scores, MASKED))  # [B, N, T, S]
     # A dead slot's weight is exactly 0, but 0 x NaN is NaN: dead rows are zeroed, so garbage there cannot leak.
     values = jnp.where(live[:, :, :, None].any(axis=1), rows[..., :latent_dim], 0.0)  # [B, S, R]
-    return jnp.einsum("bnts,bsr->btnr", weights, values)
+    return jnp.einsum("bnts,bsr->btnr", weights, values, precision=precision)

@@ -27,8 +27,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxkv.attention.reference import (MASKED, MIN_PREFIX, softmax, check_softcap, dequantize, prefix_lengths,
-                                      soft_cap)
+from jaxkv.attention.reference import (MASKED, MIN_PREFIX, softmax, check_softcap, dequantize, dot_precision,
+                                      prefix_lengths, soft_cap)
 
 
 def gather_pages(pages, page_table):
@@ -102,10 +102,11 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale:
     written = jnp.any(live, axis=1)  # [B, S]: some query reads the slot
     v = jnp.where(written[:, None, :, None], v, 0.0)  # dead values selected away, NaN included
     # (dead keys need no select: their scores are replaced by MASKED, NaN or not)
+    precision = dot_precision(q.dtype)
     qg = q.astype(jnp.float32).reshape(B, T, K, N // K, H)  # [B, T, K, G, H]
-    scores = soft_cap(jnp.einsum("btkgh,bksh->bkgts", qg, k) * scale, softcap)  # [B, K, G, T, S]
+    scores = soft_cap(jnp.einsum("btkgh,bksh->bkgts", qg, k, precision=precision) * scale, softcap)  # [B,K,G,T,S]
     weights = softmax(jnp.where(live[:, None, None], scores, MASKED))
-    out = jnp.einsum("bkgts,bksh->btkgh", weights, v)  # [B, T, K, G, H]
+    out = jnp.einsum("bkgts,bksh->btkgh", weights, v, precision=precision)  # [B, T, K, G, H]
     return out.reshape(B, T, N, H).astype(q.dtype)
 
 
@@ -142,20 +143,24 @@ def pool_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale: 
     v = dequantize(v_pages, v_scale)
     read = jnp.any(live, axis=(0, 1)).reshape(P, 1, ps, 1)  # slots some query reads; the rest selected away
     k, v = (jnp.where(read, x, 0.0) for x in (k, v))
+    precision = dot_precision(q.dtype)
     qg = q.astype(jnp.float32).reshape(B, T, K, N // K, H)  # [B, T, K, G, H]
-    scores = soft_cap(jnp.einsum("btkgh,pksh->bkgtps", qg, k).reshape(B, K, N // K, T, P * ps) * scale, softcap)
+    scores = jnp.einsum("btkgh,pksh->bkgtps", qg, k, precision=precision)
+    scores = soft_cap(scores.reshape(B, K, N // K, T, P * ps) * scale, softcap)
     scores = jnp.where(live[:, None, None], scores, MASKED)
     if fresh is None:
         weights = softmax(scores).reshape(B, K, N // K, T, P, ps)
-        out = jnp.einsum("bkgtps,pksh->btkgh", weights, v)  # [B, T, K, G, H]
+        out = jnp.einsum("bkgtps,pksh->btkgh", weights, v, precision=precision)  # [B, T, K, G, H]
         return out.reshape(B, T, N, H).astype(q.dtype)
     # A prompt chunk: one softmax over the pool's slots before the chunk and the chunk's own fresh K/V.
     fresh_k, fresh_v, valid = (x.astype(jnp.float32) if x.dtype != bool else x for x in fresh)
-    own = soft_cap(jnp.einsum("btkgh,bksh->bkgts", qg, fresh_k) * scale, softcap)  # [B, K, G, T, T]
+    own = jnp.einsum("btkgh,bksh->bkgts", qg, fresh_k, precision=precision)
+    own = soft_cap(own * scale, softcap)  # [B, K, G, T, T]
     own = jnp.where(fresh_mask(q_slots, valid, sliding_window)[:, None, None], own, MASKED)
     weights = softmax(jnp.concatenate([scores, own], axis=-1))
     pool_w, own_w = weights[..., :P * ps].reshape(B, K, N // K, T, P, ps), weights[..., P * ps:]
-    out = jnp.einsum("bkgtps,pksh->btkgh", pool_w, v) + jnp.einsum("bkgts,bksh->btkgh", own_w, fresh_v)
+    out = (jnp.einsum("bkgtps,pksh->btkgh", pool_w, v, precision=precision)
+           + jnp.einsum("bkgts,bksh->btkgh", own_w, fresh_v, precision=precision))
     return out.reshape(B, T, N, H).astype(q.dtype)
 
 
@@ -230,14 +235,15 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *,
                 live &= slot > qs - sliding_window
             v = jnp.where(live[:, None, :, None], v, 0.0)  # dead values selected away, NaN included
             qg = q[owner, 0].astype(jnp.float32).reshape(C, K, N // K, H)  # [C, K, G, H]
-            scores = soft_cap(jnp.einsum("ckgh,cksh->ckgs", qg, k) * scale, softcap)
+            scores = soft_cap(jnp.einsum("ckgh,cksh->ckgs", qg, k, precision=dot_precision(q.dtype)) * scale, softcap)
             scores = jnp.where(live[:, None, None, :], scores, MASKED)  # [C, K, G, ps]
             segment = dict(segment_ids=owner, num_segments=B, indices_are_sorted=True)
             top = jax.ops.segment_max(jnp.max(scores, axis=-1), **segment)  # [B, K, G]; -inf: no entries
             top = jnp.where(jnp.isfinite(top), top, 0.0)
             weights = jnp.exp(scores - top[owner][..., None])  # dead: exp(MASKED - max) == 0
             total = jax.ops.segment_sum(jnp.sum(weights, axis=-1), **segment)  # [B, K, G]
-            out = jax.ops.segment_sum(jnp.einsum("ckgs,cksh->ckgh", weights, v), **segment)  # [B, K, G, H]
+            out = jnp.einsum("ckgs,cksh->ckgh", weights, v, precision=dot_precision(q.dtype))
+            out = jax.ops.segment_sum(out, **segment)  # [B, K, G, H]
             out = out / jnp.where(total > 0, total, 1.0)[..., None]
             return out.reshape(B, 1, N, H).astype(q.dtype)
 

@@ -41,6 +41,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 
 class Unsupported(NotImplementedError, ValueError):
@@ -139,6 +140,15 @@ def attention(q, k, v, start, q_offset, *, scale: float, sliding_window: int | N
     return out.reshape(B, 1, N, H).astype(q.dtype)
 
 
+def dot_precision(dtype):
+    """The matmul precision attention runs at for queries of `dtype`: HIGHEST for float32 (no TF32 on a GPU, no
+    one-pass bfloat16 on a TPU: a float32 model attends in float32, as transformers' does), the backend's default
+    for 16-bit queries. The Pallas kernels follow the same rule, so kernel and reference agree on every backend: on
+    an H200 (session 19) the float32 references at the default precision were off by ~1e-3 against float64 and
+    against the kernels, which run float32 dots at full precision."""
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
 def full_attention(q, k, v, start, q_offset, *, scale: float, sliding_window: int | None = None, k_scale=None,
                    v_scale=None, ring: bool = False, softcap: float | None = None):
     """`attention` over every one of the S slots, dead ones masked: the plain formula, whatever T."""
@@ -151,10 +161,11 @@ def full_attention(q, k, v, start, q_offset, *, scale: float, sliding_window: in
         out = _decode(qg[:, 0], k, v, live[:, 0], scale, k_scale, v_scale, softcap=softcap)
         return out.reshape(B, 1, N, H).astype(q.dtype)
     k, v = dequantize(k, k_scale), dequantize(v, v_scale)
-    scores = jnp.einsum("btkgh,bksh->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    precision = dot_precision(q.dtype)
+    scores = jnp.einsum("btkgh,bksh->bkgts", qg, k, preferred_element_type=jnp.float32, precision=precision) * scale
     scores = jnp.where(live[:, None, None, :, :], soft_cap(scores, softcap), MASKED)  # [B, K, G, T, S]
     weights = softmax(scores)
-    out = jnp.einsum("bkgts,bksh->btkgh", weights, v)  # [B, T, K, G, H]
+    out = jnp.einsum("bkgts,bksh->btkgh", weights, v, precision=precision)  # [B, T, K, G, H]
     return out.reshape(B, T, N, H).astype(q.dtype)
 
 

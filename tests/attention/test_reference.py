@@ -2,9 +2,11 @@
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 
 from jaxkv.attention import reference
 
@@ -103,3 +105,58 @@ def test_decode_equals_the_multi_query_path():
     one = reference.attention(q[:, :1], k, v, start, q_offset, scale=0.2)
     two = reference.attention(q, k, v, start, q_offset, scale=0.2)  # T = 2: einsum path; query 0 is the same
     np.testing.assert_allclose(one[:, 0], two[:, 0], atol=ATOL, rtol=1e-5)
+
+
+def _dot_precisions(fn, *args):
+    """The precision of every dot_general in fn's jaxpr, nested jaxprs (cond, jit) included."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                found.append(eqn.params["precision"])
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                        walk(sub.jaxpr)
+                    elif isinstance(sub, jax.extend.core.Jaxpr):
+                        walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_references_attend_at_the_kernels_precision(dtype):
+    """Float32 queries: every matmul of the XLA references at HIGHEST precision, as the Pallas kernels run theirs
+    (`reference.dot_precision`); 16-bit queries: the backend's default. On CPU both give the same numbers, but on an
+    H200 (session 19) the float32 references at the default precision ran in TF32 and were off by ~1e-3 against
+    float64 and against the kernels (18 of the compiled kernel tests failed that way, on the reference's side)."""
+    from jaxkv.attention import mla_reference, paged_reference
+
+    want = (lax.Precision.HIGHEST,) if dtype == "float32" else (None,)
+    B, T, N, K, S, H = 2, 3, 4, 2, 16, 8
+    q = jnp.zeros((B, T, N, H), dtype)
+    k = jnp.zeros((B, K, S, H), dtype)
+    start = jnp.zeros((B,), jnp.int32)
+    pages = jnp.zeros((8, K, 4, H), dtype)
+    table = jnp.arange(8, dtype=jnp.int32).reshape(B, 4)
+    lengths, q_slots = jnp.full((B,), 12, jnp.int32), jnp.tile(jnp.arange(9, 12, dtype=jnp.int32), (B, 1))
+    latent = jnp.zeros((B, S, 12), dtype)
+    calls = {
+        "full_attention": lambda: _dot_precisions(
+            lambda q, k: reference.full_attention(q, k, k, start, jnp.int32(5), scale=1.0), q, k),
+        "attention": lambda: _dot_precisions(
+            lambda q, k: reference.attention(q, k, k, start, jnp.int32(5), scale=1.0), q, k),
+        "paged_attention": lambda: _dot_precisions(
+            lambda q, p: paged_reference.paged_attention(q, p, p, table, lengths, q_slots, scale=1.0), q, pages),
+        "pool_attention": lambda: _dot_precisions(
+            lambda q, p: paged_reference.pool_attention(q, p, p, table, lengths, q_slots, scale=1.0), q, pages),
+        "mla full_attention": lambda: _dot_precisions(
+            lambda q, x: mla_reference.full_attention(q[..., :12], x, start, jnp.int32(5), latent_dim=8, scale=1.0),
+            jnp.zeros((B, T, N, 12), dtype), latent),
+    }
+    for name, call in calls.items():
+        found = call()
+        assert found, f"{name}: no matmul seen"
+        assert {p if p is None else p[0] for p in found} == set(want), f"{name}: {found}"
