@@ -7,6 +7,7 @@ themselves are one module each.
     POST /v1/completions         prompt (text, token ids, or a list of either), n, stream, logprobs, echo, ...
                                                                                                    (completions.py)
     POST /v1/chat/completions    when the checkpoint has a chat template (else 400)                       (chat.py)
+    POST /tokenize, /detokenize, GET /tokenizer_info    vLLM's tokenizer endpoints                (tokenization.py)
 
 A request's sequences (its prompts times n) go to the engine thread together (`worker.EngineWorker`); its
 tokens come back as engine events, are turned into text (`text.TextStream`: whole characters, cut at stop
@@ -27,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from jaxkv.server import chat, completions, metrics, models
+from jaxkv.server import chat, completions, metrics, models, tokenization
 from jaxkv.server.protocol import ApiError
 from jaxkv.server.state import ServerState
 
@@ -84,7 +85,10 @@ def create_app(state: ServerState, lifespan=None) -> Starlette:
               Route("/v1/models", models.models, methods=["GET"]),
               Route("/v1/models/{model:path}", models.model, methods=["GET"]),  # a name may hold slashes (org/name)
               Route("/v1/completions", completions.completions, methods=["POST"]),
-              Route("/v1/chat/completions", chat.chat_completions, methods=["POST"])]
+              Route("/v1/chat/completions", chat.chat_completions, methods=["POST"]),
+              Route("/tokenize", tokenization.tokenize, methods=["POST"]),
+              Route("/detokenize", tokenization.detokenize, methods=["POST"]),
+              Route("/tokenizer_info", tokenization.tokenizer_info, methods=["GET"])]
     handlers = {ApiError: _error_response, HTTPException: _error_response, Exception: _error_response}
     app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
     app.state.jaxkv = state

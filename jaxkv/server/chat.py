@@ -3,7 +3,6 @@ generated as a completion is, streamed or whole, with OpenAI's chat logprobs (ea
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 
@@ -21,7 +20,7 @@ async def chat_completions(request: Request) -> Response:
         raise ApiError("this model has no chat template (its tokenizer config names none): use /v1/completions, "
                        "or serve a checkpoint whose tokenizer_config.json or chat_template.jinja has one",
                        code="no_chat_template")
-    rendered = await _render(state, req)
+    rendered = await intake.render_chat(state, req)
     intake.check_text(rendered, state, "messages")
     prompt = (await intake.encode(state, [rendered], special_tokens=False))[0]  # the template wrote any BOS
     if not prompt:
@@ -58,23 +57,6 @@ async def chat_completions(request: Request) -> Response:
                                 "logprobs": logprobs_json(c, first), "finish_reason": finish(c)}
         | ({"token_ids": c.tokens[first:]} if s.return_token_ids else {}),
         [prompt] if s.include_usage else None))
-
-
-async def _render(state: ServerState, req: protocol.ChatRequest) -> str:
-    """The messages rendered by the chat template; a template that fails on them is the request's 400."""
-    from jaxkv.chat_template import ChatTemplateError
-
-    try:  # on a thread, as the tokenizing below: long messages hold up no other client
-        rendered = await asyncio.to_thread(state.chat_template.render, req.messages,
-                                           add_generation_prompt=req.add_generation_prompt, **req.template_kwargs)
-    except ChatTemplateError as e:
-        raise ApiError(str(e), param="messages") from None
-    except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError, RecursionError) as e:
-        # the template's own code failed on what this request gave it (a chat_template_kwargs value of a type it
-        # does not expect, say): the request's to change
-        raise ApiError(f"the chat template failed on these messages: {type(e).__name__}: {e}",
-                       param="messages") from None
-    return rendered
 
 
 def _chat_logprobs(decoded, first, tokens, logprobs, tops) -> dict:

@@ -68,6 +68,12 @@ def check_text(text: str, state: ServerState, what: str):
     if limit is not None and len(text) > limit:
         raise _context_exceeded(state, what, f"{len(text)} characters (more than {state.max_len} tokens of this "
                                              f"tokenizer can hold: at most {limit})")
+    check_unicode(text, what)
+
+
+def check_unicode(text: str, what: str):
+    """A text about to be tokenized: refused (400) if it is not Unicode (a lone surrogate, which JSON's escapes can
+    write), which the tokenizer would fail on."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
@@ -86,6 +92,28 @@ async def encode(state: ServerState, texts: list[str], *, special_tokens: bool) 
         return [tokenizer.encode(t, add_special_tokens=special_tokens).ids for t in texts]
 
     return await asyncio.to_thread(encode_all)
+
+
+async def render_chat(state: ServerState, req: protocol.ChatRequest) -> str:
+    """The messages of a chat request rendered by the checkpoint's chat template (400 without one); a template
+    that fails on them is the request's 400."""
+    if state.chat_template is None:
+        raise ApiError("this model has no chat template (its tokenizer config names none): use /v1/completions, "
+                       "or serve a checkpoint whose tokenizer_config.json or chat_template.jinja has one",
+                       code="no_chat_template")
+    from jaxkv.chat_template import ChatTemplateError
+
+    try:  # on a thread, as the tokenizing below: long messages hold up no other client
+        rendered = await asyncio.to_thread(state.chat_template.render, req.messages,
+                                           add_generation_prompt=req.add_generation_prompt, **req.template_kwargs)
+    except ChatTemplateError as e:
+        raise ApiError(str(e), param="messages") from None
+    except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError, RecursionError) as e:
+        # the template's own code failed on what this request gave it (a chat_template_kwargs value of a type it
+        # does not expect, say): the request's to change
+        raise ApiError(f"the chat template failed on these messages: {type(e).__name__}: {e}",
+                       param="messages") from None
+    return rendered
 
 
 async def prompt_ids(prompts: list, state: ServerState, param: str = "prompt") -> list[list[int]]:

@@ -142,6 +142,7 @@ def build(args):
     import jaxkv
     from jaxkv.chat_template import ChatTemplate
     from jaxkv.server.state import ServerState
+    from jaxkv.server.tokenization import read_tokenizer_info
     from jaxkv.server.worker import EngineWorker, warm_up_scoring
 
     model, directory, name = _model(args)
@@ -174,9 +175,10 @@ def build(args):
         scoring()
     worker = EngineWorker(engine, max_waiting=args.max_waiting, max_queued=args.max_queued)
     aliases = {args.model} if args.model else set()
+    template = ChatTemplate.from_directory(directory)
     state = ServerState(model=model, worker=worker, model_name=args.served_model_name or name, aliases=aliases,
-                        max_len=max_len, chat_template=ChatTemplate.from_directory(directory),
-                        api_key=args.api_key)
+                        max_len=max_len, chat_template=template, api_key=args.api_key,
+                        tokenizer_info=read_tokenizer_info(directory, model.tokenizer, config.eos_ids, template))
     return state, engine
 
 

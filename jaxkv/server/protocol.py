@@ -408,3 +408,58 @@ def text_char_limit(tokenizer, max_len: int) -> int | None:
         return None
     longest = max(len(piece.encode("utf-8", "surrogatepass")) for piece in vocab)
     return max_len * longest * shrink
+
+
+# --- the tokenizer endpoints (vLLM's /tokenize and /detokenize) -------------------------------------------------
+
+
+@dataclasses.dataclass
+class TokenizeRequest:
+    model: str | None
+    prompt: str | None  # a text, or None for chat messages
+    chat: ChatRequest | None  # the messages, as a chat request takes them (its sampling unused)
+    add_special_tokens: bool
+    return_token_strs: bool
+
+
+_CHAT_TOKENIZE = {"messages", "add_generation_prompt", "chat_template_kwargs", "tools"}
+
+
+def tokenize_request(body) -> TokenizeRequest:
+    """A /tokenize body (vLLM's: `prompt`, or chat `messages` with `add_generation_prompt` and
+    `chat_template_kwargs`; `add_special_tokens`, default true for a prompt and false for messages, whose template
+    writes them; `return_token_strs`) -> TokenizeRequest (ApiError 400 otherwise)."""
+    _check_fields(body, {"model", "prompt", "add_special_tokens", "return_token_strs", "continue_final_message",
+                         *_CHAT_TOKENIZE}, _IGNORED)
+    model = body.get("model")
+    if model is not None and (not isinstance(model, str) or not model):
+        raise ApiError("'model' must be a model name from GET /v1/models", param="model")
+    if ("prompt" in body) == ("messages" in body):
+        raise ApiError("send either 'prompt' (a string) or 'messages' (a chat)", param="prompt")
+    if _bool(body, "continue_final_message"):
+        raise ApiError("'continue_final_message' is not supported by jaxkv serve", param="continue_final_message",
+                       code="unsupported_parameter")
+    chat = prompt = None
+    if "messages" in body:
+        chat = chat_request({"model": model or "-", **{k: body[k] for k in _CHAT_TOKENIZE if k in body}})
+    else:
+        prompt = body["prompt"]
+        if not isinstance(prompt, str):
+            raise ApiError(f"'prompt' must be a string, got {_type_name(prompt)}", param="prompt")
+        if "add_generation_prompt" in body or "chat_template_kwargs" in body or "tools" in body:
+            raise ApiError("'add_generation_prompt', 'chat_template_kwargs' and 'tools' go with 'messages'",
+                           param="prompt")
+    return TokenizeRequest(model=model, prompt=prompt, chat=chat,
+                           add_special_tokens=_bool(body, "add_special_tokens", chat is None),
+                           return_token_strs=_bool(body, "return_token_strs"))
+
+
+def detokenize_request(body) -> tuple[str | None, list[int]]:
+    """A /detokenize body ({"tokens": [ids], "model"?}) -> (model or None, the ids) (ApiError 400 otherwise)."""
+    _check_fields(body, {"model", "tokens"}, _IGNORED)
+    model = body.get("model")
+    if model is not None and (not isinstance(model, str) or not model):
+        raise ApiError("'model' must be a model name from GET /v1/models", param="model")
+    if "tokens" not in body:
+        raise ApiError("'tokens' is required: a list of token ids", param="tokens")
+    return model, _token_ids(body["tokens"], "tokens")

@@ -22,6 +22,7 @@ class ServerState:
     max_len: int
     chat_template: object | None = None  # jaxkv.chat_template.ChatTemplate
     api_key: str | None = None
+    tokenizer_info: dict | None = None  # GET /tokenizer_info's answer (`tokenization.read_tokenizer_info`)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     http: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 

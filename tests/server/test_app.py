@@ -677,8 +677,8 @@ def test_a_log_likelihood_request_is_answered_by_its_scoring_pass(text_client):
                 for got, want in zip(lp["top_logprobs"][len(prompt):], e["logprobs"]["top_logprobs"]):
                     assert got.keys() == want.keys()
                     np.testing.assert_allclose(list(got.values()), list(want.values()), atol=1e-4)
-    # sampled, or streamed: the engine decodes it
-    for extra in ({"temperature": 1.0, "seed": 3}, {"stream": True}):
+    # sampled, streamed, or a penalty that changes the first token: the engine decodes it
+    for extra in ({"temperature": 1.0, "seed": 3}, {"stream": True}, {"repetition_penalty": 1.3}):
         submitted = counters["sequences"]
         r = client.post("/v1/completions", json={"model": "test-tiny", "prompt": [5, 6], "max_tokens": 1,
                                                  "logprobs": 1, "echo": True, "temperature": 0, **extra})
@@ -745,3 +745,43 @@ def test_penalties_logit_bias_and_min_tokens_are_honoured(app_client):
     assert r.json()["choices"][0]["token_ids"] == expected
     r = client.post("/v1/completions", json={"model": "test-tiny", "prompt": prompt, "logit_bias": {"99999": 1}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
+
+
+def test_tokenize_detokenize_and_tokenizer_info_answer_in_vllms_shapes(bos_client, app_client):
+    """/tokenize (a prompt, or messages rendered by the chat template), /detokenize and /tokenizer_info, as
+    lm-eval's `tokenizer_backend=remote` calls them; bad input is OpenAI's 400, never a 500."""
+    client, state = bos_client
+    text = "naïve 😀 ok"
+    with_bos = state.tokenizer.encode(text).ids
+    r = client.post("/tokenize", json={"prompt": text}).json()
+    assert r == {"count": len(with_bos), "max_model_len": state.max_len, "tokens": with_bos, "token_strs": None}
+    r = client.post("/tokenize", json={"model": "test-tiny", "prompt": text, "add_special_tokens": False,
+                                       "return_token_strs": True}).json()
+    assert r["tokens"] == with_bos[1:] and r["token_strs"] == [state.tokenizer.id_to_token(t) for t in with_bos[1:]]
+    assert client.post("/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": text}
+    assert client.post("/detokenize", json={"tokens": with_bos}).json() == {"prompt": "<s>" + text}
+    messages = [{"role": "user", "content": "Hi "}, {"role": "assistant", "content": "there"}]
+    r = client.post("/tokenize", json={"messages": messages}).json()
+    assert r["tokens"] == state.tokenizer.encode("Hi there", add_special_tokens=False).ids
+    info = client.get("/tokenizer_info").json()
+    assert info["chat_template"] == state.chat_template.source and info["tokenizer_class"]
+    assert "eos_token" in info  # what lm-eval's check for a remote tokenizer asks for
+    for body, path, param in [({}, "/tokenize", "prompt"), ({"prompt": "a", "messages": messages}, "/tokenize",
+                                                             "prompt"),
+                              ({"prompt": 5}, "/tokenize", "prompt"), (b'{"prompt": "\\ud800"}', "/tokenize", "prompt"),
+                              ({"prompt": "a", "frobnicate": 1}, "/tokenize", "frobnicate"),
+                              ({"messages": [{"content": "x"}]}, "/tokenize", "messages[0]"),
+                              ({"prompt": "a", "add_generation_prompt": True}, "/tokenize", "prompt"),
+                              ({"tokens": [1, 10**6]}, "/detokenize", "tokens"), ({"tokens": "ab"}, "/detokenize",
+                                                                                 "tokens"),
+                              ({}, "/detokenize", "tokens")]:
+        r = client.post(path, content=body) if isinstance(body, bytes) else client.post(path, json=body)
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["param"] == param, body
+    assert client.post("/tokenize", content=b'{"prompt": ').status_code == 400
+    assert client.post("/tokenize", json={"model": "gpt-4", "prompt": "a"}).status_code == 404
+    no_text, _ = app_client  # a model without a tokenizer
+    for method, path, body in [("post", "/tokenize", {"prompt": "a"}), ("post", "/detokenize", {"tokens": [1]}),
+                               ("get", "/tokenizer_info", None)]:
+        r = getattr(no_text, method)(path, **({"json": body} if body else {}))
+        assert r.status_code == 400 and "no tokenizer" in r.json()["error"]["message"], path

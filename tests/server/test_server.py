@@ -336,6 +336,22 @@ def test_bad_requests_get_openai_errors(url):
     assert m["slots_free"] == SLOTS and m["pages_held"] == 0
 
 
+def test_the_tokenizer_endpoints_answer_as_lm_evals_remote_tokenizer_reads_them(url, model):
+    """lm-eval's `tokenizer_backend=remote` (its RemoteTokenizer): GET /tokenizer_info (eos_token, chat_template),
+    POST /tokenize {"prompt", "add_special_tokens": false} -> tokens, POST /detokenize {"tokens"} -> prompt; with the
+    API key, as every other route."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    info = httpx.get(url + "/tokenizer_info", headers=auth, timeout=30).json()
+    assert info["eos_token"] == "<|endoftext|>" and info["chat_template"] == TEMPLATE
+    eos = httpx.post(url + "/tokenize", headers=auth, timeout=30,
+                     json={"prompt": info["eos_token"], "add_special_tokens": False}).json()
+    assert eos["tokens"] == list(model.config.eos_ids) and eos["max_model_len"] == MAX_LEN
+    ids = httpx.post(url + "/tokenize", headers=auth, timeout=30, json={"prompt": PROMPT}).json()["tokens"]
+    assert ids == model.tokenizer.encode(PROMPT).ids
+    assert httpx.post(url + "/detokenize", headers=auth, json={"tokens": ids}, timeout=30).json() == {"prompt": PROMPT}
+    assert httpx.get(url + "/tokenizer_info", timeout=30).status_code == 401
+
+
 def test_32_concurrent_streams_equal_their_solo_results(url, client):
     prompts = [f"Request {i}: " + "the cat sat on the mat " * (i % 3) for i in range(32)]  # some share prefixes
     lengths = [8 + (i * 7) % 33 for i in range(32)]
