@@ -26,6 +26,7 @@ import contextlib
 import itertools
 import os
 import threading
+import weakref
 
 import numpy as np
 
@@ -94,19 +95,52 @@ class Rows:
         self.matchers = list(matchers) + [None] * (rows - len(matchers))
         self.vocab_size = vocab_size
         self.mask = np.full((rows, device_mask.words(vocab_size)), -1, np.int32)
-        stop = sorted({int(t) for t in np.asarray(stop_ids).ravel() if t >= 0})
-        self._stop = np.zeros((device_mask.words(vocab_size),), np.int32)  # the call's stop ids as mask bits
-        for t in stop:
-            self._stop[t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
-        self._eos = np.zeros_like(self._stop)  # llguidance's eos bits: cleared unless a stop id
-        for t in eos_ids:
-            if int(t) not in stop:
-                self._eos[int(t) // 32] |= np.int32(np.uint32(1 << (int(t) % 32)).view(np.int32))
+        self._eos_bits = self._bits(eos_ids)  # llguidance's eos: cleared where not a stop id of the row
+        self._stop = np.zeros_like(self.mask)  # each row's stop ids as mask bits
+        self._clear = np.zeros_like(self.mask)  # each row's eos bits that are not its stop ids
+        for b in range(rows):
+            self.set_stops(b, stop_ids if np.ndim(stop_ids) == 1 else stop_ids[b])
         self.over = np.array([m is None for m in self.matchers])  # no more masks to fill for the row
         self.finished = np.zeros((rows,), bool)  # the constraint ended the row
         self.errors: dict[int, str] = {}
         self.mask_seconds = 0.0
         self.masks_filled = 0
+
+    def _bits(self, ids) -> np.ndarray:
+        """int32[W]: the mask with exactly `ids` allowed (negative ids: padding, ignored)."""
+        bits = np.zeros((device_mask.words(self.vocab_size),), np.uint32)
+        for t in {int(t) for t in np.asarray(ids).ravel() if t >= 0}:
+            bits[t // 32] |= np.uint32(1 << (t % 32))
+        return bits.view(np.int32)
+
+    def set_stops(self, row: int, stop_ids):
+        """Row `row`'s stop ids (int32[n], -1 padding): allowed where its constraint may end."""
+        self._stop[row] = self._bits(stop_ids)
+        self._clear[row] = self._eos_bits & ~self._stop[row]
+
+    def start(self, row: int, matcher, stop_ids) -> np.ndarray:
+        """A new request in row `row` (the engine's slots): its matcher (None: unconstrained) and stop ids ->
+        int32[W] the mask of its first token (all ones when unconstrained)."""
+        self.matchers[row] = matcher
+        self.set_stops(row, stop_ids)
+        self.over[row], self.finished[row] = matcher is None, False
+        self.errors.pop(row, None)
+        self.mask[row] = -1
+        if matcher is not None:
+            self._fill([row])
+        return self.mask[row].copy()
+
+    def clear(self, row: int):
+        """Row `row` holds nothing (its request finished)."""
+        self.matchers[row], self.over[row] = None, True
+
+    def move(self, dst: int, src: int):
+        """Row `dst` takes over row `src`'s request (the engine compacting its slots); `src` holds nothing."""
+        for a in (self.matchers, self.over, self.finished, self.mask, self._stop, self._clear):
+            a[dst] = a[src]
+        if src in self.errors:
+            self.errors[dst] = self.errors.pop(src)
+        self.clear(src)
 
     @property
     def constrained(self) -> list[int]:
@@ -121,10 +155,9 @@ class Rows:
 
             fill_next_token_bitmask_par(executor(), [(self.matchers[b], b) for b in rows], self.mask)
             for b in rows:
-                m = self.matchers[b]
-                self.mask[b] &= ~self._eos
-                if m.is_accepting():
-                    self.mask[b] |= self._stop
+                self.mask[b] &= ~self._clear[b]
+                if self.matchers[b].is_accepting():
+                    self.mask[b] |= self._stop[b]
         self.mask_seconds += time.perf_counter() - start
         self.masks_filled += len(rows)
 
@@ -168,7 +201,7 @@ class Rows:
             if m.consume_token(int(tokens[r])) and not m.is_stopped():
                 live.append(r)
             else:
-                self.mask[r] = self._stop
+                self.mask[r] = self._stop[r]
         self._fill(live)
         return self.mask.copy()
 
@@ -183,15 +216,22 @@ class Rows:
             raise ValueError(f"{what} {b}: {error}")
 
 
-_live: dict[int, Rows] = {}
+_live: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # handle -> Rows, while its owner holds it
 _handles = itertools.count(1)
+
+
+def register(rows: Rows) -> int:
+    """`rows` reachable from compiled code by the returned handle (an int) while its owner holds it (an engine's
+    rows, for the engine's life)."""
+    handle = next(_handles) % (2**31 - 1)
+    _live[handle] = rows
+    return handle
 
 
 @contextlib.contextmanager
 def registered(rows: Rows):
     """`rows` reachable from the compiled loop by the yielded handle (an int) while the context lasts."""
-    handle = next(_handles) % (2**31 - 1)
-    _live[handle] = rows
+    handle = register(rows)
     try:
         yield handle
     finally:

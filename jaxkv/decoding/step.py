@@ -80,7 +80,7 @@ class Selected(NamedTuple):
 
 
 def select(logits, key, sampler, stop_ids, *, top: int = 0, top_wanted=None, rows: int | None = None,
-           processing=None, allowed=None) -> Selected:
+           processing=None, allowed=None, constrained=None) -> Selected:
     """One decode step's token choice for B rows of float32[B, V] logits (see the module docstring).
 
     key: what `sampler` takes as its key (one PRNG key, or one per row for the engine's per-slot keys).
@@ -94,11 +94,15 @@ def select(logits, key, sampler, stop_ids, *, top: int = 0, top_wanted=None, row
     allowed: None, or int32[B, ceil(V / 32)], a constraint's packed token mask (`jaxkv.constraints.mask`): the
       tokens it leaves out get -inf after `process_logits`, so they are never picked and the log-probabilities
       are those of the constrained distribution.
+    constrained: None, or a traced bool: apply `allowed` only when it is true (a batch with no constrained row
+      skips the unpacking).
     """
     B, V = logits.shape
     nan = nan_rows(logits)
     logits = process_logits(logits, processing, stop_ids)
-    if allowed is not None:
+    if allowed is not None and constrained is not None:
+        logits = lax.cond(constrained, constraint_mask.apply, lambda logits, _: logits, logits, allowed)
+    elif allowed is not None:
         logits = constraint_mask.apply(logits, allowed)
     tokens = sampler(logits if rows is None else logits[:rows], key)
     want = (B if rows is None else rows,)

@@ -54,6 +54,10 @@ class State:
               bias, min_tokens; its token counts), rows [0, S)
     staged_processing: the same for the Q staging rows: set at `admit` (and `mark_prompt`), taken by the slot a
               request moves into (its counts still zero)
+    grammar:  for a model with a tokenizer, each slot's constraint mask (`jaxkv.decoding.constrained.Grammar`,
+              int32[S, ceil(V / 32)], all ones for an unconstrained slot; its handle names the engine's host-side
+              matchers); else None
+    constrained: bool[S], the slot's request has a constraint (with `grammar`; else None)
     """
 
     cache: PagedKVCache
@@ -70,6 +74,8 @@ class State:
     staged_hidden: Any = None
     processing: Any = None
     staged_processing: Any = None
+    grammar: Any = None
+    constrained: Any = None
 
 
 def finish_code(finished, nan, stopped):
@@ -229,12 +235,17 @@ def shift_slots(state: State, shifts) -> State:
                          sampler=jax.tree.map(pick, state.sampler), stop_ids=pick(state.stop_ids),
                          budget=pick(state.budget), top=pick(state.top),
                          processing=jax.tree.map(pick, state.processing),
+                         grammar=None if state.grammar is None else state.grammar.replace(
+                             allowed=pick(state.grammar.allowed)),
+                         constrained=jax.tree.map(pick, state.constrained),
                          spec=None if state.spec is None else state.spec.moved(pick))
 
 
-def move_in(state: State, moves, keys, sampler: Sampler, stop_ids, budget, top) -> State:
+def move_in(state: State, moves, keys, sampler: Sampler, stop_ids, budget, top, grammar=None) -> State:
     """Slot s takes the request prefilled in staging row moves[s] (-1: none) with its settings: the staging row's
-    page-table row and length move to the slot (no page is copied or recounted) and the staging row empties."""
+    page-table row and length move to the slot (no page is copied or recounted) and the staging row empties.
+    `grammar`: (int32[S, ceil(V / 32)] the first token's masks, bool[S] constrained) of the slots moved into
+    (None: the engine has no masks)."""
     S = state.logits.shape[0]
     cache = state.cache
     moving = moves >= 0
@@ -251,6 +262,9 @@ def move_in(state: State, moves, keys, sampler: Sampler, stop_ids, budget, top) 
         return jnp.where(moving.reshape((S,) + (1,) * (old.ndim - 1)), new, old)
 
     staged = jax.tree.map(lambda x: x[jnp.maximum(moves, 0)], state.staged_processing)
+    if grammar is not None:
+        state = state.replace(grammar=state.grammar.replace(allowed=pick(grammar[0], state.grammar.allowed)),
+                              constrained=pick(grammar[1], state.constrained))
     return state.replace(cache=cache, logits=pick(state.staged[jnp.maximum(moves, 0)], state.logits),
                          keys=pick(keys, state.keys), decoding=state.decoding | moving,
                          sampler=jax.tree.map(pick, sampler, state.sampler), stop_ids=pick(stop_ids, state.stop_ids),
@@ -260,8 +274,8 @@ def move_in(state: State, moves, keys, sampler: Sampler, stop_ids, budget, top) 
 
 @functools.partial(jax.jit, static_argnames=("config", "attention", "steps", "width", "mesh"),
                    donate_argnames=("state",))
-def decode(params, state: State, shifts, moves, keys, sampler, stop_ids, budget, top, *, config, attention,
-            steps: int, width: int, mesh=None):
+def decode(params, state: State, shifts, moves, keys, sampler, stop_ids, budget, top, grammar=None, *, config,
+           attention, steps: int, width: int, mesh=None):
     """Moves decoding requests down into free slots (`shift_slots`), prefilled requests into free slots (`move_in`),
     then `steps` decode steps over slots [0, width) ->
     (state, per step: int32[S] tokens (-1: the slot did not decode), float32[S] their log-probabilities, the top
@@ -269,8 +283,12 @@ def decode(params, state: State, shifts, moves, keys, sampler, stop_ids, budget,
 
     Only the first `width` (W) slots are computed: the host packs requests into the lowest free slots and picks the
     smallest compiled width holding every decoding slot, so a lightly loaded engine does not pay for its empty
-    slots (a decode step's cost grows with its batch). Slots at or past W must not be decoding."""
-    state = move_in(shift_slots(state, shifts), moves, keys, sampler, stop_ids, budget, top)
+    slots (a decode step's cost grows with its batch). Slots at or past W must not be decoding.
+
+    `grammar`: the moved-in slots' first masks (`move_in`). While a decoding slot is constrained, each step applies
+    the slots' masks and then asks the host (one io_callback: `constrained.Grammar.advance`) to feed the slots'
+    matchers their tokens and fill the next masks; a step with no constrained slot does neither (lax.cond)."""
+    state = move_in(shift_slots(state, shifts), moves, keys, sampler, stop_ids, budget, top, grammar)
     S, W = state.logits.shape[0], width
     slots = jnp.arange(W, dtype=jnp.int32)
 
@@ -281,10 +299,24 @@ def decode(params, state: State, shifts, moves, keys, sampler, stop_ids, budget,
         split = jax.vmap(jax.random.split)(state.keys[:W])  # [W, 2, key]: (the next key, this token's key)
         # The one decode step: NaN rows (the model could not place the row's last token) get -1 and stop; the
         # top alternatives are read only when a decoding slot asked for them.
+        constrained_w = None if state.grammar is None else run & state.constrained[:W]
+        any_constrained = None if state.grammar is None else jnp.any(constrained_w)
         picked = step.select(logits_w, split[:, 1], sampler_w, state.stop_ids[:W], top=MAX_LOGPROBS,
-                             top_wanted=jnp.any(run & (state.top[:W] > 0)), processing=processing_w)
+                             top_wanted=jnp.any(run & (state.top[:W] > 0)), processing=processing_w,
+                             allowed=None if state.grammar is None else state.grammar.allowed[:W],
+                             constrained=any_constrained)
         processing_w = processing_w.advance(picked.tokens, run & picked.valid)
         tokens, nan, stopped = picked.tokens, picked.nan, picked.stopped
+        grammar = state.grammar
+        if grammar is not None:  # the host feeds the constrained slots' matchers; a complete constraint stops
+            def advance(grammar):
+                emitted = constrained_w & picked.valid & ~picked.stopped
+                grammar, ended = grammar.advance(jnp.zeros((S,), jnp.int32).at[:W].set(tokens),
+                                                 jnp.zeros((S,), bool).at[:W].set(emitted))
+                return grammar, ended[:W]
+
+            grammar, ended = lax.cond(any_constrained, advance, lambda g: (g, jnp.zeros((W,), bool)), grammar)
+            stopped = stopped | ended
         chosen, top_ids, top_logp = picked.logprob, picked.top_ids, picked.top_logprobs
         budget = state.budget[:W] - run
         finished = run & (stopped | (budget <= 0))
@@ -305,6 +337,7 @@ def decode(params, state: State, shifts, moves, keys, sampler, stop_ids, budget,
         keys = jnp.where(run[:, None], split[:, 0], state.keys[:W])
         state = state.replace(cache=cache, logits=state.logits.at[:W].set(logits), keys=state.keys.at[:W].set(keys),
                               decoding=state.decoding.at[:W].set(going), budget=state.budget.at[:W].set(budget),
+                              grammar=grammar,
                               processing=jax.tree.map(lambda x, w: x.at[:W].set(w), state.processing,
                                                       processing_w))
         state = placed(state, mesh)

@@ -34,6 +34,7 @@ class Request:
     finish_reason: str | None = None
     error: str | None = None
     penalties: object = None  # its `jaxkv.decoding.processing.Penalties` (one row, host arrays)
+    matcher: object = None  # its constraint's llguidance matcher (`jaxkv.constraints.matcher`); None: none
 
 
 

@@ -18,7 +18,7 @@ from jaxkv import checks, sharding
 from jaxkv.cache import planner as memory
 from jaxkv.cache.paged import NO_PAGE
 from jaxkv.cache.prefix import PrefixCache
-from jaxkv.decoding import processing, request
+from jaxkv.decoding import constrained, processing, request
 from jaxkv.decoding.speculation import Speculation
 from jaxkv.engine import outputs, programs
 from jaxkv.engine import speculative as speculative_program
@@ -160,13 +160,22 @@ class Engine:
         self._next_id = 0
         self._stats = collections.Counter()
         self._key_shape = np.asarray(request.prng_key(0)).shape  # a PRNG key's raw words (2 for threefry)
+        # Constrained requests' matchers, one row per decode slot (`jaxkv.constraints.matcher.Rows`), which the
+        # decode program reaches through a handle. A model without a tokenizer takes no constraint: no masks.
+        self._grammar = None
+        if model.tokenizer is not None:
+            from jaxkv.constraints import matcher
+
+            self._grammar = matcher.Rows([], rows=self.slots, vocab_size=config.vocab_size, stop_ids=[-1],
+                                         eos_ids=config.eos_ids)
+            self._grammar_handle = matcher.register(self._grammar)
 
     # --- requests -----------------------------------------------------------------------------------------------
 
     def submit(self, prompt, *, max_new_tokens: int, temperature=0.0, top_k=None, top_p=None, min_p=None,
                seed: int = 0, stop_tokens: Sequence[int] | None = None, logprobs: int = 0,
                callback: Callable | None = None, repetition_penalty=None, presence_penalty=None,
-               frequency_penalty=None, logit_bias=None, min_tokens=None) -> int:
+               frequency_penalty=None, logit_bias=None, min_tokens=None, constraint=None) -> int:
         """Queues a request -> its id. Every setting is checked here (ValueError), never in a running batch.
 
         prompt: token ids, or text for a model with a tokenizer. max_new_tokens: at most this many new tokens;
@@ -179,6 +188,10 @@ class Engine:
         produced; if it raises, this request ends with finish_reason "error" and the others go on.
         repetition_penalty, presence_penalty, frequency_penalty, logit_bias, min_tokens: as `jaxkv.generate`
         (scalars; logit_bias one dict); traced per slot, so they never recompile (not with speculation yet).
+        constraint: a `jaxkv.JsonSchema`, `Regex`, `Choice` or `Grammar` (a model with a tokenizer; not with
+        speculation yet), compiled here: the request's tokens follow it as in `jaxkv.generate`, and a complete
+        constraint finishes it with "stop". Constrained and unconstrained requests share the compiled step; a
+        dispatch with no constrained request decoding pays nothing for them.
         """
         config = self.config
         with checks.about("prompt"):  # each refusal names its argument (`checks.ArgumentError`)
@@ -215,14 +228,32 @@ class Engine:
                                         max_new_tokens=max_new_tokens)
         if callback is not None and not callable(callback):
             raise ValueError(f"callback must be a callable (event), got {callback!r}")
+        grammar = None
+        if constraint is not None:
+            with checks.about("constraint"):
+                grammar = self._matcher(constraint)
         rid = self._next_id
         self._next_id += 1
         self._requests[rid] = Request(id=rid, prompt=prompt, max_new_tokens=max_new_tokens, settings=settings,
                                        key=key, stop_ids=stop_ids, top=top, callback=callback, pages=pages,
-                                       penalties=penalties)
+                                       penalties=penalties, matcher=grammar)
         self._waiting.append(rid)
         self._order.append(rid)
         return rid
+
+    def _matcher(self, constraint):
+        """A fresh llguidance matcher for a request's constraint, or ValueError (before anything runs)."""
+        from jaxkv.constraints import matcher, spec
+
+        if self.speculation is not None:
+            raise ValueError("the engine does not take a constraint with speculation yet")
+        if self._grammar is None:
+            raise ValueError("a constraint needs a model with a tokenizer (the grammar is over text)")
+        (constraint,) = spec.per_row(constraint, 1) if isinstance(constraint, spec.Constraint) else [None]
+        if constraint is None:
+            raise ValueError("constraint must be a jaxkv.JsonSchema, Regex, Choice or Grammar")
+        return matcher.compiled(constraint, matcher.lltokenizer(self.model.tokenizer, self.config.vocab_size,
+                                                                self.config.eos_ids))
 
     def cancel(self, request_id: int) -> bool:
         """Ends a request now (finish_reason "cancelled", tokens so far kept) and frees its slot and pages ->
@@ -382,7 +413,7 @@ class Engine:
             self._state, _, free, _ = self._decode(width, none, none, np.zeros((S, *self._key_shape), np.uint32),
                                                    sampler, np.full((S, STOP_SLOTS), -1, np.int32),
                                                    np.zeros((S,), np.int32), np.zeros((S,), np.int32),
-                                                   *self._prompts([]))
+                                                   *self._prompts([]), grammar=self._grammar_moves([]))
         self._free = int(free)
         self._return_pool()
         self.reset_stats()
@@ -422,7 +453,10 @@ class Engine:
             processing=processing.start(processing.Penalties.neutral(S), np.full((S, 1), -1, np.int32),
                                         vocab_size=V),
             staged_processing=processing.start(processing.Penalties.neutral(Q), np.full((Q, 1), -1, np.int32),
-                                               vocab_size=V))
+                                               vocab_size=V),
+            grammar=None if self._grammar is None else constrained.Grammar(
+                handle=jnp.int32(self._grammar_handle), allowed=jnp.asarray(self._grammar.mask)),
+            constrained=None if self._grammar is None else jnp.zeros((S,), bool))
         if self.mesh is not None:  # the pools split over KV heads, everything else on every device
             rep = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
             shardings = jax.tree.map(lambda _: rep, self._state)
@@ -569,12 +603,14 @@ class Engine:
         moves, keys, sampler, stop_ids, budget, top = self._move_ready()
         if not any(rid is not None for rid in self._by_slot):
             return []
+        grammar = self._grammar_moves([(slot, self._requests[self._by_slot[slot]])
+                                       for slot in np.flatnonzero(moves >= 0)])
         high = max(slot for slot, rid in enumerate(self._by_slot) if rid is not None) + 1
         width = next(w for w in self.decode_widths if w >= high)
         t0 = time.perf_counter()
         moved = [self._requests[self._by_slot[slot]] for slot in np.flatnonzero(moves >= 0)]
         self._state, out, free, counts = self._decode(width, shifts, moves, keys, sampler, stop_ids, budget, top,
-                                                      *self._prompts(moved))
+                                                      *self._prompts(moved), grammar=grammar)
         out = outputs.DecodeOut(*(np.asarray(x) for x in out))
         self._free = int(free)
         self._stats["decode_s"] += time.perf_counter() - t0
@@ -604,9 +640,11 @@ class Engine:
             req.top_logprobs += new_top
             self._stats["generated_tokens"] += len(new)
             code = int(out.codes[:, slot].max())  # a slot finishes at most once per dispatch
+            error = "the model's logits became NaN" if code == 3 else None
+            if code and self._grammar is not None and slot in self._grammar.errors:  # (a bug if ever)
+                code, error = FINISH_REASONS.index("error"), self._grammar.errors.pop(slot)
             if code:
-                self._finish(req, FINISH_REASONS[code], "the model's logits became NaN" if code == 3 else None,
-                             release=False)
+                self._finish(req, FINISH_REASONS[code], error, release=False)
             if new or code:
                 events.append(self._notify(req, Event(req.id, new, new_logp, bool(code), FINISH_REASONS[code],
                                                       new_top if req.top else None)))
@@ -627,12 +665,25 @@ class Engine:
             prompts[req.row, :len(req.prompt)], lengths[req.row] = req.prompt, len(req.prompt)
         return prompts, lengths
 
-    def _decode(self, width, shifts, moves, keys, sampler, stop_ids, budget, top, *prompts):
+    def _grammar_moves(self, moved):
+        """The decode program's `grammar` for the requests moving into slots (`moved`: (slot, request) pairs):
+        (int32[S, ceil(V / 32)] their first masks, bool[S] which are constrained); each slot's matcher set on the
+        host. None for an engine without masks."""
+        if self._grammar is None:
+            return None
+        allowed = np.full_like(self._grammar.mask, -1)
+        constrained_in = np.zeros((self.slots,), bool)
+        for slot, req in moved:
+            allowed[slot] = self._grammar.start(slot, req.matcher, req.stop_ids)
+            constrained_in[slot] = req.matcher is not None
+        return allowed, constrained_in
+
+    def _decode(self, width, shifts, moves, keys, sampler, stop_ids, budget, top, *prompts, grammar=None):
         """One decode dispatch (`programs.decode`, or with speculation `speculative.decode`) -> (state, outputs,
         free pages, the speculation counters or None)."""
         if self.speculation is None:
             state, out, free = programs.decode(self._params, self._state, shifts, moves, keys, sampler, stop_ids,
-                                               budget, top, config=self._run_config, attention=self.attention,
+                                               budget, top, grammar, config=self._run_config, attention=self.attention,
                                                steps=self.steps_per_dispatch, width=width, mesh=self.mesh)
             return state, out, free, None
         draft = {} if self.draft is None else dict(draft_params=self.draft.params, draft_config=self.draft.config,
@@ -660,6 +711,8 @@ class Engine:
                 rid = self._by_slot[src]
                 self._by_slot[dst], self._by_slot[src] = rid, None
                 self._requests[rid].row = dst
+                if self._grammar is not None:
+                    self._grammar.move(dst, src)
                 self._stats["slot_moves"] += 1
         return shifts
 
@@ -716,6 +769,8 @@ class Engine:
                 self._free = int(free)
             if req.row < self.slots:
                 self._by_slot[req.row] = None
+                if self._grammar is not None:
+                    self._grammar.clear(req.row)
             else:
                 self._staging[req.row - self.slots] = None
         elif req.id in self._waiting:

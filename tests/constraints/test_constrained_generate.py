@@ -204,3 +204,21 @@ def test_beam_search_hypotheses_satisfy():
     one = jaxkv.beam_search(model(), [prompts[i] for i in picked], num_beams=1, max_new_tokens=121,
                             constraint=[constraints[i] for i in picked])
     assert [hyps[0].tokens for hyps in one] == [gen.tokens[i] + [256] for i in picked]
+
+
+def test_engine_requests_decode_as_generate():
+    """Engine.submit(constraint=): constrained and unconstrained requests in one engine, slots reused and
+    compacted, give generate's greedy tokens (the unconstrained one too); a bad constraint is refused at submit."""
+    prompts, constraints, gen = greedy_run()
+    engine = jaxkv.Engine(model(), slots=4, max_len=256, steps_per_dispatch=4, decode_widths=[2, 4])
+    # two one-token requests in slots 0 and 1, two JSON ones in 2 and 3 that move down once those end
+    order = [5, 6, 0, 1, 7, 2, 3, 4]
+    results = engine.generate([dict(prompt=prompts[i], constraint=constraints[i]) for i in order],
+                              max_new_tokens=120)
+    assert engine.stats["slot_moves"] > 0
+    assert [r.tokens for r in results] == [gen.tokens[i] for i in order]
+    assert [r.finish_reason for r in results] == [gen.finish_reasons[i] for i in order]
+    with pytest.raises(ValueError, match="constraint") as refused:
+        engine.submit("x", max_new_tokens=4, constraint="{}")
+    assert refused.value.argument == "constraint"
+    assert not engine.pending
