@@ -29,7 +29,10 @@ bfloat16 page of H = 128 is 4 KiB.
 
 Pallas GPU (Triton), `_paged_kernel_gpu`: a block is C slots, a power of two >= 16 (Triton tensor sizes; tl.dot
 needs every matmul dim >= 16), independent of the page size, so pages of 1, 4 or 5 slots are read 16 or more slots
-at a time. Grid (B, K); each program loops (`fori_loop`, dynamic trip count) over its live blocks only. The pools
+at a time. Grid (B, K, splits); each program loops (`fori_loop`, dynamic trip count) over its share of the row's
+live blocks only (flash-decoding, as the contiguous kernel: `split_share` divides the live blocks at run time and
+`combine_splits` merges the partial softmax states; without it batch 1 ran 8 programs on an H200's 132 SMs and read
+a 32k-token row at 155 GB/s, session 19). The pools
 are passed flattened to [P * K * page_size, H] (a free reshape), a ref that is only a pointer. Per block the body
 gathers each slot's page-table entry (a vector load), computes the slot's pool row
 (page * K + h) * page_size + slot % page_size, and loads K, V ([C, H]) and the scales ([1, C]) with gather loads
@@ -51,9 +54,10 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from jaxkv.attention.decode_kernel import (GPU_MIN_DIM, MASKED, TPU_ROW_MULTIPLE, tpu_step_block, block_range,
-                                           cdiv, decode_masks, live_bounds, load_rows, load_scale, matmul_dtype,
-                                           next_pow2, normalize, online_softmax_step, pad_axis, reset_softmax_state,
-                                           row_bounds, scale_rows, split_row_refs, split_scale_refs)
+                                           cdiv, combine_splits, decode_masks, default_splits, live_bounds, load_rows,
+                                           load_scale, matmul_dtype, next_pow2, normalize, online_softmax_step,
+                                           pad_axis, reset_softmax_state, row_bounds, scale_rows, split_row_refs,
+                                           split_scale_refs, split_share)
 from jaxkv.attention.reference import Unsupported, check_softcap
 
 # Slots per step a page group aims for when `pages_per_block` is not given. TPU: 128 slots (a lane-dense row of
@@ -205,15 +209,16 @@ def _paged_tpu(q, k_pages, v_pages, k_scale, v_scale, page_table, lo, hi, *, sca
 
 
 def _paged_kernel_gpu(lo_ref, hi_ref, table_ref, q_ref, *refs, scale: float, page_size: int, block: int,
-                      kv_heads: int, quantized: bool, softcap: float | None = None, per_row: bool = False,
-                      value_queries: int = 0):
-    """Grid (B, K). lo_ref, hi_ref [1]; table_ref [M] (the row's page table); q_ref [R, H]; with `per_row`, row lo
-    and hi refs [R, 1] (lo_ref, hi_ref then span the rows' ranges); with `value_queries` = T, each query's lo and hi
-    refs [Tp] (`query_value_bounds`, padded to a power of two); k_ref, v_ref [P * K * page_size, H] (pointers: only
-    the gathered rows are read); then, for a quantized pool, ks_ref, vs_ref [P * K * page_size]; output [R, H]."""
+                      kv_heads: int, quantized: bool, splits: int, softcap: float | None = None,
+                      per_row: bool = False, value_queries: int = 0):
+    """Grid (B, K, splits). lo_ref, hi_ref [1]; table_ref [M] (the row's page table); q_ref [R, H]; with `per_row`,
+    row lo and hi refs [R, 1] (lo_ref, hi_ref then span the rows' ranges); with `value_queries` = T, each query's lo
+    and hi refs [Tp] (`query_value_bounds`, padded to a power of two); k_ref, v_ref [P * K * page_size, H]
+    (pointers: only the gathered rows are read); then, for a quantized pool, ks_ref, vs_ref [P * K * page_size];
+    outputs this split's (acc [R, H], m [R, 1], l [R, 1])."""
     rows_refs, refs = split_row_refs(refs, per_row)
     (qlo_ref, qhi_ref), (k_ref, v_ref, *refs) = (refs[:2], refs[2:]) if value_queries else ((None, None), refs)
-    ks_ref, vs_ref, (out_ref,) = split_scale_refs(refs, quantized)
+    ks_ref, vs_ref, (acc_out, m_out, l_out) = split_scale_refs(refs, quantized)
     bounds = load_rows(rows_refs)  # loaded once, before the loop
     value_bounds = [(qlo_ref[t], qhi_ref[t]) for t in range(value_queries)] or None
     lo, hi = lo_ref[0], hi_ref[0]
@@ -221,6 +226,7 @@ def _paged_kernel_gpu(lo_ref, hi_ref, table_ref, q_ref, *refs, scale: float, pag
     q = q_ref[...]  # [R, H]
     rows, head_dim = q.shape
     first, count = block_range(lo, hi, block)
+    begin, end = split_share(count, splits, pl.program_id(2))
     within = lax.broadcasted_iota(jnp.int32, (block,), 0)  # [C]
 
     def body(g, carry):
@@ -246,8 +252,8 @@ def _paged_kernel_gpu(lo_ref, hi_ref, table_ref, q_ref, *refs, scale: float, pag
 
     init = (jnp.full((rows, 1), MASKED, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
             jnp.zeros((rows, head_dim), jnp.float32))
-    m, l, acc = lax.fori_loop(0, count, body, init)  # dynamic trip count: only live blocks are loaded
-    out_ref[...] = normalize(acc, l)
+    m, l, acc = lax.fori_loop(begin, end, body, init)  # dynamic trip count: only live blocks are loaded
+    acc_out[...], m_out[...], l_out[...] = acc, m, l
 
 
 def gpu_block_slots(page_size: int, pages_per_seq: int, pages_per_block: int | None) -> int:
@@ -259,11 +265,11 @@ def gpu_block_slots(page_size: int, pages_per_seq: int, pages_per_block: int | N
     return max(GPU_MIN_DIM, min(TARGET_SLOTS["gpu"], next_pow2(pages_per_seq * page_size)))
 
 
-def _paged_gpu(q, k_pages, v_pages, k_scale, v_scale, page_table, lo, hi, *, scale: float, block: int, interpret,
-               softcap: float | None = None, rows=None, values=None):
+def _paged_gpu(q, k_pages, v_pages, k_scale, v_scale, page_table, lo, hi, *, scale: float, block: int, splits: int,
+               interpret, softcap: float | None = None, rows=None, values=None):
     """q [B, K, R, H] (R, H powers of two >= 16); pools [P, K, page_size, H]; scales f32[P, K, page_size] or None;
-    page_table int32[B, M]; lo, hi int32[B]; block: slots per loop iteration; rows, values: as `_paged_tpu`'s
-    -> f32[B, K, R, H]."""
+    page_table int32[B, M]; lo, hi int32[B]; block: slots per loop iteration; splits: programs per (row, KV head),
+    each taking an even share of the row's live blocks; rows, values: as `_paged_tpu`'s -> f32[B, K, R, H]."""
     B, K, R, H = q.shape
     P, _, page_size, _ = k_pages.shape
     if H & (H - 1):
@@ -271,19 +277,22 @@ def _paged_gpu(q, k_pages, v_pages, k_scale, v_scale, page_table, lo, hi, *, sca
                          "padding it would copy the whole pool every step")
     flat = (P * K * page_size, H)
 
-    def scalar_map(b, h):
+    def scalar_map(b, h, s):
         return (b,)
 
-    def row_map(b, h):
+    def row_map(b, h, s):
         return b, h, 0, 0
 
-    def whole(b, h):  # the whole pool: a base pointer, gathered from per block
+    def split_map(b, h, s):
+        return b, h, s, 0, 0
+
+    def whole(b, h, s):  # the whole pool: a base pointer, gathered from per block
         return 0, 0
 
-    def whole_scales(b, h):
+    def whole_scales(b, h, s):
         return (0,)
 
-    def bounds_map(b, h):
+    def bounds_map(b, h, s):
         return b, 0, 0
 
     quantized = k_scale is not None
@@ -293,20 +302,24 @@ def _paged_gpu(q, k_pages, v_pages, k_scale, v_scale, page_table, lo, hi, *, sca
         T = values[0].shape[1]
         Tp = next_pow2(T)
         values = [jnp.pad(x, ((0, 0), (0, Tp - T)), constant_values=fill) for x, fill in zip(values, (1, 0))]
-    value_specs = [pl.BlockSpec((None, values[0].shape[1]), lambda b, h: (b, 0))] * 2 if values is not None else []
+    value_specs = [pl.BlockSpec((None, values[0].shape[1]), lambda b, h, s: (b, 0))] * 2 if values is not None else []
     kernel = functools.partial(_paged_kernel_gpu, scale=scale, page_size=page_size, block=block, kv_heads=K,
-                               quantized=quantized, softcap=softcap, per_row=rows is not None,
+                               quantized=quantized, splits=splits, softcap=softcap, per_row=rows is not None,
                                value_queries=0 if values is None else T)
     scales = [k_scale.astype(jnp.float32).reshape(-1), v_scale.astype(jnp.float32).reshape(-1)] if quantized else []
-    return pl.pallas_call(
+    acc, m, l = pl.pallas_call(
         kernel,
-        grid=(B, K),
+        grid=(B, K, splits),
         in_specs=[pl.BlockSpec((1,), scalar_map), pl.BlockSpec((1,), scalar_map),
-                  pl.BlockSpec((None, page_table.shape[1]), lambda b, h: (b, 0)),
+                  pl.BlockSpec((None, page_table.shape[1]), lambda b, h, s: (b, 0)),
                   pl.BlockSpec((None, None, R, H), row_map), *row_specs, *value_specs,
                   pl.BlockSpec(flat, whole), pl.BlockSpec(flat, whole), *scale_specs],
-        out_specs=pl.BlockSpec((None, None, R, H), row_map),
-        out_shape=jax.ShapeDtypeStruct((B, K, R, H), jnp.float32),
+        out_specs=[pl.BlockSpec((None, None, None, R, H), split_map),
+                   pl.BlockSpec((None, None, None, R, 1), split_map),
+                   pl.BlockSpec((None, None, None, R, 1), split_map)],
+        out_shape=[jax.ShapeDtypeStruct((B, K, splits, R, H), jnp.float32),
+                   jax.ShapeDtypeStruct((B, K, splits, R, 1), jnp.float32),
+                   jax.ShapeDtypeStruct((B, K, splits, R, 1), jnp.float32)],
         # Explicit Triton params: without them JAX 0.10 lowers GPU pallas_calls with Mosaic GPU. More rows (several
         # queries per sequence) hold more registers: 8 warps past 64 rows, as the contiguous decode kernel (not
         # measured).
@@ -315,6 +328,7 @@ def _paged_gpu(q, k_pages, v_pages, k_scale, v_scale, page_table, lo, hi, *, sca
         name="jaxkv_paged_decode_attention",
     )(lo, hi, page_table, q, *(rows or ()), *(values or ()), k_pages.reshape(flat), v_pages.reshape(flat),
       *scales)
+    return combine_splits(acc, m, l)  # [B, K, R, H]
 
 
 # --- public --------------------------------------------------------------------------------------------------
@@ -336,7 +350,7 @@ def query_value_bounds(lo, hi):
 def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale: float,
                            sliding_window: int | None = None, k_scale=None, v_scale=None, q_slots=None,
                            platform: str | None = None, pages_per_block: int | None = None, interpret=None,
-                           softcap: float | None = None):
+                           softcap: float | None = None, splits: int | None = None):
     """Attention of one query (or a small block of queries) per sequence over its pages;
     `paged_reference.paged_attention` without `fresh`.
 
@@ -360,12 +374,14 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale: f
         a power-of-two number of slots, `gpu_block_slots`).
       interpret: run in the Pallas interpreter; None means "only on CPU".
       softcap: Gemma 2's attention-logit soft-capping (`reference.soft_cap`), a static float; None: off.
+      splits: GPU: programs per (sequence, KV head), each taking an even share of the row's live blocks (static);
+        None: `decode_kernel.default_splits` (enough programs to fill a large GPU when B * K is small). TPU: 1.
 
     Returns:
       q's shape ([B, N, H] or [B, T, N, H]) in q's dtype; a query with no live slot gets 0.
     """
     kwargs = dict(scale=scale, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, platform=platform,
-                  pages_per_block=pages_per_block, interpret=interpret, softcap=softcap)
+                  pages_per_block=pages_per_block, interpret=interpret, softcap=softcap, splits=splits)
     if q.ndim == 4 and q.shape[1] == 1:  # one query: exactly the [B, N, H] kernel
         q_slots = None if q_slots is None else jnp.asarray(q_slots, jnp.int32)[:, 0]
         return paged_decode_attention(q[:, 0], k_pages, v_pages, page_table, lengths, q_slots=q_slots, **kwargs)[:, None]
@@ -414,9 +430,11 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale: f
     elif platform == "gpu":
         R = max(GPU_MIN_DIM, next_pow2(T * G))  # tl.dot needs M >= 16; the padded rows are zeros, sliced off below
         rows = None if T == 1 else row_bounds(lo_t, hi_t, G, R)
+        block = gpu_block_slots(page_size, M, pages_per_block)
+        num_blocks = cdiv(M * page_size, block)
+        splits = max(1, min(splits or default_splits("gpu", B, K, num_blocks), num_blocks))
         out = _paged_gpu(pad_axis(q, 2, R), k_pages, v_pages, k_scale, v_scale, page_table, lo, hi, scale=scale,
-                         block=gpu_block_slots(page_size, M, pages_per_block), interpret=interpret, softcap=softcap,
-                         rows=rows, values=values)
+                         block=block, splits=splits, interpret=interpret, softcap=softcap, rows=rows, values=values)
     else:
         raise ValueError(f"platform must be 'tpu' or 'gpu', got {platform!r}")
     if T == 1:

@@ -86,6 +86,41 @@ def test_kernel_matches_reference(platform, page_size, heads, dtype, pool_dtype,
         _check(platform, window, ppb, q, K, lengths, page_size, pool_dtype, seed)
 
 
+@functools.lru_cache(maxsize=None)
+def _split_kernel(window, splits):
+    def kernel(q, k, v, table, lengths, q_slots):
+        return pk.paged_decode_attention(q, k, v, table, lengths, q_slots=q_slots, scale=SCALE, sliding_window=window,
+                                         platform="gpu", pages_per_block=1, interpret=INTERPRET, splits=splits)
+
+    return kernel
+
+
+@pytest.mark.skipif("gpu" not in PLATFORMS, reason="the sequence split is the GPU body's (compiled runs on a TPU "
+                    "have only the TPU body)")
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("T", [1, 3])
+def test_gpu_sequence_splits_match_reference(window, T):
+    """The GPU body split over each row's live blocks (flash-decoding): pages of 16, one page per block, so a full
+    row of the 5-page table is 5 blocks, shared as 3 + 2 (splits 2), 2 + 2 + 1 (3), 2 + 2 + 1 + an empty split (4),
+    and 5 capped to the 5 blocks (8); rows of every edge length (a 0-length row's splits are all empty), NaN in
+    every slot no query may read, one query per row or a block of T."""
+    page_size, N, K = 16, 8, 2
+    lengths = kernels.edge_lengths(page_size)[0]
+    table, live_slots, P = kernels.page_layout(lengths, page_size, 11)
+    k, v, _ = kernels.page_pool(P, K, page_size, "float32", np.random.default_rng(12))
+    lengths = jnp.asarray(lengths, jnp.int32)
+    q = jnp.asarray(np.random.default_rng(13).normal(size=(len(lengths), T, N, H)), jnp.float32)
+    q_slots = lengths[:, None] - T + jnp.arange(T, dtype=jnp.int32)[None, :]
+    bad = [kernels.poison(x, live_slots) for x in (k, v)]
+    want = np.asarray(kernels.run(_block_reference(window), q, k, v, table, lengths, q_slots), np.float32)
+    live = np.asarray(paged_reference.live_mask(lengths, q_slots, M * page_size, window).any(-1))  # [B, T]
+    for splits in (2, 3, 4, 8):
+        out = np.asarray(kernels.run(_split_kernel(window, splits), q, *bad, table, lengths, q_slots), np.float32)
+        assert np.isfinite(out).all()
+        np.testing.assert_array_equal(out[~live], 0.0)
+        np.testing.assert_allclose(out[live], want[live], **TOLERANCES["float32"], err_msg=f"splits={splits}")
+
+
 # --- several queries per sequence (a speculative verify: T = k + 1) -----------------------------------------------
 
 
