@@ -78,9 +78,8 @@ class ChatTemplate:
                 message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
             chat.append(message)
         try:
-            return self._template.render(messages=chat, tools=None, documents=None,
-                                         add_generation_prompt=add_generation_prompt,
-                                         **{**self.special_tokens, **kwargs})
+            return self._template.render(**{"tools": None, "documents": None, **self.special_tokens, **kwargs,
+                                            "messages": chat, "add_generation_prompt": add_generation_prompt})
         except jinja2.TemplateError as e:  # the template's own raise_exception, or a template bug
             raise ChatTemplateError(f"the chat template refused the messages: {e}") from None
 

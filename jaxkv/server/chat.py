@@ -9,7 +9,7 @@ import uuid
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from jaxkv.server import intake, protocol, sequences, sse
+from jaxkv.server import intake, protocol, sequences, sse, structured
 from jaxkv.server.protocol import ApiError
 from jaxkv.server.state import ServerState
 
@@ -20,6 +20,7 @@ async def chat_completions(request: Request) -> Response:
         raise ApiError("this model has no chat template (its tokenizer config names none): use /v1/completions, "
                        "or serve a checkpoint whose tokenizer_config.json or chat_template.jinja has one",
                        code="no_chat_template")
+    structured.check_auto(req.tool_calls, state.chat_template.source)
     rendered = await intake.render_chat(state, req)
     intake.check_text(rendered, state, "messages")
     prompt = (await intake.encode(state, [rendered], special_tokens=False))[0]  # the template wrote any BOS
@@ -42,8 +43,7 @@ async def chat_completions(request: Request) -> Response:
         if not await sequences.collect(request, state, choices, queue):
             return Response(status_code=499)
         sequences.server_error(choices)
-        out = [{"index": c.index, "message": {"role": "assistant", "content": c.text.text, "refusal": None},
-                "logprobs": logprobs_json(c, 0), "finish_reason": finish(c)}
+        out = [{"index": c.index, **_message(c, req.tool_calls, finish(c)), "logprobs": logprobs_json(c, 0)}
                | ({"token_ids": c.tokens} if s.return_token_ids else {}) for c in choices]
         return JSONResponse({"id": cid, "object": "chat.completion", "created": created, "model": state.model_name,
                              "choices": out, "usage": sequences.usage([prompt], choices)})
@@ -57,6 +57,18 @@ async def chat_completions(request: Request) -> Response:
                                 "logprobs": logprobs_json(c, first), "finish_reason": finish(c)}
         | ({"token_ids": c.tokens[first:]} if s.return_token_ids else {}),
         [prompt] if s.include_usage else None))
+
+
+def _message(c, tool_calls, finish_reason) -> dict:
+    """A finished choice's "message" and "finish_reason": with tools, the calls its text holds (`structured`),
+    finish_reason "tool_calls" when there are any."""
+    message = {"role": "assistant", "content": c.text.text, "refusal": None}
+    if tool_calls is not None:
+        content, calls = structured.tool_calls(tool_calls, c.text.text)
+        if calls:
+            message.update(content=content, tool_calls=calls)
+            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+    return {"message": message, "finish_reason": finish_reason}
 
 
 def _chat_logprobs(decoded, first, tokens, logprobs, tops) -> dict:

@@ -188,7 +188,7 @@ def engine_calls(s: protocol.Sampling, prompts: list[list[int]], budgets: list[i
                               top_p=s.top_p, min_p=s.min_p, seed=base + i, stop_tokens=stop_ids,
                               logprobs=s.logprobs or 0, repetition_penalty=s.repetition_penalty,
                               presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
-                              logit_bias=s.logit_bias, min_tokens=s.min_tokens))
+                              logit_bias=s.logit_bias, min_tokens=s.min_tokens, constraint=s.constraint))
     return calls, set(stop_ids)
 
 

@@ -3,10 +3,13 @@
 Every body is checked here, before anything reaches the engine: a field of the wrong type or out of range, an
 unknown field, or a parameter jaxkv does not implement is an `ApiError` (status 400, OpenAI's error shape, the
 field named in "param"), never a 500 and never a silently ignored setting. Parameters OpenAI defines that change
-the output but are not implemented (suffix, best_of > n, tools, JSON response formats) are accepted only at their
+the output but are not implemented (suffix, best_of > n) are accepted only at their
 neutral value; presence_penalty, frequency_penalty and logit_bias are honoured (`jaxkv.decoding.processing`).
 `user`, `store`, `metadata`, `service_tier` and `parallel_tool_calls` do not change the output and are accepted
 and ignored.
+
+Structured output (`structured.py`): response_format (json_object, json_schema) on both endpoints, vLLM's
+structured_outputs (json, regex, choice, grammar), and chat's tools with tool_choice.
 
 Extensions beside OpenAI's fields, as vLLM and sglang name them: top_k, min_p, repetition_penalty, min_tokens,
 stop_token_ids, ignore_eos, return_token_ids (each choice, or streamed chunk, also carries "token_ids": its new
@@ -69,6 +72,7 @@ class Sampling:
     frequency_penalty: float = 0.0
     logit_bias: dict | None = None  # {token id: bias}, ids checked against the vocabulary by `intake.engine_calls`
     min_tokens: int = 0
+    constraint: object = None  # a `jaxkv.constraints` constraint (response_format, structured_outputs, tools)
 
 
 @dataclasses.dataclass
@@ -86,6 +90,7 @@ class ChatRequest:
     add_generation_prompt: bool
     template_kwargs: dict
     sampling: Sampling
+    tool_calls: object = None  # `structured.ToolCalls`: how the output becomes tool calls; None: plain text
 
 
 # --- field checks ---------------------------------------------------------------------------------------------
@@ -189,7 +194,7 @@ def _check_fields(body, allowed: set[str], ignored: set[str]):
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed", "stop", "stop_token_ids",
            "ignore_eos", "stream", "stream_options", "frequency_penalty", "presence_penalty", "logit_bias",
-           "return_token_ids", "min_tokens",
+           "return_token_ids", "min_tokens", "structured_outputs",
            # transformers' names that harnesses forward with their generation settings (lm-evaluation-harness):
            # honoured where jaxkv does the same thing, else refused as any unsupported value is
            "max_new_tokens", "do_sample", "num_beams", "repetition_penalty"}
@@ -262,7 +267,7 @@ def _sampling(body, *, default_max_tokens: int | None, logprobs: int | None, max
 def completion_request(body) -> CompletionRequest:
     """A /v1/completions body -> CompletionRequest (ApiError 400 otherwise). `prompt`: a string, a list of token
     ids, or a list of either (one choice group per prompt)."""
-    _check_fields(body, _COMMON | {"prompt", "echo", "logprobs", "suffix", "best_of"}, _IGNORED)
+    _check_fields(body, _COMMON | {"prompt", "echo", "logprobs", "suffix", "best_of", "response_format"}, _IGNORED)
     model = _model(body)
     prompt = body.get("prompt")
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(
@@ -287,6 +292,9 @@ def completion_request(body) -> CompletionRequest:
                        param="best_of", code="unsupported_parameter")
     if sampling.max_tokens == 0 and sampling.stream:
         raise ApiError("'max_tokens' 0 (echo only) cannot be streamed", param="max_tokens")
+    from jaxkv.server import structured
+
+    sampling.constraint, _ = structured.constraint(body, chat=False)
     return CompletionRequest(model=model, prompts=prompts, echo=echo, sampling=sampling)
 
 
@@ -317,14 +325,12 @@ def chat_request(body) -> ChatRequest:
         raise ApiError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     sampling = _sampling(body, default_max_tokens=None, logprobs=(top or 0) if want else None, max_tokens_name=name)
-    response_format = body.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        raise ApiError("'response_format' other than {\"type\": \"text\"} is not supported by jaxkv serve",
-                       param="response_format", code="unsupported_parameter")
-    _neutral(body, "tools", [], "no tool calling")
-    if body.get("tool_choice") not in (None, "none"):
-        raise ApiError("'tool_choice' is not supported by jaxkv serve (no tool calling)", param="tool_choice",
-                       code="unsupported_parameter")
+    from jaxkv.server import structured
+
+    sampling.constraint, tool_calls = structured.constraint(body, chat=True)
+    if tool_calls is not None and sampling.stream:
+        raise ApiError("streamed tool calls are not supported by jaxkv serve yet: send 'stream': false",
+                       param="stream", code="unsupported_parameter")
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise ApiError("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
@@ -332,9 +338,11 @@ def chat_request(body) -> ChatRequest:
     if taken:
         raise ApiError(f"'chat_template_kwargs' may not set {taken[0]!r}: the request sets it (its own "
                        f"'{taken[0]}' field, or jaxkv serve for tools and documents)", param="chat_template_kwargs")
+    if body.get("tools"):  # the template shows the model the tools (checked by `structured.constraint`)
+        kwargs = {**kwargs, "tools": body["tools"]}
     return ChatRequest(model=model, messages=messages, add_generation_prompt=_bool(body, "add_generation_prompt",
                                                                                     True),
-                       template_kwargs=kwargs, sampling=sampling)
+                       template_kwargs=kwargs, sampling=sampling, tool_calls=tool_calls)
 
 
 # --- how long a text prompt can be --------------------------------------------------------------------------------

@@ -371,7 +371,7 @@ def _settle(future: asyncio.Future, result, error):
 # The request field of each `Engine.submit` argument its refusals name (`checks.ArgumentError.argument`).
 _API_FIELDS = {"prompt": "prompt", "max_new_tokens": "max_tokens", "temperature": "temperature", "top_k": "top_k",
                "top_p": "top_p", "min_p": "min_p", "seed": "seed", "stop_tokens": "stop_token_ids",
-               "logprobs": "logprobs"}
+               "logprobs": "logprobs", "constraint": "response_format"}
 
 
 def api_error(exc: ValueError) -> ApiError:

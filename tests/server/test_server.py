@@ -396,6 +396,78 @@ def test_disconnect_mid_stream_frees_the_slot(url):
     assert m["generated_tokens"] - before["generated_tokens"] < MAX_LEN - 32  # it did not run to the end
 
 
+# A bounded schema (every string and number bounded), so that the tiny model's output always completes.
+ORDER = {"type": "object", "additionalProperties": False, "required": ["item", "count", "tags"],
+         "properties": {"item": {"type": "string", "maxLength": 12}, "count": {"type": "integer", "minimum": 1,
+                                                                              "maximum": 99},
+                        "tags": {"type": "array", "maxItems": 2, "items": {"enum": ["red", "blue"]}},
+                        "note": {"type": "string", "pattern": "^[a-z]{1,6}$"}}}
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+           "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["C", "F"]}}}
+
+
+def test_structured_outputs_tools_and_bad_schemas(url, client):
+    """response_format json_schema (parsed by the client), json_object, vLLM's structured_outputs, tools with
+    tool_choice required or named (tool_calls whose arguments validate); a bad schema or regex, or tool_choice
+    auto with a template whose calls cannot be read back, is a 400 in OpenAI's shape; nothing is held after."""
+    jsonschema = pytest.importorskip("jsonschema")
+    pydantic = pytest.importorskip("pydantic")
+    messages = [{"role": "user", "content": "Order something."}]
+
+    class Order(pydantic.BaseModel):
+        model_config = pydantic.ConfigDict(extra="forbid")
+        item: str = pydantic.Field(max_length=12)
+        count: int = pydantic.Field(ge=1, le=99)
+
+    parsed = client.chat.completions.parse(model="tiny-chat", messages=messages, response_format=Order,
+                                           max_tokens=120, temperature=0)
+    assert isinstance(parsed.choices[0].message.parsed, Order)
+    out = client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=160, n=2, temperature=1,
+                                         seed=3, response_format={"type": "json_schema", "json_schema": {
+                                             "name": "order", "schema": ORDER, "strict": True}})
+    for choice in out.choices:
+        jsonschema.validate(json.loads(choice.message.content), ORDER)
+        assert choice.finish_reason == "stop"
+    obj = client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=160, temperature=0,
+                                         response_format={"type": "json_object"})
+    assert obj.choices[0].finish_reason != "stop" or isinstance(json.loads(obj.choices[0].message.content), dict)
+    regex = client.completions.create(model="tiny-chat", prompt="Code:", max_tokens=20, temperature=0,
+                                      extra_body={"structured_outputs": {"regex": "[A-Z]{2}-[0-9]{3}"}})
+    assert re.fullmatch("[A-Z]{2}-[0-9]{3}", regex.choices[0].text)
+    choice = client.completions.create(model="tiny-chat", prompt="Yes or no?", max_tokens=8, temperature=0,
+                                       extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert choice.choices[0].text in ("yes", "no") and choice.choices[0].finish_reason == "stop"
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+             {"type": "function", "function": {"name": "order", "parameters": ORDER}}]
+    for tool_choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        called = client.chat.completions.create(model="tiny-chat", messages=messages, tools=tools, temperature=0,
+                                                tool_choice=tool_choice, max_tokens=200, parallel_tool_calls=False)
+        c = called.choices[0]
+        assert c.finish_reason == "tool_calls" and c.message.tool_calls and c.message.content is None
+        for call in c.message.tool_calls:
+            schema = WEATHER if call.function.name == "get_weather" else ORDER
+            jsonschema.validate(json.loads(call.function.arguments), schema)
+        if isinstance(tool_choice, dict):
+            assert [call.function.name for call in c.message.tool_calls] == ["get_weather"]
+
+    bad = {"chat: a bad schema": dict(response_format={"type": "json_schema", "json_schema": {
+               "name": "x", "schema": {"type": "integr"}}}),
+           "chat: tool_choice auto": dict(tools=tools),
+           "chat: two formats": dict(response_format={"type": "json_object"}, tools=tools, tool_choice="required")}
+    words = {"chat: a bad schema": "integr", "chat: tool_choice auto": "<tool_call>", "chat: two formats": "one of"}
+    for name, extra in bad.items():
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=8, **extra)
+        assert refused.value.body["type"] == "invalid_request_error" and words[name] in refused.value.message, name
+    with pytest.raises(openai.BadRequestError, match="unclosed group") as refused:
+        client.completions.create(model="tiny-chat", prompt="x", max_tokens=8,
+                                  extra_body={"structured_outputs": {"regex": "(ab"}})
+    assert refused.value.body["param"] == "structured_outputs.regex"
+    m = wait_idle(url)
+    assert m["slots_free"] == SLOTS and m["pages_held"] == 0
+
+
 def test_sigterm_finishes_in_flight_requests_and_exits_cleanly(server, url):
     """Last in the file: stops the shared server."""
     proc = server[0]

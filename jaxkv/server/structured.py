@@ -1,0 +1,212 @@
+"""Structured output in `jaxkv serve`: OpenAI's `response_format`, vLLM's `structured_outputs` and `tools` with
+`tool_choice`, as the `jaxkv.constraints` a request's sequences are decoded under, and the tool calls read back
+from what they produced.
+
+- `response_format`: {"type": "text"} (nothing), {"type": "json_object"} (any JSON object), {"type":
+  "json_schema", "json_schema": {"name", "schema", "strict"}} (the schema; `strict` changes nothing: the schema
+  is always enforced, and a keyword llguidance cannot enforce is a 400, never ignored).
+- `structured_outputs` (vLLM's extension): exactly one of "json" (a schema), "regex", "choice" (a list of
+  strings), "grammar" (Lark or GBNF), "json_object": true; "disable_any_whitespace" is accepted (JSON here is
+  always bounded: at most one space where JSON allows whitespace) and "whitespace_pattern" refused.
+- `tools` + `tool_choice` (chat only): "none" or unset with no tools (plain text); a named function
+  ({"type": "function", "function": {"name"}}): the output is that function's arguments, held to its
+  `parameters` schema; "required": the output is a JSON array of one or more {"name", "arguments"} calls, each
+  held to its function's schema (one with `parallel_tool_calls: false`); both come back as OpenAI `tool_calls` with finish_reason "tool_calls".
+  "auto" (the default with tools) where the chat template writes Hermes-style `<tool_call>{"name", "arguments"}
+  </tool_call>` blocks (Qwen's templates): the text is decoded freely and the blocks are parsed out; with a
+  template of another format, a 400 (jaxkv cannot read its calls back).
+
+Every bad field is an `ApiError` (400, OpenAI's shape, naming the field), raised while the body is checked:
+nothing reaches the engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import uuid
+
+from jaxkv.server.protocol import ApiError
+
+HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+@dataclasses.dataclass
+class ToolCalls:
+    """How a chat request's output becomes tool calls: `mode` "named" (the output is `name`'s arguments),
+    "required" (a JSON array of calls) or "auto" (Hermes <tool_call> blocks in free text)."""
+
+    mode: str
+    name: str | None = None
+
+
+def _constraints():
+    try:
+        import jaxkv.constraints as constraints
+
+        constraints.spec.llguidance()
+    except ImportError as exc:
+        raise ApiError(f"structured output needs llguidance on the server: {exc}", code="unsupported_parameter",
+                       param="response_format") from None
+    return constraints
+
+
+def _made(make, param: str):
+    try:
+        return make()
+    except ValueError as exc:
+        raise ApiError(str(exc), param=param) from None
+
+
+def _response_format(value):
+    if value is None or value == {"type": "text"}:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise ApiError("'response_format' must be an object with a 'type': text, json_object or json_schema",
+                       param="response_format")
+    c = _constraints()
+    kind = value["type"]
+    if kind == "json_object":
+        return _made(lambda: c.JsonSchema({"type": "object"}), "response_format")
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise ApiError("'response_format.json_schema' must be an object with a 'schema' object",
+                           param="response_format.json_schema")
+        return _made(lambda: c.JsonSchema(spec.get("schema", {"type": "object"})), "response_format.json_schema")
+    raise ApiError(f"'response_format.type' must be text, json_object or json_schema, got {kind!r}",
+                   param="response_format.type")
+
+
+_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def _structured_outputs(value):
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ApiError("'structured_outputs' must be an object with one of " + ", ".join(_KINDS),
+                       param="structured_outputs")
+    unknown = sorted(set(value) - set(_KINDS) - {"disable_any_whitespace"})
+    if unknown:
+        raise ApiError(f"'structured_outputs' does not take {unknown[0]!r} in jaxkv serve (it takes one of "
+                       f"{', '.join(_KINDS)})", param=f"structured_outputs.{unknown[0]}", code="unsupported_parameter")
+    given = [k for k in _KINDS if value.get(k) not in (None, False)]
+    if len(given) != 1:
+        raise ApiError(f"'structured_outputs' needs exactly one of {', '.join(_KINDS)}, got "
+                       f"{', '.join(given) or 'none'}", param="structured_outputs")
+    kind, spec = given[0], value[given[0]]
+    c = _constraints()
+    param = f"structured_outputs.{kind}"
+    if kind == "json_object":
+        return _made(lambda: c.JsonSchema({"type": "object"}), param)
+    if kind == "json":
+        return _made(lambda: c.JsonSchema(spec), param)
+    if kind == "regex":
+        return _made(lambda: c.Regex(spec), param)
+    if kind == "choice":
+        return _made(lambda: c.Choice(spec), param)
+    return _made(lambda: c.Grammar(spec), param)
+
+
+def _tools(body):
+    """The checked tools -> {name: parameters schema}."""
+    tools = body.get("tools")
+    if not isinstance(tools, list):
+        raise ApiError("'tools' must be a list of {type: function, function: {name, parameters}} objects",
+                       param="tools")
+    out = {}
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ApiError(f"tools[{i}] must be {{type: function, function: {{name, parameters}}}}",
+                           param=f"tools[{i}]")
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise ApiError(f"tools[{i}].function.parameters must be a JSON schema object",
+                           param=f"tools[{i}].function.parameters")
+        out[fn["name"]] = params
+    return out
+
+
+def tool_plan(body):
+    """A chat body's tools -> (the constraint, `ToolCalls`) or (None, None) when no tool call is asked for ("auto"
+    is checked against the chat template later: `check_auto`)."""
+    choice = body.get("tool_choice")
+    if not body.get("tools"):
+        if choice not in (None, "none"):
+            raise ApiError("'tool_choice' needs 'tools'", param="tool_choice")
+        return None, None
+    tools = _tools(body)
+    if choice == "none":
+        return None, None
+    c = _constraints()
+    if choice is None or choice == "auto":
+        return None, ToolCalls("auto")
+    if choice == "required":
+        calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                  "properties": {"name": {"const": name}, "arguments": params}} for name, params in tools.items()]
+        schema = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+        if body.get("parallel_tool_calls") is False:  # OpenAI's switch: one call at most
+            schema["maxItems"] = 1
+        return _made(lambda: c.JsonSchema(schema), "tools"), ToolCalls("required")
+    fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise ApiError("'tool_choice' must be none, auto, required or {type: function, function: {name}}",
+                       param="tool_choice")
+    if fn["name"] not in tools:
+        raise ApiError(f"tool_choice names {fn['name']!r}, which is not in 'tools'", param="tool_choice")
+    return _made(lambda: c.JsonSchema(tools[fn["name"]]), "tools"), ToolCalls("named", fn["name"])
+
+
+def check_auto(plan: ToolCalls | None, template_source: str | None):
+    """tool_choice "auto" needs a chat template whose calls jaxkv reads back (Hermes <tool_call> JSON); else 400."""
+    if plan is not None and plan.mode == "auto" and (template_source is None or "<tool_call>" not in template_source):
+        raise ApiError("tool_choice 'auto' needs a chat template whose tool calls jaxkv can read back (Hermes-style "
+                       "<tool_call> JSON, as Qwen's); this model's template writes another format: use tool_choice "
+                       "'required' or a named function", param="tool_choice", code="unsupported_parameter")
+
+
+def constraint(body, *, chat: bool):
+    """A body's structured-output fields -> (a `jaxkv.constraints` constraint or None, `ToolCalls` or None);
+    ApiError 400 for a bad or conflicting one."""
+    fmt, outputs = _response_format(body.get("response_format")), _structured_outputs(body.get("structured_outputs"))
+    tool_constraint, calls = tool_plan(body) if chat else (None, None)
+    asked = [name for name, c in (("response_format", fmt), ("structured_outputs", outputs),
+                                  ("tools", tool_constraint)) if c is not None]
+    if len(asked) > 1:
+        raise ApiError(f"send one of {' and '.join(asked)}: each sets the output's format", param=asked[1])
+    return fmt or outputs or tool_constraint, calls
+
+
+def _call(name: str, arguments) -> dict:
+    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+            "function": {"name": name, "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)}}
+
+
+def tool_calls(plan: ToolCalls, text: str) -> tuple[str | None, list[dict]]:
+    """What a finished choice's text says -> (the message content, its tool calls; [] for none). A constrained
+    output that is not complete (cut by max_tokens) gives no calls: the text stays the content."""
+    if plan.mode == "named":
+        try:
+            json.loads(text)
+        except ValueError:
+            return text, []
+        return None, [_call(plan.name, text)]
+    if plan.mode == "required":
+        try:
+            calls = json.loads(text)
+        except ValueError:
+            return text, []
+        return None, [_call(c["name"], c["arguments"]) for c in calls]
+    calls = []
+    for block in HERMES_CALL.findall(text):
+        try:
+            call = json.loads(block)
+        except ValueError:
+            continue
+        if isinstance(call, dict) and isinstance(call.get("name"), str):
+            calls.append(_call(call["name"], call.get("arguments", {})))
+    content = HERMES_CALL.sub("", text).strip() if calls else text
+    return content or None, calls
