@@ -48,6 +48,7 @@ from jaxkv.decoding.speculation import Speculation
 from jaxkv.decoding.phase import Phase, compile_seconds  # noqa: F401 (compile_seconds: its old home)
 from jaxkv.decoding.request import MAX_TOP_LOGPROBS, STOP_ID_SLOTS, left_pad
 from jaxkv.decoding.result import Generation
+from jaxkv.io import generation as generation_config
 from jaxkv.model import Model
 
 __all__ = ["Generation", "Decoded", "prefill", "decode_step", "decode", "generate", "generate_pmap", "left_pad",
@@ -261,19 +262,21 @@ def _contiguous_request(model: Model, prompts, *, max_new_tokens, temperature, t
                     penalties=penalties)
 
 
-def generate(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top_k=None, top_p=None, min_p=None,
+def generate(model: Model, prompts, *, max_new_tokens: int, temperature=None, top_k=None, top_p=None, min_p=None,
              sampler: Callable | None = None, seed: int = 0, stop_tokens: Sequence[int] | None = None,
              max_len: int | None = None, cache_dtype: str | None = None, attention: str | None = None,
              stream: Callable | None = None, mesh: Mesh | None = None, n: int = 1,
              page_size: int | None = None, prefix_cache=None, logprobs: int = 0,
              speculative: Speculation | None = None, repetition_penalty=None, presence_penalty=None,
-             frequency_penalty=None, logit_bias=None, min_tokens=None, constraint=None) -> Generation:
+             frequency_penalty=None, logit_bias=None, min_tokens=None, constraint=None,
+             sampling: str | None = None) -> Generation:
     """Generates up to `max_new_tokens` tokens for each prompt.
 
     Args:
       prompts: a list of token-id lists, of any lengths; or, for a model with a tokenizer, a string or a list of
         strings.
-      temperature, top_k, top_p, min_p: sampling; temperature 0 is greedy. None disables a filter; a filter with
+      temperature, top_k, top_p, min_p: sampling; temperature 0 (the default) is greedy. None disables a filter
+        (or, with sampling="checkpoint", leaves it to the checkpoint); a filter with
         temperature 0 is refused (it would do nothing). Each is a number, or a list with one value per prompt (a
         None entry disables that prompt's filter): greedy and sampled prompts mix in one call. top_k >= the
         vocabulary keeps every token.
@@ -347,9 +350,18 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top
         "length" and is listed in `stats["constraint_incomplete"]`. With n > 1 each sample has its own matcher.
         Not yet: speculative, a mesh.
 
+      sampling: "checkpoint": temperature, top_k, top_p, min_p and repetition_penalty default to the checkpoint's
+        generation_config.json (`model.sampling_defaults`, `jaxkv.io.generation`: transformers' meaning, so
+        do_sample false is greedy); each one given here overrides it. A model without one is greedy. None: jaxkv's
+        defaults (greedy, no filters).
+
     Raises:
       ValueError: for any bad argument, before any compute (and for a custom sampler's out-of-vocabulary id).
     """
+    settings = generation_config.resolve(model.sampling_defaults, sampling, dict(
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty))
+    temperature, top_k, top_p, min_p = (settings[k] for k in ("temperature", "top_k", "top_p", "min_p"))
+    repetition_penalty = settings["repetition_penalty"]
     n = checks.check_int("n", n, 1)
     logprobs = checks.check_int("logprobs", logprobs, 0, request.MAX_TOP_LOGPROBS)
     if constraint is not None and (speculative is not None or mesh is not None):

@@ -315,6 +315,9 @@ class Model:
     # DeepSeek-V3's multi-token-prediction modules (`jaxkv.decoding.mtp.Mtp`) when the checkpoint holds them, else
     # None; apart from `params`, so the decoder's parameter tree is the same with or without them.
     mtp: object | None = None
+    # generation_config.json's sampling (`jaxkv.io.generation.SamplingDefaults`) or None: what
+    # `generate(..., sampling="checkpoint")`, `jaxkv generate` and `jaxkv serve` sample with by default
+    sampling_defaults: object | None = None
 
     @classmethod
     def random(cls, config: Config, seed: int = 0) -> "Model":

@@ -13,6 +13,7 @@ import sys
 import time
 
 from jaxkv import checks
+from jaxkv.io import generation as generation_config
 from jaxkv.cache import planner as memory
 
 EARLY_STOPPING = {"true": True, "false": False, "never": "never"}  # --early-stopping -> jaxkv.beam_search's value
@@ -26,11 +27,16 @@ def add_parser(commands):
     prompt.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
     gen.add_argument("--model", default="tiny", help="checkpoint directory (Hugging Face or jaxkv) or 'tiny'")
     gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    gen.add_argument("--temperature", type=float, default=None,
+                     help="0 is greedy (default: the checkpoint's generation_config.json, else 0)")
     gen.add_argument("--top-k", type=int, default=None)
     gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--min-p", type=float, default=None)
     gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--generation-config", choices=generation_config.MODES, default="auto",
+                     help="auto: sampling flags not given default to the checkpoint's generation_config.json "
+                          "(transformers' meaning: do_sample false is greedy); ignore: greedy unless flags say "
+                          "otherwise")
     pen = gen.add_argument_group("penalties", "change the logits before temperature and the filters, as "
                                  "jaxkv.generate's arguments of the same names")
     pen.add_argument("--repetition-penalty", type=float, default=None, metavar="P",
@@ -171,7 +177,9 @@ def _check_generate(args):
     checks.check_int("logprobs", args.logprobs, 0, 20)
     if args.max_len is not None:
         checks.check_int("max_len", args.max_len, 1)
-    checks.sampling(args.temperature, args.top_k, args.top_p, args.min_p)
+    # with auto and no --temperature the checkpoint's decides; a filter on a greedy checkpoint is generate's error
+    implied = 1.0 if args.generation_config == "auto" else 0.0
+    checks.sampling(implied if args.temperature is None else args.temperature, args.top_k, args.top_p, args.min_p)
     penalties = [flag for flag, name in (("--repetition-penalty", "repetition_penalty"),
                                          ("--presence-penalty", "presence_penalty"),
                                          ("--frequency-penalty", "frequency_penalty"), ("--logit-bias", "logit_bias"),
@@ -205,7 +213,7 @@ def _check_beam_flags(args):
             raise ValueError(f"{given[0]} is only used with --num-beams > 1 (beam search)")
         return
     # A bad temperature (negative, nan) is left to checks.sampling's message.
-    sampling = {"--temperature": args.temperature if args.temperature > 0 else None, "--top-k": args.top_k,
+    sampling = {"--temperature": args.temperature if (args.temperature or 0) > 0 else None, "--top-k": args.top_k,
                 "--top-p": args.top_p, "--min-p": args.min_p}
     given = [flag for flag, value in sampling.items() if value is not None]
     if given:
@@ -252,6 +260,7 @@ def run(args, started: float) -> dict:
                    top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
                    max_len=args.max_len, cache_dtype=args.cache_dtype, stream=stream, n=args.n,
                    logprobs=args.logprobs, **_penalties(args),
+                   sampling="checkpoint" if args.generation_config == "auto" else None,
                    speculative=None if args.speculative_method is None
                    else Speculation(args.speculative_method, args.num_speculative_tokens,
                                     draft=None if args.draft_model is None else load(args.draft_model,

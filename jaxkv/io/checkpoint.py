@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv.config import DTYPES, Config, LinearScaling, Mla, MoeConfig, ProportionalRope, RopeScaling, YarnScaling
+from jaxkv.io import generation
 from jaxkv.io.hf import load_hf
 from jaxkv.model import Model, weight_layout, from_out_in, param_shapes, to_out_in
 
@@ -105,7 +106,8 @@ def cast(model: Model, dtype: str | None) -> Model:
         block = mtp.config.replace(dtype=dtype)
         mtp = dataclasses.replace(mtp, config=block,
                                   params=tuple(convert_tree(p, mtp.config, block) for p in mtp.params))
-    return Model(config, convert_tree(model.params, model.config, config), model.tokenizer, mtp)
+    return Model(config, convert_tree(model.params, model.config, config), model.tokenizer, mtp,
+                 model.sampling_defaults)
 
 
 def _load_tokenizer(directory: pathlib.Path):
@@ -123,7 +125,8 @@ def _load_tokenizer(directory: pathlib.Path):
 
 
 def save(model: Model, directory: str | os.PathLike) -> None:
-    """Writes `model` (config, parameters, tokenizer) to a new directory; refuses to overwrite one."""
+    """Writes `model` (config, parameters, tokenizer, sampling defaults as generation_config.json) to a new
+    directory; refuses to overwrite one."""
     import orbax.checkpoint as ocp
 
     directory = pathlib.Path(directory).absolute()
@@ -136,6 +139,7 @@ def save(model: Model, directory: str | os.PathLike) -> None:
     checkpointer.wait_until_finished()
     if model.tokenizer is not None:
         model.tokenizer.save(str(directory / TOKENIZER_FILE))
+    generation.write(model.sampling_defaults, directory)
 
 
 def load_saved(directory: str | os.PathLike, *, dtype: str | None = None) -> Model:
@@ -168,7 +172,8 @@ def load_saved(directory: str | os.PathLike, *, dtype: str | None = None) -> Mod
     params = checkpointer.restore(params_dir)
     if version == 1:
         params = jax.tree_util.tree_map(jnp.asarray, from_out_in(params, config))
-    return cast(Model(config, params, _load_tokenizer(directory)), dtype)
+    return cast(Model(config, params, _load_tokenizer(directory), sampling_defaults=generation.read(directory)),
+                dtype)
 
 
 def _check_against_config(stored, expected, source: str):

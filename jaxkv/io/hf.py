@@ -48,6 +48,7 @@ from jaxkv.families.fields import MAX_PARAMS, Fields, eos_ids
 from jaxkv.families.registry import Family
 from jaxkv.families.tensors import TensorSpec
 from jaxkv.io import fp8
+from jaxkv.io.generation import SamplingDefaults
 from jaxkv.io.safetensors_files import FLOAT_DTYPES, StoredTensor, read_headers, weight_files
 from jaxkv.io.safetensors_files import read as _read
 from jaxkv.layers import ALL_OUT_IN_ORDER, in_out_names
@@ -220,8 +221,11 @@ def load_hf(directory: str | os.PathLike, *, dtype: str | None = None) -> Model:
     source = str(root / CONFIG_FILE)
     family = families.of_config(hf, source=source)
     config = config_from_hf(hf, source=source)
-    config = config.replace(eos_ids=generation_eos_ids(read_generation_config(root), config,
+    generation_file = read_generation_config(root)
+    config = config.replace(eos_ids=generation_eos_ids(generation_file, config,
                                                        source=str(root / GENERATION_CONFIG_FILE)))
+    sampling_defaults = None if generation_file is None else SamplingDefaults.from_dict(
+        generation_file, source=str(root / GENERATION_CONFIG_FILE))  # before the weights: a bad file costs nothing
     block = fp8.block_size(hf, source=source)  # block-quantized FP8: dequantized at load
     stored, scales = fp8.split_scales(read_headers(*weight_files(root)), block)
     by_name, stored_name = checkpoint_names(stored, family)
@@ -243,7 +247,7 @@ def load_hf(directory: str | os.PathLike, *, dtype: str | None = None) -> Model:
     config = config.replace(dtype=target)  # the weight layout follows the dtype (`layers.stored_out_in`)
     params = _load(pairs, target, config, scales, block)
     mtp = None if plan is None else _load_mtp(plan.config.replace(dtype=target), mtp_pairs, params, scales, block)
-    return Model(config=config, params=params, tokenizer=None, mtp=mtp)
+    return Model(config=config, params=params, tokenizer=None, mtp=mtp, sampling_defaults=sampling_defaults)
 
 
 def _load_mtp(config: Config, modules, main: dict, scales, block) -> Mtp:

@@ -58,7 +58,7 @@ async def completions(request: Request) -> Response:
 # Engine arguments that do not change which token greedy decoding picks first, at the values that change nothing.
 # A request with any other argument (or another value) is decoded by the engine, never answered by the scoring pass.
 _FIRST_TOKEN_NEUTRAL = {"repetition_penalty": (None, 1.0), "presence_penalty": (None, 0.0),
-                        "frequency_penalty": (None, 0.0), "logit_bias": (None, {}), "min_tokens": (None, 0), "constraint": (None,),
+                        "frequency_penalty": (None, 0.0), "logit_bias": (None, {}), "min_tokens": (None, 0),
                         "bad_words": (None, []), "bad_words_ids": (None, []), "constraint": (None,)}
 _SAMPLING_ARGUMENTS = {"prompt", "max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop_tokens",
                        "logprobs"}

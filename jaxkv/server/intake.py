@@ -192,11 +192,25 @@ def engine_calls(s: protocol.Sampling, prompts: list[list[int]], budgets: list[i
     return calls, set(stop_ids)
 
 
+def with_defaults(body, defaults: dict):
+    """A request body with the checkpoint's sampling (`--generation-config auto`) where it names none: each field
+    the client sends overrides it (do_sample false, or temperature 0, makes it greedy and drops the checkpoint's
+    filters, as `protocol` reads them)."""
+    if not isinstance(body, dict):
+        return body
+    out = dict(body)
+    for name, value in defaults.items():
+        if out.get(name) is None and value is not None:
+            out[name] = value
+    return out
+
+
 async def accept(request: Request, endpoint: str, parse):
     """Counts, authorizes, reads and checks a request body -> (state, the parsed request)."""
     state: ServerState = request.app.state.jaxkv
     state.http[endpoint] += 1
     authorize(request, state)
-    req = await read_body(request, parse)
+    defaults = state.sampling_defaults
+    req = await read_body(request, parse if not defaults else lambda body: parse(with_defaults(body, defaults)))
     check_model(req.model, state)
     return state, req

@@ -2,7 +2,8 @@
 
   jaxkv serve [--model PATH|tiny | --preset NAME] [--host 127.0.0.1] [--port 8000] [--slots N] [--max-len N]
               [--cache-dtype D] [--page-size P] [--api-key KEY] [--served-model-name NAME] [--dtype D]
-              [--num-pages N] [--max-waiting N] [--max-queued N] [--no-prefix-cache] [--steps-per-dispatch K]
+              [--num-pages N] [--max-waiting N] [--max-queued N] [--generation-config auto|ignore]
+              [--no-prefix-cache] [--steps-per-dispatch K]
               [--prefill-chunk C] [--tensor-parallel-size N] [--shutdown-timeout S] [--log-level L]
 
 Needs the serve extra (`pip install "jaxkv[serve]"`: Starlette and uvicorn). Order of work, so that mistakes
@@ -72,6 +73,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queued", type=int, default=1024,
                    help="sequences of non-streaming requests that may wait for room beyond those (first in, first "
                         "out; their prompts are at most this x max-len token ids of memory); beyond, 429")
+    p.add_argument("--generation-config", choices=["auto", "ignore"], default="auto",
+                   help="auto: sampling fields a request leaves unset default to the checkpoint's "
+                        "generation_config.json (transformers' meaning: do_sample false is greedy); ignore: OpenAI's "
+                        "defaults (temperature 1, no filters)")
     p.add_argument("--no-prefix-cache", action="store_true", help="do not keep prompt pages for later requests")
     p.add_argument("--steps-per-dispatch", type=int, default=8, help="decode steps per engine dispatch")
     p.add_argument("--prefill-chunk", type=int, default=128, help="prompt tokens per prefill chunk")
@@ -178,8 +183,19 @@ def build(args):
     template = ChatTemplate.from_directory(directory)
     state = ServerState(model=model, worker=worker, model_name=args.served_model_name or name, aliases=aliases,
                         max_len=max_len, chat_template=template, api_key=args.api_key,
-                        tokenizer_info=read_tokenizer_info(directory, model.tokenizer, config.eos_ids, template))
+                        tokenizer_info=read_tokenizer_info(directory, model.tokenizer, config.eos_ids, template),
+                        sampling_defaults=_sampling_defaults(args, model))
     return state, engine
+
+
+def _sampling_defaults(args, model) -> dict | None:
+    """The request fields the checkpoint's generation_config.json sets (`--generation-config auto`), as a request
+    would send them (None: none, or `ignore`)."""
+    if args.generation_config != "auto" or model.sampling_defaults is None:
+        return None
+    out = model.sampling_defaults.arguments()
+    out["temperature"] = min(out["temperature"], 2.0)  # OpenAI's range, which requests are held to
+    return out
 
 
 def _speculation(args):

@@ -23,6 +23,7 @@ class ServerState:
     chat_template: object | None = None  # jaxkv.chat_template.ChatTemplate
     api_key: str | None = None
     tokenizer_info: dict | None = None  # GET /tokenizer_info's answer (`tokenization.read_tokenizer_info`)
+    sampling_defaults: dict | None = None  # request fields a body leaves unset take these (`intake.with_defaults`)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     http: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 

@@ -134,7 +134,9 @@ LONG_PROMPT = "The KV cache " * 1600  # 20,800 characters
     (["--prompt-ids", "1,x"], "--prompt-ids must be comma-separated integers"),
     (["--prompt-ids", "1,-2"], "a prompt id must be >= 0"),
     (["--prompt", LONG_PROMPT, "--top-p", "2"], "top_p must be in (0, 1], got 2.0"),
-    (["--prompt", "Hi", "--top-k", "5"], "top_k has no effect with temperature 0"),
+    # greedy by flag (without --generation-config ignore a sampling checkpoint may take a filter alone)
+    (["--prompt", "Hi", "--top-k", "5", "--generation-config", "ignore"], "top_k has no effect with temperature 0"),
+    (["--prompt", "Hi", "--top-k", "5", "--temperature", "0"], "top_k has no effect with temperature 0"),
     (["--prompt", "Hi", "--temperature", "nan"], "temperature must be finite"),
     (["--prompt", "Hi", "--seed", str(2**64)], "seed must be <="),
     (["--prompt", "Hi", "--max-len", "0"], "max_len must be >= 1"),

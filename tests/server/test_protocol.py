@@ -43,3 +43,23 @@ def test_penalties_and_logit_bias_are_parsed():
     assert s.logit_bias == {50: -100.0, 7: 2.5}
     neutral = completion_request(OK).sampling
     assert (neutral.repetition_penalty, neutral.logit_bias, neutral.min_tokens) == (1.0, None, 0)
+
+
+def test_the_checkpoints_sampling_fills_only_what_a_request_leaves_unset():
+    """`jaxkv serve --generation-config auto`: a request's unset sampling fields take the checkpoint's
+    generation_config.json values (`intake.with_defaults`); each field it sends overrides, and greedy (temperature 0
+    or do_sample false) drops the checkpoint's filters."""
+    from jaxkv.server.intake import with_defaults
+
+    defaults = dict(temperature=0.7, top_k=None, top_p=0.9, min_p=None, repetition_penalty=1.1)
+
+    def sampling(**body):
+        return completion_request(with_defaults({"model": "m", "prompt": "x", **body}, defaults)).sampling
+
+    s = sampling()
+    assert (s.temperature, s.top_p, s.top_k, s.repetition_penalty) == (0.7, 0.9, None, 1.1)
+    s = sampling(temperature=1.0, top_k=5)
+    assert (s.temperature, s.top_p, s.top_k) == (1.0, 0.9, 5)
+    for greedy in ({"temperature": 0}, {"do_sample": False}):
+        s = sampling(**greedy)
+        assert (s.temperature, s.top_p, s.repetition_penalty) == (0.0, None, 1.1), greedy

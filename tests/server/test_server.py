@@ -147,7 +147,8 @@ def test_n_samples_are_seeded_per_choice(client, model):
     assert texts == [c.text for c in sorted(again.choices, key=lambda c: c.index)]
     assert len(set(texts)) > 1  # three draws of 16 tokens at temperature 1 are not all equal
     for i, text in enumerate(texts):  # choice i draws what generate(seed=seed + i) draws
-        assert text == jaxkv.generate(model, [PROMPT], max_new_tokens=16, temperature=1.0, seed=7 + i).text[0]
+        assert text == jaxkv.generate(model, [PROMPT], max_new_tokens=16, temperature=1.0, seed=7 + i,
+                                      sampling="checkpoint").text[0]  # its generation_config.json: top_p 0.9
 
 
 def test_logprobs_match_the_model(client, model):
