@@ -193,8 +193,14 @@ def _sampling_defaults(args, model) -> dict | None:
     would send them (None: none, or `ignore`)."""
     if args.generation_config != "auto" or model.sampling_defaults is None:
         return None
+    from jaxkv.server import protocol
+
     out = model.sampling_defaults.arguments()
-    out["temperature"] = min(out["temperature"], 2.0)  # OpenAI's range, which requests are held to
+    try:  # the defaults fill a request's unset fields, so they are held to the request ranges: checked once, here
+        protocol.completion_request({"model": "m", "prompt": "x", **out})
+    except protocol.ApiError as e:
+        raise ValueError(f"the checkpoint's generation_config.json sets a value requests cannot carry: {e.message} "
+                         "(serve with --generation-config ignore, or fix the file)") from None
     return out
 
 

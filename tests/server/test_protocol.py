@@ -63,3 +63,26 @@ def test_the_checkpoints_sampling_fills_only_what_a_request_leaves_unset():
     for greedy in ({"temperature": 0}, {"do_sample": False}):
         s = sampling(**greedy)
         assert (s.temperature, s.top_p, s.repetition_penalty) == (0.0, None, 1.1), greedy
+
+
+def test_checkpoint_sampling_outside_the_request_ranges_is_refused_at_start():
+    """The checkpoint's defaults fill requests' unset fields, which are held to OpenAI's ranges: a
+    generation_config.json temperature of 3 would make every request that leaves it unset a 400 (or, clamped, be
+    silently changed), so `jaxkv serve --generation-config auto` refuses it at start, naming the way out; in-range
+    defaults pass, and `ignore` takes none."""
+    import types
+
+    import pytest
+
+    from jaxkv.io.generation import SamplingDefaults
+    from jaxkv.server.main import _sampling_defaults
+
+    def model(**fields):
+        return types.SimpleNamespace(sampling_defaults=SamplingDefaults(do_sample=True, **fields))
+
+    auto, ignore = types.SimpleNamespace(generation_config="auto"), types.SimpleNamespace(generation_config="ignore")
+    assert _sampling_defaults(auto, model(temperature=0.7, top_p=0.9))["temperature"] == 0.7
+    assert _sampling_defaults(ignore, model(temperature=3.0)) is None
+    for fields, name in [(dict(temperature=3.0), "temperature"), (dict(repetition_penalty=12.0), "repetition_penalty")]:
+        with pytest.raises(ValueError, match=f"'{name}'.*--generation-config ignore"):
+            _sampling_defaults(auto, model(**fields))
