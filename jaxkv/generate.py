@@ -348,7 +348,8 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=None, to
         the constraint may end; a row whose constraint is complete (nothing but a stop token could follow) ends
         there with reason "stop", no stop token emitted. A row that runs out of max_new_tokens first ends with
         "length" and is listed in `stats["constraint_incomplete"]`. With n > 1 each sample has its own matcher.
-        Not yet: speculative, a mesh.
+        With `speculative`, each verify applies the masks at its k + 1 positions (a proposal the constraint
+        refuses is rejected before it could be kept). Not yet: a mesh.
 
       sampling: "checkpoint": temperature, top_k, top_p, min_p and repetition_penalty default to the checkpoint's
         generation_config.json (`model.sampling_defaults`, `jaxkv.io.generation`: transformers' meaning, so
@@ -364,9 +365,8 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=None, to
     repetition_penalty = settings["repetition_penalty"]
     n = checks.check_int("n", n, 1)
     logprobs = checks.check_int("logprobs", logprobs, 0, request.MAX_TOP_LOGPROBS)
-    if constraint is not None and (speculative is not None or mesh is not None):
-        raise ValueError("constraint does not work with " + ("speculative" if speculative is not None else "a mesh")
-                         + " yet")
+    if constraint is not None and mesh is not None:
+        raise ValueError("constraint does not work with a mesh yet")
     penalties = dict(repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                      frequency_penalty=frequency_penalty, logit_bias=logit_bias, min_tokens=min_tokens)
     spec = None
@@ -380,7 +380,7 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=None, to
                                      temperature=temperature,
                                      top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, stop_tokens=stop_tokens,
                                      max_len=max_len, cache_dtype=cache_dtype, attention=attention,
-                                     stream=stream, logprobs=logprobs)
+                                     stream=stream, logprobs=logprobs, constraint=constraint)
     if prefix_cache is not None:
         if not isinstance(prefix_cache, PrefixCache):
             raise ValueError(f"prefix_cache must be a jaxkv.PrefixCache, got {type(prefix_cache).__name__}")
@@ -455,7 +455,8 @@ def _speculation_plan(model, speculative, *, sampler, mesh):
 
 
 def _generate_speculative(model, prompts, spec, draft, *, max_new_tokens, temperature, top_k, top_p, min_p, seed,
-                          stop_tokens, max_len, cache_dtype, attention, stream, logprobs) -> Generation:
+                          stop_tokens, max_len, cache_dtype, attention, stream, logprobs,
+                          constraint=None) -> Generation:
     """`generate` with speculation on the contiguous cache (`loop.speculative_loop`); `draft`: the draft model
     (method "draft"), prefilled with the same prompts into a cache of the same slots."""
     req = _contiguous_request(model, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
@@ -463,6 +464,8 @@ def _generate_speculative(model, prompts, spec, draft, *, max_new_tokens, temper
                               max_len=max_len, cache_dtype=cache_dtype, attention=attention,
                               lookahead=spec.num_tokens)
     on_step = loop.step_stream(stream, len(req.token_lists))
+    grammar_rows = constrained.rows_for(model, constraint, len(req.token_lists), rows=req.plan.padded_batch,
+                                        stop_ids=req.stop_ids)
     plan, k = req.plan, spec.num_tokens
     draft_args, draft_kwargs = (), {}
     if draft is not None:
@@ -486,14 +489,16 @@ def _generate_speculative(model, prompts, spec, draft, *, max_new_tokens, temper
                                              config=model.config, capacity=plan.capacity, attention=req.attention,
                                              cache_dtype=plan.cache_dtype, ring=plan.ring, mesh=None, lookahead=k)
         logits.block_until_ready()
-    with Phase() as decode_time:
+    with Phase() as decode_time, constrained.carried(grammar_rows) as grammar:
         out = loop.on_host_surfacing(on_step, lambda: loop.on_host(loop.speculative_loop(
             model.params, cache, logits, req.key, req.sampler, req.stop_ids, req.done,
-            np.int32(req.max_new_tokens), history, length, *draft_args, config=model.config,
+            np.int32(req.max_new_tokens), history, length, *draft_args, grammar=grammar, config=model.config,
             max_steps=loop.steps_bound(plan.capacity, plan.ring and model.config.every_layer_sliding,
                                        req.max_new_tokens), attention=req.attention,
             stream=on_step, logprobs=logprobs, plan=spec, **draft_kwargs)))
-    return result.generation(model, req, out, prefill_time, decode_time)
+    gen = result.generation(model, req, out, prefill_time, decode_time)
+    constrained.report(grammar_rows, gen.stats, len(req.token_lists))
+    return gen
 
 
 def generate_pmap(model: Model, prompts, *, max_new_tokens: int, temperature=0.0, top_k=None, top_p=None,

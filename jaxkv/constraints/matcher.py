@@ -28,6 +28,7 @@ import os
 import threading
 import weakref
 
+import jax
 import numpy as np
 
 from jaxkv.constraints import mask as device_mask
@@ -72,6 +73,9 @@ def compiled(constraint: Constraint, lltok) -> object:
         template = llguidance().LLMatcher(lltok, constraint.grammar, log_level=0)
         if template.is_error():
             raise ValueError(f"the constraint {constraint!r} cannot be compiled: {template.get_error()}")
+        # One mask now: llguidance builds its lexer lazily, and copies made after share what the template built
+        # (the first masks of every later copy then cost what the rest do).
+        template.compute_bitmask()
         with _lock:
             _compiled[key] = template
             while len(_compiled) > COMPILED_KEPT:
@@ -187,6 +191,70 @@ class Rows:
         self._fill(live)
         return self.mask.copy(), ended
 
+    def draft_masks(self, proposals) -> np.ndarray:
+        """Speculative decoding: int32[B, k + 1, W], each live constrained row's masks at the k + 1 positions a
+        verify decides (after its last token, then after each of its k proposals int32[B, k]), without changing
+        its matcher. Past the first proposal the constraint refuses, the mask is all ones (the verify has
+        rejected by then: that proposal is checked against the mask before it, which refuses it)."""
+        from llguidance.numpy import fill_next_token_bitmask_par_with_draft_tokens
+
+        import time
+
+        start = time.perf_counter()
+        proposals = np.asarray(proposals)
+        B, k = proposals.shape
+        masks = np.full((B * (k + 1), self.mask.shape[1]), -1, np.int32)
+        work = []
+        for b in np.flatnonzero(~self.over):
+            draft = [int(t) for t in proposals[b]]
+            work.append((self.matchers[b], b * (k + 1), draft[:self.matchers[b].validate_tokens(draft)]))
+        with_draft = [w for w in work if w[2]]
+        if with_draft:
+            fill_next_token_bitmask_par_with_draft_tokens(executor(), with_draft, masks)
+        if len(with_draft) < len(work):  # (llguidance refuses an empty draft: the first proposal is refused)
+            from llguidance.numpy import fill_next_token_bitmask_par
+
+            fill_next_token_bitmask_par(executor(), [(m, row) for m, row, draft in work if not draft], masks)
+        masks = masks.reshape(B, k + 1, -1)
+        for _, row, draft in work:  # llguidance's eos bits mark where the constraint may end: the row's stops there
+            b = row // (k + 1)
+            for i in range(len(draft) + 1):
+                accepting = bool(np.any(masks[b, i] & self._eos_bits))
+                masks[b, i] &= ~self._clear[b]
+                if accepting:
+                    masks[b, i] |= self._stop[b]
+        self.mask_seconds += time.perf_counter() - start
+        self.masks_filled += sum(len(d) + 1 for _, _, d in work)
+        return masks
+
+    def advance_verified(self, tokens, last) -> tuple[np.ndarray, np.ndarray]:
+        """Speculative decoding: feeds each live constrained row a verify's tokens int32[B, k + 1] at positions
+        0..last (int32[]: the kept ones), up to a stop id (not fed: the row ends there) or to the token that
+        completes its constraint -> (int32[B, W] the next masks, int32[B] the position where the constraint was
+        completed, -1 where it was not)."""
+        tokens = np.asarray(tokens)
+        ended_at = np.full((tokens.shape[0],), -1, np.int32)
+        live = []
+        for b in np.flatnonzero(~self.over):
+            m = self.matchers[b]
+            for i in range(int(last) + 1):
+                t = int(tokens[b, i])
+                if t < 0 or (self._stop[b][t // 32] >> (t % 32)) & 1:
+                    self.over[b] = True  # a stop token (or NaN logits) ends the row
+                    break
+                if not m.consume_token(t):
+                    self.errors[b] = f"token {t} is not allowed by the constraint: {m.get_error()}"
+                    self.over[b], ended_at[b] = True, i
+                    break
+                if m.is_stopped():
+                    self.over[b] = self.finished[b] = True
+                    ended_at[b] = i
+                    break
+            if not self.over[b]:
+                live.append(b)
+        self._fill(live)
+        return self.mask.copy(), ended_at
+
     def reorder(self, parents, tokens) -> np.ndarray:
         """Beam search: row r continues row parents[r] (-1: none, the row is over) with tokens[r] (each new row
         its parent's matcher copied, then fed) -> int32[B, W] the new rows' masks. A row the constraint cannot
@@ -238,12 +306,10 @@ def registered(rows: Rows):
         _live.pop(handle, None)
 
 
-def host_call(method: str, handle, *args, words: int, ended: bool):
-    """The compiled loops' callback: `Rows.<method>(*args)` of the registered rows (int32[B, words] masks, and
-    with `ended` bool[B])."""
+def host_call(method: str, handle, *args, shapes):
+    """The compiled loops' callback: `Rows.<method>(*args)` of the registered rows, results as `shapes` say."""
     rows = _live.get(int(handle))
     if rows is None:  # a stale handle (the call ended): allow everything, end nothing
-        B = np.shape(args[0])[0]
-        full = np.full((B, words), -1, np.int32)
-        return (full, np.zeros((B,), bool)) if ended else full
+        full = [np.full(s.shape, -1 if s.dtype == np.int32 else 0, s.dtype) for s in jax.tree.leaves(shapes)]
+        return tuple(full) if isinstance(shapes, tuple) else full[0]
     return getattr(rows, method)(*args)

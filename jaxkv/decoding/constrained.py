@@ -30,27 +30,42 @@ class Grammar:
     handle: jax.Array
     allowed: jax.Array
 
-    def _call(self, host, *args, ended: bool):
+    def _call(self, host, *args, ended=None, shapes=None):
         from jaxkv.constraints import matcher
 
         B, W = self.allowed.shape
-        shapes = jax.ShapeDtypeStruct((B, W), jnp.int32)
-        if ended:
-            shapes = (shapes, jax.ShapeDtypeStruct((B,), jnp.bool_))
+        if shapes is None:
+            shapes = jax.ShapeDtypeStruct((B, W), jnp.int32)
+            if ended is not None:
+                shapes = (shapes, jax.ShapeDtypeStruct((B,), ended))
         # ordered: the host sees the steps in order, as the stream does
-        return io_callback(functools.partial(matcher.host_call, host, words=W, ended=ended), shapes, self.handle,
-                           *args, ordered=True)
+        return io_callback(functools.partial(matcher.host_call, host, shapes=shapes), shapes, self.handle, *args,
+                           ordered=True)
 
     def advance(self, tokens, emitted):
         """The host feeds each constrained row that `emitted` its token (int32[B], bool[B]) and fills the next
         masks -> (the grammar with those masks, bool[B] the rows whose constraint has just ended)."""
-        allowed, ended = self._call("advance", tokens, emitted, ended=True)
+        allowed, ended = self._call("advance", tokens, emitted, ended=jnp.bool_)
         return self.replace(allowed=allowed), ended
 
     def reorder(self, parents, tokens):
         """Beam search: row r continues row parents[r] (int32[B]; -1: none) with tokens[r] -> the grammar with
         the new rows' masks."""
-        return self.replace(allowed=self._call("reorder", parents, tokens, ended=False))
+        return self.replace(allowed=self._call("reorder", parents, tokens))
+
+    def draft_masks(self, proposals):
+        """Speculative decoding: int32[B, k + 1, ceil(V / 32)] the masks at the verify's positions, for proposals
+        int32[B, k] (`matcher.Rows.draft_masks`); the matchers unchanged."""
+        B, k = proposals.shape
+        return self._call("draft_masks", proposals,
+                          shapes=jax.ShapeDtypeStruct((B, k + 1, self.allowed.shape[1]), jnp.int32))
+
+    def advance_verified(self, tokens, last):
+        """Speculative decoding: the host feeds each row a verify's tokens int32[B, k + 1] at positions 0..last
+        (`matcher.Rows.advance_verified`) -> (the grammar with the next masks, int32[B] where a constraint was
+        completed, -1: nowhere)."""
+        allowed, ended_at = self._call("advance_verified", tokens, last, ended=jnp.int32)
+        return self.replace(allowed=allowed), ended_at
 
 
 def rows_for(model, constraint, prompts: int, *, rows: int, stop_ids, repeat: int = 1):

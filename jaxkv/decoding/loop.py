@@ -27,6 +27,7 @@ from jaxkv.cache.contiguous import KVCache
 from jaxkv.cache.paged import PagedKVCache
 from jaxkv.config import Config
 from jaxkv.decoding import programs, step
+from jaxkv.constraints import mask as constraint_mask
 from jaxkv.decoding.constrained import Grammar
 from jaxkv.decoding.processing import Fresh, Processing
 
@@ -346,8 +347,9 @@ def _mtp_chain(mtp_params, params, cache, logits, h, key, sampler, *, config, at
                                              "draft_config"),
                    donate_argnames=("cache",))  # (the draft cache is not returned: nothing to alias it to)
 def speculative_loop(params, cache: KVCache, logits, key, sampler, stop_ids, done, steps, history, length,
-                     draft_params=None, draft_cache=None, *, config: Config, max_steps: int, attention: str,
-                     stream: Callable | None, logprobs: int, plan, draft_config: Config | None = None) -> LoopOut:
+                     draft_params=None, draft_cache=None, grammar: Grammar | None = None, *, config: Config,
+                     max_steps: int, attention: str, stream: Callable | None, logprobs: int, plan,
+                     draft_config: Config | None = None) -> LoopOut:
     """`decode_loop` with speculation (`jaxkv.decoding.speculation`): each pass either
     verifies k proposals (the inputs: the last token and the proposals, k + 1 positions) or, when the adaptive
     rule says speculating does not pay, takes a plain one-token step. The batch shares the cache's write slot,
@@ -359,13 +361,15 @@ def speculative_loop(params, cache: KVCache, logits, key, sampler, stop_ids, don
     params, config and its cache prefilled with the same prompts (same slots). Method "mtp": draft_params the
     MTP module's params, draft_cache its `MtpState` (`programs.prefill_mtp`'s cache, and the last prompt
     position's hidden state as the one pending pair, whose token is the first one drawn here), draft_config its
-    config."""
+    config. `grammar`: the constrained rows (`decode_loop`'s); a verify's proposals are checked against each
+    row's constraint first (the masks at the k + 1 positions applied to its logits: a proposal the constraint
+    refuses is rejected, and every drawn token is allowed), then the kept tokens fed to the row's matcher."""
     from jaxkv.decoding import speculation
 
     B, k = logits.shape[0], plan.num_tokens
     paged = isinstance(cache, PagedKVCache)  # finished rows then store nothing (`programs.forward`'s `active`)
     # a verify writes k + 1 columns at the current step
-    base = LoopState.start(cache, logits, key, done, width=max_steps + k + 1, top=logprobs)
+    base = LoopState.start(cache, logits, key, done, width=max_steps + k + 1, top=logprobs, grammar=grammar)
     pick = functools.partial(emit, sampler=sampler, stop_ids=stop_ids, stream=stream, rows=None)
     base, feed = pick(base)
     mtp = plan.method == "mtp"
@@ -414,12 +418,18 @@ def speculative_loop(params, cache: KVCache, logits, key, sampler, stop_ids, don
         inputs = jnp.concatenate([state.last[:, None], proposals], axis=1)  # [B, k + 1]
         logits, cache, *hidden = programs.forward(params, inputs, s.cache, config=config, attention=attention,
                                                   active=running if paged else None, return_hidden=mtp)
+        if s.grammar is not None:  # each position's logits under its constraint's mask, proposals included
+            logits = constraint_mask.apply(logits, s.grammar.draft_masks(proposals))
         out = speculation.verify(logits, proposals, verify_key, sampler, q=q, top=logprobs)
         # Keep what every running row kept, and no more tokens than the budget allows.
         m = jnp.min(jnp.where(running, out.accepted, k))
         m = jnp.clip(jnp.minimum(m, steps - s.step - 1), 0, k)
         i = jnp.arange(k + 1)[None, :]
         ends = (step.matches_stop(out.tokens, stop_ids) | (out.tokens < 0)) & (i <= m)
+        grammar = s.grammar
+        if grammar is not None:  # the kept tokens to the matchers; a completed constraint ends its row there
+            grammar, ended_at = grammar.advance_verified(out.tokens, m)
+            ends |= (i == ended_at[:, None]) & (i <= m)
         first_end = jnp.argmax(ends, axis=1)
         ended = jnp.any(ends, axis=1) & running
         count = jnp.where(running, jnp.where(ended, first_end + 1, m + 1), 0)  # tokens each row emits
@@ -437,7 +447,7 @@ def speculative_loop(params, cache: KVCache, logits, key, sampler, stop_ids, don
         # as a plain step stores every token but the stop). A paged row gives back the pages past them.
         cache = (cache.rewind(written + count) if paged
                  else dataclasses.replace(cache, length=written + m + 1))
-        base = s.replace(key=key, cache=cache, done=s.done | ended,
+        base = s.replace(key=key, cache=cache, done=s.done | ended, grammar=grammar,
                          num_new=s.num_new + count, step=s.step + m + 1, tokens=block(s.tokens, tokens),
                          logprobs=block(s.logprobs, out.logprob), top_ids=block(s.top_ids, out.top_ids),
                          top_logprobs=block(s.top_logprobs, out.top_logprobs))

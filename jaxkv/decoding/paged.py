@@ -98,7 +98,7 @@ def generate_paged(model: Model, prompts, *, n, page_size, max_new_tokens, tempe
                                                              cache.capacity + speculative.num_tokens + 2)
                 out = loop.on_host_surfacing(on_step, lambda: loop.on_host(loop.speculative_loop(
                     params, cache, logits, jax.device_put(key), sample_fn, jax.device_put(stop_ids),
-                    jax.device_put(done), np.int32(max_new_tokens), history, length, *draft_args,
+                    jax.device_put(done), np.int32(max_new_tokens), history, length, *draft_args, grammar=grammar,
                     config=run_config, max_steps=max_steps, attention=attention, stream=on_step,
                     logprobs=logprobs, plan=speculative, **draft_kwargs)))
         overflowed = bool(np.asarray(out.cache.overflowed).any())

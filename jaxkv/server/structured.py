@@ -11,7 +11,8 @@ from what they produced.
 - `tools` + `tool_choice` (chat only): "none" or unset with no tools (plain text); a named function
   ({"type": "function", "function": {"name"}}): the output is that function's arguments, held to its
   `parameters` schema; "required": the output is a JSON array of one or more {"name", "arguments"} calls, each
-  held to its function's schema (one with `parallel_tool_calls: false`); both come back as OpenAI `tool_calls` with finish_reason "tool_calls".
+  held to its function's schema (one with `parallel_tool_calls: false`); both come back as OpenAI `tool_calls`
+  with finish_reason "tool_calls".
   "auto" (the default with tools) where the chat template writes Hermes-style `<tool_call>{"name", "arguments"}
   </tool_call>` blocks (Qwen's templates): the text is decoded freely and the blocks are parsed out; with a
   template of another format, a 400 (jaxkv cannot read its calls back).

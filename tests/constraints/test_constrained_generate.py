@@ -222,3 +222,14 @@ def test_engine_requests_decode_as_generate():
         engine.submit("x", max_new_tokens=4, constraint="{}")
     assert refused.value.argument == "constraint"
     assert not engine.pending
+
+
+def test_speculative_verifies_against_the_masks():
+    """The model drafting for itself proposes its unconstrained greedy tokens: the verify checks them against
+    each row's masks (those the constraint refuses are rejected), so the output is the plain constrained greedy
+    one, with some proposals kept and some refused."""
+    prompts, constraints, gen = greedy_run()
+    spec = jaxkv.generate(model(), prompts, max_new_tokens=120, constraint=constraints,
+                          speculative=jaxkv.Speculation("draft", num_tokens=3, draft=model(), adaptive=False))
+    assert spec.tokens == gen.tokens and spec.finish_reasons == gen.finish_reasons
+    assert 0 < spec.stats["spec_accepted"] < spec.stats["spec_proposed"]
