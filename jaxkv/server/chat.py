@@ -20,7 +20,10 @@ async def chat_completions(request: Request) -> Response:
         raise ApiError("this model has no chat template (its tokenizer config names none): use /v1/completions, "
                        "or serve a checkpoint whose tokenizer_config.json or chat_template.jinja has one",
                        code="no_chat_template")
-    structured.check_auto(req.tool_calls, state.chat_template.source)
+    try:
+        structured.check_auto(req.tool_calls, state.chat_template.source)
+    except structured.FieldError as e:
+        raise ApiError(str(e), param=e.param, code=e.code) from None
     rendered = await intake.render_chat(state, req)
     intake.check_text(rendered, state, "messages")
     prompt = (await intake.encode(state, [rendered], special_tokens=False))[0]  # the template wrote any BOS

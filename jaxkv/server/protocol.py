@@ -177,6 +177,16 @@ def _logit_bias(body) -> dict | None:
     return out
 
 
+def _structured(body, *, chat: bool):
+    """response_format, structured_outputs and tools (`structured.constraint`) -> (constraint, tool calls)."""
+    from jaxkv.server import structured
+
+    try:
+        return structured.constraint(body, chat=chat)
+    except structured.FieldError as e:
+        raise ApiError(str(e), param=e.param, code=e.code) from None
+
+
 def _token_ids(value, name) -> list[int]:
     if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         raise ApiError(f"'{name}' must be a list of integer token ids", param=name)
@@ -292,9 +302,7 @@ def completion_request(body) -> CompletionRequest:
                        param="best_of", code="unsupported_parameter")
     if sampling.max_tokens == 0 and sampling.stream:
         raise ApiError("'max_tokens' 0 (echo only) cannot be streamed", param="max_tokens")
-    from jaxkv.server import structured
-
-    sampling.constraint, _ = structured.constraint(body, chat=False)
+    sampling.constraint, _ = _structured(body, chat=False)
     return CompletionRequest(model=model, prompts=prompts, echo=echo, sampling=sampling)
 
 
@@ -325,9 +333,7 @@ def chat_request(body) -> ChatRequest:
         raise ApiError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     sampling = _sampling(body, default_max_tokens=None, logprobs=(top or 0) if want else None, max_tokens_name=name)
-    from jaxkv.server import structured
-
-    sampling.constraint, tool_calls = structured.constraint(body, chat=True)
+    sampling.constraint, tool_calls = _structured(body, chat=True)
     if tool_calls is not None and sampling.stream:
         raise ApiError("streamed tool calls are not supported by jaxkv serve yet: send 'stream': false",
                        param="stream", code="unsupported_parameter")

@@ -17,8 +17,8 @@ from what they produced.
   </tool_call>` blocks (Qwen's templates): the text is decoded freely and the blocks are parsed out; with a
   template of another format, a 400 (jaxkv cannot read its calls back).
 
-Every bad field is an `ApiError` (400, OpenAI's shape, naming the field), raised while the body is checked:
-nothing reaches the engine.
+Every bad field is a `FieldError` naming the field, raised while the body is checked (`protocol` answers it as
+its 400 in OpenAI's shape): nothing reaches the engine.
 """
 
 from __future__ import annotations
@@ -28,9 +28,16 @@ import json
 import re
 import uuid
 
-from jaxkv.server.protocol import ApiError
-
 HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+class FieldError(ValueError):
+    """A bad structured-output field: `protocol.ApiError`'s message, param and code (this module sits below
+    `protocol`, which imports it)."""
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
 
 
 @dataclasses.dataclass
@@ -48,7 +55,7 @@ def _constraints():
 
         constraints.spec.llguidance()
     except ImportError as exc:
-        raise ApiError(f"structured output needs llguidance on the server: {exc}", code="unsupported_parameter",
+        raise FieldError(f"structured output needs llguidance on the server: {exc}", code="unsupported_parameter",
                        param="response_format") from None
     return constraints
 
@@ -57,14 +64,14 @@ def _made(make, param: str):
     try:
         return make()
     except ValueError as exc:
-        raise ApiError(str(exc), param=param) from None
+        raise FieldError(str(exc), param=param) from None
 
 
 def _response_format(value):
     if value is None or value == {"type": "text"}:
         return None
     if not isinstance(value, dict) or not isinstance(value.get("type"), str):
-        raise ApiError("'response_format' must be an object with a 'type': text, json_object or json_schema",
+        raise FieldError("'response_format' must be an object with a 'type': text, json_object or json_schema",
                        param="response_format")
     c = _constraints()
     kind = value["type"]
@@ -73,10 +80,10 @@ def _response_format(value):
     if kind == "json_schema":
         spec = value.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-            raise ApiError("'response_format.json_schema' must be an object with a 'schema' object",
+            raise FieldError("'response_format.json_schema' must be an object with a 'schema' object",
                            param="response_format.json_schema")
         return _made(lambda: c.JsonSchema(spec.get("schema", {"type": "object"})), "response_format.json_schema")
-    raise ApiError(f"'response_format.type' must be text, json_object or json_schema, got {kind!r}",
+    raise FieldError(f"'response_format.type' must be text, json_object or json_schema, got {kind!r}",
                    param="response_format.type")
 
 
@@ -87,15 +94,15 @@ def _structured_outputs(value):
     if value is None:
         return None
     if not isinstance(value, dict):
-        raise ApiError("'structured_outputs' must be an object with one of " + ", ".join(_KINDS),
+        raise FieldError("'structured_outputs' must be an object with one of " + ", ".join(_KINDS),
                        param="structured_outputs")
     unknown = sorted(set(value) - set(_KINDS) - {"disable_any_whitespace"})
     if unknown:
-        raise ApiError(f"'structured_outputs' does not take {unknown[0]!r} in jaxkv serve (it takes one of "
+        raise FieldError(f"'structured_outputs' does not take {unknown[0]!r} in jaxkv serve (it takes one of "
                        f"{', '.join(_KINDS)})", param=f"structured_outputs.{unknown[0]}", code="unsupported_parameter")
     given = [k for k in _KINDS if value.get(k) not in (None, False)]
     if len(given) != 1:
-        raise ApiError(f"'structured_outputs' needs exactly one of {', '.join(_KINDS)}, got "
+        raise FieldError(f"'structured_outputs' needs exactly one of {', '.join(_KINDS)}, got "
                        f"{', '.join(given) or 'none'}", param="structured_outputs")
     kind, spec = given[0], value[given[0]]
     c = _constraints()
@@ -115,17 +122,17 @@ def _tools(body):
     """The checked tools -> {name: parameters schema}."""
     tools = body.get("tools")
     if not isinstance(tools, list):
-        raise ApiError("'tools' must be a list of {type: function, function: {name, parameters}} objects",
+        raise FieldError("'tools' must be a list of {type: function, function: {name, parameters}} objects",
                        param="tools")
     out = {}
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise ApiError(f"tools[{i}] must be {{type: function, function: {{name, parameters}}}}",
+            raise FieldError(f"tools[{i}] must be {{type: function, function: {{name, parameters}}}}",
                            param=f"tools[{i}]")
         params = fn.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, dict):
-            raise ApiError(f"tools[{i}].function.parameters must be a JSON schema object",
+            raise FieldError(f"tools[{i}].function.parameters must be a JSON schema object",
                            param=f"tools[{i}].function.parameters")
         out[fn["name"]] = params
     return out
@@ -137,7 +144,7 @@ def tool_plan(body):
     choice = body.get("tool_choice")
     if not body.get("tools"):
         if choice not in (None, "none"):
-            raise ApiError("'tool_choice' needs 'tools'", param="tool_choice")
+            raise FieldError("'tool_choice' needs 'tools'", param="tool_choice")
         return None, None
     tools = _tools(body)
     if choice == "none":
@@ -154,30 +161,30 @@ def tool_plan(body):
         return _made(lambda: c.JsonSchema(schema), "tools"), ToolCalls("required")
     fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-        raise ApiError("'tool_choice' must be none, auto, required or {type: function, function: {name}}",
+        raise FieldError("'tool_choice' must be none, auto, required or {type: function, function: {name}}",
                        param="tool_choice")
     if fn["name"] not in tools:
-        raise ApiError(f"tool_choice names {fn['name']!r}, which is not in 'tools'", param="tool_choice")
+        raise FieldError(f"tool_choice names {fn['name']!r}, which is not in 'tools'", param="tool_choice")
     return _made(lambda: c.JsonSchema(tools[fn["name"]]), "tools"), ToolCalls("named", fn["name"])
 
 
 def check_auto(plan: ToolCalls | None, template_source: str | None):
     """tool_choice "auto" needs a chat template whose calls jaxkv reads back (Hermes <tool_call> JSON); else 400."""
     if plan is not None and plan.mode == "auto" and (template_source is None or "<tool_call>" not in template_source):
-        raise ApiError("tool_choice 'auto' needs a chat template whose tool calls jaxkv can read back (Hermes-style "
+        raise FieldError("tool_choice 'auto' needs a chat template whose tool calls jaxkv can read back (Hermes-style "
                        "<tool_call> JSON, as Qwen's); this model's template writes another format: use tool_choice "
                        "'required' or a named function", param="tool_choice", code="unsupported_parameter")
 
 
 def constraint(body, *, chat: bool):
     """A body's structured-output fields -> (a `jaxkv.constraints` constraint or None, `ToolCalls` or None);
-    ApiError 400 for a bad or conflicting one."""
+    FieldError for a bad or conflicting one."""
     fmt, outputs = _response_format(body.get("response_format")), _structured_outputs(body.get("structured_outputs"))
     tool_constraint, calls = tool_plan(body) if chat else (None, None)
     asked = [name for name, c in (("response_format", fmt), ("structured_outputs", outputs),
                                   ("tools", tool_constraint)) if c is not None]
     if len(asked) > 1:
-        raise ApiError(f"send one of {' and '.join(asked)}: each sets the output's format", param=asked[1])
+        raise FieldError(f"send one of {' and '.join(asked)}: each sets the output's format", param=asked[1])
     return fmt or outputs or tool_constraint, calls
 
 
