@@ -109,6 +109,7 @@ class Rows:
         self.errors: dict[int, str] = {}
         self.mask_seconds = 0.0
         self.masks_filled = 0
+        self.steps = 0  # host steps taken (`advance` calls): none while no row is constrained
 
     def _bits(self, ids) -> np.ndarray:
         """int32[W]: the mask with exactly `ids` allowed (negative ids: padding, ignored)."""
@@ -174,6 +175,7 @@ class Rows:
         """Feeds each live constrained row that `emitted` its token (int32[B], bool[B]; a row that did not emit is
         over: it stopped) -> (int32[B, W] the next masks, bool[B] the rows the constraint ended just now)."""
         tokens, emitted = np.asarray(tokens), np.asarray(emitted)
+        self.steps += 1
         ended = np.zeros_like(self.finished)
         live = []
         for b in np.flatnonzero(~self.over):

@@ -218,6 +218,10 @@ def test_engine_requests_decode_as_generate():
     assert engine.stats["slot_moves"] > 0
     assert [r.tokens for r in results] == [gen.tokens[i] for i in order]
     assert [r.finish_reason for r in results] == [gen.finish_reasons[i] for i in order]
+    steps = engine._grammar.steps
+    assert steps > 0
+    plain = engine.generate([prompts[7]], max_new_tokens=120)  # no constrained request: no host step
+    assert plain[0].tokens == gen.tokens[7] and engine._grammar.steps == steps
     with pytest.raises(ValueError, match="constraint") as refused:
         engine.submit("x", max_new_tokens=4, constraint="{}")
     assert refused.value.argument == "constraint"
