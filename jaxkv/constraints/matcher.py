@@ -231,15 +231,16 @@ class Rows:
 
     def advance_verified(self, tokens, last) -> tuple[np.ndarray, np.ndarray]:
         """Speculative decoding: feeds each live constrained row a verify's tokens int32[B, k + 1] at positions
-        0..last (int32[]: the kept ones), up to a stop id (not fed: the row ends there) or to the token that
-        completes its constraint -> (int32[B, W] the next masks, int32[B] the position where the constraint was
-        completed, -1 where it was not)."""
+        0..last (int32[] for every row, or int32[B]; -1: none), up to a stop id (not fed: the row ends there) or
+        to the token that completes its constraint -> (int32[B, W] the next masks, int32[B] the position where
+        the constraint was completed, -1 where it was not)."""
         tokens = np.asarray(tokens)
+        last = np.broadcast_to(np.asarray(last), tokens.shape[:1])
         ended_at = np.full((tokens.shape[0],), -1, np.int32)
         live = []
         for b in np.flatnonzero(~self.over):
             m = self.matchers[b]
-            for i in range(int(last) + 1):
+            for i in range(int(last[b]) + 1):
                 t = int(tokens[b, i])
                 if t < 0 or (self._stop[b][t // 32] >> (t % 32)) & 1:
                     self.over[b] = True  # a stop token (or NaN logits) ends the row

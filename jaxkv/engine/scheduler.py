@@ -188,8 +188,8 @@ class Engine:
         produced; if it raises, this request ends with finish_reason "error" and the others go on.
         repetition_penalty, presence_penalty, frequency_penalty, logit_bias, min_tokens: as `jaxkv.generate`
         (scalars; logit_bias one dict); traced per slot, so they never recompile (not with speculation yet).
-        constraint: a `jaxkv.JsonSchema`, `Regex`, `Choice` or `Grammar` (a model with a tokenizer; not with
-        speculation yet), compiled here: the request's tokens follow it as in `jaxkv.generate`, and a complete
+        constraint: a `jaxkv.JsonSchema`, `Regex`, `Choice` or `Grammar` (a model with a tokenizer; with
+        speculation too), compiled here: the request's tokens follow it as in `jaxkv.generate`, and a complete
         constraint finishes it with "stop". Constrained and unconstrained requests share the compiled step; a
         dispatch with no constrained request decoding pays nothing for them.
         """
@@ -245,8 +245,6 @@ class Engine:
         """A fresh llguidance matcher for a request's constraint, or ValueError (before anything runs)."""
         from jaxkv.constraints import matcher, spec
 
-        if self.speculation is not None:
-            raise ValueError("the engine does not take a constraint with speculation yet")
         if self._grammar is None:
             raise ValueError("a constraint needs a model with a tokenizer (the grammar is over text)")
         (constraint,) = spec.per_row(constraint, 1) if isinstance(constraint, spec.Constraint) else [None]
@@ -692,7 +690,8 @@ class Engine:
             draft = dict(draft_params=self.mtp.params[0], draft_config=self.mtp.config,
                          draft_attention=self._draft_attention)
         return speculative_program.decode(self._params, self._state, shifts, moves, keys, sampler, stop_ids,
-                                          budget, top, *prompts, config=self._run_config, attention=self.attention,
+                                          budget, top, *prompts, grammar=grammar, config=self._run_config,
+                                          attention=self.attention,
                                           steps=self.steps_per_dispatch, width=width, plan=self.speculation,
                                           mesh=self.mesh, **draft)
 

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxkv.attention.pallas import MAX_DECODE_QUERIES
+from jaxkv.constraints import mask as constraint_mask
 from jaxkv.decoding import speculation, step
 from jaxkv.decoding.mtp import mtp_forward
 from jaxkv.engine.programs import (MAX_LOGPROBS, State, draft_pools, draft_rows, finish_code, move_in, placed,
@@ -100,8 +101,8 @@ class Slots:
                                             "draft_attention"),
                    donate_argnames=("state",))
 def decode(params, state: State, shifts, moves, keys, sampler, stop_ids, budget, top, prompts, prompt_lengths,
-           draft_params=None, *, config, attention, steps: int, width: int, plan, mesh=None, draft_config=None,
-           draft_attention=None):
+           draft_params=None, grammar=None, *, config, attention, steps: int, width: int, plan, mesh=None,
+           draft_config=None, draft_attention=None):
     """`programs.decode` with speculation: moves, then the slots that just moved in draw their first token from
     their prefill's logits, then `steps` passes over slots [0, width) ->
     (state, per emitted position: int32[1 + steps (k + 1), S] tokens (-1: none), their log-probabilities, top
@@ -111,14 +112,17 @@ def decode(params, state: State, shifts, moves, keys, sampler, stop_ids, budget,
     draft model's, its pools in `state.draft` (its prompt prefilled there by `programs.prefill`). Method "mtp":
     the same three of the checkpoint's first MTP module (`Model.mtp`), its pools in `state.draft` (the prompt's
     pairs written by `programs.prefill`, the last one's hidden state in `state.staged_hidden`); each slot's
-    pending pairs in `Slots.mtp_*`."""
+    pending pairs in `Slots.mtp_*`. `grammar`: the moved-in slots' first masks (`programs.decode`); while a
+    decoding slot is constrained, every draw is masked (a verify's k + 1 positions by the masks after each
+    proposal the constraint allows, `Rows.draft_masks`) and each pass's kept tokens go to the host's matchers
+    (`settle`), a completed constraint ending its slot there."""
     S, W, k = state.logits.shape[0], width, plan.num_tokens
     drafting, mtp = plan.method == "draft", plan.method == "mtp"
     cost = plan.cost_at(W)  # c_verify / c_step of a verify over W slots
     # A verify writes k slots past the last token: within the target's positions and the draft's
     max_positions = min(config.max_positions, draft_config.max_positions) if drafting else config.max_positions
     moving = moves >= 0
-    state = move_in(shift_slots(state, shifts), moves, keys, sampler, stop_ids, budget, top)
+    state = move_in(shift_slots(state, shifts), moves, keys, sampler, stop_ids, budget, top, grammar)
     # A slot that moves in has one pending pair: its last prompt position's hidden state (its prefill's), and the
     # first token, drawn below.
     moved_hidden = state.staged_hidden[jnp.maximum(moves, 0)] if mtp else None  # [S, D]
@@ -138,12 +142,34 @@ def decode(params, state: State, shifts, moves, keys, sampler, stop_ids, budget,
     def full(x, fill):  # [W, ...] -> [S, ...]: the slots past W did not decode
         return jnp.full((S,) + x.shape[1:], fill, x.dtype).at[:W].set(x)
 
+    def constrained_now(state):
+        """bool[]: a decoding slot is constrained (None: the engine has no masks)."""
+        return None if state.grammar is None else jnp.any(w(state.decoding) & w(state.constrained))
+
+    def allowed(state):
+        return None if state.grammar is None else w(state.grammar.allowed)
+
     def settle(state, run, tokens, count, nan, stopped, logprob, top_ids, top_logp):
         """Records a pass's tokens per slot (tokens [W, T], the first count[s] emitted), ends the slots that
-        stopped or ran out of budget (their pages released) -> (state, the pass's outputs as [T, S] blocks)."""
+        stopped or ran out of budget (their pages released) -> (state, the pass's outputs as [T, S] blocks).
+        The constrained slots' kept tokens go to their matchers first; one whose constraint they complete ends
+        at that token."""
+        T = tokens.shape[1]
+        if state.grammar is not None:
+            def feed(grammar):
+                grammar, ended_at = grammar.advance_verified(
+                    jnp.zeros((S, T), jnp.int32).at[:W].set(tokens),
+                    jnp.full((S,), -1, jnp.int32).at[:W].set(jnp.where(run, count - 1, -1)))
+                return grammar, ended_at[:W]
+
+            grammar, ended_at = lax.cond(constrained_now(state), feed,
+                                         lambda g: (g, jnp.full((W,), -1, jnp.int32)), state.grammar)
+            hit = run & (ended_at >= 0)
+            count = jnp.where(hit, jnp.minimum(count, ended_at + 1), count)
+            stopped = stopped | hit
+            state = state.replace(grammar=grammar)
         budget = w(state.budget) - count
         finished = run & (stopped | (budget <= 0))
-        T = tokens.shape[1]
         emitted = jnp.arange(T)[None, :] < count[:, None]
         last = jnp.take_along_axis(tokens, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
         spec = state.spec
@@ -185,7 +211,8 @@ def decode(params, state: State, shifts, moves, keys, sampler, stop_ids, budget,
     run = w(state.decoding & moving)
     split = jax.vmap(jax.random.split)(w(state.keys))  # [W, 2, key]: (the next key, this token's key)
     picked = step.select(w(state.logits), split[:, 1], jax.tree.map(w, state.sampler), w(state.stop_ids),
-                         top=MAX_LOGPROBS, top_wanted=top_wanted)
+                         top=MAX_LOGPROBS, top_wanted=top_wanted, allowed=allowed(state),
+                         constrained=constrained_now(state))
     state = state.replace(keys=state.keys.at[:W].set(jnp.where(run[:, None], split[:, 0], w(state.keys))))
     state, first = settle(state, run, picked.tokens[:, None], run.astype(jnp.int32), picked.nan, picked.stopped,
                           picked.logprob[:, None], picked.top_ids[:, None], picked.top_logprobs[:, None])
@@ -277,7 +304,7 @@ def decode(params, state: State, shifts, moves, keys, sampler, stop_ids, budget,
         if drafting:  # the draft's cache keeps every token the target's does
             state = draft_step(state.replace(cache=cache), w(state.spec.last), run, lengths)[1]
         picked = step.select(logits[:, 0], d.split[:, 1], sampler_w, w(state.stop_ids), top=MAX_LOGPROBS,
-                             top_wanted=top_wanted)
+                             top_wanted=top_wanted, allowed=allowed(state), constrained=constrained_now(state))
         if mtp:  # the pair (h at the fed token, the token drawn after it) waits for the next pass
             state = pend(state, run, hidden[0], picked.tokens[:, None], run.astype(jnp.int32))
         return (state.replace(cache=cache), run.astype(jnp.int32), picked.tokens[:, None], picked.nan,
@@ -298,6 +325,12 @@ def decode(params, state: State, shifts, moves, keys, sampler, stop_ids, budget,
         inputs = jnp.concatenate([w(state.spec.last)[:, None], props], axis=1)  # [W, k + 1]
         real = run[:, None] & ((jnp.arange(k + 1) == 0)[None, :] | wants[:, None])
         logits, cache, *hidden = forward(state, inputs, real)
+        if state.grammar is not None:  # each position under its slot's constraint, the proposals checked first
+            def masked(logits):
+                masks = state.grammar.draft_masks(jnp.zeros((S, k), jnp.int32).at[:W].set(props))[:W]
+                return constraint_mask.apply(logits, masks)
+
+            logits = lax.cond(constrained_now(state), masked, lambda logits: logits, logits)
 
         def per_slot(top):  # each slot's draws from its own key (`verify`'s per-row keys)
             return speculation.verify(logits, props, pass_keys, sampler_w, q=q, top=top)

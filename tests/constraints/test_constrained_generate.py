@@ -237,3 +237,16 @@ def test_speculative_verifies_against_the_masks():
                           speculative=jaxkv.Speculation("draft", num_tokens=3, draft=model(), adaptive=False))
     assert spec.tokens == gen.tokens and spec.finish_reasons == gen.finish_reasons
     assert 0 < spec.stats["spec_accepted"] < spec.stats["spec_proposed"]
+
+
+def test_speculative_engine_requests_decode_as_generate():
+    """Engine(speculative=) with constrained requests: the model drafting for itself, each verify's proposals
+    checked against the slots' masks, gives generate's plain greedy tokens."""
+    prompts, constraints, gen = greedy_run()
+    spec = jaxkv.Speculation("draft", num_tokens=3, draft=model(), adaptive=False)
+    engine = jaxkv.Engine(model(), slots=4, max_len=256, steps_per_dispatch=4, decode_widths=[4], speculative=spec)
+    results = engine.generate([dict(prompt=p, constraint=c) for p, c in zip(prompts, constraints)],
+                              max_new_tokens=120)
+    assert [r.tokens for r in results] == gen.tokens
+    assert [r.finish_reason for r in results] == gen.finish_reasons
+    assert 0 < engine.stats["spec_accepted"] < engine.stats["spec_proposed"]
