@@ -54,12 +54,16 @@ async def chat_completions(request: Request) -> Response:
     head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": state.model_name}
     opening = [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                 "finish_reason": None} for c in choices]
-    return sse.response(sse.event_stream(
-        request, state, choices, queue, head, opening,
-        lambda c, text, first: {"index": c.index, "delta": {"content": text} if text else {},
-                                "logprobs": logprobs_json(c, first), "finish_reason": finish(c)}
-        | ({"token_ids": c.tokens[first:]} if s.return_token_ids else {}),
-        [prompt] if s.include_usage else None))
+
+    def chunk(c, text, first):
+        if req.tool_calls is not None:  # the calls are read from the whole text: sent with its last chunk
+            return _tool_chunk(c, req.tool_calls, finish(c)) | ({"token_ids": c.tokens[first:]}
+                                                               if s.return_token_ids else {})
+        return ({"index": c.index, "delta": {"content": text} if text else {}, "logprobs": logprobs_json(c, first),
+                 "finish_reason": finish(c)} | ({"token_ids": c.tokens[first:]} if s.return_token_ids else {}))
+
+    return sse.response(sse.event_stream(request, state, choices, queue, head, opening, chunk,
+                                         [prompt] if s.include_usage else None))
 
 
 def _message(c, tool_calls, finish_reason) -> dict:
@@ -72,6 +76,18 @@ def _message(c, tool_calls, finish_reason) -> dict:
             message.update(content=content, tool_calls=calls)
             finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
     return {"message": message, "finish_reason": finish_reason}
+
+
+def _tool_chunk(c, tool_calls, finish_reason) -> dict:
+    """A streamed choice with tools: empty deltas while it runs; at its end, its tool calls (OpenAI's streamed
+    shape: each with its "index") and finish_reason "tool_calls", or its whole text as content if it has none."""
+    if not finish_reason:
+        return {"index": c.index, "delta": {}, "logprobs": None, "finish_reason": None}
+    done = _message(c, tool_calls, finish_reason)
+    calls = done["message"].get("tool_calls")
+    delta = ({"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]} if calls
+             else {"content": c.text.text})
+    return {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": done["finish_reason"]}
 
 
 def _chat_logprobs(decoded, first, tokens, logprobs, tops) -> dict:

@@ -334,9 +334,6 @@ def chat_request(body) -> ChatRequest:
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     sampling = _sampling(body, default_max_tokens=None, logprobs=(top or 0) if want else None, max_tokens_name=name)
     sampling.constraint, tool_calls = _structured(body, chat=True)
-    if tool_calls is not None and sampling.stream:
-        raise ApiError("streamed tool calls are not supported by jaxkv serve yet: send 'stream': false",
-                       param="stream", code="unsupported_parameter")
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise ApiError("'chat_template_kwargs' must be an object", param="chat_template_kwargs")

@@ -451,6 +451,13 @@ def test_structured_outputs_tools_and_bad_schemas(url, client):
             jsonschema.validate(json.loads(call.function.arguments), schema)
         if isinstance(tool_choice, dict):
             assert [call.function.name for call in c.message.tool_calls] == ["get_weather"]
+    # streamed: the same calls, in the last chunk
+    chunks = list(client.chat.completions.create(model="tiny-chat", messages=messages, tools=tools, temperature=0,
+                                                 tool_choice=tool_choice, max_tokens=200, stream=True))
+    streamed = [d for ch in chunks for d in (ch.choices[0].delta.tool_calls or [])]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert [(d.function.name, d.function.arguments) for d in streamed] == [
+        (call.function.name, call.function.arguments) for call in c.message.tool_calls]
 
     bad = {"chat: a bad schema": dict(response_format={"type": "json_schema", "json_schema": {
                "name": "x", "schema": {"type": "integr"}}}),
