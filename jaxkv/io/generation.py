@@ -19,7 +19,7 @@ import json
 import math
 import pathlib
 
-FILE = "generation_config.json"  # (io.hf.GENERATION_CONFIG_FILE, without importing JAX)
+FILE = "generation_config.json"  # io.hf.GENERATION_CONFIG_FILE
 TRANSFORMERS_TOP_K = 50  # GenerationConfig's default top_k: transformers samples with it where the file names none
 MODES = ("auto", "ignore")  # --generation-config
 
@@ -79,11 +79,28 @@ class SamplingDefaults:
 def read(directory) -> SamplingDefaults | None:
     """The sampling defaults of a checkpoint directory's generation_config.json (None: no file, or it names none).
     ValueError naming the file for one that is not a JSON object or holds a bad value."""
-    from jaxkv.io.hf import GENERATION_CONFIG_FILE, read_generation_config
-
-    data = read_generation_config(directory)
-    source = str(pathlib.Path(directory) / GENERATION_CONFIG_FILE)
+    data = read_file(directory)
+    source = str(pathlib.Path(directory) / FILE)
     return None if data is None else SamplingDefaults.from_dict(data, source=source)
+
+
+def read_file(directory) -> dict | None:
+    """The parsed generation_config.json of a checkpoint directory, or None where it has none. ValueError naming
+    the file for one that is not a JSON object. (Here rather than in `io.hf`, which reads the file's eos ids and
+    imports this module: one home for the file, no import cycle.)"""
+    path = pathlib.Path(directory) / FILE
+    return json_object(path) if path.is_file() else None
+
+
+def json_object(path: pathlib.Path) -> dict:
+    """A JSON file that must hold an object -> the dict; ValueError naming the file otherwise."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
 
 
 def write(defaults: SamplingDefaults | None, directory):

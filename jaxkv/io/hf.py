@@ -31,7 +31,6 @@ checkpoints are dequantized at load (`jaxkv.io.fp8`).
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -48,14 +47,14 @@ from jaxkv.families.fields import MAX_PARAMS, Fields, eos_ids
 from jaxkv.families.registry import Family
 from jaxkv.families.tensors import TensorSpec
 from jaxkv.io import fp8
-from jaxkv.io.generation import SamplingDefaults
+from jaxkv.io.generation import FILE as GENERATION_CONFIG_FILE, SamplingDefaults, json_object as _json_object
+from jaxkv.io.generation import read_file as read_generation_config
 from jaxkv.io.safetensors_files import FLOAT_DTYPES, StoredTensor, read_headers, weight_files
 from jaxkv.io.safetensors_files import read as _read
 from jaxkv.layers import ALL_OUT_IN_ORDER, in_out_names
 from jaxkv.model import Model
 
 CONFIG_FILE = "config.json"
-GENERATION_CONFIG_FILE = "generation_config.json"
 ARCHITECTURES = families.architectures()  # every `architectures[0]` a registered family loads
 
 
@@ -65,23 +64,6 @@ def read_config(directory: str | os.PathLike) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: not found; a Hugging Face checkpoint directory needs a {CONFIG_FILE}")
     return _json_object(path)
-
-
-def read_generation_config(directory: str | os.PathLike) -> dict | None:
-    """The parsed generation_config.json of a checkpoint directory, or None where it has none. ValueError naming
-    the file for one that is not a JSON object."""
-    path = Path(directory) / GENERATION_CONFIG_FILE
-    return _json_object(path) if path.is_file() else None
-
-
-def _json_object(path: Path) -> dict:
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(value).__name__}")
-    return value
 
 
 def generation_eos_ids(generation: dict | None, config: Config, *, source: str) -> tuple[int, ...]:
