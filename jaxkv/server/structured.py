@@ -13,9 +13,12 @@ from what they produced.
   `parameters` schema; "required": the output is a JSON array of one or more {"name", "arguments"} calls, each
   held to its function's schema (one with `parallel_tool_calls: false`); both come back as OpenAI `tool_calls`
   with finish_reason "tool_calls".
-  "auto" (the default with tools) where the chat template writes Hermes-style `<tool_call>{"name", "arguments"}
-  </tool_call>` blocks (Qwen's templates): the text is decoded freely and the blocks are parsed out; with a
-  template of another format, a 400 (jaxkv cannot read its calls back).
+  "auto" (the default with tools) where the chat template names a call format jaxkv reads back: Hermes-style
+  `<tool_call>{"name", "arguments"}</tool_call>` blocks (Qwen's templates: the text is decoded freely and the
+  blocks are parsed out), or Llama 3.1-3.3's JSON (the template asks for `{"name": function name, "parameters":
+  dictionary of argument name and its value}`: a reply that is such an object, or several joined by ";", after an
+  optional `<|python_tag|>`, is read as calls, as vLLM's llama3_json parser reads it; any other reply is the
+  content); with a template of another format, a 400 (jaxkv cannot read its calls back).
 
 Every bad field is a `FieldError` naming the field, raised while the body is checked (`protocol` answers it as
 its 400 in OpenAI's shape): nothing reaches the engine.
@@ -29,6 +32,9 @@ import re
 import uuid
 
 HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+# The instruction Llama 3.1-3.3's chat templates give for a tool call (their JSON format's mark).
+LLAMA3_JSON_MARK = '{"name": function name, "parameters": dictionary of argument name and its value}'
+LLAMA3_PYTHON_TAG = "<|python_tag|>"
 
 
 class FieldError(ValueError):
@@ -43,10 +49,12 @@ class FieldError(ValueError):
 @dataclasses.dataclass
 class ToolCalls:
     """How a chat request's output becomes tool calls: `mode` "named" (the output is `name`'s arguments),
-    "required" (a JSON array of calls) or "auto" (Hermes <tool_call> blocks in free text)."""
+    "required" (a JSON array of calls) or "auto" (free text, read in the template's `format`: "hermes" or
+    "llama3_json", set by `check_auto`)."""
 
     mode: str
     name: str | None = None
+    format: str = "hermes"
 
 
 def _constraints():
@@ -168,12 +176,29 @@ def tool_plan(body):
     return _made(lambda: c.JsonSchema(tools[fn["name"]]), "tools"), ToolCalls("named", fn["name"])
 
 
+def auto_format(template_source: str | None) -> str | None:
+    """The tool-call format a chat template asks its model for, of those jaxkv reads back ("hermes",
+    "llama3_json"), or None."""
+    if template_source is None:
+        return None
+    if "<tool_call>" in template_source:
+        return "hermes"
+    if LLAMA3_JSON_MARK in template_source:
+        return "llama3_json"
+    return None
+
+
 def check_auto(plan: ToolCalls | None, template_source: str | None):
-    """tool_choice "auto" needs a chat template whose calls jaxkv reads back (Hermes <tool_call> JSON); else 400."""
-    if plan is not None and plan.mode == "auto" and (template_source is None or "<tool_call>" not in template_source):
+    """tool_choice "auto" needs a chat template whose calls jaxkv reads back (`auto_format`): records the format on
+    the plan, else a 400."""
+    if plan is None or plan.mode != "auto":
+        return
+    plan.format = auto_format(template_source)
+    if plan.format is None:
         raise FieldError("tool_choice 'auto' needs a chat template whose tool calls jaxkv can read back (Hermes-style "
-                       "<tool_call> JSON, as Qwen's); this model's template writes another format: use tool_choice "
-                       "'required' or a named function", param="tool_choice", code="unsupported_parameter")
+                         "<tool_call> JSON, as Qwen's, or Llama 3.1's JSON); this model's template writes another "
+                         "format: use tool_choice 'required' or a named function", param="tool_choice",
+                         code="unsupported_parameter")
 
 
 def constraint(body, *, chat: bool):
@@ -208,6 +233,8 @@ def tool_calls(plan: ToolCalls, text: str) -> tuple[str | None, list[dict]]:
         except ValueError:
             return text, []
         return None, [_call(c["name"], c["arguments"]) for c in calls]
+    if plan.format == "llama3_json":
+        return _llama3_json_calls(text)
     calls = []
     for block in HERMES_CALL.findall(text):
         try:
@@ -218,3 +245,27 @@ def tool_calls(plan: ToolCalls, text: str) -> tuple[str | None, list[dict]]:
             calls.append(_call(call["name"], call.get("arguments", {})))
     content = HERMES_CALL.sub("", text).strip() if calls else text
     return content or None, calls
+
+
+def _llama3_json_calls(text: str) -> tuple[str | None, list[dict]]:
+    """Llama 3.1's tool-call reply: `{"name": ..., "parameters": {...}}` objects joined by ";" (an optional
+    <|python_tag|> first, whitespace around) -> (None, the calls); any other text is the content, with no calls."""
+    body = text.strip()
+    if body.startswith(LLAMA3_PYTHON_TAG):
+        body = body[len(LLAMA3_PYTHON_TAG):].lstrip()
+    decoder, calls, at = json.JSONDecoder(), [], 0
+    while True:
+        try:
+            call, at = decoder.raw_decode(body, at)
+        except ValueError:
+            return text, []
+        if not (isinstance(call, dict) and isinstance(call.get("name"), str)
+                and isinstance(call.get("parameters", call.get("arguments")), dict)):
+            return text, []
+        calls.append(_call(call["name"], call.get("parameters", call.get("arguments"))))
+        rest = body[at:].lstrip()
+        if not rest:
+            return None, calls
+        if not rest.startswith(";"):
+            return text, []
+        at = len(body) - len(rest[1:].lstrip())

@@ -48,7 +48,7 @@ def test_bad_fields_name_the_field(body, param):
     with pytest.raises(structured.FieldError) as refused:
         structured.constraint(body, chat=True)
     assert refused.value.param == param
-    with pytest.raises(structured.FieldError, match="<tool_call>"):
+    with pytest.raises(structured.FieldError, match="<tool_call>.*Llama 3.1"):
         structured.check_auto(structured.ToolCalls("auto"), "{{ messages }}")
 
 
@@ -63,3 +63,24 @@ def test_tool_calls_read_back():
     assert content == "Let me look." and calls[0]["function"]["name"] == "get_weather"
     assert structured.tool_calls(structured.ToolCalls("auto"), "no calls") == ("no calls", [])
     assert structured.tool_calls(structured.ToolCalls("named", "f"), '{"cut": ') == ('{"cut": ', [])
+
+
+def test_llama3_json_tool_calls_read_back():
+    """tool_choice "auto" under a Llama 3.1-style template (its JSON instruction, `LLAMA3_JSON_MARK`): a reply that
+    is one {"name", "parameters"} object, or several joined by ";" after <|python_tag|>, is calls; prose, a cut
+    object, an object followed by prose, or a malformed call is the content with no calls."""
+    template = "{{- 'Respond in the format " + structured.LLAMA3_JSON_MARK + ".' }}{{ messages }}"
+    plan = structured.ToolCalls("auto")
+    structured.check_auto(plan, template)
+    assert plan.format == "llama3_json"
+    content, calls = structured.tool_calls(plan, ' {"name": "get_weather", "parameters": {"city": "Oslo"}}\n')
+    assert content is None and [c["function"] for c in calls] == [{"name": "get_weather",
+                                                                   "arguments": '{"city": "Oslo"}'}]
+    two = '<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"x": 1}}'
+    assert [json.loads(c["function"]["arguments"]) for c in structured.tool_calls(plan, two)[1]] == [{}, {"x": 1}]
+    for text in ("It is sunny in Oslo.", '{"name": "a", "parameters": {}} and then', '{"name": "a", "param',
+                 '{"name": 3, "parameters": {}}', '{"name": "a", "parameters": "city"}'):
+        assert structured.tool_calls(plan, text) == (text, []), text
+    hermes = structured.ToolCalls("auto")
+    structured.check_auto(hermes, "{% if tools %}<tool_call>{% endif %}")
+    assert hermes.format == "hermes"
