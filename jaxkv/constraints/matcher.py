@@ -83,11 +83,16 @@ def compiled(constraint: Constraint, lltok) -> object:
     return template.deep_copy()
 
 
+def threads() -> int:
+    """The threads that fill a batch's masks: half the CPUs, 1 to 8."""
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
 def executor():
-    """The llguidance thread pool that fills a batch's masks in parallel (half the CPUs, 1 to 8 threads)."""
+    """The llguidance thread pool that fills a batch's masks in parallel (`threads()`)."""
     global _executor
     if _executor is None:
-        _executor = llguidance().LLExecutor(num_threads=max(1, min(8, (os.cpu_count() or 2) // 2)))
+        _executor = llguidance().LLExecutor(num_threads=threads())
     return _executor
 
 
@@ -155,7 +160,14 @@ class Rows:
         import time
 
         start = time.perf_counter()
-        if rows:
+        if rows and threads() == 1:
+            # One thread: a plain loop. The pool's hand-off cost here what the fills did (8 rows of the bench's
+            # schema: 103-141 us pooled, 50-70 us in a loop; scripts/constrained_host_costs.py, 2 cores).
+            from llguidance.numpy import fill_next_token_bitmask
+
+            for b in rows:
+                fill_next_token_bitmask(self.matchers[b], self.mask, b)
+        elif rows:
             from llguidance.numpy import fill_next_token_bitmask_par
 
             fill_next_token_bitmask_par(executor(), [(self.matchers[b], b) for b in rows], self.mask)
