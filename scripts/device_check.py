@@ -211,6 +211,14 @@ def section_bandwidth(args) -> int:
               f"{r['pallas_us']:>10.1f} {r['pallas_gb_s']:>7.0f} {r['xla_us']:>9.1f} {r['xla_gb_s']:>7.0f}"
               f"{'  L2' if r['live_mb'] * 1e6 < 4 * L2_BYTES else ''}", flush=True)
 
+    def measure(layout, cache_dtype, B, live, live_bytes, kernel, xla, *args):
+        """Times the Pallas kernel and the XLA reference on the same arguments; one table row."""
+        tp, tx = (time_per_call(fn, *args, iters=iters) for fn in (kernel, xla))
+        r = dict(layout=layout, cache=cache_dtype, B=B, live=live, live_mb=live_bytes / 1e6, pallas_us=tp * 1e6,
+                 pallas_gb_s=live_bytes / tp / 1e9, xla_us=tx * 1e6, xla_gb_s=live_bytes / tx / 1e9)
+        rows.append(r)
+        show(r)
+
     for cache_dtype in ("bfloat16", "int8"):
         for B in batches:
             S = max(lives)
@@ -229,22 +237,15 @@ def section_bandwidth(args) -> int:
             kern = functools.partial(pallas.attention, scale=scale, interpret=args.interpret, platform=platform)
             for live in lives:
                 off = jnp.int32(live - 1)
-                live_bytes = 2 * B * K * live * slot_bytes
-                tp = time_per_call(lambda q, k, v, ks, vs: kern(q, k, v, start, off, k_scale=ks, v_scale=vs),
-                                   q, k, v, ks, vs, iters=iters)
-                tx = time_per_call(lambda q, k, v, ks, vs: reference.attention(q, k, v, start, off, scale=scale,
-                                                                               k_scale=ks, v_scale=vs),
-                                   q, k, v, ks, vs, iters=iters)
-                r = dict(layout="contiguous", cache=cache_dtype, B=B, live=live, live_mb=live_bytes / 1e6,
-                         pallas_us=tp * 1e6, pallas_gb_s=live_bytes / tp / 1e9, xla_us=tx * 1e6,
-                         xla_gb_s=live_bytes / tx / 1e9)
-                rows.append(r)
-                show(r)
+                measure("contiguous", cache_dtype, B, live, 2 * B * K * live * slot_bytes,
+                        lambda q, k, v, ks, vs: kern(q, k, v, start, off, k_scale=ks, v_scale=vs),
+                        lambda q, k, v, ks, vs: reference.attention(q, k, v, start, off, scale=scale, k_scale=ks,
+                                                                    v_scale=vs),
+                        q, k, v, ks, vs)
             # Paged: the same slots as pages of 16 in a shuffled pool; lengths traced, one table width.
             P, M = B * S // page, S // page
-            def to_pages(x):  # [B, K, S, ...] -> [P, K, page, ...] with a shuffled page order
-                x = x.reshape(B, K, M, page, *x.shape[3:]).swapaxes(1, 2).reshape(P, K, page, *x.shape[3:])
-                return x
+            def to_pages(x):  # [B, K, S, ...] -> [P, K, page, ...], row b's pages b * M .. b * M + M - 1
+                return x.reshape(B, K, M, page, *x.shape[3:]).swapaxes(1, 2).reshape(P, K, page, *x.shape[3:])
             perm = np.random.default_rng(B).permutation(P)
             kp, vp = to_pages(k)[perm], to_pages(v)[perm]
             ksp = None if ks is None else to_pages(ks)[perm]
@@ -255,18 +256,13 @@ def section_bandwidth(args) -> int:
             for live in lives:
                 lengths = jnp.full((B,), live, jnp.int32)
                 q_slots = (lengths - 1)[:, None]
-                live_bytes = 2 * B * K * live * slot_bytes
-                tp = time_per_call(lambda q, kp, vp, ks, vs: pallas.paged_attention(
-                    q, kp, vp, table, lengths, q_slots, scale=scale, k_scale=ks, v_scale=vs,
-                    interpret=args.interpret, platform=platform), q, kp, vp, ksp, vsp, iters=iters)
-                tx = time_per_call(lambda q, kp, vp, ks, vs: paged_reference.paged_attention(
-                    q, kp, vp, table, lengths, q_slots, scale=scale, k_scale=ks, v_scale=vs),
-                    q, kp, vp, ksp, vsp, iters=iters)
-                r = dict(layout="paged", cache=cache_dtype, B=B, live=live, live_mb=live_bytes / 1e6,
-                         pallas_us=tp * 1e6, pallas_gb_s=live_bytes / tp / 1e9, xla_us=tx * 1e6,
-                         xla_gb_s=live_bytes / tx / 1e9)
-                rows.append(r)
-                show(r)
+                measure("paged", cache_dtype, B, live, 2 * B * K * live * slot_bytes,
+                        lambda q, kp, vp, ks, vs: pallas.paged_attention(
+                            q, kp, vp, table, lengths, q_slots, scale=scale, k_scale=ks, v_scale=vs,
+                            interpret=args.interpret, platform=platform),
+                        lambda q, kp, vp, ks, vs: paged_reference.paged_attention(
+                            q, kp, vp, table, lengths, q_slots, scale=scale, k_scale=ks, v_scale=vs),
+                        q, kp, vp, ksp, vsp)
             del kp, vp, ksp, vsp
     record("bandwidth", {"rows": rows})
     return 0
