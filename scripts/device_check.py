@@ -57,6 +57,10 @@ SECTIONS = ("env", "copy", "tests", "bandwidth", "step", "engine", "prefill")
 LIMITS = {"env": 60, "copy": 40, "tests": 240, "bandwidth": 160, "prefill": 40, "step": 250, "engine": 150}
 KERNEL_TESTS = ["tests/attention/test_pallas.py", "tests/attention/test_paged_decode_kernel.py",
                 "tests/attention/test_mla_decode_kernel.py", "tests/attention/test_softcap.py"]
+# Filters, to spend a short device lease on the rows still owed (each section ignores those it has no use for).
+FILTERS = {"batches": "batch sizes (bandwidth, step)", "lives": "live lengths (bandwidth, step)",
+           "layouts": "layouts, contiguous / paged (bandwidth)", "caches": "cache dtypes, bfloat16 / int8 (bandwidth)",
+           "attention": "attention paths, pallas / xla (step, engine)"}
 L2_BYTES = 60e6  # the H200's L2 (KINDS.md)
 DATASHEET_BW = 4.8e12  # H200 HBM3e, the vendor's figure
 
@@ -194,8 +198,9 @@ def section_bandwidth(args) -> int:
     from jaxkv.cache.storage import quantize
 
     N, K, H = (8, 2, 64) if args.interpret else (32, 8, 128)
-    batches = (1, 2) if args.interpret else (1, 8, 64)
+    batches = pick(args.batches, (1, 2) if args.interpret else (1, 8, 64))
     lives = (64, 256) if args.interpret else (1024, 8192, 32768)
+    lives_shown = pick(args.lives, lives)
     page = 16
     iters = 1 if args.interpret else 20
     platform = pallas.default_platform()
@@ -213,13 +218,16 @@ def section_bandwidth(args) -> int:
 
     def measure(layout, cache_dtype, B, live, live_bytes, kernel, xla, *args):
         """Times the Pallas kernel and the XLA reference on the same arguments; one table row."""
+        if live not in lives_shown or layout not in layouts:
+            return
         tp, tx = (time_per_call(fn, *args, iters=iters) for fn in (kernel, xla))
         r = dict(layout=layout, cache=cache_dtype, B=B, live=live, live_mb=live_bytes / 1e6, pallas_us=tp * 1e6,
                  pallas_gb_s=live_bytes / tp / 1e9, xla_us=tx * 1e6, xla_gb_s=live_bytes / tx / 1e9)
         rows.append(r)
         show(r)
 
-    for cache_dtype in ("bfloat16", "int8"):
+    layouts = pick(args.layouts, ("contiguous", "paged"))
+    for cache_dtype in pick(args.caches, ("bfloat16", "int8")):
         for B in batches:
             S = max(lives)
             key = jax.random.PRNGKey(B)
@@ -363,8 +371,8 @@ def section_step(args) -> int:
     from jaxkv.sampling import Sampler
 
     config = llama3_8b(args.interpret)
-    batches = (1, 2) if args.interpret else (1, 8, 64)
-    lives = (64, 256) if args.interpret else (1024, 8192)
+    batches = pick(args.batches, (1, 2) if args.interpret else (1, 8, 64))
+    lives = pick(args.lives, (64, 256) if args.interpret else (1024, 8192))
     steps = 4 if args.interpret else 32
     capacity = max(lives) + steps + 1
     t0 = time.perf_counter()
@@ -377,7 +385,7 @@ def section_step(args) -> int:
     print(f"{'attention':>9} {'B':>3} {'live':>6} {'first s':>9} {'ms/step':>8} {'tokens/s':>9} {'GB/step':>8} "
           f"{'roofline':>8}")
     rows = []
-    for attention in ("pallas", "xla"):
+    for attention in pick(args.attention, ("pallas", "xla")):
         for B in batches:
             compile_s = None
             for live in lives:
@@ -425,7 +433,7 @@ def section_engine(args) -> int:
                 for _ in range(slots)]
     rows = []
     print(f"engine: {slots} slots, {slots} requests of {prompt_len} prompt + {new} new tokens")
-    for attention in ("pallas", "xla"):
+    for attention in pick(args.attention, ("pallas", "xla")):
         try:
             engine = jaxkv.Engine(model, slots=slots, max_len=prompt_len + new, prefill_chunk=512 if not
                                   args.interpret else 16, prefill_rows=8, attention=attention,
@@ -455,6 +463,18 @@ def section_engine(args) -> int:
     return 0
 
 
+def pick(chosen: str | None, default: tuple) -> tuple:
+    """The values of a filter flag (comma-separated) that are among the section's own, in its order; all of them
+    when the flag is unset. Values the section does not know are an error, not silently dropped."""
+    if not chosen:
+        return default
+    wanted = [type(default[0])(x.strip()) for x in chosen.split(",") if x.strip()]
+    unknown = [w for w in wanted if w not in default]
+    if unknown:
+        raise SystemExit(f"device_check: {unknown} not among {list(default)}")
+    return tuple(d for d in default if d in wanted)
+
+
 # --- driver -------------------------------------------------------------------------------------------------------
 
 
@@ -464,6 +484,9 @@ def run_section(name: str, args, budget_left: float) -> tuple[int, float]:
     cmd = [sys.executable, "-u", str(Path(__file__).resolve()), "--section", name]
     if args.interpret:
         cmd.append("--interpret")
+    for flag in FILTERS:
+        if getattr(args, flag):
+            cmd += [f"--{flag}", getattr(args, flag)]
     env = dict(os.environ, PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_MEM_FRACTION="0.92")
     print(f"\n===== {name} (limit {limit:.0f} s) =====", flush=True)
     t0 = time.perf_counter()
@@ -486,6 +509,8 @@ def main(argv=None) -> int:
                         help="run in the Pallas interpreter on any backend (tiny shapes; numbers meaningless)")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
     parser.add_argument("--budget", type=float, default=540.0, help="seconds for the whole run")
+    for flag, what in FILTERS.items():
+        parser.add_argument(f"--{flag}", help=f"only these {what} (comma-separated; default all)")
     parser.add_argument("--section", help=argparse.SUPPRESS)  # internal: run one section in this process
     args = parser.parse_args(argv)
 
