@@ -398,6 +398,9 @@ def section_step(args) -> int:
                     out = decode(params, *inputs, config=config, steps=steps + 1, attention=attention)
                     jax.block_until_ready(out)
                     return time.perf_counter() - t
+                # Said before the first call, so that a section killed at its limit shows what it was compiling (in
+                # session 20 the "xla" step at B = 1 gave no row in 190 s).
+                print(f"{attention:>9} {B:>3} {live:>6} first call (compile + run) ...", flush=True)
                 try:
                     first = once()
                     if compile_s is None:
