@@ -28,6 +28,11 @@ Sections (each a subprocess with its own time limit, so one that fails or hangs 
              of 32 tokens over a cache holding 1k or 8k random tokens, batch 1 / 8 / 64, `attention="pallas"` and
              `"xla"`: tokens/s and the fraction of the roofline (weights + live K/V bytes per step, over the copy
              bandwidth measured in the same process).
+  compile    seconds to lower and to compile the step section's decode loop (batch 1, 8,225 slots), pallas and
+             xla, for 1 / 4 / 32 layers of the same model: the weights are abstract (jax.ShapeDtypeStruct), so
+             nothing of the model is allocated and it runs on a CPU too (without --interpret: the "xla" path;
+             "pallas" there would be the interpreter). Added in session 20, when the "xla" step's first call on the
+             H200 outlasted 190 s where the "pallas" one took 10-13 s.
   engine     `jaxkv.Engine` at 64 slots on the same model: 64 requests of 960 prompt tokens and 128 new tokens,
              pallas and xla: decode tokens/s (generated tokens / the engine's decode seconds), after a warm-up run.
 
@@ -51,16 +56,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-SECTIONS = ("env", "copy", "tests", "bandwidth", "step", "engine", "prefill")
+SECTIONS = ("env", "copy", "tests", "bandwidth", "step", "engine", "prefill", "compile")
 # Seconds each section may take at most. The device tool lends 15 minutes a session and 10 a call: the first run
 # (session 19) needed two calls (env,copy,tests,bandwidth,prefill; then step,engine) and ran out in both.
-LIMITS = {"env": 60, "copy": 40, "tests": 240, "bandwidth": 160, "prefill": 40, "step": 250, "engine": 150}
+LIMITS = {"env": 60, "copy": 40, "tests": 240, "bandwidth": 160, "prefill": 40, "step": 250, "engine": 150,
+          "compile": 300}
 KERNEL_TESTS = ["tests/attention/test_pallas.py", "tests/attention/test_paged_decode_kernel.py",
                 "tests/attention/test_mla_decode_kernel.py", "tests/attention/test_softcap.py"]
 # Filters, to spend a short device lease on the rows still owed (each section ignores those it has no use for).
 FILTERS = {"batches": "batch sizes (bandwidth, step)", "lives": "live lengths (bandwidth, step)",
            "layouts": "layouts, contiguous / paged (bandwidth)", "caches": "cache dtypes, bfloat16 / int8 (bandwidth)",
-           "attention": "attention paths, pallas / xla (step, engine)"}
+           "attention": "attention paths, pallas / xla (step, engine, compile)",
+           "layers": "layer counts, 1 / 4 / 32 (compile)"}
 L2_BYTES = 60e6  # the H200's L2 (KINDS.md)
 DATASHEET_BW = 4.8e12  # H200 HBM3e, the vendor's figure
 
@@ -421,6 +428,40 @@ def section_step(args) -> int:
     return 0
 
 
+def section_compile(args) -> int:
+    import jax
+    import jax.numpy as jnp
+
+    from jaxkv.generate import decode
+    from jaxkv.model import param_shapes
+    from jaxkv.sampling import Sampler
+
+    capacity, live = (97, 64) if args.interpret else (8225, 1024)
+    attentions = pick(args.attention, ("pallas", "xla"))
+    if jax.default_backend() == "cpu" and not args.interpret and "pallas" in attentions:
+        raise SystemExit("compile: on a CPU the pallas path needs --interpret; pass --attention xla")
+    print(f"{'attention':>9} {'layers':>6} {'lower s':>8} {'compile s':>9} {'HLO MB':>7}")
+    rows = []
+    for attention in attentions:
+        for layers in pick(args.layers, (1, 4, 32)):
+            config = llama3_8b(args.interpret).replace(n_layers=layers)
+            cache = random_cache(config, 1, capacity, live, seed=0)
+            inputs = (cache, jnp.zeros((1, config.vocab_size), jnp.float32), jax.random.PRNGKey(0), Sampler.make(),
+                      jnp.full((8,), -1, jnp.int32))
+            jax.block_until_ready(inputs)
+            t0 = time.perf_counter()
+            lowered = decode.lower(param_shapes(config), *inputs, config=config, steps=33, attention=attention)
+            t1 = time.perf_counter()
+            lowered.compile()
+            t2 = time.perf_counter()
+            mb = len(lowered.as_text()) / 1e6
+            rows.append(dict(attention=attention, layers=layers, lower_s=t1 - t0, compile_s=t2 - t1, hlo_mb=mb))
+            print(f"{attention:>9} {layers:>6} {t1 - t0:>8.1f} {t2 - t1:>9.1f} {mb:>7.1f}", flush=True)
+            del cache, inputs
+    record("compile", {"backend": jax.default_backend(), "capacity": capacity, "rows": rows})
+    return 0
+
+
 def section_engine(args) -> int:
     import jax
     import numpy as np
@@ -491,6 +532,8 @@ def run_section(name: str, args, budget_left: float) -> tuple[int, float]:
         if getattr(args, flag):
             cmd += [f"--{flag}", getattr(args, flag)]
     env = dict(os.environ, PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_MEM_FRACTION="0.92")
+    if name == "compile":  # cold compiles: jaxkv's persistent cache would turn a repeat run into disk reads
+        env["JAXKV_COMPILE_CACHE"] = "0"
     print(f"\n===== {name} (limit {limit:.0f} s) =====", flush=True)
     t0 = time.perf_counter()
     # A session of its own, so that a timeout kills the whole group: in the first run pytest's workers outlived
@@ -519,7 +562,7 @@ def main(argv=None) -> int:
 
     if args.section:
         import jax
-        if jax.default_backend() not in ("gpu", "tpu") and not args.interpret:
+        if jax.default_backend() not in ("gpu", "tpu") and not args.interpret and args.section != "compile":
             print(f"device_check needs a GPU or TPU (backend {jax.default_backend()!r}); --interpret runs the "
                   "Pallas interpreter instead", file=sys.stderr)
             return 2
