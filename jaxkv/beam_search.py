@@ -296,6 +296,7 @@ def beam_search(model: Model, prompts, *, num_beams: int, max_new_tokens: int, l
         positions, num_pages).
     """
     config = model.config
+    request.refuse_hybrid(config, "beam_search")
     num_beams = checks.check_int("num_beams", num_beams, 1)
     num_return_sequences = checks.check_int("num_return_sequences", num_return_sequences, 1)
     if num_return_sequences > num_beams:

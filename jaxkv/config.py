@@ -16,8 +16,8 @@ from jaxkv.rope_scaling import LinearScaling, ProportionalRope, RopeScaling, Yar
 FfnKind = Literal["swiglu", "geglu", "gelu"]
 NormKind = Literal["rmsnorm", "gemma_rmsnorm", "rmsnorm_f32", "layernorm"]
 NORM_KINDS = ("rmsnorm", "gemma_rmsnorm", "rmsnorm_f32", "layernorm")
-LayerType = Literal["full_attention", "sliding_attention"]
-LAYER_TYPES = ("full_attention", "sliding_attention")
+LayerType = Literal["full_attention", "sliding_attention", "linear_attention"]
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 PositionKind = Literal["rope", "learned"]
 MoeScoring = Literal["softmax", "sigmoid"]
 MoeTopkMethod = Literal["greedy", "group_limited_greedy", "noaux_tc"]
@@ -71,6 +71,56 @@ class Mla:
 
 
 @dataclasses.dataclass(frozen=True)
+class LinearAttention:
+    """Gated DeltaNet token mixing (Qwen3-Next, Qwen3.5: `jaxkv.layers.gated_delta`), the "linear_attention"
+    layers of `Config.layer_types`. Such a layer caches no keys or values: per sequence it carries a fixed-size
+    state, the last conv_kernel - 1 inputs of its causal conv ([C, W - 1] in the model dtype) and the delta-rule
+    state (float32 [Hv, Dk, Dv]), whatever the length. Letters as in `jaxkv.shapes`.
+
+    Attributes:
+      key_heads: Hk, query/key heads (HF `linear_num_key_heads`).
+      value_heads: Hv, value heads, a multiple of Hk (each key head serves Hv // Hk value heads).
+      key_head_dim: Dk. value_head_dim: Dv.
+      conv_kernel: W, the causal depthwise conv's width over the q/k/v channels (HF `linear_conv_kernel_dim`).
+      chunk: the chunk length of the prefill's parallel form (`jaxkv.layers.delta_rule.chunked`).
+    """
+
+    key_heads: int
+    value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int = 4
+    chunk: int = 64
+
+    def __post_init__(self):
+        for name in ("key_heads", "value_heads", "key_head_dim", "value_head_dim", "conv_kernel", "chunk"):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                   f"linear_attention.{name} must be a positive integer, got {value!r}")
+        _check(self.conv_kernel >= 2, f"linear_attention.conv_kernel must be >= 2, got {self.conv_kernel}")
+        _check(self.value_heads % self.key_heads == 0,
+               f"linear_attention.value_heads ({self.value_heads}) must be a multiple of key_heads "
+               f"({self.key_heads})")
+
+    @property
+    def conv_dim(self) -> int:
+        """C, the conv's channels: queries, keys and values side by side (2 Hk Dk + Hv Dv)."""
+        return 2 * self.key_heads * self.key_head_dim + self.value_heads * self.value_head_dim
+
+    def state_bytes(self, dtype: str) -> int:
+        """One layer's state per sequence: the conv window in `dtype` (the model's) and the float32 delta-rule
+        state."""
+        conv = self.conv_dim * (self.conv_kernel - 1) * (4 if dtype == "float32" else 2)
+        return conv + 4 * self.value_heads * self.key_head_dim * self.value_head_dim
+
+    def param_count(self, d_model: int) -> int:
+        """One layer: the q/k/v, z, b and a projections, the conv, A_log and dt_bias, the gated norm, out."""
+        D, Hv, Dv = d_model, self.value_heads, self.value_head_dim
+        return (D * self.conv_dim + D * Hv * Dv + 2 * D * Hv + self.conv_dim * self.conv_kernel + 2 * Hv
+                + Dv + Hv * Dv * D)
+
+
+@dataclasses.dataclass(frozen=True)
 class MoeConfig:
     """A mixture of experts (DeepSeek-V2 / V3, Qwen3-MoE, Mixtral; `jaxkv.layers.moe`); letters as in `jaxkv.shapes`.
 
@@ -97,6 +147,10 @@ class MoeConfig:
     experts_per_token: int
     moe_ffn_dim: int
     n_shared_experts: int = 0
+    # Qwen3-Next / Qwen3.5: one shared expert of its own width (HF shared_expert_intermediate_size; overrides
+    # n_shared_experts * moe_ffn_dim), its output times sigmoid(w . x) when shared_expert_gate.
+    shared_expert_ffn_dim: int | None = None
+    shared_expert_gate: bool = False
     first_dense_layers: int = 0
     dense_layers: tuple[int, ...] = ()
     scoring: MoeScoring = "softmax"
@@ -111,6 +165,11 @@ class MoeConfig:
             value = getattr(self, name)
             _check(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
                    f"moe.{name} must be an integer >= 1, got {value!r}")
+        _check(self.shared_expert_ffn_dim is None or (isinstance(self.shared_expert_ffn_dim, int) and not isinstance(
+            self.shared_expert_ffn_dim, bool) and self.shared_expert_ffn_dim >= 1),
+               f"moe.shared_expert_ffn_dim must be None or a positive integer, got {self.shared_expert_ffn_dim!r}")
+        _check(isinstance(self.shared_expert_gate, bool) and (not self.shared_expert_gate or self.shared_ffn_dim),
+               "moe.shared_expert_gate needs a shared expert (shared_expert_ffn_dim or n_shared_experts)")
         for name in ("n_shared_experts", "first_dense_layers"):
             value = getattr(self, name)
             _check(isinstance(value, int) and not isinstance(value, bool) and value >= 0,
@@ -149,6 +208,8 @@ class MoeConfig:
     @property
     def shared_ffn_dim(self) -> int:
         """J, the shared experts' hidden width."""
+        if self.shared_expert_ffn_dim is not None:
+            return self.shared_expert_ffn_dim
         return self.n_shared_experts * self.moe_ffn_dim
 
     def is_moe_layer(self, layer: int) -> bool:
@@ -158,7 +219,8 @@ class MoeConfig:
         """One MoE layer's parameters: router (+ correction bias), X experts and the shared experts."""
         X, D = self.n_routed_experts, d_model
         router = X * D + (X if self.topk_method == "noaux_tc" else 0)
-        return router + 3 * D * self.moe_ffn_dim * X + 3 * D * self.shared_ffn_dim
+        return (router + 3 * D * self.moe_ffn_dim * X + 3 * D * self.shared_ffn_dim
+                + (D if self.shared_expert_gate else 0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,9 +249,10 @@ class Config:
       max_positions: the largest position id + 1 the model supports.
       sliding_window: if set, a token attends only to the `sliding_window` most recent tokens, itself included:
         on every layer, or with `layer_types` on the "sliding_attention" layers only.
-      layer_types: per layer "full_attention" or "sliding_attention" (Hugging Face's `layer_types`), or None
-        (every layer sliding when sliding_window is set, else full). Each layer's cache is sized by its kind
-        (`layer_window`): a ring of the window for a sliding layer, full length for a full one.
+      layer_types: per layer "full_attention", "sliding_attention" or (with `linear_attention`)
+        "linear_attention" (Hugging Face's `layer_types`), or None (every layer sliding when sliding_window is
+        set, else full). Each layer's cache is sized by its kind (`layer_window`): a ring of the window for a
+        sliding layer, full length for a full one, and no K/V but a fixed-size state for a linear one.
       rope_local_theta: the rotary base of the sliding layers (Gemma 3's rope_local_base_freq), which then take
         no rope_scaling; None: every layer uses rope_theta and rope_scaling.
       embed_scale: the token embeddings are multiplied by this (Gemma: sqrt(d_model), rounded to the dtype).
@@ -222,6 +285,12 @@ class Config:
       mla: multi-head latent attention (`Mla`) instead of grouped-query attention. The cache then holds one row of
         R + E per token (MQA with one KV head of that width, keys only): n_kv_heads is 1 and head_dim is R + E,
         the cache's geometry (filled in when omitted); the attention's own widths are the `Mla` fields.
+      linear_attention: the Gated DeltaNet geometry of the "linear_attention" layers (`LinearAttention`); a
+        hybrid model (Qwen3-Next, Qwen3.5) mixes them with full-attention layers.
+      attn_output_gate: the attention's output is multiplied by sigmoid of a second query-sized projection
+        before wo (Qwen3-Next's gated attention; the gate's weight is wq_gate [N, H, D]).
+      rotary_dim: only the first rotary_dim of each query/key head are rotated (halves convention within them),
+        the rest pass through (HF partial_rotary_factor * head_dim); None: the whole head.
       moe: a mixture of experts (`MoeConfig`) in place of the dense MLP from layer moe.first_dense_layers on,
         except moe.dense_layers (the dense layers keep ffn_dim; `MoeConfig.is_moe_layer`).
       dtype: parameter and activation dtype; softmax, norms and logits are computed in float32 whatever it is.
@@ -266,6 +335,9 @@ class Config:
     eos_ids: tuple[int, ...] = ()
     mla: Mla | None = None
     moe: MoeConfig | None = None
+    linear_attention: LinearAttention | None = None
+    attn_output_gate: bool = False
+    rotary_dim: int | None = None
     dtype: str = "float32"
     attention: str = "auto"
 
@@ -351,7 +423,34 @@ class Config:
             _check(self.sliding_window is not None or "sliding_attention" not in self.layer_types,
                    "layer_types has sliding_attention layers but sliding_window is None")
             _check(self.mla is None, "layer_types is not supported with mla")
+        self._validate_hybrid()
         self._validate_gemma()
+
+    def _validate_hybrid(self):
+        """Linear-attention layers, the gated attention output and partial rotation (Qwen3-Next, Qwen3.5)."""
+        la = self.linear_attention
+        _check(la is None or isinstance(la, LinearAttention),
+               f"linear_attention must be a LinearAttention or None, got {type(la).__name__}")
+        linear = self.layer_types is not None and "linear_attention" in self.layer_types
+        _check(linear == (la is not None), "layer_types has linear_attention layers but linear_attention is None"
+               if linear else "linear_attention is set but no layer_types entry is 'linear_attention'")
+        if linear:
+            _check(self.positions == "rope" and self.kv_shared_layers == 0 and self.global_head_dim is None
+                   and self.global_kv_heads is None,
+                   "linear_attention layers need rotary positions and no kv_shared_layers, global_head_dim or "
+                   "global_kv_heads")
+            _check(any(t != "linear_attention" for t in self.layer_types),
+                   "a model of linear_attention layers only is not supported (its cache would hold no K/V to "
+                   "bound the sequence)")
+        _check(isinstance(self.attn_output_gate, bool), f"attn_output_gate must be a bool, got "
+                                                        f"{self.attn_output_gate!r}")
+        _check(not (self.attn_output_gate and self.mla is not None), "attn_output_gate is not supported with mla")
+        if self.rotary_dim is not None:
+            _check(isinstance(self.rotary_dim, int) and not isinstance(self.rotary_dim, bool)
+                   and 2 <= self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0
+                   and self.mla is None and self.positions == "rope" and self.global_head_dim is None,
+                   f"rotary_dim must be an even integer in [2, head_dim = {self.head_dim}] (rotary positions, no "
+                   f"mla or global_head_dim), got {self.rotary_dim!r}")
 
     def _validate_gemma(self):
         """Gemma's scalars and norms, the per-layer fields, eos ids, dtype and attention name."""
@@ -407,6 +506,25 @@ class Config:
 
     # Per-layer attention -------------------------------------------------------------------------------------
 
+    def layer_is_linear(self, layer: int) -> bool:
+        """`layer` is a Gated DeltaNet ("linear_attention") layer: a state, no K/V (`linear_attention`)."""
+        return self.layer_types is not None and self.layer_types[layer] == "linear_attention"
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        return tuple(layer for layer in range(self.n_layers) if self.layer_is_linear(layer))
+
+    def caches_kv(self, layer: int) -> bool:
+        """`layer` has K/V buffers of its own in a cache: it stores K/V (`stores_kv`) and is not linear."""
+        return self.stores_kv(layer) and not self.layer_is_linear(layer)
+
+    def state_bytes_per_sequence(self) -> int:
+        """Bytes of the linear layers' state per sequence (conv windows and delta-rule states): fixed, whatever
+        the length; 0 without linear layers."""
+        if self.linear_attention is None:
+            return 0
+        return len(self.linear_layers) * self.linear_attention.state_bytes(self.dtype)
+
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of `layer` (None: it sees the whole context)."""
         if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
@@ -454,7 +572,8 @@ class Config:
     @property
     def uniform_kv(self) -> bool:
         """Every layer caches K/V of one geometry (n_kv_heads x head_dim): no per-layer heads, no sharing."""
-        return self.global_head_dim is None and self.global_kv_heads is None and self.kv_shared_layers == 0
+        return (self.global_head_dim is None and self.global_kv_heads is None and self.kv_shared_layers == 0
+                and self.linear_attention is None)
 
     def layer_ffn_dim(self, layer: int) -> int:
         """F of `layer`: kv_shared_ffn_dim on a K/V-sharing layer when set, else ffn_dim."""
@@ -482,7 +601,7 @@ class Config:
             bytes_per_element = 4 if self.dtype == "float32" else 2
         kinds = 1 if self.mla is not None else 2
         return kinds * bytes_per_element * sum(self.layer_kv_heads(layer) * self.layer_head_dim(layer)
-                                               for layer in range(self.n_layers) if self.stores_kv(layer))
+                                               for layer in range(self.n_layers) if self.caches_kv(layer))
 
     @property
     def attention_scale(self) -> float:
@@ -533,10 +652,12 @@ class Config:
     def _layer_attention_params(self, layer: int) -> int:
         if self.mla is not None:
             return self._mla_attention_params()
+        if self.layer_is_linear(layer):
+            return self.linear_attention.param_count(self.d_model)
         D, N = self.d_model, self.n_heads
         H, K = self.layer_head_dim(layer), self.layer_kv_heads(layer)
         kv = 0 if not self.stores_kv(layer) else 1 if self.layer_values_from_keys(layer) else 2
-        attn = D * N * H + kv * D * K * H + N * H * D
+        attn = (2 if self.attn_output_gate else 1) * D * N * H + kv * D * K * H + N * H * D
         if self.qkv_bias:
             attn += N * H + kv * K * H
         if self.out_bias:

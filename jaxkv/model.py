@@ -26,6 +26,7 @@ from jaxkv import compile_cache
 from jaxkv.cache.contiguous import KVCache
 from jaxkv.config import Config
 from jaxkv.layers import moe as moe_lib
+from jaxkv.layers.gated_delta import GatedDeltaNet
 from jaxkv.layers.gqa import Attention
 from jaxkv.layers.linear import ALL_OUT_IN_ORDER, fan_in_init, in_out_names, linear
 from jaxkv.layers.mla import MlaAttention
@@ -45,12 +46,17 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, x, rope, cache, start, prefill, attention: str, shared=None, layer_input=None,
-                 chunk: bool = False):
+                 chunk: bool = False, real=None):
         """-> (x, cache, this layer's fresh K/V or None); `shared`: the fresh K/V of the layer this one reads
         (`Config.kv_source`); `layer_input` [B, T, P]: its per-layer input (`Config.per_layer_input_dim`);
-        `chunk`: a prompt chunk over a paged cache (`Decoder`)."""
+        `chunk`: a prompt chunk over a paged cache (`Decoder`); `real` bool[B, T]: the tokens that are not
+        padding (what a linear-attention layer's state may take)."""
         cfg = self.config
-        if cfg.mla is not None:
+        if cfg.layer_is_linear(self.layer):  # Gated DeltaNet: a state in the cache, no K/V
+            attn = GatedDeltaNet(cfg, self.layer, name="linear_attn")
+            h, cache = attn(Norm(cfg, name="attn_norm")(x), cache, real)
+            fresh = None
+        elif cfg.mla is not None:
             attn = MlaAttention(cfg, self.layer, self.mesh, name="attn")
             h, cache = attn(Norm(cfg, name="attn_norm")(x), rope, cache, start, prefill, attention, chunk)
             fresh = None
@@ -125,6 +131,9 @@ class Decoder(nn.Module):
         cfg = self.config
         T = tokens.shape[1]
         attention = attention or cfg.attention
+        if cfg.linear_attention is not None and isinstance(cache, PagedKVCache):
+            raise ValueError("a hybrid model (linear_attention layers) runs on a contiguous KVCache: its states in a "
+                             "paged cache are not built yet")
         if chunk and (prefill or not isinstance(cache, PagedKVCache)):
             raise ValueError("chunk=True continues a PagedKVCache's rows with a prompt chunk: not with prefill=True "
                              "or another cache")
@@ -155,7 +164,7 @@ class Decoder(nn.Module):
             layer_input = None if layer_inputs is None else layer_inputs[:, :, layer]
             x, cache, kv = Block(cfg, layer, self.mesh, name=f"layer_{layer}")(
                 x, layer_rope, cache, start, prefill, attention, fresh.get(cfg.kv_source(layer)), layer_input,
-                chunk)
+                chunk, real)
             if layer in sources and kv is not None:
                 fresh[layer] = kv
         if cache is not None:
@@ -283,7 +292,7 @@ def init_params(config: Config, seed: int = 0) -> dict:
 
     def draw(path, leaf):
         name = path[-1].key
-        if name == "layer_scalar":
+        if name in ("layer_scalar", "gate_norm"):
             return np.ones(leaf.shape, leaf.dtype)
         if name == "scale":  # a Gemma norm multiplies by (1 + scale)
             return np.full(leaf.shape, 0 if config.norm_kind == "gemma_rmsnorm" else 1, leaf.dtype)

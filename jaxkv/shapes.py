@@ -22,7 +22,10 @@ Shape letters (docstrings, einsums and shape comments use these and nothing else
   X  routed experts
   A  experts chosen per token (`experts_per_token`)
   I  one routed expert's hidden width (`moe_ffn_dim`)
-  J  the shared experts' hidden width, n_shared_experts * I
+  J  the shared experts' hidden width, n_shared_experts * I (or the config's shared_expert_ffn_dim)
+  Hk, Hv  a linear-attention (Gated DeltaNet) layer's key heads and value heads; Dk, Dv their head dims
+  U  that layer's conv channels, 2 Hk Dk + Hv Dv (queries, keys and values side by side)
+  Y  that layer's conv kernel width; its conv state holds the last Y - 1 inputs
 
 Logical axis names name the same axes for sharding rules: a rule maps a logical name to a mesh axis, so sharding
 over batch and KV heads never needs to know where those axes sit in a particular array.

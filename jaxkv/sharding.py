@@ -79,9 +79,9 @@ RULES = {shapes.BATCH: DATA, HEADS: MODEL, shapes.KV_HEADS: MODEL, FFN: MODEL}
 # config stores: `jaxkv.model.in_out_names`). Names not listed are replicated: embeddings, lm_head, norms, and the
 # wo / w_down biases (added after the all-reduce, on every device).
 _PARAM_AXES = {
-    "wq": (HEADS, shapes.HEAD_DIM, EMBED), "wk": (shapes.KV_HEADS, shapes.HEAD_DIM, EMBED),
+    "wq": (HEADS, shapes.HEAD_DIM, EMBED), "wq_gate": (HEADS, shapes.HEAD_DIM, EMBED), "wk": (shapes.KV_HEADS, shapes.HEAD_DIM, EMBED),
     "wv": (shapes.KV_HEADS, shapes.HEAD_DIM, EMBED),
-    "wq_bias": (HEADS, shapes.HEAD_DIM), "wk_bias": (shapes.KV_HEADS, shapes.HEAD_DIM),
+    "wq_bias": (HEADS, shapes.HEAD_DIM), "wq_gate_bias": (HEADS, shapes.HEAD_DIM), "wk_bias": (shapes.KV_HEADS, shapes.HEAD_DIM),
     "wv_bias": (shapes.KV_HEADS, shapes.HEAD_DIM),
     "wo": (EMBED, HEADS, shapes.HEAD_DIM),
     "w_gate": (FFN, EMBED), "w_up": (FFN, EMBED), "w_fc": (FFN, EMBED),

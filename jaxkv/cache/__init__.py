@@ -25,14 +25,15 @@ _EXPORTS = {
     **dict.fromkeys(["BYTES_PER_ELEMENT", "CACHE_DTYPES", "QUANTIZED", "SCALE_BYTES", "check_cache_dtype"],
                     "dtypes"),
     **dict.fromkeys(["CacheGeometry", "cache_slots", "layer_cache_slots", "layer_slots"], "geometry"),
-    **dict.fromkeys(["quantize", "zeroed_buffers"], "storage"),
+    **dict.fromkeys(["quantize", "zeroed_buffers", "zeroed_states"], "storage"),
     "KVCache": "contiguous",
     **dict.fromkeys(["NO_PAGE", "PagedKVCache", "fork", "release"], "paged"),
     "PrefixCache": "prefix",
     **dict.fromkeys(["CachePlan", "DEFAULT_PAGE_SIZE", "GIB", "MIN_CAPACITY", "MIN_PROMPT_BUCKET", "PagePlan",
                      "allocated_bytes", "expanded_kv_bytes_per_token", "full_length_cache_bytes", "kv_bytes_per_token",
                      "kv_cache_bytes", "page_bytes", "pages_for", "plan_cache", "plan_pages", "pool_bytes",
-                     "sequences_that_fit", "shared_cache_bytes", "weight_bytes"], "planner"),
+                     "sequences_that_fit", "shared_cache_bytes", "state_bytes_per_sequence", "weight_bytes"],
+                    "planner"),
 }
 
 __all__ = sorted(_EXPORTS)

@@ -41,6 +41,13 @@ layers' S (what bounds the sequence), and `ring` is true only when every layer i
 Gemma 4's layers also differ in KV heads and head dim (`Config.layer_kv_heads`, `layer_head_dim`), and its last
 `kv_shared_layers` layers store nothing: each reads its source layer's buffer (`Config.kv_source`), so its own
 entry is an empty [B, K, 0, H] placeholder of zero bytes, which keeps the per-layer tuples indexed by layer.
+
+State (hybrid models: Qwen3-Next, Qwen3.5, `Config.linear_attention`). A "linear_attention" layer caches no K/V
+(an empty placeholder, as above) but a fixed-size state per sequence: `conv_states[l]` [B, U, Y - 1] (the last
+inputs of its causal conv, model dtype) and `recurrent_states[l]` float32 [B, Hv, Dk, Dv] (the delta-rule state);
+the other layers' entries are empty ([B, 0, 0] and [B, 0, 0, 0]), and a model without linear layers has none at
+all. The state is the sequence's summary up to `length`: unlike a K/V slot it cannot be rewound, so whatever
+would rewind `length` (a speculative verify's rejected tokens) must restore it (`jaxkv.layers.gated_delta`).
 """
 
 from __future__ import annotations
@@ -54,12 +61,13 @@ from jax import lax
 
 from jaxkv.attention.reference import live_mask
 from jaxkv.cache.geometry import layer_slots
-from jaxkv.cache.storage import quantize, zeroed_buffers
+from jaxkv.cache.storage import quantize, zeroed_buffers, zeroed_states
 from jaxkv.config import Config
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["keys", "values", "start", "length", "key_scales", "value_scales"],
+                   data_fields=["keys", "values", "start", "length", "key_scales", "value_scales", "conv_states",
+                                "recurrent_states"],
                    meta_fields=["rings", "ring_lookahead"])
 @dataclasses.dataclass(frozen=True)
 class KVCache:
@@ -69,6 +77,8 @@ class KVCache:
     length: jax.Array  # int32[]
     key_scales: tuple[jax.Array, ...] = ()  # L x float32[B, K, S] for int8/fp8 caches, else empty
     value_scales: tuple[jax.Array, ...] = ()
+    conv_states: tuple[jax.Array, ...] = ()  # hybrid models: L x [B, U, Y - 1] (empty on non-linear layers)
+    recurrent_states: tuple[jax.Array, ...] = ()  # hybrid models: L x float32[B, Hv, Dk, Dv] (likewise)
     # static, per layer: that layer's S slots are a ring of the most recent S (module docstring). A bool is
     # taken for every layer.
     rings: tuple[bool, ...] | bool = False
@@ -96,8 +106,10 @@ class KVCache:
             config, [(batch, config.layer_kv_heads(layer), S, config.layer_head_dim(layer))
                      for layer, (S, _) in enumerate(slots)], dtype)
         start = jnp.zeros((batch,), jnp.int32) if start is None else jnp.asarray(start, jnp.int32)
+        conv_states, recurrent_states = zeroed_states(config, batch)
         return cls(keys=keys, values=values, start=start, length=jnp.zeros((), jnp.int32),
-                   key_scales=key_scales, value_scales=value_scales, rings=tuple(r for _, r in slots),
+                   key_scales=key_scales, value_scales=value_scales, conv_states=conv_states,
+                   recurrent_states=recurrent_states, rings=tuple(r for _, r in slots),
                    ring_lookahead=lookahead if ring else 0)
 
     @property
@@ -121,6 +133,23 @@ class KVCache:
     def quantized(self) -> bool:
         return bool(self.key_scales)
 
+    @property
+    def has_state(self) -> bool:
+        """The cache holds linear layers' states (a hybrid model)."""
+        return bool(self.recurrent_states)
+
+    def state(self, layer: int):
+        """(conv state [B, U, Y - 1], delta-rule state float32 [B, Hv, Dk, Dv]) of linear layer `layer`."""
+        return self.conv_states[layer], self.recurrent_states[layer]
+
+    def with_state(self, layer: int, conv, recurrent) -> "KVCache":
+        """The cache with linear layer `layer`'s states replaced (cast to the buffers' dtypes)."""
+        conv = conv.astype(self.conv_states[layer].dtype)
+        recurrent = recurrent.astype(self.recurrent_states[layer].dtype)
+        return dataclasses.replace(
+            self, conv_states=self.conv_states[:layer] + (conv,) + self.conv_states[layer + 1:],
+            recurrent_states=self.recurrent_states[:layer] + (recurrent,) + self.recurrent_states[layer + 1:])
+
     def scales(self, layer: int):
         """(key scales, value scales) of `layer`, or (None, None) for an unquantized cache (value scales None for
         a keys-only MLA cache)."""
@@ -140,9 +169,11 @@ class KVCache:
         return max(plain) if plain else max(k.shape[2] for k in self.keys)
 
     def nbytes(self) -> int:
-        """Bytes of keys, values and (quantized caches) their scales: what `jaxkv.kv_cache_bytes` predicts."""
+        """Bytes of keys, values, (quantized caches) their scales and (hybrid models) the linear layers' states:
+        what `jaxkv.kv_cache_bytes` predicts."""
         return sum(a.size * a.dtype.itemsize
-                   for a in (*self.keys, *self.values, *self.key_scales, *self.value_scales))
+                   for a in (*self.keys, *self.values, *self.key_scales, *self.value_scales, *self.conv_states,
+                             *self.recurrent_states))
 
     def write(self, layer: int, k: jax.Array, v: jax.Array | None, *, zero_dead_values: bool = False) -> "KVCache":
         """Returns the cache with k, v ([B, K, T, H]) written to slots [length, length + T) of `layer`

@@ -36,6 +36,9 @@ class CacheGeometry:
     # Per-layer (KV heads, head dim), None entries for layers that cache nothing (they share another layer's K/V:
     # Gemma 4, `Config.kv_source`); None: every layer has (n_kv_heads, head_dim).
     layer_shapes: tuple[tuple[int, int] | None, ...] | None = None
+    # Bytes per sequence of a hybrid model's linear-attention states (`Config.state_bytes_per_sequence`): fixed,
+    # whatever the length; those layers' `layer_shapes` entries are None (no K/V).
+    state_bytes: int = 0
 
     @property
     def kinds(self) -> int:
@@ -81,11 +84,12 @@ class CacheGeometry:
         if not isinstance(config, Config):
             raise TypeError(f"expected a jaxkv.Config or CacheGeometry, got {type(config).__name__}")
         shapes = None if config.uniform_kv else tuple(
-            (config.layer_kv_heads(layer), config.layer_head_dim(layer)) if config.stores_kv(layer) else None
+            (config.layer_kv_heads(layer), config.layer_head_dim(layer)) if config.caches_kv(layer) else None
             for layer in range(config.n_layers))
         return cls(config.n_layers, config.n_kv_heads, config.head_dim, config.dtype, config.sliding_window,
                    keys_only=config.mla is not None,
-                   layer_windows=None if config.layer_types is None else config.layer_windows, layer_shapes=shapes)
+                   layer_windows=None if config.layer_types is None else config.layer_windows, layer_shapes=shapes,
+                   state_bytes=config.state_bytes_per_sequence())
 
 
 def positive_int(name: str, value) -> int:
@@ -108,7 +112,8 @@ def layer_slots(config: Config, max_len: int, ring: bool, lookahead: int = 0) ->
     else:
         slots = [(min(w + lookahead, max_len), True) if w is not None else (max_len, False)
                  for w in config.layer_windows]
-    return tuple(slots[layer] if config.stores_kv(layer) else (0, slots[config.kv_source(layer)][1])
+    return tuple((0, False) if config.layer_is_linear(layer)  # a state, no K/V (`KVCache.conv_states`)
+                 else slots[layer] if config.stores_kv(layer) else (0, slots[config.kv_source(layer)][1])
                  for layer in range(config.n_layers))
 
 

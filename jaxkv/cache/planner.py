@@ -112,7 +112,9 @@ def kv_cache_bytes(config: Config | CacheGeometry, *, tokens: int | None = None,
         (`jaxkv.PagedKVCache.nbytes`). Prefix sharing: `shared_cache_bytes`.
 
     Returns:
-      batch x slots x bytes per token, slots = min(tokens, sliding window); or pages x page bytes.
+      batch x slots x bytes per token, slots = min(tokens, sliding window); or pages x page bytes. A hybrid
+      model's (`Config.linear_attention`) linear layers add their fixed state, batch x
+      `state_bytes_per_sequence`, to a contiguous cache's bytes.
 
     Raises:
       ValueError: tokens or batch not a positive integer, or an unknown cache_dtype.
@@ -128,8 +130,15 @@ def kv_cache_bytes(config: Config | CacheGeometry, *, tokens: int | None = None,
         pages = -(-positive_int("tokens", tokens) // positive_int("page_size", page_size))
         return batch * pages * page_bytes(config, page_size, cache_dtype)
     geometry = CacheGeometry.of(config)
-    return batch * sum(slots * per_slot for slots, per_slot in zip(layer_cache_slots(geometry, tokens),
-                                                                  _layer_bytes_per_slot(geometry, cache_dtype)))
+    kv = sum(slots * per_slot for slots, per_slot in zip(layer_cache_slots(geometry, tokens),
+                                                         _layer_bytes_per_slot(geometry, cache_dtype)))
+    return batch * (kv + geometry.state_bytes)
+
+
+def state_bytes_per_sequence(config: Config | CacheGeometry) -> int:
+    """Bytes of a hybrid model's linear-layer state per sequence (conv windows in the model dtype, float32
+    delta-rule states; never quantized), whatever the length: 0 for a model without linear layers."""
+    return CacheGeometry.of(config).state_bytes
 
 
 def full_length_cache_bytes(config: Config | CacheGeometry, *, tokens: int, batch: int = 1,

@@ -76,6 +76,9 @@ class PrefixCache:
         if not isinstance(getattr(model, "config", None), Config) or not hasattr(model, "params"):
             raise ValueError(f"model must be a jaxkv.Model, got {type(model).__name__}")
         self.config, self._params = model.config, model.params
+        if self.config.linear_attention is not None:
+            raise ValueError("a PrefixCache for a hybrid model (linear_attention layers, e.g. Qwen3-Next) is not "
+                             "supported yet: its prefixes would need the layers' states too")
         self.page_size = checks.check_int("page_size", page_size, 1)
         if num_pages is None:
             num_pages = 4 * -(-model.config.max_positions // self.page_size)

@@ -36,6 +36,21 @@ def zeroed_buffers(config: Config, shape, dtype=None):
             buffers(jnp.float32, 3) if scales and values else ())
 
 
+def zeroed_states(config: Config, batch: int):
+    """(conv states, recurrent states): per layer the zeroed state of a linear-attention layer (conv [B, U, Y - 1]
+    in the model dtype, delta rule float32 [B, Hv, Dk, Dv]) or an empty placeholder on the other layers; two empty
+    tuples for a model without linear layers. Independent of the cache dtype: states are never quantized."""
+    la = config.linear_attention
+    if la is None:
+        return (), ()
+    conv = tuple(jnp.zeros((batch, la.conv_dim, la.conv_kernel - 1) if config.layer_is_linear(layer)
+                           else (batch, 0, 0), config.dtype) for layer in range(config.n_layers))
+    recurrent = tuple(jnp.zeros((batch, la.value_heads, la.key_head_dim, la.value_head_dim)
+                                if config.layer_is_linear(layer) else (batch, 0, 0, 0), jnp.float32)
+                      for layer in range(config.n_layers))
+    return conv, recurrent
+
+
 def quantize(x, cache_dtype: str):
     """x [B, K, T, H] -> (values in cache_dtype, float32 scales [B, K, T]); symmetric, one scale per token and head.
 

@@ -127,7 +127,12 @@ def run(args) -> dict:
             "kv_lora_rank": model.mla.kv_lora_rank, "qk_rope_head_dim": model.mla.qk_rope_head_dim,
             "n_heads": model.n_heads, "qk_head_dim": model.mla.qk_head_dim, "v_head_dim": model.mla.v_head_dim},
         "dtype": geometry.dtype, "sliding_window": geometry.sliding_window,
-        "local_layers": None if geometry.layer_windows is None else sum(w is not None for w in geometry.layer_windows),
+        "linear_layers": None if not isinstance(model, Config) or model.linear_attention is None
+        else len(model.linear_layers),
+        "state_bytes_per_sequence": geometry.state_bytes,
+        # None unless some layer slides (a hybrid model's layer types name no window)
+        "local_layers": None if geometry.layer_windows is None or all(w is None for w in geometry.layer_windows)
+        else sum(w is not None for w in geometry.layer_windows),
         "param_count": model.param_count() if isinstance(model, Config) else None,
         "tokens": args.tokens, "batch": args.batch, "slots": memory.cache_slots(geometry, args.tokens),
         "padded_batch": memory.next_pow2(args.batch),
@@ -177,7 +182,7 @@ def _row(args, model, geometry: memory.CacheGeometry, cache_dtype: str, hbm, wei
         per_token = memory.expanded_kv_bytes_per_token(model, cache_dtype)
         row["per_head_kv_bytes_per_token"] = per_token
         row["per_head_kv_total_bytes"] = per_token * args.batch * memory.cache_slots(geometry, args.tokens)
-    if geometry.layer_windows is not None:
+    if geometry.layer_windows is not None and any(w is not None for w in geometry.layer_windows):
         # Per-layer rings (local layers) against a cache that keeps every token on every layer.
         row["full_length_bytes"] = memory.full_length_cache_bytes(
             geometry, tokens=args.tokens, batch=args.batch, cache_dtype=cache_dtype)
@@ -255,6 +260,11 @@ def _print_summary(result: dict):
               f"(keys only){window}, {result['dtype']}{params}")
         print(f"per-head K/V: what {mla['n_heads']} heads' full keys ({mla['qk_head_dim']}) and values "
               f"({mla['v_head_dim']}) would take instead")
+    if result["linear_layers"]:
+        print(f"{result['linear_layers']} of {result['n_layers']} layers are linear attention (Gated DeltaNet): no "
+              f"K/V but a fixed state of {result['state_bytes_per_sequence']:,} bytes per sequence (conv windows "
+              f"and float32 delta-rule states, never quantized), whatever the length; bytes/token counts the other "
+              f"layers' K/V, bytes/sequence and the totals include the state")
     if local:
         print(f"{result['tokens']:,} tokens x batch {result['batch']:,} (per sequence: {result['tokens']:,} cache "
               f"slots on each global layer, {min(result['tokens'], result['sliding_window']):,} in each local "

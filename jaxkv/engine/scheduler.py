@@ -83,6 +83,7 @@ class Engine:
         if not isinstance(model, Model):
             raise ValueError(f"model must be a jaxkv.Model, got {type(model).__name__}")
         config = model.config
+        request.refuse_hybrid(config, "the engine")
         self.model, self.config = model, config
         self.mesh = None if mesh is None else sharding.check_paged_mesh(mesh)  # data 1: run one engine per shard
         self._params, self._run_config = model.params, config

@@ -19,7 +19,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 
-from jaxkv.config import DTYPES, Config, LinearScaling, Mla, MoeConfig, ProportionalRope, RopeScaling, YarnScaling
+from jaxkv.config import DTYPES, Config, LinearAttention, LinearScaling, Mla, MoeConfig, ProportionalRope, RopeScaling, YarnScaling
 from jaxkv.io import generation
 from jaxkv.io.hf import load_hf
 from jaxkv.model import Model, weight_layout, from_out_in, param_shapes, to_out_in
@@ -55,6 +55,8 @@ def config_from_dict(data: dict, *, source: str) -> Config:
         data["rope_scaling"] = _nested(kind, scaling, "rope_scaling", source)
     if data.get("mla") is not None:
         data["mla"] = _nested(Mla, data["mla"], "mla", source)
+    if data.get("linear_attention") is not None:
+        data["linear_attention"] = _nested(LinearAttention, data["linear_attention"], "linear_attention", source)
     if data.get("moe") is not None:
         moe = data["moe"]
         if isinstance(moe, dict) and isinstance(moe.get("dense_layers"), list):  # JSON has no tuples

@@ -49,6 +49,8 @@ class Attention(nn.Module):
         # change it); by the config's head_dim, so every layer's projections share it (`layers.in_out_names`).
         out_in = stored_out_in(cfg.d_model, N * cfg.head_dim, jnp.dtype(cfg.dtype))
         q = _project(self, "wq", x, N, out_in)  # [B, T, N, H]
+        # Qwen3-Next's gated attention: the heads' outputs times sigmoid of a second query-sized projection
+        gate = _project(self, "wq_gate", x, N, out_in) if cfg.attn_output_gate else None
         if cfg.qk_norm:  # Gemma 3, Qwen3: each head's query and key normalized before the rotation
             q = Norm(cfg, dim=H, name="q_norm")(q)
         if rope is not None:
@@ -59,6 +61,8 @@ class Attention(nn.Module):
             out, cache = self._paged(q, k, v, cache, start, prefill, attention, chunk)
         else:
             out, cache = self._contiguous(q, k, v, cache, start, prefill, attention)
+        if gate is not None:
+            out = out.astype(gate.dtype) * nn.sigmoid(gate)
         return _output(self, out, out_in), cache, fresh
 
     def _kwargs(self) -> dict:

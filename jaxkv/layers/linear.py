@@ -34,7 +34,7 @@ def stored_out_in(d_in: int, d_out: int, dtype="float32") -> bool:
 # Parameter leaf name -> the axes of its [out, in] form (PyTorch's Linear layout, and every jaxkv weight before
 # format 2) in the order of its [in, out] layout: w_in_out = w_out_in.transpose(order). Which weights a config
 # stores [in, out] is `in_out_names`; names not listed are the same in both.
-OUT_IN_ORDER = {"wq": (2, 0, 1), "wk": (2, 0, 1), "wv": (2, 0, 1), "wo": (1, 2, 0), "w_gate": (1, 0), "w_up": (1, 0),
+OUT_IN_ORDER = {"wq": (2, 0, 1), "wq_gate": (2, 0, 1), "wk": (2, 0, 1), "wv": (2, 0, 1), "wo": (1, 2, 0), "w_gate": (1, 0), "w_up": (1, 0),
                 "w_fc": (1, 0), "w_down": (1, 0)}
 # MLA's own projections (`jaxkv.layers.mla`; it shares wq [N, qk, D] and wo [D, N, v] above): wq_a [q_rank, D],
 # wq_b [N, qk, q_rank], wkv_a [R + E, D]. Kept apart because only MLA configs have them (`jaxkv.sharding` reads
@@ -60,7 +60,7 @@ def in_out_names(config: Config) -> frozenset[str]:
     if config.mla is not None:
         names |= {name for name, out_in in mla_out_in(config).items() if not out_in}
     elif not stored_out_in(D, NH, dtype):
-        names |= {"wq", "wk", "wv", "wo"}
+        names |= {"wq", "wq_gate", "wk", "wv", "wo"}
     if not stored_out_in(D, F, dtype):
         names |= {"w_gate", "w_up", "w_fc"}
     if not stored_out_in(F, D, dtype):

@@ -131,7 +131,8 @@ class Moe(nn.Module):
 
     Parameters: router float32[X, D] (+ router_bias float32[X] for "noaux_tc"); we_gate, we_up [X, D, I] or
     [X, I, D] and we_down [X, I, D] or [X, D, I] (`in_out_names`); ws_gate, ws_up, ws_down the shared experts
-    (when n_shared_experts > 0), laid out as a dense MLP of width J.
+    (when n_shared_experts > 0 or shared_expert_ffn_dim is set), laid out as a dense MLP of width J; shared_gate
+    [1, D] ([out, in]) under shared_expert_gate.
 
     The routing is sown into the "intermediates" collection as `expert_ids` int32[B, T, A] and `expert_weights`
     float32[B, T, A] (best first): `apply(..., mutable=["intermediates"])` returns it (padding tokens included);
@@ -174,7 +175,11 @@ class Moe(nn.Module):
         y = _DISPATCH[dispatch](h, weights, ids, w_gate, w_up, w_down, layouts)  # float32 [M, D]
         y = y.astype(dtype).reshape(B, T, D)
         if J:
-            y = y + self._shared(x, in_out)
+            shared = self._shared(x, in_out)
+            if cfg.shared_expert_gate:  # Qwen3-Next: the shared expert's output times sigmoid(w . x), per token
+                w = self.param("shared_gate", fan_in_init(D), (1, D), dtype)  # [out, in]
+                shared = nn.sigmoid(linear(x, w, True)) * shared
+            y = y + shared
         self.sow("intermediates", "expert_ids", ids.reshape(B, T, A))
         self.sow("intermediates", "expert_weights", weights.reshape(B, T, A))
         return y

@@ -78,6 +78,8 @@ def rope_angles(positions, config: Config, layer: int = 0):
     (`Config.layer_rope`: Gemma 3's sliding layers have their own). Computed from the positions on the fly: no table sized by the config's max_positions is ever
     allocated. YaRN's attention factor is folded into both."""
     dim = config.layer_head_dim(layer) if config.mla is None else config.mla.qk_rope_head_dim
+    if config.rotary_dim is not None:  # partial rotation (Qwen3-Next): the first rotary_dim of each head
+        dim = config.rotary_dim
     theta, scaling = config.layer_rope(layer)
     inv_freq = jnp.asarray(rope_inv_freq(dim, theta, scaling))
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
@@ -90,7 +92,11 @@ def rope_angles(positions, config: Config, layer: int = 0):
 
 
 def apply_rope(x, cos, sin):
-    """Rotates x [B, T, heads, H] by the angles (cos, sin [B, T, H]); halves convention (rotate_half), as in HF."""
+    """Rotates x [B, T, heads, H] by the angles (cos, sin [B, T, H]); halves convention (rotate_half), as in HF.
+    Angles narrower than the head (`Config.rotary_dim`) rotate its first dims only; the rest pass through."""
+    if cos.shape[-1] < x.shape[-1]:
+        r = cos.shape[-1]
+        return jnp.concatenate([apply_rope(x[..., :r], cos, sin), x[..., r:]], axis=-1)
     dtype = x.dtype
     cos, sin = cos[:, :, None, :].astype(dtype), sin[:, :, None, :].astype(dtype)
     half = x.shape[-1] // 2
