@@ -144,10 +144,12 @@ def jaxkv_layer_types(types: list[str], window: int | None) -> tuple[tuple[str, 
 
 
 def rope(f: Fields, max_positions: int, *, types: tuple[str, ...] = ROPE_TYPES,
-         default_theta: float | None = None) -> tuple[float, RopeScaling | LinearScaling | YarnScaling | None]:
+         default_theta: float | None = None,
+         partial: bool = False) -> tuple[float, RopeScaling | LinearScaling | YarnScaling | None]:
     """(rope_theta, scaling or None), from either transformers 5.x's `rope_parameters` (which holds rope_theta and
     rope_type together) or the 4.x top-level `rope_theta` + `rope_scaling` (type under "type" or "rope_type").
-    `types`: the rope types accepted; `default_theta`: the family's base where the file gives none (10000)."""
+    `types`: the rope types accepted; `default_theta`: the family's base where the file gives none (10000);
+    `partial`: the family reads partial_rotary_factor itself (`partial_rotary_dim`), else it must be 1."""
     params = f.hf.get("rope_parameters")
     field = "rope_parameters"
     if params is None:
@@ -157,19 +159,36 @@ def rope(f: Fields, max_positions: int, *, types: tuple[str, ...] = ROPE_TYPES,
     if any(isinstance(v, dict) for v in params.values()):
         f.fail(field, "holds per-layer-type RoPE settings, which jaxkv does not support")
     theta = f.hf.get("rope_theta")
-    return rope_entry(f, field, params, max_positions, types, default_theta if theta is None else theta)
+    return rope_entry(f, field, params, max_positions, types, default_theta if theta is None else theta, partial)
+
+
+def partial_rotary_dim(f: Fields, head_dim: int) -> int | None:
+    """Config.rotary_dim from partial_rotary_factor (in rope_parameters, or top-level in 4.x files), as
+    transformers computes it: int(head_dim * factor); None when the whole head rotates."""
+    params = f.hf.get("rope_parameters") or f.hf.get("rope_scaling") or {}
+    factor = params.get("partial_rotary_factor", f.hf.get("partial_rotary_factor", 1.0))
+    factor = f.number("partial_rotary_factor", 1.0 if factor is None else factor)
+    if not 0 < factor <= 1:
+        f.fail("partial_rotary_factor", f"must be in (0, 1], got {factor}")
+    dim = int(head_dim * factor)
+    if dim == head_dim:
+        return None
+    if dim < 2 or dim % 2:
+        f.fail("partial_rotary_factor", f"= {factor} rotates {dim} of {head_dim} head dims: must be even and >= 2")
+    return dim
 
 
 def rope_entry(f: Fields, field: str, params: dict, max_positions: int, types: tuple[str, ...],
-               default_theta=None) -> tuple[float, RopeScaling | LinearScaling | YarnScaling | None]:
+               default_theta=None,
+               partial: bool = False) -> tuple[float, RopeScaling | LinearScaling | YarnScaling | None]:
     """One rope settings object (`field` names it in errors): (theta, scaling or None)."""
     theta = params.get("rope_theta", default_theta)
     theta = 10000.0 if theta is None else f.number(f"{field}.rope_theta", theta)
     if theta <= 0:
         f.fail(f"{field}.rope_theta", f"must be > 0, got {theta}")
-    partial = params.get("partial_rotary_factor", f.hf.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        f.fail("partial_rotary_factor", f"= {partial!r} is not supported (jaxkv rotates the whole head)")
+    factor = params.get("partial_rotary_factor", f.hf.get("partial_rotary_factor", 1.0))
+    if factor != 1.0 and not partial:
+        f.fail("partial_rotary_factor", f"= {factor!r} is not supported (jaxkv rotates the whole head)")
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in types:
         f.fail(f"{field}.rope_type", f"= {rope_type!r} is not supported; supported: "

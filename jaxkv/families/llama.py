@@ -28,10 +28,12 @@ from jaxkv.families.registry import Family, register
 
 
 def base_fields(f: fl.Fields, *, max_positions: int, head_dim: int | None = None,
-                rope_types: tuple[str, ...] = fl.ROPE_TYPES, rope_theta: float | None = None) -> dict:
+                rope_types: tuple[str, ...] = fl.ROPE_TYPES, rope_theta: float | None = None,
+                partial_rotary: bool = False) -> dict:
     """The Llama-style config: sizes, SwiGLU, RMSNorm, RoPE. `max_positions`: transformers' default for a file
     that omits max_position_embeddings; `head_dim`: the default of a missing `head_dim` (None: D / N);
-    `rope_theta`: the default rotary base (None: 10000)."""
+    `rope_theta`: the default rotary base (None: 10000); `partial_rotary`: the family reads
+    partial_rotary_factor (`fields.partial_rotary_dim`) rather than refusing it."""
     d_model = f.int("hidden_size", cap=fl.MAX_D_MODEL, required=True)
     n_heads = f.int("num_attention_heads", cap=fl.MAX_HEADS, required=True)
     fl.silu(f)
@@ -53,7 +55,7 @@ def base_fields(f: fl.Fields, *, max_positions: int, head_dim: int | None = None
         tie_embeddings=f.bool("tie_word_embeddings", False),
     )
     kwargs["rope_theta"], kwargs["rope_scaling"] = fl.rope(f, kwargs["max_positions"], types=rope_types,
-                                                           default_theta=rope_theta)
+                                                           default_theta=rope_theta, partial=partial_rotary)
     return kwargs
 
 

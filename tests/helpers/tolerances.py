@@ -21,6 +21,13 @@ TOLERANCES = {
     # apart: measured up to 1.13e-4 on an AMD EPYC (Zen 4) machine on 2026-12-01, under 1e-4 on the Intel machines
     # before. A wrong rope, window, norm or softcap moves logits by far more (test_gemma's test_each_feature_matters).
     ("transformers logits, gemma", "float32"): dict(atol=2e-4, rtol=0),
+    # A hybrid model's logits (Qwen3-Next: tests/families/test_qwen3_next.py) against transformers in float64 and in
+    # float32. The linear layers' gated RMSNorm scales each value head of the delta rule's output to unit RMS, and on
+    # the random test models some heads are nearly zero (rms 1e-5, where the read q.S cancels): their float32
+    # rounding is amplified 1e3-fold. Measured: transformers' own float32 logits up to 2.1e-3 from its float64 ones
+    # (jaxkv's up to 1.8e-3) over 40 and 150 tokens, on logits of magnitude 4-8; 5e-3 leaves ~2x, while a wrong
+    # gate, norm, split, rotation or state moves logits by O(1).
+    ("transformers logits, hybrid", "float32"): dict(atol=5e-3, rtol=0),
     # Beam hypothesis scores against transformers': both sum the same log-probabilities, from logits that agree to
     # ~1e-5, over up to 12 steps.
     ("transformers beam scores", "float32"): dict(atol=1e-4, rtol=0),
