@@ -11,7 +11,8 @@ import importlib
 # `jaxkv bench NAME ...` -> the module whose main() runs it (also scripts/bench_NAME.py)
 BENCH_SCENARIOS = {"sharing": "jaxkv.bench.sharing", "engine": "jaxkv.bench.engine", "beam": "jaxkv.bench.beam",
                    "mla": "jaxkv.bench.mla", "layers": "jaxkv.bench.layers",
-                   "speculative": "jaxkv.bench.speculative", "constrained": "jaxkv.bench.constrained"}
+                   "speculative": "jaxkv.bench.speculative", "constrained": "jaxkv.bench.constrained",
+                   "hybrid": "jaxkv.bench.hybrid"}
 
 
 def add_parser(commands):

@@ -301,6 +301,30 @@ def test_bench_mla_quick(tmp_path, capsys):
     assert "bytes ratio" in capsys.readouterr().out
 
 
+def test_bench_hybrid_quick(tmp_path, capsys):
+    """`jaxkv bench hybrid`: twins of equal size (0.1%); the cache allocated as planned, the hybrid's K/V a quarter of
+    the twin's per token plus a fixed state, so the twin's cache overtakes it as the context grows."""
+    import json
+
+    from jaxkv import cli
+
+    assert cli.main(["bench", "hybrid", "--quick", "--contexts", "16,512", "--steps", "2",
+                     "--out", str(tmp_path / "hybrid.json")]) == 0
+    result = json.loads((tmp_path / "hybrid.json").read_text())
+    hybrid, twin = result["configs"]["hybrid"], result["configs"]["twin"]
+    assert abs(hybrid["params"] - twin["params"]) <= 1e-3 * twin["params"]
+    assert 4 * hybrid["kv_bytes_per_token"] == twin["kv_bytes_per_token"] == 8 * 2 * 4 * 64 * 4
+    assert hybrid["state_bytes_per_sequence"] == 6 * (1024 * 3 * 4 + 8 * 64 * 64 * 4) and not twin[
+        "state_bytes_per_sequence"]
+    short, long = result["rows"]
+    for row in (short, long):
+        for name in ("hybrid", "twin"):
+            assert row[name]["cache_bytes_allocated"] == row[name]["cache_bytes_planned"]
+            assert row[name]["step_ms"] > 0
+    assert short["bytes_ratio"] < 1 < long["bytes_ratio"]  # the state costs more than 18 tokens of K/V, less than 514
+    assert "bytes ratio" in capsys.readouterr().out
+
+
 def test_bench_layers_quick(tmp_path, capsys):
     """`jaxkv bench layers`: past the window the rings allocate what the planner says, less than full length."""
     import json

@@ -1,0 +1,144 @@
+"""The hybrid-model benchmark: a Qwen3-Next-shaped model (3 linear-attention layers : 1 full) against its
+all-attention twin of the same size.
+
+    jaxkv bench hybrid [--contexts 1024,4096,16384] [--batches 1,8] [--steps 32] [--reps 5] [--quick] [--out F]
+    python scripts/bench_hybrid.py ...            (the same)
+
+Two models with random weights (seed 0), float32, at the "small" preset's scale (8 layers, d_model 512, 8 query
+heads of 64, 4 KV heads, vocabulary 32,000, max positions 32,768), both with Qwen3-Next's gated attention (an
+output gate per head, rotation of the first quarter of each head, q/k norms, (1 + w) norms):
+
+  hybrid  layers 0-2 and 4-6 Gated DeltaNet (4 key heads and 8 value heads of 64, a conv of width 4), layers 3 and
+          7 full attention: K/V for 2 layers, plus a fixed state per sequence (conv windows and [8, 64, 64]
+          delta-rule states) on the other 6;
+  twin    every layer full attention, the FFN width chosen so that the parameter count is the hybrid's to within
+          0.1% (the linear layers hold more parameters than attention ones).
+
+Dense FFNs in both (Qwen3-Next's experts are another axis: `jaxkv bench mla` and the MoE tests cover those).
+For each batch and context C: the cache bytes (planned, and as allocated: every array of the cache, states
+included) and the decode step time with C tokens cached (the compiled decode loop, XLA attention, --steps
+steps per call, median of --reps calls, the two models alternating). What the issue asks to see: the linear
+layers' cost stays flat with length (their state is the same at every C), so the hybrid's bytes and step time
+grow 4x slower than the twin's.
+
+Not measured yet: prefix-cache time to first token with and without state snapshots (a hybrid model has no
+prefix cache yet: issue 31).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+
+QUICK = {"contexts": "64,128", "batches": "1", "steps": 4, "reps": 1}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="jaxkv bench hybrid", description=__doc__.split("\n\n")[0])
+    p.add_argument("--contexts", default="1024,4096,16384", help="comma-separated cached tokens")
+    p.add_argument("--batches", default="1,8", help="comma-separated batch sizes")
+    p.add_argument("--steps", type=int, default=32, help="decode steps per timed call (default 32)")
+    p.add_argument("--reps", type=int, default=5, help="timed calls per model, batch and context (default 5)")
+    p.add_argument("--out", default=None, help="write the figures as JSON to this file")
+    p.add_argument("--quick", action="store_true",
+                   help="a small run, as if given " + ", ".join(f"--{k} {v}" for k, v in QUICK.items()))
+    first = argparse.ArgumentParser(add_help=False)
+    first.add_argument("--quick", action="store_true")
+    if first.parse_known_args(argv)[0].quick:
+        p.set_defaults(**QUICK)
+    args = p.parse_args(argv)
+    for name in ("contexts", "batches"):
+        try:
+            setattr(args, name, [int(c) for c in getattr(args, name).split(",")])
+        except ValueError:
+            p.error(f"--{name} must be comma-separated integers, got {getattr(args, name)!r}")
+        if min(getattr(args, name)) < 1:
+            p.error(f"--{name} must be positive")
+    for name in ("steps", "reps"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be positive, got {getattr(args, name)}")
+    return args
+
+
+def twins():
+    """(hybrid, twin) configs with the same parameter count (to 0.1%)."""
+    from jaxkv.config import PRESETS, LinearAttention
+
+    base = PRESETS["small"].replace(max_positions=32768, norm_kind="gemma_rmsnorm", qk_norm=True,
+                                    attn_output_gate=True, rotary_dim=16)
+    types = tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(base.n_layers))
+    hybrid = base.replace(layer_types=types, linear_attention=LinearAttention(
+        key_heads=4, value_heads=8, key_head_dim=64, value_head_dim=64, conv_kernel=4))
+    ffn = min(range(base.ffn_dim, base.ffn_dim + 1024),
+              key=lambda f: abs(base.replace(ffn_dim=f).param_count() - hybrid.param_count()))
+    return hybrid, base.replace(ffn_dim=ffn)
+
+
+def run(args) -> dict:
+    import jax
+
+    import jaxkv
+    from jaxkv.bench.mla import step_seconds
+    from jaxkv.cache import planner as memory
+    from jaxkv.cache.contiguous import KVCache
+
+    hybrid, twin = twins()
+    models = {"hybrid": jaxkv.Model.random(hybrid, seed=0), "twin": jaxkv.Model.random(twin, seed=0)}
+    result = {"jax": jax.__version__, "steps": args.steps, "reps": args.reps,
+              "configs": {name: {"params": m.config.param_count(),
+                                 "kv_bytes_per_token": memory.kv_bytes_per_token(m.config),
+                                 "state_bytes_per_sequence": memory.state_bytes_per_sequence(m.config),
+                                 "config": repr(m.config)} for name, m in models.items()},
+              "rows": []}
+    for batch in args.batches:
+        for context in args.contexts:
+            capacity = context + args.steps
+            row = {"batch": batch, "context": context, "capacity": capacity}
+            times = {name: [] for name in models}
+            for model in models.values():  # compile and warm up
+                step_seconds(model, batch, context, capacity, args.steps)
+            for _ in range(args.reps):  # alternating, so drift in the machine's speed hits both alike
+                for name, model in models.items():
+                    times[name].append(step_seconds(model, batch, context, capacity, args.steps))
+            for name, model in models.items():
+                ms = statistics.median(times[name]) * 1e3
+                row[name] = {"step_ms": ms, "tokens_per_s": batch * 1e3 / ms,
+                             "cache_bytes_allocated": KVCache.allocate(model.config, batch, capacity).nbytes(),
+                             "cache_bytes_planned": memory.kv_cache_bytes(model.config, tokens=capacity,
+                                                                          batch=batch)}
+            row["bytes_ratio"] = row["twin"]["cache_bytes_allocated"] / row["hybrid"]["cache_bytes_allocated"]
+            row["speed_ratio"] = row["hybrid"]["tokens_per_s"] / row["twin"]["tokens_per_s"]
+            result["rows"].append(row)
+    return result
+
+
+def report(result: dict):
+    for name, c in result["configs"].items():
+        print(f"{name}: {c['params']:,} parameters, {c['kv_bytes_per_token']:,} K/V bytes per token, "
+              f"{c['state_bytes_per_sequence']:,} state bytes per sequence")
+    print(f"float32, XLA attention, {result['steps']} steps per call, median of {result['reps']}")
+    print(f"{'batch':>5} {'context':>8} {'hybrid ms':>9} {'twin ms':>8} {'hybrid/twin speed':>17} "
+          f"{'hybrid cache B':>14} {'twin cache B':>13} {'bytes ratio':>11}")
+    for r in result["rows"]:
+        print(f"{r['batch']:>5} {r['context']:>8,} {r['hybrid']['step_ms']:9.2f} {r['twin']['step_ms']:8.2f} "
+              f"{r['speed_ratio']:16.2f}x {r['hybrid']['cache_bytes_allocated']:14,} "
+              f"{r['twin']['cache_bytes_allocated']:13,} {r['bytes_ratio']:10.2f}x")
+    print("not measured: prefix-cache time to first token with and without state snapshots (no prefix cache for "
+          "hybrid models yet)")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    result = run(args)
+    report(result)
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
