@@ -34,11 +34,11 @@ def qwen3_moe_fields(f: fl.Fields) -> dict:
     kwargs["qkv_bias"] = kwargs["out_bias"] = f.bool("attention_bias", False)
     kwargs["qk_norm"] = True
     kwargs["sliding_window"] = f.int("sliding_window", None) if f.bool("use_sliding_window", False) else None
-    kwargs["moe"] = _moe(f, kwargs["n_layers"])
+    kwargs["moe"] = moe_fields(f, kwargs["n_layers"])
     return kwargs
 
 
-def _moe(f: fl.Fields, n_layers: int) -> MoeConfig | None:
+def moe_fields(f: fl.Fields, n_layers: int) -> MoeConfig | None:
     """The experts, and which layers hold them (None: every layer is dense)."""
     # config.json spells it num_experts (the releases) or num_local_experts (transformers 5.24's attribute_map)
     field = "num_experts" if f.hf.get("num_experts") is not None else "num_local_experts"

@@ -43,7 +43,7 @@ from jaxkv.config import Config, LinearAttention
 from jaxkv.families import fields as fl
 from jaxkv.families import tensors
 from jaxkv.families.llama import base_fields
-from jaxkv.families.qwen3_moe import _moe
+from jaxkv.families.qwen3_moe import moe_fields
 from jaxkv.families.registry import Family, register
 from jaxkv.families.tensors import TensorSpec, as_is
 
@@ -89,7 +89,7 @@ def hybrid_fields(f: fl.Fields, max_positions: int) -> dict:
 
 def qwen3_next_fields(f: fl.Fields) -> dict:
     kwargs = hybrid_fields(f, max_positions=32768)
-    moe = _moe(f, kwargs["n_layers"])
+    moe = moe_fields(f, kwargs["n_layers"])
     if moe is not None:
         shared = f.int("shared_expert_intermediate_size", 512, cap=fl.MAX_FFN)
         moe = dataclasses.replace(moe, shared_expert_ffn_dim=shared, shared_expert_gate=True)
