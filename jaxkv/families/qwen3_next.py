@@ -164,14 +164,21 @@ def moe_tensors(cfg: Config, i: int, fused: bool) -> list[TensorSpec]:
                TensorSpec(mlp + "shared_expert_gate.weight", (1, D), "[1, D]", as_is((*path, "shared_gate")))])
 
 
-def qwen3_next_tensors(cfg: Config, hf: dict, names) -> list[TensorSpec]:
+def hybrid_tensors(cfg: Config, names, linear_attention) -> list[TensorSpec]:
+    """The hybrid decoder's tensors (Qwen3-Next and Qwen3.5): embedding and final norm, then per layer its norms,
+    its linear layer (`linear_attention(cfg, i)`: the family's projections) or gated attention, and its
+    feed-forward block (experts per expert or fused 3D, as `names` holds them)."""
     fused = tensors.fused_experts_stored(names)
     specs = tensors.embedding_and_final_norm(cfg)
     for i in range(cfg.n_layers):
         specs += tensors.norms(cfg, i, tensors.PRE_NORMS)
-        specs += linear_attention_fused(cfg, i) if cfg.layer_is_linear(i) else gated_attention(cfg, i)
+        specs += linear_attention(cfg, i) if cfg.layer_is_linear(i) else gated_attention(cfg, i)
         specs += moe_tensors(cfg, i, fused)
     return specs
+
+
+def qwen3_next_tensors(cfg: Config, hf: dict, names) -> list[TensorSpec]:
+    return hybrid_tensors(cfg, names, linear_attention_fused)
 
 
 def mtp_ignored(config: Config, hf: dict, names, source: str) -> frozenset[str]:
