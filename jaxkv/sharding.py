@@ -218,7 +218,9 @@ def is_latent(cache) -> bool:
 
 def cache_shardings(cache, mesh: Mesh):
     """NamedShardings for a KVCache (same pytree structure): K/V and scales over (data, model), start over data,
-    length replicated; an MLA latent cache over data only (module docstring)."""
+    length replicated; an MLA latent cache over data only (module docstring). A hybrid model's linear-layer states
+    ([B, ...] per sequence) go over data, whole on each device: those layers' weights are replicated (not in
+    `_PARAM_AXES`), so every "model" device computes the same state."""
     if is_latent(cache):
         kv, scale = NamedSharding(mesh, LATENT_SPEC), NamedSharding(mesh, LATENT_SCALE_SPEC)
     else:
@@ -226,8 +228,10 @@ def cache_shardings(cache, mesh: Mesh):
     return type(cache)(keys=tuple(kv for _ in cache.keys), values=tuple(kv for _ in cache.values),
                        start=NamedSharding(mesh, BATCH_SPEC), length=NamedSharding(mesh, P()),
                        key_scales=tuple(scale for _ in cache.key_scales),
-                       value_scales=tuple(scale for _ in cache.value_scales), rings=cache.rings,
-                       ring_lookahead=cache.ring_lookahead)
+                       value_scales=tuple(scale for _ in cache.value_scales),
+                       conv_states=tuple(NamedSharding(mesh, BATCH_SPEC) for _ in cache.conv_states),
+                       recurrent_states=tuple(NamedSharding(mesh, BATCH_SPEC) for _ in cache.recurrent_states),
+                       rings=cache.rings, ring_lookahead=cache.ring_lookahead)
 
 
 def paged_cache_shardings(cache, mesh: Mesh):
@@ -333,7 +337,8 @@ def cache_bytes_per_device(cache) -> int:
     """Bytes of a cache's keys, values and scales held on one device (the first addressable device), read from the
     arrays' shards, so it reflects the actual sharding: on a mesh, `cache.nbytes()` / (data x KV-head shards);
     an MLA latent cache `cache.nbytes()` / data."""
-    leaves = [*cache.keys, *cache.values, *cache.key_scales, *cache.value_scales]
+    leaves = [*cache.keys, *cache.values, *cache.key_scales, *cache.value_scales,
+              *getattr(cache, "conv_states", ()), *getattr(cache, "recurrent_states", ())]
     if not leaves:
         return 0
     device = leaves[0].addressable_shards[0].device

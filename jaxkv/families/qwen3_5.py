@@ -62,7 +62,8 @@ import re
 
 from jaxkv.config import Config, MoeConfig
 from jaxkv.families import fields as fl
-from jaxkv.families.qwen3_next import hybrid_fields, hybrid_tensors, linear_attention_common, mtp_ignored
+from jaxkv.families.qwen3_next import (hybrid_fields, hybrid_tensors, linear_attention_common, mtp_ignored,
+                                        with_defaults)
 from jaxkv.families.registry import Family, register
 from jaxkv.families.tensors import TensorSpec, as_is
 
@@ -72,7 +73,6 @@ DENSE_DEFAULTS = dict(vocab_size=248320, hidden_size=4096, intermediate_size=122
                       num_attention_heads=16, num_key_value_heads=4)
 MOE_DEFAULTS = dict(vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
                     num_key_value_heads=2)
-PARTIAL_ROTARY_FACTOR = 0.25  # the configs' `kwargs.setdefault("partial_rotary_factor", 0.25)`
 
 # Qwen3_5(Moe)ForConditionalGeneration: the language model under `model.language_model.`, the head beside it
 PREFIXES = {"model.language_model.": "lm_head.weight"}
@@ -80,20 +80,9 @@ PREFIXES = {"model.language_model.": "lm_head.weight"}
 VISION = re.compile(r"model\.visual\..+")
 
 
-def _with_defaults(f: fl.Fields, defaults: dict, **fixed) -> fl.Fields:
-    """`f` with transformers' defaults for the omitted `defaults` fields, `fixed` fields set, and the default
-    partial_rotary_factor where neither rope_parameters (or rope_scaling) nor the top level gives one (the
-    shared reader's own default is 1: the whole head)."""
-    hf = {**{k: v for k, v in defaults.items() if k not in f.hf}, **f.hf, **fixed}
-    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if isinstance(params, dict) and "partial_rotary_factor" not in params and "partial_rotary_factor" not in hf:
-        hf["partial_rotary_factor"] = PARTIAL_ROTARY_FACTOR
-    return fl.Fields(hf, f.source, f.prefix)
-
-
 def qwen3_5_fields(f: fl.Fields) -> dict:
     """Qwen3_5TextConfig: every layer's MLP dense, of intermediate_size."""
-    kwargs = hybrid_fields(_with_defaults(f, DENSE_DEFAULTS), max_positions=32768)
+    kwargs = hybrid_fields(with_defaults(f, DENSE_DEFAULTS), max_positions=32768)
     kwargs["moe"] = None
     return kwargs
 
@@ -102,7 +91,7 @@ def qwen3_5_moe_fields(f: fl.Fields) -> dict:
     """Qwen3_5MoeTextConfig: experts with the gated shared expert on every layer."""
     width = f.int("moe_intermediate_size", 512, cap=fl.MAX_FFN)
     # no dense layer: ffn_dim is unused, and config.json has no intermediate_size (transformers ignores one)
-    kwargs = hybrid_fields(_with_defaults(f, MOE_DEFAULTS, intermediate_size=width), max_positions=32768)
+    kwargs = hybrid_fields(with_defaults(f, MOE_DEFAULTS, intermediate_size=width), max_positions=32768)
     try:
         kwargs["moe"] = MoeConfig(
             n_routed_experts=f.int("num_experts", 256, cap=fl.MAX_EXPERTS),

@@ -87,8 +87,26 @@ def hybrid_fields(f: fl.Fields, max_positions: int) -> dict:
     return kwargs
 
 
+# transformers 5.25's Qwen3NextConfig defaults for the fields the shared readers (`llama.base_fields`) require or
+# default differently (its num_key_value_heads is 2, not num_attention_heads)
+NEXT_DEFAULTS = dict(vocab_size=151936, hidden_size=2048, intermediate_size=5632, num_hidden_layers=48,
+                     num_attention_heads=16, num_key_value_heads=2)
+PARTIAL_ROTARY_FACTOR = 0.25  # Qwen3Next / Qwen3.5 configs' `kwargs.setdefault("partial_rotary_factor", 0.25)`
+
+
+def with_defaults(f: fl.Fields, defaults: dict, **fixed) -> fl.Fields:
+    """`f` with transformers' defaults for the omitted `defaults` fields, `fixed` fields set, and the default
+    partial_rotary_factor where neither rope_parameters (or rope_scaling) nor the top level gives one (the
+    shared reader's own default is 1: the whole head)."""
+    hf = {**{k: v for k, v in defaults.items() if k not in f.hf}, **f.hf, **fixed}
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if isinstance(params, dict) and "partial_rotary_factor" not in params and "partial_rotary_factor" not in hf:
+        hf["partial_rotary_factor"] = PARTIAL_ROTARY_FACTOR
+    return fl.Fields(hf, f.source, f.prefix)
+
+
 def qwen3_next_fields(f: fl.Fields) -> dict:
-    kwargs = hybrid_fields(f, max_positions=32768)
+    kwargs = hybrid_fields(with_defaults(f, NEXT_DEFAULTS), max_positions=32768)
     moe = moe_fields(f, kwargs["n_layers"])
     if moe is not None:
         shared = f.int("shared_expert_intermediate_size", 512, cap=fl.MAX_FFN)

@@ -135,10 +135,12 @@ def test_the_state_is_in_the_cache_and_counted(tmp_path_factory):
     lambda m: jaxkv.generate(m, [[3, 4]], max_new_tokens=2, n=2),
     lambda m: jaxkv.generate(m, [[3, 4]], max_new_tokens=2, page_size=16),
     lambda m: jaxkv.generate(m, [[3, 4]], max_new_tokens=2, speculative=jaxkv.Speculation("ngram")),
+    lambda m: jaxkv.generate(m, [[3, 4]], max_new_tokens=2, mesh=jax.sharding.Mesh(
+        np.array(jax.devices()[:2]).reshape(2, 1), ("data", "model"))),
     lambda m: jaxkv.Engine(m, slots=2, max_len=32),
     lambda m: jaxkv.beam_search(m, [[3, 4]], num_beams=2, max_new_tokens=2),
     lambda m: jaxkv.PrefixCache(m),
-], ids=["n", "paged", "speculative", "engine", "beams", "prefix"])
+], ids=["n", "paged", "speculative", "mesh", "engine", "beams", "prefix"])
 def test_unsupported_features_refuse_before_compute(call, tmp_path_factory):
     _, model, _ = loaded("dense", tmp_path_factory)
     with pytest.raises(ValueError, match="hybrid model"):
@@ -154,3 +156,20 @@ def test_jaxkv_format_round_trip(tmp_path_factory, tmp_path):
     assert again.config == model.config
     tokens = [[5, 9, 33, 2, 140, 7]]
     np.testing.assert_array_equal(jaxkv.logits(again, tokens), jaxkv.logits(model, tokens))
+
+
+
+def test_omitted_fields_take_transformers_defaults():
+    """A config.json without num_key_value_heads, partial_rotary_factor or layer_types reads as Qwen3NextConfig
+    fills them: 2 KV heads (not one per query head), a quarter of each head rotated, every 4th layer full."""
+    from jaxkv.checkpoint_hf import config_from_hf
+
+    given = dict(hidden_size=64, num_hidden_layers=8, num_attention_heads=4, head_dim=16, intermediate_size=96,
+                 vocab_size=VOCAB, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                 linear_value_head_dim=8, num_experts=0)
+    theirs = transformers.Qwen3NextConfig(**given)
+    ours = config_from_hf({"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", **given},
+                          source="config.json")
+    assert ours.n_kv_heads == theirs.num_key_value_heads == 2
+    assert ours.rotary_dim == int(16 * theirs.rope_parameters["partial_rotary_factor"]) == 4
+    assert list(ours.layer_types) == theirs.layer_types and ours.linear_layers == (0, 1, 2, 4, 5, 6)
