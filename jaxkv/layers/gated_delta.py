@@ -4,7 +4,10 @@ token mixer: projections, the causal conv, the gated delta rule (`jaxkv.layers.d
 Such a layer caches no keys or values. Per sequence it carries a fixed-size state in the cache
 (`KVCache.conv_states` / `recurrent_states`): the last Y - 1 inputs of its conv and the delta-rule state
 [Hv, Dk, Dv], float32. A prompt (T > 1) runs the chunked form from the cached state; a decode step (T = 1) the
-token-by-token one; both leave the state after the last token in the cache. Padding tokens (position < 0) are
+token-by-token one; both leave the state after the last token in the cache. The decode step is the Pallas kernel
+`jaxkv.attention.delta_rule_kernel.recurrent_step` when the layer's attention implementation resolves to "pallas"
+(`jaxkv.attention.api.resolve`, as the attention layers resolve theirs: "auto" is the kernel on GPU and TPU),
+else `delta_rule.recurrent`; the prompt's chunked form has no kernel. Padding tokens (position < 0) are
 zeroed at the input, as transformers zeroes them, and take an identity step (g = beta = 0): they never touch a
 row's state. Letters as in `jaxkv.shapes`.
 
@@ -21,6 +24,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from jaxkv.attention import api, delta_rule_kernel
 from jaxkv.config import Config
 from jaxkv.layers import delta_rule
 from jaxkv.layers.linear import fan_in_init, linear
@@ -31,9 +35,10 @@ class GatedDeltaNet(nn.Module):
     layer: int
 
     @nn.compact
-    def __call__(self, x, cache, real):
+    def __call__(self, x, cache, real, attention: str = "xla"):
         """x [B, T, D] (normed); cache: a `KVCache` holding this layer's state, or None (the no-cache reference:
-        a fresh state, nothing stored); real bool[B, T] (false: a padding token) -> ([B, T, D], cache)."""
+        a fresh state, nothing stored); real bool[B, T] (false: a padding token); attention: the implementation
+        name ("auto", "xla", "pallas"), deciding the decode step's form -> ([B, T, D], cache)."""
         cfg, la = self.config, self.config.linear_attention
         D, dtype = cfg.d_model, jnp.dtype(cfg.dtype)
         Hk, Hv, Dk, Dv, U, Y = (la.key_heads, la.value_heads, la.key_head_dim, la.value_head_dim, la.conv_dim,
@@ -69,7 +74,10 @@ class GatedDeltaNet(nn.Module):
         beta = jnp.where(real[..., None], beta, jnp.zeros((), beta.dtype))  # padding: the identity step
         g = jnp.where(real[..., None], g, 0.0)
         if T == 1 and cache is not None:
-            out, state = delta_rule.recurrent(q, k, v, g, beta, state)
+            # The contiguous kind's resolution: a hybrid model runs on a contiguous KVCache only (model.Decoder)
+            step = (delta_rule_kernel.recurrent_step if api.resolve(attention, "contiguous") == "pallas"
+                    else delta_rule.recurrent)
+            out, state = step(q, k, v, g, beta, state)
         else:
             out, state = delta_rule.chunked(q, k, v, g, beta, state, chunk=la.chunk)
         out = _gated_norm(out, z, self.param("gate_norm", nn.initializers.ones, (Dv,), dtype), cfg.norm_eps)
