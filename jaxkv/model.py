@@ -54,7 +54,7 @@ class Block(nn.Module):
         cfg = self.config
         if cfg.layer_is_linear(self.layer):  # Gated DeltaNet: a state in the cache, no K/V
             attn = GatedDeltaNet(cfg, self.layer, name="linear_attn")
-            h, cache = attn(Norm(cfg, name="attn_norm")(x), cache, real)
+            h, cache = attn(Norm(cfg, name="attn_norm")(x), cache, real, attention)
             fresh = None
         elif cfg.mla is not None:
             attn = MlaAttention(cfg, self.layer, self.mesh, name="attn")

@@ -173,3 +173,21 @@ def test_omitted_fields_take_transformers_defaults():
     assert ours.n_kv_heads == theirs.num_key_value_heads == 2
     assert ours.rotary_dim == int(16 * theirs.rope_parameters["partial_rotary_factor"]) == 4
     assert list(ours.layer_types) == theirs.layer_types and ours.linear_layers == (0, 1, 2, 4, 5, 6)
+
+
+def test_pallas_decode_runs_the_state_kernel(tmp_path_factory, monkeypatch):
+    """generate(attention="pallas") takes each decode step's state update through the Pallas kernel (the
+    interpreter on CPU), and gives the XLA path's tokens and log-probabilities to float32 rounding."""
+    from jaxkv.attention import delta_rule_kernel
+
+    _, model, _ = loaded("dense", tmp_path_factory)
+    calls = []
+    kernel = delta_rule_kernel.recurrent_step
+    monkeypatch.setattr(delta_rule_kernel, "recurrent_step", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    prompts = [RAGGED[0], RAGGED[2]]
+    xla = jaxkv.generate(model, prompts, max_new_tokens=6, stop_tokens=[], attention="xla", logprobs=1)
+    assert not calls
+    pallas = jaxkv.generate(model, prompts, max_new_tokens=6, stop_tokens=[], attention="pallas", logprobs=1)
+    assert calls  # traced once per linear layer in the decode loop
+    assert pallas.tokens == xla.tokens
+    np.testing.assert_allclose(np.array(pallas.logprobs), np.array(xla.logprobs), atol=ATOL, rtol=0)
