@@ -140,7 +140,8 @@ def test_the_state_is_in_the_cache_and_counted(tmp_path_factory):
     lambda m: jaxkv.Engine(m, slots=2, max_len=32),
     lambda m: jaxkv.beam_search(m, [[3, 4]], num_beams=2, max_new_tokens=2),
     lambda m: jaxkv.PrefixCache(m),
-], ids=["n", "paged", "speculative", "mesh", "engine", "beams", "prefix"])
+    lambda m: jaxkv.generate_pmap(m, [[3, 4]], max_new_tokens=2),
+], ids=["n", "paged", "speculative", "mesh", "engine", "beams", "prefix", "pmap"])
 def test_unsupported_features_refuse_before_compute(call, tmp_path_factory):
     _, model, _ = loaded("dense", tmp_path_factory)
     with pytest.raises(ValueError, match="hybrid model"):
