@@ -28,9 +28,7 @@ prefix cache yet: issue 31).
 from __future__ import annotations
 
 import argparse
-import json
-import pathlib
-import statistics
+import functools
 import sys
 
 QUICK = {"contexts": "64,128", "batches": "1", "steps": 4, "reps": 1}
@@ -81,7 +79,7 @@ def run(args) -> dict:
     import jax
 
     import jaxkv
-    from jaxkv.bench.mla import step_seconds
+    from jaxkv.bench.mla import alternating_medians, step_seconds
     from jaxkv.cache import planner as memory
     from jaxkv.cache.contiguous import KVCache
 
@@ -97,14 +95,11 @@ def run(args) -> dict:
         for context in args.contexts:
             capacity = context + args.steps
             row = {"batch": batch, "context": context, "capacity": capacity}
-            times = {name: [] for name in models}
-            for model in models.values():  # compile and warm up
-                step_seconds(model, batch, context, capacity, args.steps)
-            for _ in range(args.reps):  # alternating, so drift in the machine's speed hits both alike
-                for name, model in models.items():
-                    times[name].append(step_seconds(model, batch, context, capacity, args.steps))
+            seconds = alternating_medians({name: functools.partial(step_seconds, model, batch, context, capacity,
+                                                                   args.steps) for name, model in models.items()},
+                                          args.reps)
             for name, model in models.items():
-                ms = statistics.median(times[name]) * 1e3
+                ms = seconds[name] * 1e3
                 row[name] = {"step_ms": ms, "tokens_per_s": batch * 1e3 / ms,
                              "cache_bytes_allocated": KVCache.allocate(model.config, batch, capacity).nbytes(),
                              "cache_bytes_planned": memory.kv_cache_bytes(model.config, tokens=capacity,
@@ -131,13 +126,9 @@ def report(result: dict):
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    result = run(args)
-    report(result)
-    if args.out:
-        pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
-        print(f"wrote {args.out}")
-    return 0
+    from jaxkv.bench.mla import bench_main
+
+    return bench_main(argv, parse_args, run, report)
 
 
 if __name__ == "__main__":

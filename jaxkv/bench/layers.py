@@ -21,9 +21,7 @@ Targets (issue 18): the rings' cache at least 3.5x smaller at 16,384 tokens, and
 
 from __future__ import annotations
 
-import json
-import pathlib
-import statistics
+import functools
 import sys
 
 TARGETS = {"bytes_ratio_at_longest": 3.5, "speed_ratio_at_longest": 1.0}
@@ -63,7 +61,7 @@ def run(args) -> dict:
 
     import jaxkv
     from jaxkv.cache import planner as memory
-    from jaxkv.bench.mla import step_seconds
+    from jaxkv.bench.mla import alternating_medians, step_seconds
 
     model = jaxkv.Model.random(config(), seed=0)
     cfg = model.config
@@ -73,16 +71,13 @@ def run(args) -> dict:
     for context in args.contexts:
         capacity = context + args.steps
         row = {"context": context, "capacity": capacity}
-        times = {name: [] for name in caches}
-        for name, ring in caches.items():  # compile and warm up
-            step_seconds(model, args.batch, context, capacity, args.steps, ring)
-        for _ in range(args.reps):  # alternating, so drift in the machine's speed hits both alike
-            for name, ring in caches.items():
-                times[name].append(step_seconds(model, args.batch, context, capacity, args.steps, ring))
+        seconds = alternating_medians({name: functools.partial(step_seconds, model, args.batch, context, capacity,
+                                                               args.steps, ring) for name, ring in caches.items()},
+                                      args.reps)
         planned = {"rings": memory.kv_cache_bytes(cfg, tokens=capacity, batch=args.batch),
                    "full": memory.full_length_cache_bytes(cfg, tokens=capacity, batch=args.batch)}
         for name, ring in caches.items():
-            ms = statistics.median(times[name]) * 1e3
+            ms = seconds[name] * 1e3
             row[name] = {"step_ms": ms, "tokens_per_s": args.batch * 1e3 / ms,
                          "cache_bytes_allocated": cache_bytes(cfg, args.batch, capacity, ring),
                          "cache_bytes_planned": planned[name]}
@@ -114,13 +109,9 @@ def report(result: dict):
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    result = run(args)
-    report(result)
-    if args.out:
-        pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
-        print(f"wrote {args.out}")
-    return 0
+    from jaxkv.bench.mla import bench_main
+
+    return bench_main(argv, parse_args, run, report)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import pathlib
 import statistics
@@ -101,6 +102,30 @@ def step_seconds(model, batch: int, live: int, capacity: int, steps: int, ring: 
     return (time.perf_counter() - t0) / steps
 
 
+def alternating_medians(variants: dict, reps: int) -> dict:
+    """{name: a call returning seconds} -> {name: the median of `reps` calls}, after one warm-up (compiling) call
+    each; the variants alternate, so drift in the machine's speed hits them alike (`jaxkv bench mla`, `layers`,
+    `hybrid`)."""
+    for call in variants.values():
+        call()
+    times = {name: [] for name in variants}
+    for _ in range(reps):
+        for name, call in variants.items():
+            times[name].append(call())
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def bench_main(argv, parse_args, run, report) -> int:
+    """A context benchmark's `main`: parse, run, print the report, and with --out write the figures as JSON."""
+    args = parse_args(argv)
+    result = run(args)
+    report(result)
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.out}")
+    return 0
+
+
 def run(args) -> dict:
     import jax
 
@@ -117,14 +142,11 @@ def run(args) -> dict:
     for context in args.contexts:
         capacity = context + args.steps
         row = {"context": context, "capacity": capacity}
-        times = {name: [] for name in models}
-        for name, model in models.items():  # compile and warm up
-            step_seconds(model, args.batch, context, capacity, args.steps)
-        for _ in range(args.reps):  # alternating, so drift in the machine's speed hits both alike
-            for name, model in models.items():
-                times[name].append(step_seconds(model, args.batch, context, capacity, args.steps))
+        seconds = alternating_medians({name: functools.partial(step_seconds, model, args.batch, context, capacity,
+                                                               args.steps) for name, model in models.items()},
+                                      args.reps)
         for name, model in models.items():
-            ms = statistics.median(times[name]) * 1e3
+            ms = seconds[name] * 1e3
             row[name] = {"step_ms": ms, "tokens_per_s": args.batch * 1e3 / ms,
                          "cache_bytes_allocated": allocated_bytes(model.config, args.batch, capacity),
                          "cache_bytes_planned": memory.kv_cache_bytes(model.config, tokens=capacity,
@@ -158,13 +180,7 @@ def report(result: dict):
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    result = run(args)
-    report(result)
-    if args.out:
-        pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
-        print(f"wrote {args.out}")
-    return 0
+    return bench_main(argv, parse_args, run, report)
 
 
 if __name__ == "__main__":

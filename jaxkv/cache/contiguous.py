@@ -133,11 +133,6 @@ class KVCache:
     def quantized(self) -> bool:
         return bool(self.key_scales)
 
-    @property
-    def has_state(self) -> bool:
-        """The cache holds linear layers' states (a hybrid model)."""
-        return bool(self.recurrent_states)
-
     def state(self, layer: int):
         """(conv state [B, U, Y - 1], delta-rule state float32 [B, Hv, Dk, Dv]) of linear layer `layer`."""
         return self.conv_states[layer], self.recurrent_states[layer]

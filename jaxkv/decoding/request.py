@@ -33,7 +33,7 @@ def refuse_hybrid(config, *features: str):
     """ValueError when `config` is a hybrid model (`Config.linear_attention`) and any of `features` (names of what
     the caller asked for) is given: those run on paged or rewound caches, which do not carry the linear layers'
     states yet (issue 31). Called at the front doors, before any compute."""
-    if features and getattr(config, "linear_attention", None) is not None:
+    if features and config.linear_attention is not None:
         raise ValueError(f"{', '.join(features)} with a hybrid model (linear_attention layers, e.g. Qwen3-Next) is "
                          "not supported yet: its layers' states live in a contiguous cache only; use "
                          "jaxkv.generate without them")

@@ -165,8 +165,7 @@ def rope(f: Fields, max_positions: int, *, types: tuple[str, ...] = ROPE_TYPES,
 def partial_rotary_dim(f: Fields, head_dim: int) -> int | None:
     """Config.rotary_dim from partial_rotary_factor (in rope_parameters, or top-level in 4.x files), as
     transformers computes it: int(head_dim * factor); None when the whole head rotates."""
-    params = f.hf.get("rope_parameters") or f.hf.get("rope_scaling") or {}
-    factor = params.get("partial_rotary_factor", f.hf.get("partial_rotary_factor", 1.0))
+    factor = rotary_factor(f, f.hf.get("rope_parameters") or f.hf.get("rope_scaling") or {})
     factor = f.number("partial_rotary_factor", 1.0 if factor is None else factor)
     if not 0 < factor <= 1:
         f.fail("partial_rotary_factor", f"must be in (0, 1], got {factor}")
@@ -178,6 +177,11 @@ def partial_rotary_dim(f: Fields, head_dim: int) -> int | None:
     return dim
 
 
+def rotary_factor(f: Fields, params: dict):
+    """partial_rotary_factor as given: in the rope settings `params`, else top level (4.x files), else 1."""
+    return params.get("partial_rotary_factor", f.hf.get("partial_rotary_factor", 1.0))
+
+
 def rope_entry(f: Fields, field: str, params: dict, max_positions: int, types: tuple[str, ...],
                default_theta=None,
                partial: bool = False) -> tuple[float, RopeScaling | LinearScaling | YarnScaling | None]:
@@ -186,7 +190,7 @@ def rope_entry(f: Fields, field: str, params: dict, max_positions: int, types: t
     theta = 10000.0 if theta is None else f.number(f"{field}.rope_theta", theta)
     if theta <= 0:
         f.fail(f"{field}.rope_theta", f"must be > 0, got {theta}")
-    factor = params.get("partial_rotary_factor", f.hf.get("partial_rotary_factor", 1.0))
+    factor = rotary_factor(f, params)
     if factor != 1.0 and not partial:
         f.fail("partial_rotary_factor", f"= {factor!r} is not supported (jaxkv rotates the whole head)")
     rope_type = params.get("rope_type", params.get("type", "default"))

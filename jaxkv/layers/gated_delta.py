@@ -28,6 +28,7 @@ from jaxkv.attention import api, delta_rule_kernel
 from jaxkv.config import Config
 from jaxkv.layers import delta_rule
 from jaxkv.layers.linear import fan_in_init, linear
+from jaxkv.layers.norms import Norm
 
 
 class GatedDeltaNet(nn.Module):
@@ -80,18 +81,13 @@ class GatedDeltaNet(nn.Module):
             out, state = step(q, k, v, g, beta, state)
         else:
             out, state = delta_rule.chunked(q, k, v, g, beta, state, chunk=la.chunk)
-        out = _gated_norm(out, z, self.param("gate_norm", nn.initializers.ones, (Dv,), dtype), cfg.norm_eps)
+        # transformers' RMSNormGated: x / rms(x) in float32, cast back (the weightless Norm), times the plain
+        # weight, times silu(z) in float32, cast back
+        out = Norm(cfg, dim=Dv, with_scale=False, name="gate_rms")(out) * self.param(
+            "gate_norm", nn.initializers.ones, (Dv,), dtype)
+        out = (out.astype(jnp.float32) * nn.silu(z.astype(jnp.float32))).astype(dtype)
         y = linear(out.reshape(B, T, Hv * Dv), weight("w_out", D, Hv * Dv), True)
         if cache is not None:
             cache = cache.with_state(self.layer, conv_state, state)
         return y, cache
 
-
-def _gated_norm(x, gate, scale, eps: float):
-    """transformers' RMSNormGated: x / rms(x) in float32, cast back, times the weight, times silu(gate) in
-    float32, cast back. x, gate [B, T, Hv, Dv]."""
-    dtype = x.dtype
-    xf = x.astype(jnp.float32)
-    y = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(dtype)
-    y = scale * y
-    return (y.astype(jnp.float32) * nn.silu(gate.astype(jnp.float32))).astype(dtype)
