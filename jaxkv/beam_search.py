@@ -296,7 +296,6 @@ def beam_search(model: Model, prompts, *, num_beams: int, max_new_tokens: int, l
         positions, num_pages).
     """
     config = model.config
-    request.refuse_hybrid(config, "beam_search")
     num_beams = checks.check_int("num_beams", num_beams, 1)
     num_return_sequences = checks.check_int("num_return_sequences", num_return_sequences, 1)
     if num_return_sequences > num_beams:
@@ -353,7 +352,8 @@ def beam_search(model: Model, prompts, *, num_beams: int, max_new_tokens: int, l
         "pages_in_use_end": end_pages,
         # What W private contiguous caches of prompt + max_new_tokens slots per prompt would need.
         "kv_cache_bytes_unshared": plan.unshared_bytes,
-        "kv_cache_bytes": memory.pool_bytes(config, num_pages=pool, page_size=page_size, cache_dtype=cache_dtype),
+        "kv_cache_bytes": memory.pool_bytes(config, num_pages=pool, page_size=page_size, cache_dtype=cache_dtype,
+                                            rows=B * W),  # (a hybrid model's states: one row per beam)
         "prefill_s": prefill_time.run_s, "search_s": search_time.run_s,
         "compile_s": prefill_time.compile_s + search_time.compile_s,
     }

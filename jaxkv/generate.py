@@ -367,9 +367,7 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=None, to
     logprobs = checks.check_int("logprobs", logprobs, 0, request.MAX_TOP_LOGPROBS)
     if constraint is not None and mesh is not None:
         raise ValueError("constraint does not work with a mesh yet")
-    request.refuse_hybrid(model.config, *(name for name, asked in (
-        ("n > 1", n > 1), ("page_size", page_size is not None), ("prefix_cache", prefix_cache is not None),
-        ("speculative", speculative is not None), ("mesh", mesh is not None)) if asked))
+    request.refuse_hybrid(model.config, *(["mesh"] if mesh is not None else []))
     penalties = dict(repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                      frequency_penalty=frequency_penalty, logit_bias=logit_bias, min_tokens=min_tokens)
     spec = None

@@ -46,15 +46,16 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, x, rope, cache, start, prefill, attention: str, shared=None, layer_input=None,
-                 chunk: bool = False, real=None):
+                 chunk: bool = False, real=None, step_states: bool = False):
         """-> (x, cache, this layer's fresh K/V or None); `shared`: the fresh K/V of the layer this one reads
         (`Config.kv_source`); `layer_input` [B, T, P]: its per-layer input (`Config.per_layer_input_dim`);
         `chunk`: a prompt chunk over a paged cache (`Decoder`); `real` bool[B, T]: the tokens that are not
-        padding (what a linear-attention layer's state may take)."""
+        padding (what a linear-attention layer's state may take); `step_states`: a linear layer sows its state
+        after each token (`GatedDeltaNet`)."""
         cfg = self.config
         if cfg.layer_is_linear(self.layer):  # Gated DeltaNet: a state in the cache, no K/V
             attn = GatedDeltaNet(cfg, self.layer, name="linear_attn")
-            h, cache = attn(Norm(cfg, name="attn_norm")(x), cache, real, attention)
+            h, cache = attn(Norm(cfg, name="attn_norm")(x), cache, real, attention, step_states)
             fresh = None
         elif cfg.mla is not None:
             attn = MlaAttention(cfg, self.layer, self.mesh, name="attn")
@@ -98,7 +99,7 @@ class Decoder(nn.Module):
     @nn.compact
     def __call__(self, tokens, positions, cache: KVCache | None = None, *, prefill: bool = False,
                  last_only: bool = False, attention: str | None = None, chunk: bool = False,
-                 return_hidden: bool = False):
+                 return_hidden: bool = False, step_states: bool = False):
         """Runs T tokens through the model.
 
         Args:
@@ -121,6 +122,9 @@ class Decoder(nn.Module):
           return_hidden: also return the hidden states the head reads, [B, T, D] after the final norm (every
             token, whatever `last_only`): what DeepSeek's multi-token-prediction modules read
             (`jaxkv.decoding.mtp`).
+          step_states: (hybrid models, a speculative verify) each linear layer runs the tokens one by one and
+            sows its state after each (`GatedDeltaNet`); apply with mutable=["intermediates"] to read them
+            (`jaxkv.decoding.programs.forward` does).
 
         Returns:
           (float32[B, T or 1, V] logits, the updated cache or None), and with `return_hidden` the hidden states
@@ -131,9 +135,6 @@ class Decoder(nn.Module):
         cfg = self.config
         T = tokens.shape[1]
         attention = attention or cfg.attention
-        if cfg.linear_attention is not None and isinstance(cache, PagedKVCache):
-            raise ValueError("a hybrid model (linear_attention layers) runs on a contiguous KVCache: its states in a "
-                             "paged cache are not built yet")
         if chunk and (prefill or not isinstance(cache, PagedKVCache)):
             raise ValueError("chunk=True continues a PagedKVCache's rows with a prompt chunk: not with prefill=True "
                              "or another cache")
@@ -164,7 +165,7 @@ class Decoder(nn.Module):
             layer_input = None if layer_inputs is None else layer_inputs[:, :, layer]
             x, cache, kv = Block(cfg, layer, self.mesh, name=f"layer_{layer}")(
                 x, layer_rope, cache, start, prefill, attention, fresh.get(cfg.kv_source(layer)), layer_input,
-                chunk, real)
+                chunk, real, step_states=step_states)
             if layer in sources and kv is not None:
                 fresh[layer] = kv
         if cache is not None:

@@ -1,7 +1,8 @@
 """The hybrid-model benchmark: a Qwen3-Next-shaped model (3 linear-attention layers : 1 full) against its
 all-attention twin of the same size.
 
-    jaxkv bench hybrid [--contexts 1024,4096,16384] [--batches 1,8] [--steps 32] [--reps 5] [--quick] [--out F]
+    jaxkv bench hybrid [--contexts 1024,4096,16384] [--batches 1,8] [--steps 32] [--reps 5]
+                       [--prefix 2048,64] [--snapshot-interval 128] [--quick] [--out F]
     python scripts/bench_hybrid.py ...            (the same)
 
 Two models with random weights (seed 0), float32, at the "small" preset's scale (8 layers, d_model 512, 8 query
@@ -21,8 +22,12 @@ steps per call, median of --reps calls, the two models alternating). What the is
 layers' cost stays flat with length (their state is the same at every C), so the hybrid's bytes and step time
 grow 4x slower than the twin's.
 
-Not measured yet: prefix-cache time to first token with and without state snapshots (a hybrid model has no
-prefix cache yet: issue 31).
+Prefix cache (--prefix HEAD,TAIL): time to first token (one `generate` call of max_new_tokens=1, wall clock,
+median of --reps, each on a new tail, after a warm-up call) of a prompt of HEAD shared tokens and TAIL of its own,
+for the hybrid model with a `PrefixCache` keeping state snapshots every --snapshot-interval tokens (the head
+prefilled once before: the prompt resumes at the head's last snapshot boundary and prefills the rest) and without
+snapshots (no prefix cache: a hybrid prefix cannot be resumed from its pages alone, so the whole prompt is
+prefilled); the twin with a plain prefix cache (pages only) beside them. Also the snapshot's bytes.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import argparse
 import functools
 import sys
 
-QUICK = {"contexts": "64,128", "batches": "1", "steps": 4, "reps": 1}
+QUICK = {"contexts": "64,128", "batches": "1", "steps": 4, "reps": 1, "prefix": "256,16"}
 
 
 def parse_args(argv=None):
@@ -40,6 +45,9 @@ def parse_args(argv=None):
     p.add_argument("--batches", default="1,8", help="comma-separated batch sizes")
     p.add_argument("--steps", type=int, default=32, help="decode steps per timed call (default 32)")
     p.add_argument("--reps", type=int, default=5, help="timed calls per model, batch and context (default 5)")
+    p.add_argument("--prefix", default="2048,64", help="HEAD,TAIL: the prefix-cache part's shared head and own "
+                   "tail, in tokens (0,0: skip it)")
+    p.add_argument("--snapshot-interval", type=int, default=128, help="the prefix cache's snapshot interval")
     p.add_argument("--out", default=None, help="write the figures as JSON to this file")
     p.add_argument("--quick", action="store_true",
                    help="a small run, as if given " + ", ".join(f"--{k} {v}" for k, v in QUICK.items()))
@@ -48,13 +56,17 @@ def parse_args(argv=None):
     if first.parse_known_args(argv)[0].quick:
         p.set_defaults(**QUICK)
     args = p.parse_args(argv)
-    for name in ("contexts", "batches"):
+    for name in ("contexts", "batches", "prefix"):
         try:
             setattr(args, name, [int(c) for c in getattr(args, name).split(",")])
         except ValueError:
             p.error(f"--{name} must be comma-separated integers, got {getattr(args, name)!r}")
-        if min(getattr(args, name)) < 1:
+        if min(getattr(args, name)) < (0 if name == "prefix" else 1):
             p.error(f"--{name} must be positive")
+    if len(args.prefix) != 2:
+        p.error(f"--prefix must be HEAD,TAIL, got {args.prefix}")
+    if args.snapshot_interval < 1 or args.snapshot_interval % 16:
+        p.error(f"--snapshot-interval must be a positive multiple of 16 (the page size), got {args.snapshot_interval}")
     for name in ("steps", "reps"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be positive, got {getattr(args, name)}")
@@ -107,7 +119,52 @@ def run(args) -> dict:
             row["bytes_ratio"] = row["twin"]["cache_bytes_allocated"] / row["hybrid"]["cache_bytes_allocated"]
             row["speed_ratio"] = row["hybrid"]["tokens_per_s"] / row["twin"]["tokens_per_s"]
             result["rows"].append(row)
+    head, tail = args.prefix
+    if head and tail:
+        result["prefix"] = prefix_ttft(models, head, tail, args.snapshot_interval, args.reps)
     return result
+
+
+def prefix_ttft(models, head: int, tail: int, interval: int, reps: int) -> dict:
+    """Time to first token of head + a new tail: the hybrid with state snapshots, without (no prefix cache), the
+    twin with its pages (module docstring)."""
+    import time
+
+    import numpy as np
+
+    import jaxkv
+    from jaxkv.bench.mla import alternating_medians
+
+    rng = np.random.default_rng(0)
+    vocab = models["hybrid"].config.vocab_size
+    shared = rng.integers(3, vocab, head).tolist()
+    pages = -(-(head + tail) // 16) * 4 + 64
+    caches = {"hybrid": jaxkv.PrefixCache(models["hybrid"], num_pages=pages, snapshot_interval=interval),
+              "twin": jaxkv.PrefixCache(models["twin"], num_pages=pages)}
+    for name, pc in caches.items():  # the head once, before any timed call
+        jaxkv.generate(models[name], [shared + [5]], max_new_tokens=1, stop_tokens=[], prefix_cache=pc)
+    hits = {}
+
+    def call(name, prefix_cache):
+        prompt = shared + rng.integers(3, vocab, tail).tolist()
+        t0 = time.perf_counter()
+        out = jaxkv.generate(models[name], [prompt], max_new_tokens=1, stop_tokens=[], prefix_cache=prefix_cache)
+        seconds = time.perf_counter() - t0
+        hits[(name, prefix_cache is not None)] = out.stats.get("prefix_hit_tokens", 0)
+        return seconds
+
+    seconds = alternating_medians({
+        "hybrid_snapshots": lambda: call("hybrid", caches["hybrid"]),
+        "hybrid_no_snapshots": lambda: call("hybrid", None),
+        "twin_pages": lambda: call("twin", caches["twin"])}, reps)
+    pc = caches["hybrid"]
+    return {"head": head, "tail": tail, "snapshot_interval": pc.snapshot_interval,
+            "snapshot_bytes": pc.snapshot_bytes, "max_snapshots": pc.max_snapshots,
+            "snapshots_kept": pc.cached_snapshots,
+            "ttft_ms": {name: s * 1e3 for name, s in seconds.items()},
+            "hit_tokens": {"hybrid_snapshots": hits[("hybrid", True)], "hybrid_no_snapshots": hits[("hybrid", False)],
+                           "twin_pages": hits[("twin", True)]},
+            "speedup": seconds["hybrid_no_snapshots"] / seconds["hybrid_snapshots"]}
 
 
 def report(result: dict):
@@ -121,8 +178,14 @@ def report(result: dict):
         print(f"{r['batch']:>5} {r['context']:>8,} {r['hybrid']['step_ms']:9.2f} {r['twin']['step_ms']:8.2f} "
               f"{r['speed_ratio']:16.2f}x {r['hybrid']['cache_bytes_allocated']:14,} "
               f"{r['twin']['cache_bytes_allocated']:13,} {r['bytes_ratio']:10.2f}x")
-    print("not measured: prefix-cache time to first token with and without state snapshots (no prefix cache for "
-          "hybrid models yet)")
+    p = result.get("prefix")
+    if p:
+        print(f"prefix cache, batch 1: {p['head']:,} shared + {p['tail']:,} own tokens; snapshots every "
+              f"{p['snapshot_interval']} tokens, {p['snapshot_bytes']:,} bytes each, {p['snapshots_kept']} kept "
+              f"(at most {p['max_snapshots']})")
+        for name, ms in p["ttft_ms"].items():
+            print(f"  {name:<20} time to first token {ms:9.2f} ms, {p['hit_tokens'][name]:,} tokens from the cache")
+        print(f"  snapshots vs none: {p['speedup']:.2f}x faster to the first token")
 
 
 def main(argv=None) -> int:

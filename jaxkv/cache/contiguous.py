@@ -61,7 +61,7 @@ from jax import lax
 
 from jaxkv.attention.reference import live_mask
 from jaxkv.cache.geometry import layer_slots
-from jaxkv.cache.storage import quantize, zeroed_buffers, zeroed_states
+from jaxkv.cache.storage import LayerStates, quantize, zeroed_buffers, zeroed_states
 from jaxkv.config import Config
 
 
@@ -70,7 +70,7 @@ from jaxkv.config import Config
                                 "recurrent_states"],
                    meta_fields=["rings", "ring_lookahead"])
 @dataclasses.dataclass(frozen=True)
-class KVCache:
+class KVCache(LayerStates):
     keys: tuple[jax.Array, ...]  # L x [B, K, S, H]; MLA: L x [B, 1, S, R + E], the latent rows
     values: tuple[jax.Array, ...]  # L x [B, K, S, H]; MLA: empty (the values are keys[l][..., :R])
     start: jax.Array  # int32[B]
@@ -132,18 +132,6 @@ class KVCache:
     @property
     def quantized(self) -> bool:
         return bool(self.key_scales)
-
-    def state(self, layer: int):
-        """(conv state [B, U, Y - 1], delta-rule state float32 [B, Hv, Dk, Dv]) of linear layer `layer`."""
-        return self.conv_states[layer], self.recurrent_states[layer]
-
-    def with_state(self, layer: int, conv, recurrent) -> "KVCache":
-        """The cache with linear layer `layer`'s states replaced (cast to the buffers' dtypes)."""
-        conv = conv.astype(self.conv_states[layer].dtype)
-        recurrent = recurrent.astype(self.recurrent_states[layer].dtype)
-        return dataclasses.replace(
-            self, conv_states=self.conv_states[:layer] + (conv,) + self.conv_states[layer + 1:],
-            recurrent_states=self.recurrent_states[:layer] + (recurrent,) + self.recurrent_states[layer + 1:])
 
     def scales(self, layer: int):
         """(key scales, value scales) of `layer`, or (None, None) for an unquantized cache (value scales None for

@@ -38,6 +38,14 @@ per token and layer and no values (its values are the row's first R columns, `ja
 as in the contiguous `KVCache`. `write` then takes v=None. The page bookkeeping (reserve, fork and its
 copy-on-write, release) only ever touches the page table, the counts and whatever pools there are, so it is the
 same for both.
+
+States (hybrid models, `Config.linear_attention`). A linear-attention layer stores no K/V in the pool (its pools
+are [P, 0, page_size, 0] placeholders of no bytes) but a fixed-size state per row, as in `KVCache`:
+`conv_states[l]` [B, U, Y - 1] and `recurrent_states[l]` float32 [B, Hv, Dk, Dv] (empty on the other layers).
+States are rows, not pages: `fork` gathers them with the table rows (each child gets its own copy: a state is a
+few hundred KB per layer and every child's differs after its first token), `release` zeroes them. A state is the
+row's summary up to `lengths[b]` and cannot be rewound, so `rewind` would leave it ahead of the length: the
+speculative loop does not run a hybrid model yet.
 """
 
 from __future__ import annotations
@@ -49,7 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.cache.storage import quantize, zeroed_buffers
+from jaxkv.cache.storage import LayerStates, quantize, zeroed_buffers, zeroed_states
 from jaxkv.config import Config
 
 NO_PAGE = -1
@@ -57,10 +65,10 @@ NO_PAGE = -1
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["keys", "values", "page_table", "lengths", "refcounts", "overflowed", "key_scales",
-                                "value_scales"],
+                                "value_scales", "conv_states", "recurrent_states"],
                    meta_fields=["page_size"])
 @dataclasses.dataclass(frozen=True)
-class PagedKVCache:
+class PagedKVCache(LayerStates):
     keys: tuple[jax.Array, ...]  # L x [P, K, page_size, H]
     values: tuple[jax.Array, ...]  # L x [P, K, page_size, H]; MLA: empty (keys only, module docstring)
     page_table: jax.Array  # int32[B, M]
@@ -69,6 +77,8 @@ class PagedKVCache:
     overflowed: jax.Array  # bool[B]
     key_scales: tuple[jax.Array, ...] = ()  # L x float32[P, K, page_size] for int8/fp8 pools, else empty
     value_scales: tuple[jax.Array, ...] = ()  # empty for int8/fp8 keys-only (MLA) pools too
+    conv_states: tuple[jax.Array, ...] = ()  # hybrid models: L x [B, U, Y - 1] (empty on non-linear layers)
+    recurrent_states: tuple[jax.Array, ...] = ()  # hybrid models: L x float32[B, Hv, Dk, Dv] (likewise)
     page_size: int = 16  # static
 
     @classmethod
@@ -83,13 +93,14 @@ class PagedKVCache:
         an empty [0, K, page_size, H] placeholder (no bytes) and reads its source layer's pools. One page table
         serves every layer: a page index names the same token slots in every pool."""
         keys, values, key_scales, value_scales = zeroed_buffers(config, [
-            (num_pages if config.stores_kv(layer) else 0, config.layer_kv_heads(layer), page_size,
+            (num_pages if config.caches_kv(layer) else 0, config.layer_kv_heads(layer), page_size,
              config.layer_head_dim(layer)) for layer in range(config.n_layers)], dtype)
         M = -(-max_len // page_size)
+        conv_states, recurrent_states = zeroed_states(config, batch)
         return cls(keys=keys, values=values, page_table=jnp.full((batch, M), NO_PAGE, jnp.int32),
                    lengths=jnp.zeros((batch,), jnp.int32), refcounts=jnp.zeros((num_pages,), jnp.int32),
                    overflowed=jnp.zeros((batch,), bool), key_scales=key_scales, value_scales=value_scales,
-                   page_size=page_size)
+                   conv_states=conv_states, recurrent_states=recurrent_states, page_size=page_size)
 
     # --- shapes -------------------------------------------------------------------------------------------------
 
@@ -112,7 +123,7 @@ class PagedKVCache:
 
     @property
     def num_pages(self) -> int:
-        return self.keys[0].shape[0]
+        return self.refcounts.shape[0]  # (not keys[0]'s: a sharing or linear layer's pool is an empty placeholder)
 
     @property
     def capacity(self) -> int:
@@ -127,9 +138,10 @@ class PagedKVCache:
         return self.key_scales[layer], self.value_scales[layer] if self.value_scales else None
 
     def nbytes(self) -> int:
-        """Bytes of the pools (keys, values and scales): what `jaxkv.cache.planner.pool_bytes` predicts."""
-        return sum(a.size * a.dtype.itemsize
-                   for a in (*self.keys, *self.values, *self.key_scales, *self.value_scales))
+        """Bytes of the pools (keys, values and scales) and (hybrid models) the rows' states: what
+        `jaxkv.cache.planner.pool_bytes` predicts (given the rows)."""
+        return self.state_nbytes() + sum(a.size * a.dtype.itemsize
+                                         for a in (*self.keys, *self.values, *self.key_scales, *self.value_scales))
 
     def pages_in_use(self) -> jax.Array:
         """int32[]: pages some sequence holds."""
@@ -239,7 +251,8 @@ class PagedKVCache:
         overflowed = some & self.overflowed[src]
         refcounts = self.count_pages(self.page_table, -1, self.count_pages(table, +1, self.refcounts))
         cache = dataclasses.replace(self, page_table=table, lengths=lengths, overflowed=overflowed,
-                                    refcounts=refcounts)
+                                    refcounts=refcounts, conv_states=_rows(self.conv_states, src, some),
+                                    recurrent_states=_rows(self.recurrent_states, src, some))
         return cache._copy_shared_last_pages()
 
     def _copy_shared_last_pages(self) -> "PagedKVCache":
@@ -284,7 +297,69 @@ class PagedKVCache:
         return dataclasses.replace(self, refcounts=self.count_pages(dropped, -1, self.refcounts),
                                    page_table=jnp.where(rows[:, None], NO_PAGE, self.page_table),
                                    lengths=jnp.where(rows, 0, self.lengths),
-                                   overflowed=jnp.where(rows, False, self.overflowed))
+                                   overflowed=jnp.where(rows, False, self.overflowed),
+                                   conv_states=_rows(self.conv_states, None, ~rows),
+                                   recurrent_states=_rows(self.recurrent_states, None, ~rows))
+
+    # --- rows as batches of their own (the engine's slots and staging rows) -----------------------------------
+
+    def take_rows(self, rows) -> "PagedKVCache":
+        """The rows `rows` (int32[n], -1: an empty row) as a batch of their own over the same pools: their table
+        rows, lengths, overflow flags and states. Use it, then `put_rows` it back."""
+        rows = jnp.asarray(rows, jnp.int32)
+        used = rows >= 0
+        row = jnp.maximum(rows, 0)
+
+        def take(x, empty):
+            return jnp.where(used.reshape((-1,) + (1,) * (x.ndim - 1)), x[row], jnp.asarray(empty, x.dtype))
+
+        return dataclasses.replace(self, page_table=take(self.page_table, NO_PAGE), lengths=take(self.lengths, 0),
+                                   overflowed=take(self.overflowed, False),
+                                   conv_states=tuple(take(x, 0) for x in self.conv_states),
+                                   recurrent_states=tuple(take(x, 0) for x in self.recurrent_states))
+
+    def put_rows(self, rows, sub: "PagedKVCache") -> "PagedKVCache":
+        """`sub` (from `take_rows(rows)`, then used) back: its pools and counts, and its rows into rows `rows`
+        (-1 entries dropped)."""
+        rows = jnp.asarray(rows, jnp.int32)
+        back = jnp.where(rows >= 0, rows, self.batch)  # out of range for empty rows: dropped
+
+        def put(x, new):
+            return x.at[back].set(new, mode="drop")
+
+        return dataclasses.replace(sub, page_table=put(self.page_table, sub.page_table),
+                                   lengths=put(self.lengths, sub.lengths),
+                                   overflowed=put(self.overflowed, sub.overflowed),
+                                   conv_states=tuple(map(put, self.conv_states, sub.conv_states)),
+                                   recurrent_states=tuple(map(put, self.recurrent_states, sub.recurrent_states)))
+
+    def move_rows(self, dst, src) -> "PagedKVCache":
+        """Row dst[i] takes over the sequence of row src[i] (int32[n] each; dst[i] outside [0, B): nothing
+        moves): its table row, length, overflow flag and states move, no page is copied or recounted, and row
+        src[i] empties (as `release` leaves a row). Destinations and sources must be disjoint sets."""
+        dst, src = jnp.asarray(dst, jnp.int32), jnp.asarray(src, jnp.int32)
+        B = self.batch
+        moving = (dst >= 0) & (dst < B)
+        dst = jnp.where(moving, dst, B)
+        src = jnp.clip(src, 0, B - 1)
+        emptied = jnp.where(moving, src, B)
+
+        def move(x, empty):
+            return x.at[dst].set(x[src], mode="drop").at[emptied].set(jnp.asarray(empty, x.dtype), mode="drop")
+
+        return dataclasses.replace(self, page_table=move(self.page_table, NO_PAGE), lengths=move(self.lengths, 0),
+                                   overflowed=move(self.overflowed, False),
+                                   conv_states=tuple(move(x, 0) for x in self.conv_states),
+                                   recurrent_states=tuple(move(x, 0) for x in self.recurrent_states))
+
+    def with_row_states(self, rows, conv, recurrent) -> "PagedKVCache":
+        """The cache with the states of rows `rows` (int32[n]) replaced: per layer conv[l] / recurrent[l] [n, ...]
+        (a `PrefixCache` snapshot a row resumes from)."""
+        rows = jnp.asarray(rows, jnp.int32)
+        return dataclasses.replace(
+            self, conv_states=tuple(x.at[rows].set(new.astype(x.dtype)) for x, new in zip(self.conv_states, conv)),
+            recurrent_states=tuple(x.at[rows].set(new.astype(x.dtype))
+                                   for x, new in zip(self.recurrent_states, recurrent)))
 
     def _row_mask(self, rows) -> jax.Array:
         """bool[B] from a bool mask or row indices (`release`), checked before any compute."""
@@ -327,6 +402,14 @@ class PagedKVCache:
     def _with_layer_scales(self, layer: int, k_scale, v_scale) -> "PagedKVCache":
         return dataclasses.replace(self, key_scales=self._replaced(self.key_scales, layer, k_scale),
                                    value_scales=self._replaced(self.value_scales, layer, v_scale))
+
+
+def _rows(states: tuple, src, keep) -> tuple:
+    """Per layer, the state rows src[i] (None: the rows as they are), zeroed where keep[i] is false."""
+    def pick(x):
+        x = x if src is None else x[src]
+        return jnp.where(keep.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
+    return tuple(map(pick, states))
 
 
 def fork(cache: PagedKVCache, parents) -> PagedKVCache:

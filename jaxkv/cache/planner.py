@@ -310,9 +310,13 @@ def page_bytes(config: Config | CacheGeometry, page_size: int, cache_dtype=None)
     return positive_int("page_size", page_size) * kv_bytes_per_token(config, cache_dtype)
 
 
-def pool_bytes(config: Config | CacheGeometry, *, num_pages: int, page_size: int, cache_dtype=None) -> int:
-    """Bytes of a paged pool of `num_pages` pages (`jaxkv.PagedKVCache.nbytes`)."""
-    return positive_int("num_pages", num_pages) * page_bytes(config, page_size, cache_dtype)
+def pool_bytes(config: Config | CacheGeometry, *, num_pages: int, page_size: int, cache_dtype=None,
+               rows: int = 0) -> int:
+    """Bytes of a paged pool of `num_pages` pages and (hybrid models) the linear layers' states of its `rows`
+    rows (`jaxkv.PagedKVCache.nbytes`; states are per row, not per page)."""
+    rows = 0 if rows == 0 else positive_int("rows", rows)
+    return (positive_int("num_pages", num_pages) * page_bytes(config, page_size, cache_dtype)
+            + rows * state_bytes_per_sequence(config))
 
 
 def pages_for(prompt_len: int, max_new_tokens: int, n: int, page_size: int) -> int:
@@ -338,6 +342,8 @@ class PagePlan:
     num_pages:       the pool allocated: pages_needed rounded up to a power of two, so calls share compiled shapes.
     requested_bytes: pages_needed pages; allocated_bytes: the pool; unshared_bytes: what `batch x n` private
                      sequences of prompt + max_new_tokens tokens would take (`kv_cache_bytes`, no sharing).
+                     A hybrid model's states (`state_bytes_per_sequence`, per row, never shared) are counted in
+                     all three: batch x n rows requested, padded_rows allocated.
     """
 
     batch: int
@@ -383,11 +389,14 @@ def plan_pages(config: Config, prompt_lengths, max_new_tokens: int, *, n: int = 
     needed = sum(pages_for(x, max_new_tokens, n, page_size) for x in lengths)
     num_pages = next_pow2(needed)
     per_page = page_bytes(config, page_size, cache_dtype)
-    unshared = sum(n * (x + max_new_tokens - lookahead) for x in lengths) * kv_bytes_per_token(config, cache_dtype)
+    rows, padded_rows, state = len(lengths) * n, next_pow2(len(lengths) * n), state_bytes_per_sequence(config)
+    unshared = (sum(n * (x + max_new_tokens - lookahead) for x in lengths) * kv_bytes_per_token(config, cache_dtype)
+                + rows * state)
     return PagePlan(batch=len(lengths), n=n, prefill_batch=next_pow2(len(lengths)),
-                    padded_rows=next_pow2(len(lengths) * n), prompt_len=prompt_len, page_size=page_size,
+                    padded_rows=padded_rows, prompt_len=prompt_len, page_size=page_size,
                     max_pages=max_pages, pages_needed=needed, num_pages=num_pages, cache_dtype=cache_dtype,
-                    requested_bytes=needed * per_page, allocated_bytes=num_pages * per_page,
+                    requested_bytes=needed * per_page + rows * state,
+                    allocated_bytes=num_pages * per_page + padded_rows * state,
                     unshared_bytes=unshared)
 
 

@@ -20,6 +20,17 @@ before any compute, naming the pages needed and available.
 
 A prefix cache belongs to one model (config and parameters) and one cache dtype and page size: using it with
 another is a ValueError, since the K/V it holds would be wrong for them.
+
+State snapshots (hybrid models, `Config.linear_attention`). A linear-attention layer's state at a prompt position
+summarizes every token before it, and cannot be recomputed from cached K/V: reusing a prefix's pages also needs
+the state at the prefix's end. So the cache keeps snapshots of the rows' states (every linear layer's conv window
+and delta-rule state: `Config.state_bytes_per_sequence` bytes each, `snapshot_bytes`) at page boundaries every
+`snapshot_interval` tokens of the prompts it prefilled, keyed by the block key of the block ending there, in a store
+of `max_snapshots` slots (least recently used dropped first; a block dropped from the index drops its snapshot).
+A match then ends at the longest cached prefix whose last block has a snapshot (`match_with_state`), and the row
+starts from that snapshot's state: hits land on snapshot boundaries only, the rest is prefilled. A snapshot is
+taken where a prefill chunk ends, so prompts are prefilled in chunks that end on those boundaries (`generate`:
+chunks of exactly the interval; the engine: its chunks cut back to the last boundary they reach).
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import hashlib
 
 import jax
@@ -37,7 +49,10 @@ from jaxkv import checks, sharding
 from jaxkv.cache import planner
 from jaxkv.cache.dtypes import check_cache_dtype
 from jaxkv.cache.paged import PagedKVCache
+from jaxkv.cache.storage import zeroed_states
 from jaxkv.config import Config
+
+DEFAULT_SNAPSHOT_INTERVAL = 128  # tokens (rounded up to whole pages): a hybrid model's snapshot spacing
 
 
 def _block_keys(tokens, page_size: int) -> list[bytes]:
@@ -67,27 +82,58 @@ class PrefixCache:
       mesh: for a `jaxkv.Engine` or paged `jaxkv.generate` on a ("data", "model") mesh (data 1): the pool is
         allocated as theirs is, split over KV heads on "model" (repeated where the axis does not divide them,
         `jaxkv.sharding`). Such a cache serves calls on that mesh only.
+      snapshot_interval: (hybrid models only) tokens between state snapshots, a multiple of page_size (default
+        128 rounded up to whole pages): a hit resumes at the longest such boundary of a cached prefix.
+      max_snapshots: (hybrid models only) snapshots kept, each `snapshot_bytes` (default: one per interval of the
+        pool's pages, so every cached boundary can keep one, but at most as many as fit in the pool's own bytes: a
+        real model's snapshot is tens of MB, hundreds of pages' worth).
     """
 
     def __init__(self, model, *, num_pages: int | None = None, page_size: int = planner.DEFAULT_PAGE_SIZE,
-                 cache_dtype=None, mesh=None):
+                 cache_dtype=None, mesh=None, snapshot_interval: int | None = None,
+                 max_snapshots: int | None = None):
         # A jaxkv.Model by what it holds (a Config and params): the cache package sits below the model and never
         # imports it.
         if not isinstance(getattr(model, "config", None), Config) or not hasattr(model, "params"):
             raise ValueError(f"model must be a jaxkv.Model, got {type(model).__name__}")
         self.config, self._params = model.config, model.params
-        if self.config.linear_attention is not None:
-            raise ValueError("a PrefixCache for a hybrid model (linear_attention layers, e.g. Qwen3-Next) is not "
-                             "supported yet: its prefixes would need the layers' states too")
+        self.hybrid = self.config.linear_attention is not None
+        if self.hybrid and mesh is not None:
+            raise ValueError("a PrefixCache on a mesh with a hybrid model (linear_attention layers, e.g. "
+                             "Qwen3-Next) is not supported yet")
+        if not self.hybrid and (snapshot_interval is not None or max_snapshots is not None):
+            raise ValueError("snapshot_interval and max_snapshots are for hybrid models (linear_attention layers, "
+                             "whose prefixes need their states): this model caches K/V only")
         self.page_size = checks.check_int("page_size", page_size, 1)
         if num_pages is None:
             num_pages = 4 * -(-model.config.max_positions // self.page_size)
         self.num_pages = checks.check_int("num_pages", num_pages, 1)
+        self.snapshot_interval = self.max_snapshots = 0
+        if self.hybrid:
+            interval = DEFAULT_SNAPSHOT_INTERVAL if snapshot_interval is None else checks.check_int(
+                "snapshot_interval", snapshot_interval, 1)
+            if snapshot_interval is not None and interval % self.page_size:
+                raise ValueError(f"snapshot_interval={interval} must be a multiple of page_size={self.page_size}: "
+                                 f"snapshots are taken at page boundaries")
+            self.snapshot_interval = -(-interval // self.page_size) * self.page_size
+            if max_snapshots is None:  # one per interval of the pool's pages, in at most the pool's bytes
+                pool = planner.pool_bytes(self.config, num_pages=self.num_pages, page_size=self.page_size,
+                                          cache_dtype=cache_dtype)
+                max_snapshots = max(1, min(self.num_pages * self.page_size // self.snapshot_interval,
+                                           pool // self.config.state_bytes_per_sequence()))
+            self.max_snapshots = checks.check_int("max_snapshots", max_snapshots, 1)
         self.cache_dtype = check_cache_dtype(model.config.dtype if cache_dtype is None else cache_dtype)
         self.mesh = None if mesh is None else sharding.check_paged_mesh(mesh)
         self._run_config = model.config if mesh is None else sharding.check_config(model.config, self.mesh)
         self._pools = self._empty_pools()
         self._index: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # key -> page, LRU first
+        # Hybrid models: the snapshot store (per layer [N, ...] state rows, `zeroed_states`) and its index,
+        # block key -> slot, least recently used first.
+        self._snapshots = self._empty_snapshots()
+        self._snapshot_index: collections.OrderedDict[bytes, int] = collections.OrderedDict()
+        # Inside a `transaction`: the snapshots taken so far, (keys, (conv, recurrent) rows), stored only when the
+        # call succeeds (the store is donated as it is written, so a failed call could not be undone otherwise).
+        self._pending: list | None = None
         self.lent_to = None  # the `jaxkv.Engine` running in this pool now, if any (it holds the pool meanwhile)
 
     def _empty_pools(self) -> "_Pools":
@@ -100,6 +146,11 @@ class PrefixCache:
             # so fresh arrays here would make every program compile twice (first use, then every later one).
             empty = jax.device_put(empty, jax.local_devices()[0])
         return _Pools.of(empty)
+
+    def _empty_snapshots(self):
+        if not self.hybrid:
+            return (), ()
+        return jax.device_put(zeroed_states(self._run_config, self.max_snapshots), jax.local_devices()[0])
 
     # --- what generate asks of it -------------------------------------------------------------------------------
 
@@ -130,17 +181,32 @@ class PrefixCache:
         page whose K/V never reached the pool. If the pool itself was lost (donated to a program that failed),
         the cache starts empty: every entry it keeps is always complete and valid."""
         index, pools = collections.OrderedDict(self._index), self._pools
+        snapshot_index = collections.OrderedDict(self._snapshot_index)
+        self._pending = []
         try:
             yield
         except BaseException:
             if any(leaf.is_deleted() for leaf in jax.tree.leaves(pools.arrays())):
-                index, pools = collections.OrderedDict(), self._empty_pools()
-            self._index, self._pools = index, pools
+                index, pools, snapshot_index = collections.OrderedDict(), self._empty_pools(), collections.OrderedDict()
+            self._index, self._pools, self._snapshot_index = index, pools, snapshot_index
             raise
+        else:
+            for keys, states in self._pending:
+                self._store(keys, states)
+        finally:
+            self._pending = None
 
     def match(self, tokens) -> list[int]:
         """The cached pages of the longest whole-page prefix of `tokens` (leaving at least one token), marked
-        recently used, last block first."""
+        recently used, last block first. A hybrid model's: only up to the last block with a state snapshot
+        (`match_with_state`)."""
+        return self.match_with_state(tokens)[0]
+
+    def match_with_state(self, tokens) -> tuple[list[int], int]:
+        """(`match`'s pages, the snapshot slot of the state after them, -1 for none). For a model without linear
+        layers every cached prefix is usable (slot -1); for a hybrid model the match is cut back to the longest
+        one whose last block has a snapshot (none: no pages), whose state the row then starts from
+        (`snapshot_rows`)."""
         keys = _block_keys(tokens[:len(tokens) - 1], self.page_size)
         pages = []
         for key in keys:
@@ -148,9 +214,16 @@ class PrefixCache:
             if page is None:
                 break
             pages.append(page)
+        slot = -1
+        if self.hybrid:
+            usable = [k for k in range(len(pages)) if keys[k] in self._snapshot_index]
+            pages = pages[:usable[-1] + 1] if usable else []
+            if pages:
+                slot = self._snapshot_index[keys[len(pages) - 1]]
+                self._snapshot_index.move_to_end(keys[len(pages) - 1])
         for key in reversed(keys[:len(pages)]):  # later blocks are evicted before the prefix they extend
             self._index.move_to_end(key)
-        return pages
+        return pages, slot
 
     def make_room(self, needed: int, keep: set[int]):
         """Drops least recently used cached blocks (never pages in `keep`, which this call holds) until `needed`
@@ -191,8 +264,70 @@ class PrefixCache:
         return victims, free
 
     def _drop(self, keys: list[bytes]) -> list[int]:
-        """Removes `keys` from the index -> their pages."""
+        """Removes `keys` from the index (and their snapshots, which no match could reach any more) -> their
+        pages."""
+        for key in keys:
+            self._snapshot_index.pop(key, None)
         return [self._index.pop(key) for key in keys]
+
+    # --- state snapshots (hybrid models) ------------------------------------------------------------------------
+
+    def snapshot_keys(self, tokens, start: int, end: int) -> list[tuple[int, bytes]]:
+        """(position, block key) of each snapshot boundary of `tokens` in (start, end]: the multiples of
+        `snapshot_interval` there (none for a model without linear layers)."""
+        if not self.hybrid:
+            return []
+        I = self.snapshot_interval
+        keys = _block_keys(tokens[:end], self.page_size)
+        return [(p, keys[p // self.page_size - 1]) for p in range(-(-(start + 1) // I) * I, end + 1, I)]
+
+    def take_snapshots(self, cache: PagedKVCache, taken: list[tuple[int, bytes]]):
+        """Copies the states of rows of `cache` into the store, one snapshot per (row, block key) of `taken` (a
+        key already stored is only marked used); the least recently used snapshots make room. Inside a
+        `transaction` (a `generate` call) they are stored when it succeeds, and a failed call stores none."""
+        if not taken:
+            return
+        rows = jnp.asarray([row for row, _ in taken], jnp.int32)
+        states = _gather_rows((cache.conv_states, cache.recurrent_states), rows)
+        keys = [key for _, key in taken]
+        if self._pending is None:
+            self._store(keys, states)
+        else:
+            self._pending.append((keys, states))
+
+    def _store(self, keys: list[bytes], states):
+        """Row i of `states` (per layer [n, ...] rows) becomes the snapshot of keys[i]."""
+        rows, slots = [], []
+        for row, key in enumerate(keys):
+            if key in self._snapshot_index:
+                self._snapshot_index.move_to_end(key)
+                continue
+            if len(self._snapshot_index) < self.max_snapshots:
+                used = set(self._snapshot_index.values())
+                slot = next(s for s in range(self.max_snapshots) if s not in used)
+            else:
+                _, slot = self._snapshot_index.popitem(last=False)
+            self._snapshot_index[key] = slot
+            rows.append(row)
+            slots.append(slot)
+        if rows:
+            self._snapshots = _store_rows(self._snapshots, states, jnp.asarray(rows, jnp.int32),
+                                          jnp.asarray(slots, jnp.int32))
+
+    def snapshot_rows(self, slots):
+        """(conv states, recurrent states): per layer the store's rows `slots` (int32[n], -1: a fresh, zeroed
+        state), a batch of n rows to start sequences from."""
+        slots = jnp.asarray(slots, jnp.int32)
+        return _gather_rows(self._snapshots, slots)
+
+    @property
+    def cached_snapshots(self) -> int:
+        return len(self._snapshot_index)
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """Bytes of one snapshot: every linear layer's state of one sequence (0 for a model without any)."""
+        return self.config.state_bytes_per_sequence()
 
     def remember(self, prompts, tables, cache: PagedKVCache) -> PagedKVCache:
         """After a prefill: the index takes a reference on every whole page of each prompt (`tables[b]` its page
@@ -218,16 +353,20 @@ class PrefixCache:
                 self._index.move_to_end(key)
         return pages
 
-    def cache(self, page_table, lengths) -> PagedKVCache:
+    def cache(self, page_table, lengths, snapshots=None) -> PagedKVCache:
         """A `PagedKVCache` over this pool for sequences with `page_table` / `lengths` (numpy); the rows' own
-        references are added to the counts. The pool moves into the returned cache (it may be donated): give it
-        back with `store`."""
+        references are added to the counts. A hybrid model's rows start from the states of the snapshot slots
+        `snapshots` (int32[B], -1 or None: zeroed, a fresh sequence). The pool moves into the returned cache (it
+        may be donated): give it back with `store`."""
         p = self._pools
         table = jnp.asarray(page_table, jnp.int32)
+        B = table.shape[0]
+        conv, recurrent = self.snapshot_rows(np.full((B,), -1, np.int32) if snapshots is None else snapshots)
         cache = PagedKVCache(keys=p.keys, values=p.values, page_table=table,
                              lengths=jnp.asarray(lengths, jnp.int32), refcounts=p.refcounts,
                              overflowed=jnp.zeros(table.shape[:1], bool), key_scales=p.key_scales,
-                             value_scales=p.value_scales, page_size=self.page_size)
+                             value_scales=p.value_scales, conv_states=conv, recurrent_states=recurrent,
+                             page_size=self.page_size)
         return dataclasses.replace(cache, refcounts=cache.count_pages(table, +1, cache.refcounts))
 
     def store(self, cache: PagedKVCache):
@@ -249,8 +388,22 @@ class PrefixCache:
         return int((np.asarray(self._pools.refcounts) == 0).sum())
 
     def nbytes(self) -> int:
+        """The pool's bytes and (hybrid models) the snapshot store's (`max_snapshots` x `snapshot_bytes`)."""
         return planner.pool_bytes(self.config, num_pages=self.num_pages, page_size=self.page_size,
-                                 cache_dtype=self.cache_dtype)
+                                  cache_dtype=self.cache_dtype) + self.max_snapshots * self.snapshot_bytes
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _store_rows(store, states, rows, slots):
+    """store[l][slots[i]] = states[l][rows[i]] for both kinds of state, every layer (the store donated)."""
+    return jax.tree.map(lambda s, x: s.at[slots].set(x[rows].astype(s.dtype)), store, states)
+
+
+@jax.jit
+def _gather_rows(store, slots):
+    used = slots >= 0
+    return jax.tree.map(lambda s: jnp.where(used.reshape((-1,) + (1,) * (s.ndim - 1)), s[jnp.maximum(slots, 0)],
+                                            jnp.zeros((), s.dtype)), store)
 
 
 @dataclasses.dataclass(frozen=True)

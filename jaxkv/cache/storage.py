@@ -8,6 +8,8 @@ Both the contiguous and the paged cache allocate and write through here.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 
 from jaxkv.cache.dtypes import QUANTIZED, check_cache_dtype
@@ -49,6 +51,45 @@ def zeroed_states(config: Config, batch: int):
                                 if config.layer_is_linear(layer) else (batch, 0, 0, 0), jnp.float32)
                       for layer in range(config.n_layers))
     return conv, recurrent
+
+
+class LayerStates:
+    """What a cache holding hybrid models' states (`conv_states`, `recurrent_states`: per layer a [B, ...] row per
+    sequence, empty on non-linear layers) reads and writes them with; mixed into `KVCache` and `PagedKVCache`,
+    whose rows they follow (a paged cache's fork gathers them, its release zeroes them)."""
+
+    def state(self, layer: int):
+        """(conv state [B, U, Y - 1], delta-rule state float32 [B, Hv, Dk, Dv]) of linear layer `layer`."""
+        return self.conv_states[layer], self.recurrent_states[layer]
+
+    def with_state(self, layer: int, conv, recurrent):
+        """The cache with linear layer `layer`'s states replaced (cast to the buffers' dtypes)."""
+        conv = conv.astype(self.conv_states[layer].dtype)
+        recurrent = recurrent.astype(self.recurrent_states[layer].dtype)
+        return dataclasses.replace(
+            self, conv_states=self.conv_states[:layer] + (conv,) + self.conv_states[layer + 1:],
+            recurrent_states=self.recurrent_states[:layer] + (recurrent,) + self.recurrent_states[layer + 1:])
+
+    def keep_step_states(self, steps: dict, kept):
+        """The cache with each row's states set to those after its first kept[b] tokens of a speculative verify
+        (`steps`: {linear layer: (conv [B, T, U, Y - 1], float32 [B, T, Hv, Dk, Dv])}, the states after each of
+        its T tokens, `Decoder`'s step_states; kept int32[B] or a scalar). A row keeping 0 keeps its state as it
+        is. A state cannot be rewound as a K/V slot can, so this is what rewinding the length needs beside it."""
+        kept = jnp.broadcast_to(jnp.asarray(kept, jnp.int32), self.conv_states[0].shape[:1])
+        index = jnp.maximum(kept - 1, 0)
+        cache = self
+        for layer, (conv, recurrent) in steps.items():
+            def pick(steps_of, now):
+                at = jnp.take_along_axis(steps_of, index.reshape((-1, 1) + (1,) * (steps_of.ndim - 2)), axis=1)[:, 0]
+                return jnp.where((kept > 0).reshape((-1,) + (1,) * (now.ndim - 1)), at.astype(now.dtype), now)
+
+            now_conv, now_recurrent = cache.state(layer)
+            cache = cache.with_state(layer, pick(conv, now_conv), pick(recurrent, now_recurrent))
+        return cache
+
+    def state_nbytes(self) -> int:
+        """Bytes of the states (0 for a model without linear layers)."""
+        return sum(a.size * a.dtype.itemsize for a in (*self.conv_states, *self.recurrent_states))
 
 
 def quantize(x, cache_dtype: str):

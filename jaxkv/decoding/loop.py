@@ -416,8 +416,11 @@ def speculative_loop(params, cache: KVCache, logits, key, sampler, stop_ids, don
             proposals, q, draft = _draft_chain(draft_params, draft, state.last, draft_key, sampler,
                                                config=draft_config, attention=attention, k=k)
         inputs = jnp.concatenate([state.last[:, None], proposals], axis=1)  # [B, k + 1]
+        hybrid = config.linear_attention is not None  # its states after each position: the kept one is restored
         logits, cache, *hidden = programs.forward(params, inputs, s.cache, config=config, attention=attention,
-                                                  active=running if paged else None, return_hidden=mtp)
+                                                  active=running if paged else None, return_hidden=mtp,
+                                                  step_states=hybrid)
+        after_each = hidden.pop() if hybrid else None
         if s.grammar is not None:  # each position's logits under its constraint's mask, proposals included
             logits = constraint_mask.apply(logits, s.grammar.draft_masks(proposals))
         out = speculation.verify(logits, proposals, verify_key, sampler, q=q, top=logprobs)
@@ -445,6 +448,8 @@ def speculative_loop(params, cache: KVCache, logits, key, sampler, stop_ids, don
 
         # The kept slots: the last token and the kept proposals (a row that stopped keeps those before its stop,
         # as a plain step stores every token but the stop). A paged row gives back the pages past them.
+        if hybrid:
+            cache = cache.keep_step_states(after_each, count if paged else m + 1)
         cache = (cache.rewind(written + count) if paged
                  else dataclasses.replace(cache, length=written + m + 1))
         base = s.replace(key=key, cache=cache, done=s.done | ended, grammar=grammar,

@@ -80,8 +80,10 @@ class MtpModule(nn.Module):
     def __call__(self, embedded, hidden, positions, cache, prefill: bool, attention: str):
         cfg = self.config
         D, T = cfg.d_model, positions.shape[1]
-        # vLLM's reading of DeepSeek's code: position 0 (h_0 of the first token) takes no token embedding
-        embedded = jnp.where((positions == 0)[..., None], jnp.zeros((), embedded.dtype), embedded)
+        if cfg.mla is not None:
+            # vLLM's reading of DeepSeek's code: position 0 (h_0 of the first token) takes no token embedding
+            # (DeepSeek's modules are the latent-attention ones; Qwen3-Next's, vLLM's qwen3_next_mtp, do not zero it)
+            embedded = jnp.where((positions == 0)[..., None], jnp.zeros((), embedded.dtype), embedded)
         x = jnp.concatenate([Norm(cfg, name="enorm")(embedded), Norm(cfg, name="hnorm")(hidden)], axis=-1)
         w = self.param("eh_proj", fan_in_init(2 * D), (D, 2 * D), jnp.dtype(cfg.dtype))  # [out, in]
         x = linear(x, w, out_in=True)  # [B, T, 2D] -> [B, T, D]

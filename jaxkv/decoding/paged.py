@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import checks, sharding
@@ -125,8 +126,11 @@ def _prefill(params, token_lists, parents, pages, prefix_cache, *, config, atten
     prompts' pages), its rows forked by `parents` -> (float32[R, V] logits, the cache, the tokens each prompt
     found cached, the right-padded prompt tokens)."""
     hits = [[] for _ in token_lists]  # cached pages of each prompt's prefix
+    snapshots = np.full((pages.prefill_batch,), -1, np.int32)  # a hybrid model's: the state each hit resumes
     if prefix_cache is not None:
-        hits = [prefix_cache.match(p) for p in token_lists]
+        matched = [prefix_cache.match_with_state(p) for p in token_lists]
+        hits = [pages for pages, _ in matched]
+        snapshots[:len(matched)] = [slot for _, slot in matched]
         # The pages this call adds: everything the plan counts but the prefix pages it reuses.
         prefix_cache.make_room(pages.pages_needed - sum(map(len, hits)), keep={p for h in hits for p in h})
     hit = [len(h) * page_size for h in hits]  # tokens found in the cache
@@ -143,12 +147,44 @@ def _prefill(params, token_lists, parents, pages, prefix_cache, *, config, atten
             table[b, :len(h)] = h
         lengths = np.zeros((pages.prefill_batch,), np.int32)
         lengths[:len(hit)] = hit
-        logits, prefilled, cache = programs.prefill_suffix(
-            params, jax.device_put(tokens), jax.device_put(positions), prefix_cache.cache(table, lengths),
-            jax.device_put(parents), config=config, attention=attention, mesh=mesh)
+        if prefix_cache.hybrid:
+            logits, prefilled, cache = _prefill_snapshotting(params, token_lists, hit, parents, prefix_cache,
+                                                             prefix_cache.cache(table, lengths, snapshots),
+                                                             config=config, attention=attention)
+        else:
+            logits, prefilled, cache = programs.prefill_suffix(
+                params, jax.device_put(tokens), jax.device_put(positions), prefix_cache.cache(table, lengths),
+                jax.device_put(parents), config=config, attention=attention, mesh=mesh)
         cache = prefix_cache.remember(token_lists, np.asarray(prefilled), cache)
     logits.block_until_ready()
     return logits, cache, hit, tokens
+
+
+def _prefill_snapshotting(params, token_lists, hit, parents, prefix_cache, cache, *, config, attention):
+    """A hybrid model's prefill after its prefix-cache hits (each row resuming at `hit[b]`, a snapshot boundary,
+    from that snapshot's state): the prompts in chunks of the snapshot interval, each chunk ending on a boundary,
+    where the rows' states are snapshotted (`PrefixCache.take_snapshots`) -> (float32[R, V] logits of the rows
+    forked by `parents`, the prefilled page table, the forked cache)."""
+    interval = prefix_cache.snapshot_interval
+    B = cache.batch
+    logits = None
+    for c in range(-(-max(len(p) - h for p, h in zip(token_lists, hit)) // interval)):
+        starts = [h + c * interval for h in hit]
+        tokens = np.zeros((B, interval), np.int32)
+        positions = np.full((B, interval), -1, np.int32)
+        for b, (p, start) in enumerate(zip(token_lists, starts)):
+            chunk = p[start:start + interval]
+            tokens[b, :len(chunk)], positions[b, :len(chunk)] = chunk, np.arange(start, start + len(chunk))
+        chunk_logits, cache = programs.prefill_chunk(params, jax.device_put(tokens), jax.device_put(positions),
+                                                     cache, config=config, attention=attention)
+        ends = np.zeros((B,), bool)  # rows whose last prompt token is in this chunk: their logits are final
+        ends[:len(token_lists)] = [start < len(p) <= start + interval for p, start in zip(token_lists, starts)]
+        logits = chunk_logits if logits is None else jnp.where(jnp.asarray(ends)[:, None], chunk_logits, logits)
+        prefix_cache.take_snapshots(cache, [(b, key) for b, (p, start) in enumerate(zip(token_lists, starts))
+                                            for _, key in prefix_cache.snapshot_keys(p, start, min(len(p),
+                                                                                                   start + interval))])
+    prefilled = cache.page_table
+    return logits[jnp.maximum(jnp.asarray(parents), 0)], prefilled, programs.fork(cache, jax.device_put(parents))
 
 
 def _pool_stats(config, token_lists, n, page_size, cache_dtype, pages, prefix_cache, peak, hit) -> dict:
@@ -158,7 +194,9 @@ def _pool_stats(config, token_lists, n, page_size, cache_dtype, pages, prefix_ca
         "n": n, "page_size": page_size,
         "num_pages": pages.num_pages if prefix_cache is None else prefix_cache.num_pages,
         # Pages held at the end (with a prefix cache: also the cached prefixes that other calls left).
-        "pages_in_use_peak": peak, "kv_bytes_in_use_peak": peak * memory.page_bytes(config, page_size, cache_dtype),
+        # (and a hybrid model's states: one per row, never shared)
+        "pages_in_use_peak": peak, "kv_bytes_in_use_peak": peak * memory.page_bytes(config, page_size, cache_dtype)
+        + len(token_lists) * n * memory.state_bytes_per_sequence(config),
         # What batch x n private contiguous sequences of prompt + max_new_tokens tokens would need.
         "kv_cache_bytes_unshared": pages.unshared_bytes,
         "prefix_hit_tokens": int(sum(hit)),

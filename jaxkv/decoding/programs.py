@@ -17,17 +17,32 @@ from jaxkv.cache.paged import PagedKVCache
 from jaxkv.model import Decoder
 
 
+def apply(params, tokens, positions, cache, *, config, mesh=None, step_states=False, **kwargs) -> tuple:
+    """`Decoder(config, mesh).apply` -> its outputs as a tuple; with `step_states` (a hybrid model's verify) a
+    last one: {linear layer: (conv [B, T, U, Y - 1], float32 [B, T, Hv, Dk, Dv])}, the states after each token
+    (for `LayerStates.keep_step_states`)."""
+    decoder = Decoder(config, mesh)
+    if not step_states:
+        return tuple(decoder.apply({"params": params}, tokens, positions, cache, **kwargs))
+    out, sown = decoder.apply({"params": params}, tokens, positions, cache, step_states=True,
+                              mutable=["intermediates"], **kwargs)
+    sown = sown["intermediates"]
+    return tuple(out) + ({layer: sown[f"layer_{layer}"]["linear_attn"]["step_states"][0]
+                          for layer in config.linear_layers},)
+
+
 def forward(params, tokens, cache, *, config, attention, prefill=False, last_only=False, mesh=None, active=None,
-            return_hidden=False):
+            return_hidden=False, step_states=False):
     """tokens int32[B, T] into the cache -> (float32[B, T or 1, V], cache), and with `return_hidden` the hidden
-    states [B, T, D] the head read (`Decoder`). With a mesh, the cache keeps its (data, model) sharding (a
-    constraint on the way out, so SPMD propagation cannot choose to gather it). `active` (bool[B], paged caches):
-    rows that store their tokens; the others are padding, so a finished sequence takes no more pages."""
+    states [B, T, D] the head read (`Decoder`), with `step_states` a hybrid model's states after each token
+    (`apply`). With a mesh, the cache keeps its (data, model) sharding (a constraint on the way out, so SPMD
+    propagation cannot choose to gather it). `active` (bool[B], paged caches): rows that store their tokens; the
+    others are padding, so a finished sequence takes no more pages."""
     positions = cache.positions(tokens.shape[1])
     if active is not None:
         positions = jnp.where(active[:, None], positions, -1)
-    out = Decoder(config, mesh).apply({"params": params}, tokens, positions, cache, prefill=prefill,
-                                      last_only=last_only, attention=attention, return_hidden=return_hidden)
+    out = apply(params, tokens, positions, cache, config=config, mesh=mesh, step_states=step_states,
+                prefill=prefill, last_only=last_only, attention=attention, return_hidden=return_hidden)
     return (out[0], sharding.constrain_cache(out[1], mesh)) + tuple(out[2:])
 
 
@@ -116,6 +131,23 @@ def prefill_paged(params, tokens, positions, parents, *, config, attention, num_
     logits, cache = Decoder(config, mesh).apply({"params": params}, tokens, positions, cache, prefill=True,
                                                 last_only=True, attention=attention)
     return logits[jnp.maximum(parents, 0), 0], sharding.constrain_cache(cache.fork(parents), mesh)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "attention"))
+def prefill_chunk(params, tokens, positions, cache, *, config, attention):
+    """One right-padded prompt chunk per row (positions -1 after each, or all -1: the row takes no part) continuing
+    the rows of a paged cache (`Decoder`'s `chunk`) -> (float32[B, V] each row's last real token's logits, the
+    cache). A hybrid model's prefix-cache prefill runs its prompts as a series of these, so that a chunk ends at
+    every state-snapshot boundary (`jaxkv.cache.prefix`)."""
+    logits, cache = Decoder(config).apply({"params": params}, tokens, positions, cache, last_only=True,
+                                          attention=attention, chunk=True)
+    return logits[:, 0], cache
+
+
+@jax.jit
+def fork(cache: PagedKVCache, parents):
+    """`cache.fork(parents)`, compiled."""
+    return cache.fork(parents)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "attention", "mesh"))

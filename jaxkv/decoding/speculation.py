@@ -110,6 +110,10 @@ class Speculation:
             if self.draft.config.vocab_size != model.config.vocab_size:
                 raise ValueError(f"the draft model's vocabulary ({self.draft.config.vocab_size} ids) differs from "
                                  f"the target's ({model.config.vocab_size})")
+            if self.draft.config.linear_attention is not None:
+                # its rejected proposals would stay in its states: it rewinds by its length only
+                raise ValueError("a hybrid draft model (linear_attention layers) is not supported yet: use an "
+                                 "all-attention draft, or method 'ngram'")
         if self.method == "mtp":
             if getattr(model, "mtp", None) is None:
                 raise ValueError("Speculation('mtp') needs a checkpoint with multi-token-prediction layers "

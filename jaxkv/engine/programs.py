@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxkv import sharding
-from jaxkv.cache.paged import NO_PAGE, PagedKVCache
+from jaxkv.cache.paged import PagedKVCache
 from jaxkv.decoding import processing, programs, step
 from jaxkv.decoding.request import MAX_TOP_LOGPROBS, STOP_ID_SLOTS
 from jaxkv.model import Decoder
@@ -93,12 +93,9 @@ def _free_pages(state: State) -> jax.Array:
 
 
 def rows_of(cache: PagedKVCache, rows) -> PagedKVCache:
-    """The cache's rows `rows` (int32[n], -1: an empty row) as a batch of their own over the same pools."""
-    used = rows >= 0
-    row = jnp.maximum(rows, 0)
-    return dataclasses.replace(cache, page_table=jnp.where(used[:, None], cache.page_table[row], NO_PAGE),
-                               lengths=jnp.where(used, cache.lengths[row], 0),
-                               overflowed=jnp.where(used, cache.overflowed[row], False))
+    """The cache's rows `rows` (int32[n], -1: an empty row) as a batch of their own over the same pools
+    (`PagedKVCache.take_rows`: tables, lengths, flags and a hybrid model's states)."""
+    return cache.take_rows(rows)
 
 
 def draft_rows(draft: PagedKVCache, sub: PagedKVCache, lengths=None) -> PagedKVCache:
@@ -118,23 +115,23 @@ def draft_pools(draft: PagedKVCache, view: PagedKVCache) -> PagedKVCache:
 
 
 def put_rows(cache: PagedKVCache, rows, sub: PagedKVCache) -> PagedKVCache:
-    """`sub` (from `rows_of(cache, rows)`, then used) back into the cache: its pools and counts, its rows' tables."""
-    back = jnp.where(rows >= 0, rows, cache.batch)  # out of range for empty rows: dropped
-    return dataclasses.replace(sub, page_table=cache.page_table.at[back].set(sub.page_table, mode="drop"),
-                               lengths=cache.lengths.at[back].set(sub.lengths, mode="drop"),
-                               overflowed=cache.overflowed.at[back].set(sub.overflowed, mode="drop"))
+    """`sub` (from `rows_of(cache, rows)`, then used) back into the cache: its pools and counts, its rows."""
+    return cache.put_rows(rows, sub)
 
 
 @functools.partial(jax.jit, static_argnames=("mesh",), donate_argnames=("state",))
-def admit(state: State, row, table_row, length, penalties, *, mesh=None):
+def admit(state: State, row, table_row, length, penalties, states=None, *, mesh=None):
     """A request into staging row `row` of the cache: its page-table row holds the pages of its cached prefix
     (`length` slots), each taking a reference. `penalties`: its `Penalties` (one row), its prompt unmarked (see
-    `mark_prompt`)."""
+    `mark_prompt`). `states`: a hybrid model's (conv, recurrent) state rows [1, ...] per layer to resume from (the
+    prefix cache's snapshot at `length`, zeros without a hit); None: the row's own (zeroed at its release)."""
     cache = state.cache
     cache = dataclasses.replace(cache, page_table=cache.page_table.at[row].set(table_row),
                                 lengths=cache.lengths.at[row].set(length),
                                 overflowed=cache.overflowed.at[row].set(False),
                                 refcounts=cache.count_pages(table_row, +1, cache.refcounts))
+    if states is not None:
+        cache = cache.with_row_states(row[None], *states)
     j = row - state.logits.shape[0]
     staged = state.staged_processing
     staged = staged.replace(penalties=jax.tree.map(lambda all_rows, one: all_rows.at[j].set(one[0]),
@@ -215,17 +212,10 @@ def shift_slots(state: State, shifts) -> State:
     per-slot state move (no page is copied or recounted) and the source slot empties. Destinations are free slots
     and sources decoding ones (the host's compaction), so the two sets are disjoint."""
     S = state.logits.shape[0]
-    cache = state.cache
     moving = shifts >= 0
     src = jnp.maximum(shifts, 0)
-    dst = jnp.where(moving, jnp.arange(S, dtype=jnp.int32), cache.batch)  # dropped where nothing moves
-    emptied = jnp.where(moving, src, cache.batch)
-    cache = dataclasses.replace(
-        cache, page_table=cache.page_table.at[dst].set(cache.page_table[src], mode="drop")
-        .at[emptied].set(NO_PAGE, mode="drop"),
-        lengths=cache.lengths.at[dst].set(cache.lengths[src], mode="drop").at[emptied].set(0, mode="drop"),
-        overflowed=cache.overflowed.at[dst].set(cache.overflowed[src], mode="drop").at[emptied].set(False,
-                                                                                                    mode="drop"))
+    emptied = jnp.where(moving, src, S)
+    cache = state.cache.move_rows(jnp.where(moving, jnp.arange(S, dtype=jnp.int32), -1), src)
 
     def pick(x):
         return jnp.where(moving.reshape((S,) + (1,) * (x.ndim - 1)), x[src], x)
@@ -247,16 +237,9 @@ def move_in(state: State, moves, keys, sampler: Sampler, stop_ids, budget, top, 
     `grammar`: (int32[S, ceil(V / 32)] the first token's masks, bool[S] constrained) of the slots moved into
     (None: the engine has no masks)."""
     S = state.logits.shape[0]
-    cache = state.cache
     moving = moves >= 0
-    src = S + jnp.maximum(moves, 0)  # cache row of the staging row
-    dst = jnp.where(moving, jnp.arange(S, dtype=jnp.int32), cache.batch)  # dropped where nothing moves
-    table = cache.page_table.at[dst].set(cache.page_table[src], mode="drop")
-    lengths = cache.lengths.at[dst].set(cache.lengths[src], mode="drop")
-    overflowed = cache.overflowed.at[dst].set(cache.overflowed[src], mode="drop")
-    emptied = jnp.where(moving, src, cache.batch)
-    cache = dataclasses.replace(cache, page_table=table.at[emptied].set(NO_PAGE, mode="drop"),
-                                lengths=lengths.at[emptied].set(0, mode="drop"), overflowed=overflowed)
+    # the staging row's cache row moves to the slot (tables, lengths, states); the staging row empties
+    cache = state.cache.move_rows(jnp.where(moving, jnp.arange(S, dtype=jnp.int32), -1), S + jnp.maximum(moves, 0))
 
     def pick(new, old):
         return jnp.where(moving.reshape((S,) + (1,) * (old.ndim - 1)), new, old)

@@ -83,7 +83,7 @@ class Engine:
         if not isinstance(model, Model):
             raise ValueError(f"model must be a jaxkv.Model, got {type(model).__name__}")
         config = model.config
-        request.refuse_hybrid(config, "the engine")
+        request.refuse_hybrid(config, *(["the engine's mesh"] if mesh is not None else []))
         self.model, self.config = model, config
         self.mesh = None if mesh is None else sharding.check_paged_mesh(mesh)  # data 1: run one engine per shard
         self._params, self._run_config = model.params, config
@@ -146,6 +146,8 @@ class Engine:
             self.decode_widths = widths
         self.attention = request.attention(config, attention, paged=True)  # MLA: "xla" (no paged kernel)
         self.prefix_cache = prefix_cache
+        # a hybrid model's prefix cache keeps state snapshots where prompt chunks end (`jaxkv.cache.prefix`)
+        self._snapshotting = prefix_cache is not None and prefix_cache.hybrid
         self._state: programs.State | None = None  # allocated on first use
         self._free = self.num_pages  # free pages as of the last dispatch
         self._requests: dict[int, Request] = {}  # unfinished, by id
@@ -492,7 +494,8 @@ class Engine:
         """Waiting requests, in submission order, into free staging rows while the pool holds their worst case."""
         while self._waiting and None in self._staging:
             req = self._requests[self._waiting[0]]
-            hits = self.prefix_cache.match(req.prompt) if self.prefix_cache is not None else []
+            hits, snapshot = self.prefix_cache.match_with_state(req.prompt) if self.prefix_cache is not None \
+                else ([], -1)
             need = req.pages - len(hits)
             room = self._free - self._pending_pages()
             if room < need and self.prefix_cache is not None:
@@ -514,8 +517,10 @@ class Engine:
             req.cached = req.written = len(hits) * self.page_size
             req.hit_pages = tuple(hits)
             self._staging[j] = req.id
+            # a hybrid model resumes from the state snapshot at the end of its hit (zeros without one)
+            states = self.prefix_cache.snapshot_rows(np.array([snapshot], np.int32)) if self._snapshotting else None
             self._state, free = programs.admit(self._state, np.int32(req.row), table, np.int32(req.written),
-                                               req.penalties, mesh=self.mesh)
+                                               req.penalties, states, mesh=self.mesh)
             self._free = int(free)
             if req.penalties.repetition[0] != 1.0:  # it penalizes its prompt's tokens too
                 self._state = programs.mark_prompt(self._state, np.int32(req.row), padded(req.prompt, self.max_len),
@@ -553,7 +558,11 @@ class Engine:
             np.zeros((R,), np.int32)
         nexts = np.full((R, C), -1, np.int32)
         for j, req in enumerate(prefilling[:R]):
-            chunk = req.prompt[req.written:req.written + C]
+            end = req.written + C
+            if self._snapshotting:  # end on the last state-snapshot boundary the chunk reaches, if any
+                boundaries = self.prefix_cache.snapshot_keys(req.prompt, req.written, min(end, len(req.prompt)))
+                end = boundaries[-1][0] if boundaries else end
+            chunk = req.prompt[req.written:end]
             rows[j], counts[j] = req.row, len(chunk)
             tokens[j, :len(chunk)] = chunk
             if drafting:  # the draft's chunk, from its own progress (it trails the target's after a prefix hit)
@@ -577,8 +586,12 @@ class Engine:
         self._stats["prefill_dispatches"] += 1
         self._stats["prefill_tokens"] += int(counts.sum())
         self._stats["prefill_tokens_computed"] += R * C
+        snapshots = []
         for j, req in chunked:
             done = req.written == len(req.prompt)
+            if self._snapshotting:
+                snapshots += [(req.row, key) for _, key in self.prefix_cache.snapshot_keys(
+                    req.prompt, req.written, req.written + int(counts[j]))]
             req.written += int(counts[j])
             req.draft_written += int(draft_counts[j])
             if req.written == len(req.prompt) and not done and self.prefix_cache is not None:
@@ -595,6 +608,8 @@ class Engine:
                     self._free = int(free)
             if req.written == len(req.prompt) and (not drafting or req.draft_written == len(req.prompt)):
                 req.state = "ready"
+        if snapshots:  # the rows' states at the boundaries their chunks ended on
+            self.prefix_cache.take_snapshots(self._state.cache, snapshots)
         return True
 
     def _decode_dispatch(self) -> list[Event]:

@@ -32,6 +32,7 @@ from jax import lax
 from jaxkv.attention.pallas import MAX_DECODE_QUERIES
 from jaxkv.constraints import mask as constraint_mask
 from jaxkv.decoding import speculation, step
+from jaxkv.decoding.programs import apply as decoder_apply
 from jaxkv.decoding.mtp import mtp_forward
 from jaxkv.engine.programs import (MAX_LOGPROBS, State, draft_pools, draft_rows, finish_code, move_in, placed,
                                    put_rows, rows_of, shift_slots)
@@ -135,6 +136,7 @@ def decode(params, state: State, shifts, moves, keys, sampler, stop_ids, budget,
     state = state.replace(spec=spec)
     slots = jnp.arange(W, dtype=jnp.int32)
     top_wanted = jnp.any(state.decoding[:W] & (state.top[:W] > 0))
+    hybrid = config.linear_attention is not None  # a verify keeps the states after each slot's kept tokens
 
     def w(x):  # the first W slots
         return x[:W]
@@ -255,14 +257,15 @@ def decode(params, state: State, shifts, moves, keys, sampler, stop_ids, budget,
         return Pass(run=run, split=split, proposals=proposals, rate_before=rate_before, greedy=greedy,
                     together=together, running=running, verifying=verifying, wants=wants)
 
-    def forward(state, inputs, real):
-        """-> (logits, the cache, and with the MTP proposer the hidden states [W, T, D] the head read)."""
+    def forward(state, inputs, real, steps=False):
+        """-> (logits, the cache, and with the MTP proposer the hidden states [W, T, D] the head read, with `steps`
+        a hybrid model's states after each position)."""
         sub = rows_of(state.cache, slots)
         positions = jnp.where(real, sub.lengths[:, None] + jnp.arange(inputs.shape[1])[None, :], -1)
         # (a verify's k + 1 queries go through the paged decode kernel too, up to its query block)
-        out = Decoder(config, mesh).apply({"params": params}, jnp.where(real, inputs, 0), positions, sub,
-                                          attention=attention if inputs.shape[1] <= MAX_DECODE_QUERIES else "xla",
-                                          return_hidden=mtp)
+        out = decoder_apply(params, jnp.where(real, inputs, 0), positions, sub, config=config, mesh=mesh,
+                            attention=attention if inputs.shape[1] <= MAX_DECODE_QUERIES else "xla",
+                            return_hidden=mtp, step_states=steps)
         return (out[0], put_rows(state.cache, slots, out[1])) + tuple(out[2:])
 
     def mtp_feed(state, run):
@@ -324,7 +327,8 @@ def decode(params, state: State, shifts, moves, keys, sampler, stop_ids, budget,
             state, props, q = mtp_chain(state, d, written)
         inputs = jnp.concatenate([w(state.spec.last)[:, None], props], axis=1)  # [W, k + 1]
         real = run[:, None] & ((jnp.arange(k + 1) == 0)[None, :] | wants[:, None])
-        logits, cache, *hidden = forward(state, inputs, real)
+        logits, cache, *hidden = forward(state, inputs, real, steps=hybrid)
+        after_each = hidden.pop() if hybrid else None  # a hybrid model's states after each position
         if state.grammar is not None:  # each position under its slot's constraint, the proposals checked first
             def masked(logits):
                 masks = state.grammar.draft_masks(jnp.zeros((S, k), jnp.int32).at[:W].set(props))[:W]
@@ -351,7 +355,10 @@ def decode(params, state: State, shifts, moves, keys, sampler, stop_ids, budget,
         last = jnp.take_along_axis(tokens, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
         nan = jnp.where(wants, last < 0, picked.nan)
         # The kept slots: the last token and the kept proposals; the pages past them go back.
-        sub = rows_of(cache, slots).rewind(written + count)
+        sub = rows_of(cache, slots)
+        if hybrid:  # the states after the kept tokens (a state cannot be rewound as the length is)
+            sub = sub.keep_step_states(after_each, count)
+        sub = sub.rewind(written + count)
         cache = put_rows(cache, slots, sub)
         sel = lambda a, b: jnp.where(wants.reshape((W,) + (1,) * (a.ndim - 1)), a, b)  # noqa: E731
         logprob = sel(out.logprob, jnp.concatenate([picked.logprob[:, None], jnp.zeros((W, k))], axis=1))

@@ -29,8 +29,14 @@ Tensors (names without the `model.` prefix; letters as in `jaxkv.shapes`, r = Hv
   mlp.shared_expert.{gate,up,down}_proj -> ws_gate, ws_up, ws_down; mlp.shared_expert_gate.weight [1, D] ->
   shared_gate; dense layers: mlp.{gate,up,down}_proj as Llama's.
 
-The checkpoint's multi-token-prediction layers (`mtp.*`) are not loaded yet: dropped as ignored tensors.
+The checkpoint's multi-token-prediction layer (`mtp.*`, which transformers drops; vLLM's qwen3_next_mtp.py reads
+it) loads into `Model.mtp` (`jaxkv.decoding.mtp`), the proposer of `Speculation("mtp")`:
+  mtp.pre_fc_norm_embedding.weight, mtp.pre_fc_norm_hidden.weight [D] -> enorm, hnorm
+  mtp.fc.weight [D, 2D] (its input: the normed embedding, then the normed hidden state) -> eh_proj
+  mtp.layers.0.* (a gated full-attention decoder layer, its FFN as the decoder's layer 0) -> layer_0
+  mtp.norm.weight [D] -> final_norm; the embedding and lm_head are the decoder's.
 """
+
 
 from __future__ import annotations
 
@@ -44,7 +50,7 @@ from jaxkv.families import fields as fl
 from jaxkv.families import tensors
 from jaxkv.families.llama import base_fields
 from jaxkv.families.qwen3_moe import moe_fields
-from jaxkv.families.registry import Family, register
+from jaxkv.families.registry import Family, MtpPlan, register
 from jaxkv.families.tensors import TensorSpec, as_is
 
 HYBRID_LAYER_TYPES = ("full_attention", "linear_attention")
@@ -200,9 +206,37 @@ def qwen3_next_tensors(cfg: Config, hf: dict, names) -> list[TensorSpec]:
 
 
 def mtp_ignored(config: Config, hf: dict, names, source: str) -> frozenset[str]:
-    """The multi-token-prediction layers (`mtp.*`), not loaded yet (transformers ignores them too)."""
+    """The multi-token-prediction layers (`mtp.*`) of a family that does not load them (Qwen3.5, for now;
+    transformers ignores them too)."""
     return frozenset(name for name in names if MTP.fullmatch(name))
 
 
+def mtp_plan(config: Config, hf: dict, names, source: str) -> MtpPlan | None:
+    """Qwen3-Next's multi-token-prediction module (module docstring), or None when the checkpoint holds no `mtp.*`
+    tensor (transformers' save_pretrained drops them). One module: its fc and norms are shared by every
+    `mtp.layers.{i}` in vLLM's reading, which jaxkv's one-module-per-layer `Mtp` does not express, so a checkpoint
+    with more than one layer is refused."""
+    if not any(MTP.fullmatch(name) for name in names):
+        return None
+    layers = {name.split(".")[2] for name in names if name.startswith("mtp.layers.")}
+    if layers != {"0"}:
+        raise ValueError(f"{source}: the checkpoint's multi-token-prediction part has layers {sorted(layers)}; "
+                         f"jaxkv loads Qwen3-Next's with exactly one (mtp.layers.0)")
+    moe = config.moe
+    if moe is not None:  # vLLM builds the layer with index 0: the decoder's layer-0 rule decides its FFN
+        moe = dataclasses.replace(moe, first_dense_layers=0, dense_layers=()) if moe.is_moe_layer(0) else None
+    block = config.replace(n_layers=1, layer_types=("full_attention",), linear_attention=None, moe=moe)
+    fused = tensors.fused_experts_stored([name[4:] for name in names if MTP.fullmatch(name)])  # (as its own are)
+    D = config.d_model
+    specs = [dataclasses.replace(spec, name="mtp." + spec.name)
+             for spec in tensors.norms(block, 0, tensors.PRE_NORMS) + gated_attention(block, 0)
+             + moe_tensors(block, 0, fused)]
+    specs += [TensorSpec("mtp.pre_fc_norm_embedding.weight", (D,), "[D]", as_is(("enorm", "scale"))),
+              TensorSpec("mtp.pre_fc_norm_hidden.weight", (D,), "[D]", as_is(("hnorm", "scale"))),
+              TensorSpec("mtp.fc.weight", (D, 2 * D), "[D, 2*D]", as_is(("eh_proj",))),
+              TensorSpec("mtp.norm.weight", (D,), "[D]", as_is(("final_norm", "scale")))]
+    return MtpPlan(block, (("mtp.", specs),))
+
+
 QWEN3_NEXT = register(Family("qwen3_next", ("Qwen3NextForCausalLM",), qwen3_next_fields, qwen3_next_tensors,
-                             ignored=mtp_ignored))
+                             mtp=mtp_plan))

@@ -32,11 +32,15 @@ def _einsum(spec, *xs):
     return jnp.einsum(spec, *xs, precision=_HI)
 
 
-def causal_conv(x, weight, state):
+def causal_conv(x, weight, state, end=None):
     """x [B, T, C] (the mixed q/k/v channels), weight [C, W] (depthwise kernel, transformers' conv1d.weight[:, 0, :]),
-    state [B, C, W - 1] (the previous W - 1 inputs, oldest first; zeros for a fresh sequence)
+    state [B, C, W - 1] (the previous W - 1 inputs, oldest first; zeros for a fresh sequence), end int32[B] or None
     -> (silu(causal depthwise conv of concat(state, x) over time) [B, T, C] in x.dtype, the new state [B, C, W - 1] =
-    the last W - 1 inputs of concat(state, x) (in state.dtype)).
+    the last W - 1 inputs of concat(state, x[:, :end[b]]) (in state.dtype)).
+
+    `end`: the index after each row's last real input (None: T, every input). Right-padded rows (a paged cache's
+    prompts, a finished row's padding step) keep the window of their real inputs, not of the padding after them;
+    a row with end 0 keeps its state.
 
     The W products are summed in float32 and silu applied before the one cast back (transformers works in the
     weight's dtype: the same numbers for float32, closer to exact for bfloat16)."""
@@ -46,8 +50,12 @@ def causal_conv(x, weight, state):
     # A loop over the W taps (a handful), not over tokens: tap j meets input t + j of xs for output t, as
     # torch's conv1d (a cross-correlation) pairs them.
     y = sum(xs[:, j:j + T, :] * w[:, j] for j in range(W))
-    # Sliced from the end by start index: xs[:, -(W - 1):] would keep everything when W = 1.
-    new_state = jnp.swapaxes(xs[:, xs.shape[1] - (W - 1):, :], 1, 2).astype(state.dtype)
+    if end is None:  # sliced by start index: xs[:, -(W - 1):] would keep everything when W = 1
+        window = xs[:, xs.shape[1] - (W - 1):, :]
+    else:  # input t is xs[t + W - 1]: the W - 1 inputs before input end[b] are xs[end[b] : end[b] + W - 1]
+        index = jnp.asarray(end, jnp.int32)[:, None] + jnp.arange(W - 1, dtype=jnp.int32)[None, :]
+        window = jnp.take_along_axis(xs, index[:, :, None], axis=1)
+    new_state = jnp.swapaxes(window, 1, 2).astype(state.dtype)
     return jax.nn.silu(y).astype(x.dtype), new_state
 
 
@@ -64,12 +72,13 @@ def _prepare(q, k, v, g, beta):
     return q, k, v, g, beta
 
 
-def recurrent(q, k, v, g, beta, state):
+def recurrent(q, k, v, g, beta, state, *, every_state: bool = False):
     """The token-by-token gated delta rule (transformers' torch_recurrent_gated_delta_rule with
     use_qk_l2norm_in_kernel=True). q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g (log decay, <= 0) and beta [B, T, Hv];
     state float32 [B, Hv, Dk, Dv]. Hv a multiple of Hk: each q/k head serves Hv // Hk consecutive value heads
-    (repeat_interleave). -> (out [B, T, Hv, Dv] in v.dtype, final state float32 [B, Hv, Dk, Dv]).
-    Computed in float32."""
+    (repeat_interleave). -> (out [B, T, Hv, Dv] in v.dtype, final state float32 [B, Hv, Dk, Dv]; with
+    `every_state` the state after each token instead, float32 [B, T, Hv, Dk, Dv]: a speculative verify keeps the
+    one after its last accepted token). Computed in float32."""
     out_dtype = v.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
 
@@ -79,11 +88,23 @@ def recurrent(q, k, v, g, beta, state):
         kv_mem = _einsum("bhkv,bhk->bhv", S, k_t)  # what S already predicts for k_t
         delta = (v_t - kv_mem) * b_t[..., None]
         S = S + k_t[..., :, None] * delta[..., None, :]
-        return S, _einsum("bhkv,bhk->bhv", S, q_t)  # read after the write: token t sees itself
+        read = _einsum("bhkv,bhk->bhv", S, q_t)  # read after the write: token t sees itself
+        return S, (read, S) if every_state else read
 
     time_major = [jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta)]
     S, out = jax.lax.scan(step, state.astype(jnp.float32), time_major)
+    if every_state:
+        out, S = out[0], jnp.moveaxis(out[1], 0, 1)
     return jnp.moveaxis(out, 0, 1).astype(out_dtype), S
+
+
+def conv_windows(x, state):
+    """x [B, T, C] (the conv's inputs), state [B, C, W - 1] -> [B, T, C, W - 1]: the conv state after each token
+    (`causal_conv`'s new state had the inputs stopped there), in state.dtype."""
+    T, W1 = x.shape[1], state.shape[2]
+    xs = jnp.concatenate([jnp.swapaxes(state, 1, 2), x.astype(state.dtype)], axis=1)  # [B, W - 1 + T, C]
+    index = jnp.arange(T)[:, None] + 1 + jnp.arange(W1)[None, :]  # after token t: inputs t + 1 ... t + W - 1 of xs
+    return jnp.swapaxes(xs[:, index], 2, 3)
 
 
 def chunked(q, k, v, g, beta, state, *, chunk: int = 64):

@@ -2,14 +2,15 @@
 token mixer: projections, the causal conv, the gated delta rule (`jaxkv.layers.delta_rule`), the gated norm, out.
 
 Such a layer caches no keys or values. Per sequence it carries a fixed-size state in the cache
-(`KVCache.conv_states` / `recurrent_states`): the last Y - 1 inputs of its conv and the delta-rule state
+(`conv_states` / `recurrent_states` of a `KVCache` or a `PagedKVCache`, one row per sequence): the last Y - 1 inputs of its conv and the delta-rule state
 [Hv, Dk, Dv], float32. A prompt (T > 1) runs the chunked form from the cached state; a decode step (T = 1) the
 token-by-token one; both leave the state after the last token in the cache. The decode step is the Pallas kernel
 `jaxkv.attention.delta_rule_kernel.recurrent_step` when the layer's attention implementation resolves to "pallas"
 (`jaxkv.attention.api.resolve`, as the attention layers resolve theirs: "auto" is the kernel on GPU and TPU),
 else `delta_rule.recurrent`; the prompt's chunked form has no kernel. Padding tokens (position < 0) are
 zeroed at the input, as transformers zeroes them, and take an identity step (g = beta = 0): they never touch a
-row's state. Letters as in `jaxkv.shapes`.
+row's state, left padding (a contiguous cache's prompts) or right (a paged cache's: the conv keeps the window that
+ends at the row's last real token). Letters as in `jaxkv.shapes`.
 
 Parameters (every matrix [out, in], whatever the model's size: they are not in `layers.OUT_IN_ORDER`):
 w_qkv [U, D] (query, key, value channels side by side, heads in order: Qwen3.5's in_proj_qkv), w_z [Hv*Dv, D]
@@ -36,10 +37,15 @@ class GatedDeltaNet(nn.Module):
     layer: int
 
     @nn.compact
-    def __call__(self, x, cache, real, attention: str = "xla"):
+    def __call__(self, x, cache, real, attention: str = "xla", step_states: bool = False):
         """x [B, T, D] (normed); cache: a `KVCache` holding this layer's state, or None (the no-cache reference:
         a fresh state, nothing stored); real bool[B, T] (false: a padding token); attention: the implementation
-        name ("auto", "xla", "pallas"), deciding the decode step's form -> ([B, T, D], cache)."""
+        name ("auto", "xla", "pallas"), deciding the decode step's form -> ([B, T, D], cache).
+
+        step_states: (a speculative verify) the tokens run token by token (the recurrent form, as decode steps
+        would) and the state after each one is sown as "intermediates" / "step_states": (conv [B, T, U, Y - 1],
+        float32 [B, T, Hv, Dk, Dv]), from which the verify keeps the one after its last accepted token
+        (`LayerStates.keep_step_states`)."""
         cfg, la = self.config, self.config.linear_attention
         D, dtype = cfg.d_model, jnp.dtype(cfg.dtype)
         Hk, Hv, Dk, Dv, U, Y = (la.key_heads, la.value_heads, la.key_head_dim, la.value_head_dim, la.conv_dim,
@@ -65,7 +71,10 @@ class GatedDeltaNet(nn.Module):
             state = jnp.zeros((B, Hv, Dk, Dv), jnp.float32)
         else:
             conv_state, state = cache.state(self.layer)
-        mixed, conv_state = delta_rule.causal_conv(qkv, conv_w, conv_state)
+        # The conv window after each row's last real token: a left-padded row's is its last (T), a right-padded
+        # row's (paged prompts, a finished row's padding step) sits before its padding; no real token: kept.
+        end = jnp.where(jnp.any(real, axis=1), T - jnp.argmax(real[:, ::-1], axis=1), 0).astype(jnp.int32)
+        mixed, conv_state = delta_rule.causal_conv(qkv, conv_w, conv_state, end)
         q = mixed[..., :Hk * Dk].reshape(B, T, Hk, Dk)
         k = mixed[..., Hk * Dk:2 * Hk * Dk].reshape(B, T, Hk, Dk)
         v = mixed[..., 2 * Hk * Dk:].reshape(B, T, Hv, Dv)
@@ -74,8 +83,13 @@ class GatedDeltaNet(nn.Module):
         g = -jnp.exp(A_log.astype(jnp.float32)) * nn.softplus(a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
         beta = jnp.where(real[..., None], beta, jnp.zeros((), beta.dtype))  # padding: the identity step
         g = jnp.where(real[..., None], g, 0.0)
-        if T == 1 and cache is not None:
-            # The contiguous kind's resolution: a hybrid model runs on a contiguous KVCache only (model.Decoder)
+        if step_states:
+            out, states = delta_rule.recurrent(q, k, v, g, beta, state, every_state=True)
+            old_conv = cache.state(self.layer)[0]
+            self.sow("intermediates", "step_states", (delta_rule.conv_windows(qkv, old_conv), states))
+            state = states[:, -1]  # (padding after a row's last real token is an identity step)
+        elif T == 1 and cache is not None:
+            # One state row per sequence in either cache, so the contiguous kind's resolution
             step = (delta_rule_kernel.recurrent_step if api.resolve(attention, "contiguous") == "pallas"
                     else delta_rule.recurrent)
             out, state = step(q, k, v, g, beta, state)

@@ -322,7 +322,14 @@ def test_bench_hybrid_quick(tmp_path, capsys):
             assert row[name]["cache_bytes_allocated"] == row[name]["cache_bytes_planned"]
             assert row[name]["step_ms"] > 0
     assert short["bytes_ratio"] < 1 < long["bytes_ratio"]  # the state costs more than 18 tokens of K/V, less than 514
-    assert "bytes ratio" in capsys.readouterr().out
+    # The prefix part (--quick: 256 shared + 16 own tokens, snapshots every 128): the hybrid resumes at the head's
+    # last snapshot boundary, without snapshots it prefills everything, the twin reuses the head's 16 whole pages.
+    prefix = result["prefix"]
+    assert prefix["hit_tokens"] == {"hybrid_snapshots": 256, "hybrid_no_snapshots": 0, "twin_pages": 256}
+    assert prefix["snapshot_bytes"] == hybrid["state_bytes_per_sequence"] and prefix["snapshots_kept"] >= 2
+    assert all(ms > 0 for ms in prefix["ttft_ms"].values())
+    out = capsys.readouterr().out
+    assert "bytes ratio" in out and "time to first token" in out
 
 
 def test_bench_layers_quick(tmp_path, capsys):

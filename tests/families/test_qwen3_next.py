@@ -26,22 +26,14 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors.torch")
 
 import jaxkv  # noqa: E402
-from helpers.hf import (ATOL, BOS, EOS, MIN_MARGIN, NEW_TOKENS, PAD, RAGGED, SINGLE, VOCAB, assert_clear_margins,  # noqa: E402
-                        greedy_cases, hf_greedy, hf_logits, per_row, saved_and_loaded)
-from helpers.hf import build_hf as hf_model  # noqa: E402
+from helpers.hf import (ATOL, MIN_MARGIN, NEW_TOKENS, RAGGED, SINGLE, VOCAB, assert_clear_margins,  # noqa: E402
+                        greedy_cases, hf_greedy, hf_logits, per_row)
 from helpers.tolerances import tolerance  # noqa: E402
 
 HYBRID = tolerance("transformers logits, hybrid", "float32")
 
-LAYER_TYPES = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
-FIELDS = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-              shared_expert_intermediate_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-              head_dim=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
-              mlp_only_layers=[1], max_position_embeddings=256, linear_num_key_heads=2, linear_num_value_heads=4,
-              linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=4, layer_types=LAYER_TYPES,
-              initializer_range=0.25, rms_norm_eps=1e-6, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=BOS)
-CASES = {"moe": ({},), "dense": (dict(num_experts=0),)}
-loaded = saved_and_loaded(lambda changes: hf_model("Qwen3NextConfig", dict(FIELDS, **changes)), CASES)
+from helpers.hybrid import CASES, FIELDS, LAYER_TYPES, loaded  # noqa: E402
+from helpers.hf import build_hf as hf_model  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -132,16 +124,12 @@ def test_the_state_is_in_the_cache_and_counted(tmp_path_factory):
 
 
 @pytest.mark.parametrize("call", [
-    lambda m: jaxkv.generate(m, [[3, 4]], max_new_tokens=2, n=2),
-    lambda m: jaxkv.generate(m, [[3, 4]], max_new_tokens=2, page_size=16),
-    lambda m: jaxkv.generate(m, [[3, 4]], max_new_tokens=2, speculative=jaxkv.Speculation("ngram")),
     lambda m: jaxkv.generate(m, [[3, 4]], max_new_tokens=2, mesh=jax.sharding.Mesh(
         np.array(jax.devices()[:2]).reshape(2, 1), ("data", "model"))),
-    lambda m: jaxkv.Engine(m, slots=2, max_len=32),
-    lambda m: jaxkv.beam_search(m, [[3, 4]], num_beams=2, max_new_tokens=2),
-    lambda m: jaxkv.PrefixCache(m),
+    lambda m: jaxkv.Engine(m, slots=2, max_len=32, mesh=jax.sharding.Mesh(
+        np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))),
     lambda m: jaxkv.generate_pmap(m, [[3, 4]], max_new_tokens=2),
-], ids=["n", "paged", "speculative", "mesh", "engine", "beams", "prefix", "pmap"])
+], ids=["mesh", "engine-mesh", "pmap"])
 def test_unsupported_features_refuse_before_compute(call, tmp_path_factory):
     _, model, _ = loaded("dense", tmp_path_factory)
     with pytest.raises(ValueError, match="hybrid model"):
@@ -192,3 +180,83 @@ def test_pallas_decode_runs_the_state_kernel(tmp_path_factory, monkeypatch):
     assert calls  # traced once per linear layer in the decode loop
     assert pallas.tokens == xla.tokens
     np.testing.assert_allclose(np.array(pallas.logprobs), np.array(xla.logprobs), atol=ATOL, rtol=0)
+
+
+def with_mtp(hf, directory):
+    """transformers drops Qwen3-Next's multi-token-prediction layer, so the test builds it from transformers' own
+    parts as vLLM's qwen3_next_mtp.py composes them (two gemma-style norms, fc over [normed embedding; normed
+    hidden], a full-attention decoder layer, a norm), random, and adds its tensors (`mtp.*`) to the saved
+    checkpoint -> the torch module pieces (norm_e, norm_h, fc, layer, norm)."""
+    from safetensors.torch import load_file, save_file
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextDecoderLayer, Qwen3NextRMSNorm
+
+    torch.manual_seed(4)
+    cfg, D = hf.config, hf.config.hidden_size
+    full = LAYER_TYPES.index("full_attention")  # a full-attention index whose FFN rule is layer 0's (both MoE)
+    parts = dict(pre_fc_norm_embedding=Qwen3NextRMSNorm(D, eps=cfg.rms_norm_eps),
+                 pre_fc_norm_hidden=Qwen3NextRMSNorm(D, eps=cfg.rms_norm_eps),
+                 fc=torch.nn.Linear(2 * D, D, bias=False), layer=Qwen3NextDecoderLayer(cfg, full),
+                 norm=Qwen3NextRMSNorm(D, eps=cfg.rms_norm_eps))
+    tensors = {}
+    for name, module in parts.items():
+        for key, value in module.state_dict().items():
+            value = torch.randn_like(value) * (0.3 if value.ndim == 1 else 0.2)  # norms' weights away from 0 too
+            with torch.no_grad():
+                dict(module.named_parameters())[key].copy_(value)
+            tensors[f"mtp.{'layers.0' if name == 'layer' else name}.{key}"] = value.contiguous()
+    path = directory / "model.safetensors"
+    save_file({**load_file(path), **tensors}, path, metadata={"format": "pt"})
+    return parts
+
+
+def test_mtp_layer_loads_and_matches_its_torch_composition(tmp_path):
+    """The checkpoint's `mtp.*` layer loads into Model.mtp; its logits for the pairs (h_t, token_{t+1}) equal the
+    torch module built from transformers' layers (vLLM's composition: no zeroed embedding at position 0, unlike
+    DeepSeek's) fed the same hidden states; the decoder is unchanged."""
+    from jaxkv.decoding.mtp import mtp_forward
+
+    hf = hf_model("Qwen3NextConfig", dict(FIELDS))
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    parts = with_mtp(hf, tmp_path)
+    model = jaxkv.load(tmp_path)
+    assert model.mtp is not None and len(model.mtp.params) == 1 and model.mtp.config.n_layers == 1
+    assert set(model.mtp.params[0]) == {"enorm", "hnorm", "eh_proj", "layer_0", "final_norm"}
+    tokens = np.random.default_rng(9).integers(0, VOCAB, (1, 24))
+    with torch.no_grad():
+        ids = torch.tensor(tokens)
+        h = hf.model(ids).last_hidden_state  # after the final norm: what the head reads
+        T = ids.shape[1] - 1
+        x = parts["fc"](torch.cat([parts["pre_fc_norm_embedding"](hf.model.embed_tokens(ids[:, 1:])),
+                                   parts["pre_fc_norm_hidden"](h[:, :-1])], dim=-1))
+        pos = torch.arange(T)[None]
+        mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
+        y = parts["layer"](x, position_embeddings=hf.model.rotary_emb(x, pos), attention_mask=mask, position_ids=pos)
+        want = hf.lm_head(parts["norm"](y[0] if isinstance(y, tuple) else y)).numpy()
+    got, _, _ = mtp_forward(model.mtp.params[0], model.params, jax.numpy.asarray(h[:, :-1].numpy()),
+                            jax.numpy.asarray(tokens[:, 1:]), jax.numpy.arange(T)[None], None,
+                            config=model.mtp.config)
+    np.testing.assert_allclose(np.asarray(got), want, atol=ATOL, rtol=0)
+    np.testing.assert_allclose(jaxkv.logits(model, tokens), hf_logits(hf, tokens), **HYBRID)
+
+
+@pytest.mark.parametrize("where", ["contiguous", "paged", "engine"])
+def test_mtp_speculation_equals_plain(tmp_path_factory, where):
+    """Speculation("mtp") on the hybrid model (the module proposing, its own one-layer K/V cache, the target's
+    states restored after each verify): greedy tokens equal plain decoding's."""
+    directory = tmp_path_factory.mktemp("mtp")
+    hf = hf_model("Qwen3NextConfig", dict(FIELDS, num_experts=0))
+    hf.save_pretrained(directory, safe_serialization=True)
+    with_mtp(hf, directory)
+    model = jaxkv.load(directory)
+    prompts = [RAGGED[0], RAGGED[2]]
+    plain = jaxkv.generate(model, prompts, max_new_tokens=16, stop_tokens=[])
+    spec = jaxkv.Speculation("mtp", num_tokens=2, adaptive=False)
+    if where == "engine":
+        engine = jaxkv.Engine(model, slots=2, max_len=64, page_size=4, speculative=spec)
+        tokens = [r.tokens for r in engine.generate(prompts, max_new_tokens=16, stop_tokens=[])]
+        verifies = engine.stats["spec_verifies"]
+    else:
+        out = jaxkv.generate(model, prompts, max_new_tokens=16, stop_tokens=[], speculative=spec,
+                             page_size=4 if where == "paged" else None)
+        tokens, verifies = out.tokens, out.stats["spec_verifies"]
+    assert verifies > 0 and tokens == plain.tokens

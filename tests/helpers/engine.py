@@ -42,3 +42,5 @@ def assert_all_free(engine):
     assert refcounts.sum() == cached and engine.free_pages == engine.num_pages - cached
     assert (np.asarray(state.cache.page_table) == -1).all() and (np.asarray(state.cache.lengths) == 0).all()
     assert not np.asarray(state.decoding).any()
+    # a hybrid model's state rows: every one zeroed again (none leaks into the next request of its row)
+    assert not any(np.asarray(x).any() for x in (*state.cache.conv_states, *state.cache.recurrent_states))

@@ -258,8 +258,11 @@ def check_moe_engine(model, greedy):
 
 def check_moe_beam_search(hf, model, greedy):
     """Three beams, three hypotheses, stop ids reached at different steps: transformers' tokens and scores."""
-    prompts = SINGLE + RAGGED
-    stops = sorted({greedy[1][0][3], greedy[len(RAGGED)][0][6]})  # reached at different steps
+    check_beam_search(hf, model, SINGLE + RAGGED, sorted({greedy[1][0][3], greedy[len(RAGGED)][0][6]}))
+
+
+def check_beam_search(hf, model, prompts, stops):
+    """Three beams and three hypotheses per prompt, ending at `stops`: transformers' tokens and scores (1e-4)."""
     want = hf_beam_search(hf, prompts, stops, num_beams=3, length_penalty=1.0, early_stopping=True,
                           num_return_sequences=3)
     got = jaxkv.beam_search(model, prompts, num_beams=3, max_new_tokens=BEAM_NEW, length_penalty=1.0,

@@ -170,6 +170,21 @@ def test_causal_conv_prefill_then_decode(T):
     np.testing.assert_array_equal(np.asarray(s2), np.asarray(s_all))
 
 
+@pytest.mark.parametrize("ends", [(2, 9), (0, 5)])  # shorter and longer than W - 1; a row with no real input
+def test_causal_conv_window_ends_at_each_rows_end(ends):
+    """Right padding (a paged cache's prompts): with `end`, each row's new state is the window of its own first
+    end[b] inputs, as if the padding after them were never given; outputs before end[b] are unchanged; end 0
+    keeps the state."""
+    T = 9
+    x, weight = conv_inputs(13, T)
+    state = np.random.default_rng(14).normal(size=(B, C, W - 1)).astype(np.float32)
+    y, s = causal_conv(jnp.asarray(x), jnp.asarray(weight), jnp.asarray(state), jnp.asarray(ends, jnp.int32))
+    for b, e in enumerate(ends):
+        y_b, s_b = causal_conv(jnp.asarray(x[b:b + 1, :e]), jnp.asarray(weight), jnp.asarray(state[b:b + 1]))
+        np.testing.assert_array_equal(np.asarray(s)[b], np.asarray(s_b)[0])
+        np.testing.assert_allclose(np.asarray(y)[b, :e], np.asarray(y_b)[0], **TOL)
+
+
 def test_bfloat16_inputs():
     """bfloat16 in, bfloat16 out, float32 state; computed in float32 from the bfloat16 values."""
     args = rule_inputs(12, 11)
