@@ -50,10 +50,10 @@ Tensors (names without the base model's prefix; letters as in `jaxkv.shapes`):
 Base-model prefix: `model.` (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM; head `lm_head.weight`) or
 `model.language_model.` (the ForConditionalGeneration classes; head `lm_head.weight`), as transformers 5.25's
 save_pretrained writes them. The vision tower (`model.visual.*`) is skipped by name: jaxkv runs the language model
-only, on token ids. The releases' multi-token-prediction layers (`mtp.*`) are not loaded yet: dropped as ignored
-tensors (as transformers' Qwen3_5ForCausalLM ignores them). Not read: a text-only class's checkpoint whose language
-model sits under `model.language_model.` (transformers' PrefixChange loads one; the loader's prefixes cannot tell
-`model.` from it).
+only, on token ids. The releases' multi-token-prediction layer (`mtp.*`, which transformers drops) loads into
+`Model.mtp` as Qwen3-Next's does (`qwen3_next.mtp_plan`; vLLM's qwen3_5_mtp.py composes it alike). Not read: a
+text-only class's checkpoint whose language model sits under `model.language_model.` (transformers' PrefixChange
+loads one; the loader's prefixes cannot tell `model.` from it).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ import re
 
 from jaxkv.config import Config, MoeConfig
 from jaxkv.families import fields as fl
-from jaxkv.families.qwen3_next import (hybrid_fields, hybrid_tensors, linear_attention_common, mtp_ignored,
+from jaxkv.families.qwen3_next import (hybrid_fields, hybrid_tensors, linear_attention_common, mtp_plan,
                                         with_defaults)
 from jaxkv.families.registry import Family, register
 from jaxkv.families.tensors import TensorSpec, as_is
@@ -123,11 +123,11 @@ def qwen3_5_tensors(cfg: Config, hf: dict, names) -> list[TensorSpec]:
 
 # The text-only classes skip a vision tower too, as transformers' do (`_keys_to_ignore_on_load_unexpected`).
 QWEN3_5_TEXT = register(Family("qwen3_5_text", ("Qwen3_5ForCausalLM",), qwen3_5_fields, qwen3_5_tensors,
-                               skipped=VISION, ignored=mtp_ignored))
+                               skipped=VISION, mtp=mtp_plan))
 QWEN3_5_MOE_TEXT = register(Family("qwen3_5_moe_text", ("Qwen3_5MoeForCausalLM",), qwen3_5_moe_fields,
-                                   qwen3_5_tensors, skipped=VISION, ignored=mtp_ignored))
+                                   qwen3_5_tensors, skipped=VISION, mtp=mtp_plan))
 QWEN3_5 = register(Family("qwen3_5", ("Qwen3_5ForConditionalGeneration",), qwen3_5_fields, qwen3_5_tensors,
-                          prefixes=PREFIXES, skipped=VISION, ignored=mtp_ignored, text_config=True))
+                          prefixes=PREFIXES, skipped=VISION, mtp=mtp_plan, text_config=True))
 QWEN3_5_MOE = register(Family("qwen3_5_moe", ("Qwen3_5MoeForConditionalGeneration",), qwen3_5_moe_fields,
-                              qwen3_5_tensors, prefixes=PREFIXES, skipped=VISION, ignored=mtp_ignored,
+                              qwen3_5_tensors, prefixes=PREFIXES, skipped=VISION, mtp=mtp_plan,
                               text_config=True))

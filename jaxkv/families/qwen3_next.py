@@ -205,15 +205,9 @@ def qwen3_next_tensors(cfg: Config, hf: dict, names) -> list[TensorSpec]:
     return hybrid_tensors(cfg, names, linear_attention_fused)
 
 
-def mtp_ignored(config: Config, hf: dict, names, source: str) -> frozenset[str]:
-    """The multi-token-prediction layers (`mtp.*`) of a family that does not load them (Qwen3.5, for now;
-    transformers ignores them too)."""
-    return frozenset(name for name in names if MTP.fullmatch(name))
-
-
 def mtp_plan(config: Config, hf: dict, names, source: str) -> MtpPlan | None:
-    """Qwen3-Next's multi-token-prediction module (module docstring), or None when the checkpoint holds no `mtp.*`
-    tensor (transformers' save_pretrained drops them). One module: its fc and norms are shared by every
+    """Qwen3-Next's (and Qwen3.5's) multi-token-prediction module (module docstring), or None when the checkpoint
+    holds no `mtp.*` tensor (transformers' save_pretrained drops them). One module: its fc and norms are shared by every
     `mtp.layers.{i}` in vLLM's reading, which jaxkv's one-module-per-layer `Mtp` does not express, so a checkpoint
     with more than one layer is refused."""
     if not any(MTP.fullmatch(name) for name in names):
@@ -221,7 +215,7 @@ def mtp_plan(config: Config, hf: dict, names, source: str) -> MtpPlan | None:
     layers = {name.split(".")[2] for name in names if name.startswith("mtp.layers.")}
     if layers != {"0"}:
         raise ValueError(f"{source}: the checkpoint's multi-token-prediction part has layers {sorted(layers)}; "
-                         f"jaxkv loads Qwen3-Next's with exactly one (mtp.layers.0)")
+                         f"jaxkv loads one (mtp.layers.0)")
     moe = config.moe
     if moe is not None:  # vLLM builds the layer with index 0: the decoder's layer-0 rule decides its FFN
         moe = dataclasses.replace(moe, first_dense_layers=0, dense_layers=()) if moe.is_moe_layer(0) else None

@@ -131,7 +131,17 @@ def checkpoint_names(stored: dict[str, StoredTensor],
         if key in by_name:
             raise ValueError(f"tensors {by_name[key].name!r} and {name!r} are both the model's {key!r}")
         by_name[key] = t
-    return by_name, lambda name: prefixes[prefix] if name == "lm_head.weight" else prefix + name
+    # top-level groups stored outside the prefix (Qwen3-Next's `mtp.*`): a missing name of theirs is spelt as is
+    outside = {key.split(".")[0] for key, t in by_name.items() if t.name == key}
+
+    def stored_name(name: str) -> str:
+        if name == "lm_head.weight":
+            return prefixes[prefix]
+        if name in by_name:
+            return by_name[name].name
+        return name if name.split(".")[0] in outside else prefix + name
+
+    return by_name, stored_name
 
 
 def tensor_specs(family: Family, config: Config, hf: dict, names) -> list[TensorSpec]:

@@ -185,20 +185,23 @@ def test_cached_decoding_equals_recompute(kind, tmp_path_factory):
         np.testing.assert_allclose(lps, want, **HYBRID, err_msg=f"{kind}: against transformers' float64")
 
 
-def test_fused_experts_and_mtp_tensors_load(tmp_path_factory, tmp_path):
+def test_fused_experts_load_and_a_partial_mtp_layer_is_refused(tmp_path_factory, tmp_path):
     """transformers' in-memory form (a state_dict saved as is: each layer's experts as the 3D gate_up_proj
-    [X, 2*I, D] and down_proj [X, D, I]) loads to the same weights as save_pretrained's per-expert tensors, and a
-    release's multi-token-prediction tensors (`mtp.*`) are dropped."""
+    [X, 2*I, D] and down_proj [X, D, I]) loads to the same weights as save_pretrained's per-expert tensors; a
+    multi-token-prediction layer stored in part (`mtp.*`: it loads into Model.mtp, whole) names what is missing."""
     hf, model, directory = loaded("moe", tmp_path_factory)
     state = {name: t.contiguous() for name, t in hf.state_dict().items()}
     assert state["model.layers.0.mlp.experts.gate_up_proj"].shape == (8, 2 * 32, 64)
-    state["mtp.fc.weight"] = torch.zeros(64, 128)
-    state["mtp.layers.0.input_layernorm.weight"] = torch.zeros(64)
     safetensors_torch.save_file(state, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text((directory / "config.json").read_text())
     fused = jaxkv.load(tmp_path)
-    assert fused.config == model.config
+    assert fused.config == model.config and fused.mtp is None
     jax.tree_util.tree_map(np.testing.assert_array_equal, fused.params, model.params)
+    state["mtp.fc.weight"] = torch.zeros(64, 128)
+    state["mtp.layers.0.input_layernorm.weight"] = torch.zeros(64)
+    safetensors_torch.save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="tensor 'mtp.layers.0.*' is missing from the checkpoint"):
+        jaxkv.load(tmp_path)
 
 
 def _text_config(config_class, fields):
@@ -271,3 +274,18 @@ def test_multimodal_reads_text_config_and_outer_fields():
     assert not c.tie_embeddings and c.eos_ids == (9,) and [c.moe.is_moe_layer(i) for i in range(4)] == [True] * 4
     with pytest.raises(ValueError, match="text_config"):
         config_from_hf({"architectures": ["Qwen3_5ForConditionalGeneration"]}, source="config.json")
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe", "vl"])
+def test_mtp_layer_loads_and_matches_its_torch_composition(kind, tmp_path):
+    """The releases' `mtp.*` layer (which transformers drops) loads into Model.mtp and matches the torch module
+    vLLM's qwen3_5_mtp.py composes from transformers' Qwen3.5 layers (helpers.hybrid.check_mtp_module); for the
+    multimodal class too, whose language model sits under `model.language_model.` while `mtp.*` is top level."""
+    from helpers.hybrid import check_mtp_module
+
+    module = "qwen3_5_moe" if kind == "moe" else "qwen3_5"
+    modeling = __import__(f"transformers.models.{module}.modeling_{module}", fromlist=["_"])
+    prefix = "Qwen3_5Moe" if kind == "moe" else "Qwen3_5"
+    hf = build(kind)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    check_mtp_module(hf, tmp_path, getattr(modeling, f"{prefix}DecoderLayer"), getattr(modeling, f"{prefix}RMSNorm"))

@@ -32,7 +32,7 @@ from helpers.tolerances import tolerance  # noqa: E402
 
 HYBRID = tolerance("transformers logits, hybrid", "float32")
 
-from helpers.hybrid import CASES, FIELDS, LAYER_TYPES, loaded  # noqa: E402
+from helpers.hybrid import CASES, FIELDS, LAYER_TYPES, add_mtp, check_mtp_module, loaded  # noqa: E402
 from helpers.hf import build_hf as hf_model  # noqa: E402
 
 
@@ -182,61 +182,14 @@ def test_pallas_decode_runs_the_state_kernel(tmp_path_factory, monkeypatch):
     np.testing.assert_allclose(np.array(pallas.logprobs), np.array(xla.logprobs), atol=ATOL, rtol=0)
 
 
-def with_mtp(hf, directory):
-    """transformers drops Qwen3-Next's multi-token-prediction layer, so the test builds it from transformers' own
-    parts as vLLM's qwen3_next_mtp.py composes them (two gemma-style norms, fc over [normed embedding; normed
-    hidden], a full-attention decoder layer, a norm), random, and adds its tensors (`mtp.*`) to the saved
-    checkpoint -> the torch module pieces (norm_e, norm_h, fc, layer, norm)."""
-    from safetensors.torch import load_file, save_file
-    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextDecoderLayer, Qwen3NextRMSNorm
-
-    torch.manual_seed(4)
-    cfg, D = hf.config, hf.config.hidden_size
-    full = LAYER_TYPES.index("full_attention")  # a full-attention index whose FFN rule is layer 0's (both MoE)
-    parts = dict(pre_fc_norm_embedding=Qwen3NextRMSNorm(D, eps=cfg.rms_norm_eps),
-                 pre_fc_norm_hidden=Qwen3NextRMSNorm(D, eps=cfg.rms_norm_eps),
-                 fc=torch.nn.Linear(2 * D, D, bias=False), layer=Qwen3NextDecoderLayer(cfg, full),
-                 norm=Qwen3NextRMSNorm(D, eps=cfg.rms_norm_eps))
-    tensors = {}
-    for name, module in parts.items():
-        for key, value in module.state_dict().items():
-            value = torch.randn_like(value) * (0.3 if value.ndim == 1 else 0.2)  # norms' weights away from 0 too
-            with torch.no_grad():
-                dict(module.named_parameters())[key].copy_(value)
-            tensors[f"mtp.{'layers.0' if name == 'layer' else name}.{key}"] = value.contiguous()
-    path = directory / "model.safetensors"
-    save_file({**load_file(path), **tensors}, path, metadata={"format": "pt"})
-    return parts
-
-
 def test_mtp_layer_loads_and_matches_its_torch_composition(tmp_path):
     """The checkpoint's `mtp.*` layer loads into Model.mtp; its logits for the pairs (h_t, token_{t+1}) equal the
-    torch module built from transformers' layers (vLLM's composition: no zeroed embedding at position 0, unlike
-    DeepSeek's) fed the same hidden states; the decoder is unchanged."""
-    from jaxkv.decoding.mtp import mtp_forward
+    torch module built from transformers' layers (helpers.hybrid.check_mtp_module)."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextDecoderLayer, Qwen3NextRMSNorm
 
     hf = hf_model("Qwen3NextConfig", dict(FIELDS))
     hf.save_pretrained(tmp_path, safe_serialization=True)
-    parts = with_mtp(hf, tmp_path)
-    model = jaxkv.load(tmp_path)
-    assert model.mtp is not None and len(model.mtp.params) == 1 and model.mtp.config.n_layers == 1
-    assert set(model.mtp.params[0]) == {"enorm", "hnorm", "eh_proj", "layer_0", "final_norm"}
-    tokens = np.random.default_rng(9).integers(0, VOCAB, (1, 24))
-    with torch.no_grad():
-        ids = torch.tensor(tokens)
-        h = hf.model(ids).last_hidden_state  # after the final norm: what the head reads
-        T = ids.shape[1] - 1
-        x = parts["fc"](torch.cat([parts["pre_fc_norm_embedding"](hf.model.embed_tokens(ids[:, 1:])),
-                                   parts["pre_fc_norm_hidden"](h[:, :-1])], dim=-1))
-        pos = torch.arange(T)[None]
-        mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
-        y = parts["layer"](x, position_embeddings=hf.model.rotary_emb(x, pos), attention_mask=mask, position_ids=pos)
-        want = hf.lm_head(parts["norm"](y[0] if isinstance(y, tuple) else y)).numpy()
-    got, _, _ = mtp_forward(model.mtp.params[0], model.params, jax.numpy.asarray(h[:, :-1].numpy()),
-                            jax.numpy.asarray(tokens[:, 1:]), jax.numpy.arange(T)[None], None,
-                            config=model.mtp.config)
-    np.testing.assert_allclose(np.asarray(got), want, atol=ATOL, rtol=0)
-    np.testing.assert_allclose(jaxkv.logits(model, tokens), hf_logits(hf, tokens), **HYBRID)
+    check_mtp_module(hf, tmp_path, Qwen3NextDecoderLayer, Qwen3NextRMSNorm)
 
 
 @pytest.mark.parametrize("where", ["contiguous", "paged", "engine"])
@@ -246,7 +199,9 @@ def test_mtp_speculation_equals_plain(tmp_path_factory, where):
     directory = tmp_path_factory.mktemp("mtp")
     hf = hf_model("Qwen3NextConfig", dict(FIELDS, num_experts=0))
     hf.save_pretrained(directory, safe_serialization=True)
-    with_mtp(hf, directory)
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextDecoderLayer, Qwen3NextRMSNorm
+
+    add_mtp(hf, directory, Qwen3NextDecoderLayer, Qwen3NextRMSNorm)
     model = jaxkv.load(directory)
     prompts = [RAGGED[0], RAGGED[2]]
     plain = jaxkv.generate(model, prompts, max_new_tokens=16, stop_tokens=[])
