@@ -2,7 +2,7 @@
 all-attention twin of the same size.
 
     jaxkv bench hybrid [--contexts 1024,4096,16384] [--batches 1,8] [--steps 32] [--reps 5]
-                       [--prefix 2048,64] [--snapshot-interval 128] [--quick] [--out F]
+                       [--prefix 2048,64] [--snapshot-interval 128] [--verify 4] [--quick] [--out F]
     python scripts/bench_hybrid.py ...            (the same)
 
 Two models with random weights (seed 0), float32, at the "small" preset's scale (8 layers, d_model 512, 8 query
@@ -28,6 +28,11 @@ for the hybrid model with a `PrefixCache` keeping state snapshots every --snapsh
 prefilled once before: the prompt resumes at the head's last snapshot boundary and prefills the rest) and without
 snapshots (no prefix cache: a hybrid prefix cannot be resumed from its pages alone, so the whole prompt is
 prefilled); the twin with a plain prefix cache (pages only) beside them. Also the snapshot's bytes.
+
+Speculation (--verify K): what keeping the state after each verified token costs. One verify pass of K + 1 tokens
+through the hybrid's cache at each batch and the first context, as the speculative loop runs it (the linear layers
+token by token, the state after each token kept, then the one after the kept tokens chosen), against the same pass
+without (the chunked form, the final state only: what a pass that could not rewind the state would cost).
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ import argparse
 import functools
 import sys
 
-QUICK = {"contexts": "64,128", "batches": "1", "steps": 4, "reps": 1, "prefix": "256,16"}
+QUICK = {"contexts": "64,128", "batches": "1", "steps": 4, "reps": 1, "prefix": "256,16", "verify": 2}
 
 
 def parse_args(argv=None):
@@ -48,6 +53,7 @@ def parse_args(argv=None):
     p.add_argument("--prefix", default="2048,64", help="HEAD,TAIL: the prefix-cache part's shared head and own "
                    "tail, in tokens (0,0: skip it)")
     p.add_argument("--snapshot-interval", type=int, default=128, help="the prefix cache's snapshot interval")
+    p.add_argument("--verify", type=int, default=4, help="K, the proposals of the verify-cost part (0: skip it)")
     p.add_argument("--out", default=None, help="write the figures as JSON to this file")
     p.add_argument("--quick", action="store_true",
                    help="a small run, as if given " + ", ".join(f"--{k} {v}" for k, v in QUICK.items()))
@@ -119,10 +125,53 @@ def run(args) -> dict:
             row["bytes_ratio"] = row["twin"]["cache_bytes_allocated"] / row["hybrid"]["cache_bytes_allocated"]
             row["speed_ratio"] = row["hybrid"]["tokens_per_s"] / row["twin"]["tokens_per_s"]
             result["rows"].append(row)
+    if args.verify:
+        result["verify"] = [verify_cost(models["hybrid"], batch, args.contexts[0], args.verify, args.reps)
+                            for batch in args.batches]
     head, tail = args.prefix
     if head and tail:
         result["prefix"] = prefix_ttft(models, head, tail, args.snapshot_interval, args.reps)
     return result
+
+
+def verify_cost(model, batch: int, context: int, k: int, reps: int) -> dict:
+    """Milliseconds of one verify pass of k + 1 tokens over `context` cached ones: with the states after each
+    token kept (what the speculative loop runs) and without (module docstring)."""
+    import dataclasses
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxkv.bench.mla import alternating_medians
+    from jaxkv.cache.contiguous import KVCache
+    from jaxkv.decoding import programs
+
+    config = model.config
+    cache = KVCache.allocate(config, batch, context + k + 1)
+    cache = dataclasses.replace(cache, length=jnp.int32(context))
+    tokens = jnp.ones((batch, k + 1), jnp.int32)
+
+    @jax.jit
+    def plain(params, tokens, cache):
+        return programs.forward(params, tokens, cache, config=config, attention="xla")
+
+    @jax.jit
+    def kept(params, tokens, cache):
+        logits, cache, after_each = programs.forward(params, tokens, cache, config=config, attention="xla",
+                                                     step_states=True)
+        return logits, cache.keep_step_states(after_each, 1 + k // 2)
+
+    def timed(fn):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(model.params, tokens, cache))
+        return time.perf_counter() - t0
+
+    seconds = alternating_medians({"step_states": lambda: timed(kept), "final_state": lambda: timed(plain)},
+                                  max(reps, 3))
+    return {"batch": batch, "context": context, "k": k, "ms": {name: s * 1e3 for name, s in seconds.items()},
+            "ratio": seconds["step_states"] / seconds["final_state"],
+            "step_state_bytes": batch * (k + 1) * config.state_bytes_per_sequence()}
 
 
 def prefix_ttft(models, head: int, tail: int, interval: int, reps: int) -> dict:
@@ -178,6 +227,10 @@ def report(result: dict):
         print(f"{r['batch']:>5} {r['context']:>8,} {r['hybrid']['step_ms']:9.2f} {r['twin']['step_ms']:8.2f} "
               f"{r['speed_ratio']:16.2f}x {r['hybrid']['cache_bytes_allocated']:14,} "
               f"{r['twin']['cache_bytes_allocated']:13,} {r['bytes_ratio']:10.2f}x")
+    for v in result.get("verify", []):
+        print(f"verify of {v['k']} + 1 tokens, batch {v['batch']}, {v['context']:,} cached: keeping the state after "
+              f"each token {v['ms']['step_states']:.2f} ms, the final state only {v['ms']['final_state']:.2f} ms "
+              f"({v['ratio']:.2f}x; {v['step_state_bytes']:,} bytes of per-token states)")
     p = result.get("prefix")
     if p:
         print(f"prefix cache, batch 1: {p['head']:,} shared + {p['tail']:,} own tokens; snapshots every "

@@ -328,8 +328,11 @@ def test_bench_hybrid_quick(tmp_path, capsys):
     assert prefix["hit_tokens"] == {"hybrid_snapshots": 256, "hybrid_no_snapshots": 0, "twin_pages": 256}
     assert prefix["snapshot_bytes"] == hybrid["state_bytes_per_sequence"] and prefix["snapshots_kept"] >= 2
     assert all(ms > 0 for ms in prefix["ttft_ms"].values())
+    (verify,) = result["verify"]  # --quick: k = 2 at batch 1
+    assert verify["k"] == 2 and verify["step_state_bytes"] == 3 * hybrid["state_bytes_per_sequence"]
+    assert all(ms > 0 for ms in verify["ms"].values())
     out = capsys.readouterr().out
-    assert "bytes ratio" in out and "time to first token" in out
+    assert "bytes ratio" in out and "time to first token" in out and "keeping the state after each" in out
 
 
 def test_bench_layers_quick(tmp_path, capsys):
