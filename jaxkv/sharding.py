@@ -243,7 +243,9 @@ def paged_cache_shardings(cache, mesh: Mesh):
     return type(cache)(keys=tuple(pool for _ in cache.keys), values=tuple(pool for _ in cache.values),
                        page_table=rep, lengths=rep, refcounts=rep, overflowed=rep,
                        key_scales=tuple(scale for _ in cache.key_scales),
-                       value_scales=tuple(scale for _ in cache.value_scales), page_size=cache.page_size)
+                       value_scales=tuple(scale for _ in cache.value_scales),
+                       conv_states=tuple(rep for _ in cache.conv_states),  # (rows like the tables: replicated)
+                       recurrent_states=tuple(rep for _ in cache.recurrent_states), page_size=cache.page_size)
 
 
 def constrain_cache(cache, mesh: Mesh | None):
