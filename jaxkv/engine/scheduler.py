@@ -46,6 +46,8 @@ class Engine:
         prefix of its prompt (whole pages) and prefills only the rest, and every prompt's whole pages stay cached
         for later requests (and later `generate` calls), evicted least recently used first when the pool is
         short. While requests are in flight the engine holds the pool (a `generate` call on it is refused).
+        A hybrid model (linear-attention layers) resumes a hit from the cache's state snapshot at its end; its
+        prompt chunks are cut back to the snapshot boundaries they reach, where its state is snapshotted.
       mesh: a ("data", "model") `jax.sharding.Mesh` with data 1: weights split Megatron-style over "model" as for
         `generate`, the page pools over KV heads (`sharding.paged_cache_shardings`), the page tables and the
         per-slot state on every device; attention="pallas" runs the paged kernel per shard of the heads
