@@ -297,7 +297,8 @@ class PrefixCache:
 
     def _store(self, keys: list[bytes], states):
         """Row i of `states` (per layer [n, ...] rows) becomes the snapshot of keys[i]."""
-        rows, slots = [], []
+        written = {}  # slot -> row of `states`; a slot taken twice here (a store smaller than the batch) keeps
+        # its last writer, whose key the index names (a scatter with a repeated index would keep either)
         for row, key in enumerate(keys):
             if key in self._snapshot_index:
                 self._snapshot_index.move_to_end(key)
@@ -308,11 +309,10 @@ class PrefixCache:
             else:
                 _, slot = self._snapshot_index.popitem(last=False)
             self._snapshot_index[key] = slot
-            rows.append(row)
-            slots.append(slot)
-        if rows:
-            self._snapshots = _store_rows(self._snapshots, states, jnp.asarray(rows, jnp.int32),
-                                          jnp.asarray(slots, jnp.int32))
+            written[slot] = row
+        if written:
+            self._snapshots = _store_rows(self._snapshots, states, jnp.asarray(list(written.values()), jnp.int32),
+                                          jnp.asarray(list(written), jnp.int32))
 
     def snapshot_rows(self, slots):
         """(conv states, recurrent states): per layer the store's rows `slots` (int32[n], -1: a fresh, zeroed
