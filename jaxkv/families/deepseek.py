@@ -102,7 +102,10 @@ def deepseek_fields(f: fl.Fields, arch: str) -> dict:
 _DEEPSEEK_MOE_DEFAULTS = {
     "deepseek_v2": dict(n_routed_experts=64, n_shared_experts=2, moe_intermediate_size=1407, routed_scaling_factor=1.0),
     "deepseek_v3": dict(n_routed_experts=256, n_shared_experts=1, moe_intermediate_size=2048, routed_scaling_factor=2.5,
-                      num_experts_per_tok=8, n_group=8, topk_group=4, norm_topk_prob=True)}
+                      num_experts_per_tok=8, n_group=8, topk_group=4, norm_topk_prob=True),
+    # GLM-4.5 / 4.6 (`jaxkv.families.glm4_moe`): DeepSeek-V3's router and experts, transformers' Glm4MoeConfig defaults
+    "glm4_moe": dict(n_routed_experts=128, n_shared_experts=1, moe_intermediate_size=1408, routed_scaling_factor=1.0,
+                     num_experts_per_tok=8, n_group=1, topk_group=1, norm_topk_prob=True)}
 
 
 def _deepseek_moe(f: fl.Fields, arch: str, dense: int) -> MoeConfig:
@@ -122,7 +125,7 @@ def _deepseek_moe(f: fl.Fields, arch: str, dense: int) -> MoeConfig:
         n_shared_experts=f.int("n_shared_experts", d["n_shared_experts"], cap=fl.MAX_EXPERTS),
         first_dense_layers=dense,
         routed_scaling_factor=f.float("routed_scaling_factor", d["routed_scaling_factor"]))
-    if arch == "deepseek_v3":
+    if arch in ("deepseek_v3", "glm4_moe"):
         fields |= dict(scoring="sigmoid", topk_method="noaux_tc", n_group=f.int("n_group", d["n_group"]),
                        topk_group=f.int("topk_group", d["topk_group"]),
                        norm_topk_prob=f.bool("norm_topk_prob", d["norm_topk_prob"]))

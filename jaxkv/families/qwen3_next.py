@@ -100,14 +100,15 @@ NEXT_DEFAULTS = dict(vocab_size=151936, hidden_size=2048, intermediate_size=5632
 PARTIAL_ROTARY_FACTOR = 0.25  # Qwen3Next / Qwen3.5 configs' `kwargs.setdefault("partial_rotary_factor", 0.25)`
 
 
-def with_defaults(f: fl.Fields, defaults: dict, **fixed) -> fl.Fields:
-    """`f` with transformers' defaults for the omitted `defaults` fields, `fixed` fields set, and the default
-    partial_rotary_factor where neither rope_parameters (or rope_scaling) nor the top level gives one (the
-    shared reader's own default is 1: the whole head)."""
+def with_defaults(f: fl.Fields, defaults: dict, partial_rotary_factor: float = PARTIAL_ROTARY_FACTOR,
+                  **fixed) -> fl.Fields:
+    """`f` with transformers' defaults for the omitted `defaults` fields, `fixed` fields set, and the family's
+    default `partial_rotary_factor` where neither rope_parameters (or rope_scaling) nor the top level gives one
+    (the shared reader's own default is 1: the whole head)."""
     hf = {**{k: v for k, v in defaults.items() if k not in f.hf}, **f.hf, **fixed}
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if isinstance(params, dict) and "partial_rotary_factor" not in params and "partial_rotary_factor" not in hf:
-        hf["partial_rotary_factor"] = PARTIAL_ROTARY_FACTOR
+        hf["partial_rotary_factor"] = partial_rotary_factor
     return fl.Fields(hf, f.source, f.prefix)
 
 

@@ -1,0 +1,129 @@
+"""GLM-4.5 / 4.6 (`jaxkv.families.glm4_moe`) against transformers: tiny random Glm4MoeForCausalLM models with
+partial rotary (half of each head, as the releases), q/k/v biases, q/k norms on and off, layer 0 dense and layers
+1-2 DeepSeek-V3-style mixtures of experts (sigmoid scores plus a randomized correction bias, 4 groups of 2 experts
+with 2 kept, normalized, scaled, a shared expert), saved with save_pretrained (per-expert tensors) and as
+transformers 5's fused state_dict: the config mapping and transformers' defaults, float32 logits within 1e-4, greedy
+tokens (a single prompt and a ragged batch), n = 2 samples, beam search, the engine, speculation, and the experts
+every token is routed to (no near ties).
+"""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+import jaxkv  # noqa: E402
+from helpers.hf import (ATOL, BOS, EOS, PAD, RAGGED, SINGLE, VOCAB, check_moe_beam_search,  # noqa: E402
+                        check_moe_engine, check_moe_greedy_generation, check_moe_parallel_greedy_samples,
+                        check_moe_routing, check_speculative_greedy, greedy_cases, hf_greedy, hf_logits,
+                        saved_and_loaded)
+from jaxkv.io.hf import config_from_hf  # noqa: E402
+
+MOE_LAYERS = (1, 2)
+FIELDS = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, n_routed_experts=8, num_experts_per_tok=3,
+              n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=1.8, n_shared_experts=1,
+              first_k_dense_replace=1, attention_bias=True, use_qk_norm=True, max_position_embeddings=256,
+              initializer_range=0.25, rms_norm_eps=1e-6, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=BOS)
+
+
+def build_hf(seed: int = 0, **changes):
+    torch.manual_seed(seed)
+    config = transformers.Glm4MoeConfig(**dict(FIELDS, **changes))
+    hf = transformers.Glm4MoeForCausalLM._from_config(config, attn_implementation="eager").eval()
+    hf.generation_config.eos_token_id = None  # never stop early (helpers.hf.build_hf)
+    with torch.no_grad():  # transformers zeroes the correction bias, which would hide one left out
+        for i in MOE_LAYERS:
+            bias = hf.model.layers[i].mlp.gate.e_score_correction_bias
+            bias.copy_(torch.randn(bias.shape) * 0.1)
+    return hf
+
+
+loaded = saved_and_loaded(build_hf, {"glm4_moe": ()})
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """(transformers' model, jaxkv's, transformers' greedy tokens for SINGLE and RAGGED by prompt count)."""
+    hf, model, _ = loaded("glm4_moe", tmp_path_factory)
+    return hf, model, {len(prompts): hf_greedy(hf, prompts) for prompts, _ in greedy_cases(SINGLE, RAGGED)}
+
+
+def test_config_maps_attention_and_experts(pair):
+    hf, model, _ = pair
+    c, moe = model.config, model.config.moe
+    assert c.rotary_dim == 8 and c.head_dim == 16 and c.qk_norm and c.qkv_bias and not c.out_bias
+    assert (moe.scoring, moe.topk_method, moe.n_group, moe.topk_group, moe.norm_topk_prob) == (
+        "sigmoid", "noaux_tc", 4, 2, True)
+    assert (moe.n_routed_experts, moe.experts_per_token, moe.moe_ffn_dim, moe.n_shared_experts,
+            moe.first_dense_layers, moe.routed_scaling_factor) == (8, 3, 32, 1, 1, 1.8)
+    assert "w_gate" in model.params["layer_0"]["mlp"] and "router_bias" in model.params["layer_1"]["mlp"]
+
+
+def test_omitted_fields_take_transformers_defaults():
+    """A config.json without partial_rotary_factor, rms_norm_eps or the MoE fields reads as Glm4MoeConfig fills
+    them: half of each head rotated, eps 1e-5, 128 experts of 1408, 8 per token, one group, layer 0 dense."""
+    given = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 intermediate_size=96, vocab_size=VOCAB)
+    theirs = transformers.Glm4MoeConfig(**given)
+    ours = config_from_hf({"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", **given},
+                          source="config.json")
+    assert ours.rotary_dim == int(16 * theirs.rope_parameters["partial_rotary_factor"]) == 8
+    assert ours.norm_eps == theirs.rms_norm_eps == 1e-5 and not ours.qk_norm and not ours.qkv_bias
+    m = ours.moe
+    assert (m.n_routed_experts, m.moe_ffn_dim, m.experts_per_token, m.n_group, m.topk_group, m.first_dense_layers,
+            m.routed_scaling_factor, m.n_shared_experts) == (
+        theirs.n_routed_experts, theirs.moe_intermediate_size, theirs.num_experts_per_tok, theirs.n_group,
+        theirs.topk_group, theirs.first_k_dense_replace, theirs.routed_scaling_factor, theirs.n_shared_experts)
+
+
+@pytest.mark.parametrize("changes", [{}, dict(use_qk_norm=False, attention_bias=False, partial_rotary_factor=1.0)],
+                         ids=["glm4.5", "plain-attention"])
+def test_logits_match(changes, tmp_path):
+    hf = build_hf(seed=2, **changes)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 24))
+    np.testing.assert_allclose(jaxkv.logits(jaxkv.load(tmp_path), tokens), hf_logits(hf, tokens), atol=ATOL, rtol=0)
+
+
+def test_fused_experts_load_too(tmp_path):
+    """transformers 5's in-memory names (experts.gate_up_proj / down_proj: a state_dict saved as is)."""
+    hf = build_hf(seed=1)
+    hf.config.architectures = [type(hf).__name__]
+    hf.config.to_json_file(tmp_path / "config.json")
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    assert "model.layers.1.mlp.experts.gate_up_proj" in state
+    safetensors_torch.save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    tokens = np.random.default_rng(1).integers(0, VOCAB, (2, 24))
+    np.testing.assert_allclose(jaxkv.logits(jaxkv.load(tmp_path), tokens), hf_logits(hf, tokens), atol=ATOL, rtol=0)
+
+
+def test_an_mtp_layer_is_dropped_and_a_broken_router_is_named(pair, tmp_path):
+    """The releases' multi-token-prediction layer (decoder layer num_hidden_layers, which transformers drops) is
+    ignored, the decoder unchanged; a router tensor of the wrong shape is a ValueError naming it."""
+    hf, model, _ = pair
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    hf.config.architectures = [type(hf).__name__]
+    hf.config.to_json_file(tmp_path / "config.json")
+    extra = {"model.layers.3.eh_proj.weight": torch.zeros(64, 128), "model.layers.3.enorm.weight": torch.zeros(64)}
+    safetensors_torch.save_file({**state, **extra}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    tokens = np.random.default_rng(3).integers(0, VOCAB, (1, 12))
+    np.testing.assert_array_equal(jaxkv.logits(jaxkv.load(tmp_path), tokens), jaxkv.logits(model, tokens))
+    state["model.layers.1.mlp.gate.weight"] = torch.zeros(7, 64)
+    safetensors_torch.save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="model.layers.1.mlp.gate.weight"):
+        jaxkv.load(tmp_path)
+
+
+@pytest.mark.parametrize("path", ["greedy", "n=2", "engine", "beams", "routing", "speculative"])
+def test_decoding_paths_equal_transformers(pair, path):
+    """Each decoding path against transformers' tokens (beams: and scores), and every token's experts."""
+    hf, model, greedy = pair
+    {"greedy": lambda: check_moe_greedy_generation(model, greedy),
+     "n=2": lambda: check_moe_parallel_greedy_samples(model, greedy),
+     "engine": lambda: check_moe_engine(model, greedy),
+     "beams": lambda: check_moe_beam_search(hf, model, greedy),
+     "routing": lambda: check_moe_routing(hf, model, MOE_LAYERS),
+     "speculative": lambda: check_speculative_greedy(model, greedy[len(RAGGED)], "glm4-moe")}[path]()
