@@ -75,7 +75,7 @@ def deepseek_fields(f: fl.Fields, arch: str) -> dict:
     dense = f.hf.get("first_k_dense_replace", defaults["first_k_dense_replace"])
     if isinstance(dense, bool) or not isinstance(dense, int) or dense < 0:
         f.fail("first_k_dense_replace", f"must be a non-negative integer, got {dense!r}")
-    moe = _deepseek_moe(f, arch, dense) if dense < n_layers else None
+    moe = deepseek_moe(f, arch, dense) if dense < n_layers else None
     kwargs = dict(
         vocab_size=f.int("vocab_size", cap=fl.MAX_VOCAB, required=True),
         d_model=f.int("hidden_size", cap=fl.MAX_D_MODEL, required=True),
@@ -108,7 +108,7 @@ _DEEPSEEK_MOE_DEFAULTS = {
                      num_experts_per_tok=8, n_group=1, topk_group=1, norm_topk_prob=True)}
 
 
-def _deepseek_moe(f: fl.Fields, arch: str, dense: int) -> MoeConfig:
+def deepseek_moe(f: fl.Fields, arch: str, dense: int) -> MoeConfig:
     """The mixture of experts of layers >= first_k_dense_replace, as transformers 5.24 runs it: V3 always scores
     with a sigmoid and picks by "noaux_tc" (it reads neither `scoring_func` nor `topk_method`); V2 always with a
     softmax, by `topk_method`, and never normalizes the weights (it does not read `norm_topk_prob`)."""
@@ -169,7 +169,7 @@ def mtp_plan(config: Config, hf: dict, names, source: str, arch: str) -> MtpPlan
     # dense (the decoder's config then holds no MoeConfig: parse it from the same fields).
     moe = None
     if L >= dense:
-        moe = config.moe or _deepseek_moe(fl.Fields(hf, source), arch, dense)
+        moe = config.moe or deepseek_moe(fl.Fields(hf, source), arch, dense)
         moe = dataclasses.replace(moe, first_dense_layers=0, dense_layers=())
     block = config.replace(n_layers=1, moe=moe)
     interleaved, fused = rope_interleaved(hf, arch), tensors.fused_experts_stored(names)
@@ -235,7 +235,7 @@ def _layer(cfg: Config, i: int, interleaved: bool, fused_experts: bool) -> list[
                    _split_kv_b([(jx, "attn", "wk_b"), (jx, "attn", "wv_b")], N, nope, dv, R)),
         TensorSpec(attn + "o_proj.weight", (D, N * dv), "[D, N*v]", reshape((jx, "attn", "wo"), D, N, dv)),
     ]
-    specs += _ffn(cfg, i, fused_experts)
+    specs += ffn_tensors(cfg, i, fused_experts)
     if m.q_lora_rank is None:
         specs.append(TensorSpec(attn + "q_proj.weight", (N * qk, D), "[N*qk, D]",
                                 rows((jx, "attn", "wq"), q_order, N, qk, D)))
@@ -259,7 +259,7 @@ def _layer(cfg: Config, i: int, interleaved: bool, fused_experts: bool) -> list[
     return specs
 
 
-def _ffn(cfg: Config, i: int, fused_experts: bool) -> list[TensorSpec]:
+def ffn_tensors(cfg: Config, i: int, fused_experts: bool) -> list[TensorSpec]:
     """Layer i's FFN: the dense MLP, or the router, the shared experts and the X routed experts."""
     m = cfg.moe
     if m is None or not m.is_moe_layer(i):

@@ -23,7 +23,7 @@ import re
 from jaxkv.config import Config
 from jaxkv.families import fields as fl
 from jaxkv.families import tensors
-from jaxkv.families.deepseek import _deepseek_moe, _ffn
+from jaxkv.families.deepseek import deepseek_moe, ffn_tensors
 from jaxkv.families.llama import base_fields
 from jaxkv.families.qwen3_next import with_defaults
 from jaxkv.families.registry import Family, register
@@ -43,7 +43,7 @@ def glm4_moe_fields(f: fl.Fields) -> dict:
     dense = f.hf.get("first_k_dense_replace", 1)
     if isinstance(dense, bool) or not isinstance(dense, int) or dense < 0:
         f.fail("first_k_dense_replace", f"must be a non-negative integer, got {dense!r}")
-    kwargs["moe"] = _deepseek_moe(f, "glm4_moe", dense) if dense < kwargs["n_layers"] else None
+    kwargs["moe"] = deepseek_moe(f, "glm4_moe", dense) if dense < kwargs["n_layers"] else None
     return kwargs
 
 
@@ -51,7 +51,7 @@ def glm4_moe_tensors(cfg: Config, hf: dict, names) -> list[TensorSpec]:
     fused = cfg.moe is not None and tensors.fused_experts_stored(names)
     specs = tensors.embedding_and_final_norm(cfg)
     for i in range(cfg.n_layers):
-        specs += tensors.norms(cfg, i, tensors.PRE_NORMS) + tensors.attention(cfg, i) + _ffn(cfg, i, fused)
+        specs += tensors.norms(cfg, i, tensors.PRE_NORMS) + tensors.attention(cfg, i) + ffn_tensors(cfg, i, fused)
     return specs
 
 
