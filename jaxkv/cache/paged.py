@@ -57,7 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.cache.storage import LayerStates, quantize, zeroed_buffers, zeroed_states
+from jaxkv.cache.storage import LayerStates, quantize, state_rows, zeroed_buffers, zeroed_states
 from jaxkv.config import Config
 
 NO_PAGE = -1
@@ -251,8 +251,8 @@ class PagedKVCache(LayerStates):
         overflowed = some & self.overflowed[src]
         refcounts = self.count_pages(self.page_table, -1, self.count_pages(table, +1, self.refcounts))
         cache = dataclasses.replace(self, page_table=table, lengths=lengths, overflowed=overflowed,
-                                    refcounts=refcounts, conv_states=_rows(self.conv_states, src, some),
-                                    recurrent_states=_rows(self.recurrent_states, src, some))
+                                    refcounts=refcounts, conv_states=state_rows(self.conv_states, src, some),
+                                    recurrent_states=state_rows(self.recurrent_states, src, some))
         return cache._copy_shared_last_pages()
 
     def _copy_shared_last_pages(self) -> "PagedKVCache":
@@ -298,8 +298,8 @@ class PagedKVCache(LayerStates):
                                    page_table=jnp.where(rows[:, None], NO_PAGE, self.page_table),
                                    lengths=jnp.where(rows, 0, self.lengths),
                                    overflowed=jnp.where(rows, False, self.overflowed),
-                                   conv_states=_rows(self.conv_states, None, ~rows),
-                                   recurrent_states=_rows(self.recurrent_states, None, ~rows))
+                                   conv_states=state_rows(self.conv_states, None, ~rows),
+                                   recurrent_states=state_rows(self.recurrent_states, None, ~rows))
 
     # --- rows as batches of their own (the engine's slots and staging rows) -----------------------------------
 
@@ -315,8 +315,8 @@ class PagedKVCache(LayerStates):
 
         return dataclasses.replace(self, page_table=take(self.page_table, NO_PAGE), lengths=take(self.lengths, 0),
                                    overflowed=take(self.overflowed, False),
-                                   conv_states=tuple(take(x, 0) for x in self.conv_states),
-                                   recurrent_states=tuple(take(x, 0) for x in self.recurrent_states))
+                                   conv_states=state_rows(self.conv_states, row, used),
+                                   recurrent_states=state_rows(self.recurrent_states, row, used))
 
     def put_rows(self, rows, sub: "PagedKVCache") -> "PagedKVCache":
         """`sub` (from `take_rows(rows)`, then used) back: its pools and counts, and its rows into rows `rows`
@@ -402,14 +402,6 @@ class PagedKVCache(LayerStates):
     def _with_layer_scales(self, layer: int, k_scale, v_scale) -> "PagedKVCache":
         return dataclasses.replace(self, key_scales=self._replaced(self.key_scales, layer, k_scale),
                                    value_scales=self._replaced(self.value_scales, layer, v_scale))
-
-
-def _rows(states: tuple, src, keep) -> tuple:
-    """Per layer, the state rows src[i] (None: the rows as they are), zeroed where keep[i] is false."""
-    def pick(x):
-        x = x if src is None else x[src]
-        return jnp.where(keep.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
-    return tuple(map(pick, states))
 
 
 def fork(cache: PagedKVCache, parents) -> PagedKVCache:

@@ -49,7 +49,7 @@ from jaxkv import checks, sharding
 from jaxkv.cache import planner
 from jaxkv.cache.dtypes import check_cache_dtype
 from jaxkv.cache.paged import PagedKVCache
-from jaxkv.cache.storage import zeroed_states
+from jaxkv.cache.storage import state_rows, zeroed_states
 from jaxkv.config import Config
 
 DEFAULT_SNAPSHOT_INTERVAL = 128  # tokens (rounded up to whole pages): a hybrid model's snapshot spacing
@@ -401,9 +401,8 @@ def _store_rows(store, states, rows, slots):
 
 @jax.jit
 def _gather_rows(store, slots):
-    used = slots >= 0
-    return jax.tree.map(lambda s: jnp.where(used.reshape((-1,) + (1,) * (s.ndim - 1)), s[jnp.maximum(slots, 0)],
-                                            jnp.zeros((), s.dtype)), store)
+    """Per kind of state and layer, the store's rows `slots` (-1: zeros)."""
+    return tuple(state_rows(kind, jnp.maximum(slots, 0), slots >= 0) for kind in store)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -53,6 +53,15 @@ def zeroed_states(config: Config, batch: int):
     return conv, recurrent
 
 
+def state_rows(states: tuple, src, keep) -> tuple:
+    """Per layer, the state rows src[i] (None: the rows as they are), zeroed where keep[i] is false: what a fork,
+    a release, a batch of some rows and a prefix cache's snapshots take."""
+    def pick(x):
+        x = x if src is None else x[src]
+        return jnp.where(keep.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
+    return tuple(map(pick, states))
+
+
 class LayerStates:
     """What a cache holding hybrid models' states (`conv_states`, `recurrent_states`: per layer a [B, ...] row per
     sequence, empty on non-linear layers) reads and writes them with; mixed into `KVCache` and `PagedKVCache`,
