@@ -19,7 +19,7 @@ NORM_KINDS = ("rmsnorm", "gemma_rmsnorm", "rmsnorm_f32", "layernorm")
 LayerType = Literal["full_attention", "sliding_attention", "linear_attention"]
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 PositionKind = Literal["rope", "learned"]
-MoeScoring = Literal["softmax", "sigmoid"]
+MoeScoring = Literal["softmax", "sigmoid", "topk_softmax"]
 MoeTopkMethod = Literal["greedy", "group_limited_greedy", "noaux_tc"]
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -132,7 +132,8 @@ class MoeConfig:
       first_dense_layers: layers [0, first_dense_layers) keep the dense MLP (HF `first_k_dense_replace`).
       dense_layers: further layers, anywhere, that keep the dense MLP (Qwen3-MoE's `mlp_only_layers` and the
         layers `decoder_sparse_step` skips); sorted, no repeats.
-      scoring: "softmax" (V2) or "sigmoid" (V3) of the float32 router logits.
+      scoring: "softmax" (V2) or "sigmoid" (V3) of the float32 router logits, or "topk_softmax" (gpt-oss): the A
+        largest logits chosen, their softmax the weights ("greedy" only).
       topk_method: "greedy" (the A best scores), "group_limited_greedy" (V2: experts in n_group groups, a group
         scored by its best expert, only the topk_group best groups eligible) or "noaux_tc" (V3: the choice uses
         the scores plus a per-expert correction bias, a group scored by the sum of its two best; the weights are
@@ -141,6 +142,11 @@ class MoeConfig:
       routed_scaling_factor: multiplies the routing weights (after normalization).
       norm_topk_prob: divide the A weights by their sum (+ 1e-20) before scaling. transformers 5.24 applies this
         for V3 only; its V2 router ignores the flag (`config_from_hf` maps V2 to False accordingly).
+      router_logit_bias: the router's logits have a learned bias, float32[X] (gpt-oss's router.bias).
+      expert_bias: each routed expert's gate, up and down projections have biases (gpt-oss).
+      swiglu_limit: None (each expert is down(silu(gate x) * up x)) or gpt-oss's clamped SwiGLU: g = min(gate x,
+        limit), u = clip(up x, -limit, limit), down((u + 1) * g * sigmoid(swiglu_alpha * g)).
+      swiglu_alpha: the sigmoid's gain in the clamped SwiGLU (gpt-oss: 1.702).
     """
 
     n_routed_experts: int
@@ -159,6 +165,10 @@ class MoeConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     norm_topk_prob: bool = False
+    router_logit_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self):
         for name in ("n_routed_experts", "experts_per_token", "moe_ffn_dim", "n_group", "topk_group"):
@@ -180,8 +190,19 @@ class MoeConfig:
                f"moe.dense_layers must be a sorted tuple of distinct layer indices, got {self.dense_layers!r}")
         X, A = self.n_routed_experts, self.experts_per_token
         _check(A <= X, f"moe.experts_per_token ({A}) exceeds moe.n_routed_experts ({X})")
-        _check(self.scoring in ("softmax", "sigmoid"), f"moe.scoring must be 'softmax' or 'sigmoid', got "
-                                                       f"{self.scoring!r}")
+        _check(self.scoring in ("softmax", "sigmoid", "topk_softmax"),
+               f"moe.scoring must be 'softmax', 'sigmoid' or 'topk_softmax', got {self.scoring!r}")
+        _check(self.scoring != "topk_softmax" or self.topk_method == "greedy",
+               f"moe.scoring 'topk_softmax' chooses the best logits: topk_method must be 'greedy', got "
+               f"{self.topk_method!r}")
+        for name in ("router_logit_bias", "expert_bias"):
+            _check(isinstance(getattr(self, name), bool), f"moe.{name} must be a bool, got {getattr(self, name)!r}")
+        for name in ("swiglu_limit", "swiglu_alpha"):
+            value = getattr(self, name)
+            _check((value is None and name == "swiglu_limit") or (
+                isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0),
+                   f"moe.{name} must be {'None or ' if name == 'swiglu_limit' else ''}a finite number > 0, got "
+                   f"{value!r}")
         _check(self.topk_method in ("greedy", "group_limited_greedy", "noaux_tc"),
                f"moe.topk_method must be 'greedy', 'group_limited_greedy' or 'noaux_tc', got {self.topk_method!r}")
         _check(isinstance(self.routed_scaling_factor, (int, float)) and math.isfinite(self.routed_scaling_factor)
@@ -216,10 +237,11 @@ class MoeConfig:
         return layer >= self.first_dense_layers and layer not in self.dense_layers
 
     def param_count(self, d_model: int) -> int:
-        """One MoE layer's parameters: router (+ correction bias), X experts and the shared experts."""
-        X, D = self.n_routed_experts, d_model
-        router = X * D + (X if self.topk_method == "noaux_tc" else 0)
-        return (router + 3 * D * self.moe_ffn_dim * X + 3 * D * self.shared_ffn_dim
+        """One MoE layer's parameters: router (+ correction or logit bias), X experts (+ their biases) and the shared
+        experts."""
+        X, D, I = self.n_routed_experts, d_model, self.moe_ffn_dim
+        router = X * D + (X if self.topk_method == "noaux_tc" else 0) + (X if self.router_logit_bias else 0)
+        return (router + 3 * D * I * X + (X * (2 * I + D) if self.expert_bias else 0) + 3 * D * self.shared_ffn_dim
                 + (D if self.shared_expert_gate else 0))
 
 
@@ -262,6 +284,8 @@ class Config:
       query_pre_attn_scalar: the scores are scaled by query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5
         (1.0: unscaled scores, Gemma 4).
       attn_logit_softcap: scores become cap * tanh(scores / cap) before masking and softmax (Gemma 2).
+      attention_sinks: each attention layer has one learned logit per query head (`sinks` [N]) that joins every
+        softmax's denominator and weighs no value (gpt-oss; `jaxkv.attention.reference`).
       final_logit_softcap: the output logits become cap * tanh(logits / cap) (Gemma 2).
       global_head_dim: the head dim of the full-attention layers (`layer_window` None), when it differs from
         head_dim (Gemma 4); None: head_dim. `layer_head_dim`.
@@ -324,6 +348,7 @@ class Config:
     query_pre_attn_scalar: float | None = None
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
+    attention_sinks: bool = False
     global_head_dim: int | None = None
     global_kv_heads: int | None = None
     global_values_from_keys: bool = False
@@ -445,6 +470,8 @@ class Config:
         _check(isinstance(self.attn_output_gate, bool), f"attn_output_gate must be a bool, got "
                                                         f"{self.attn_output_gate!r}")
         _check(not (self.attn_output_gate and self.mla is not None), "attn_output_gate is not supported with mla")
+        _check(isinstance(self.attention_sinks, bool), f"attention_sinks must be a bool, got {self.attention_sinks!r}")
+        _check(not (self.attention_sinks and self.mla is not None), "attention_sinks is not supported with mla")
         if self.rotary_dim is not None:
             _check(isinstance(self.rotary_dim, int) and not isinstance(self.rotary_dim, bool)
                    and 2 <= self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0
@@ -664,6 +691,8 @@ class Config:
             attn += D
         if self.qk_norm:
             attn += (2 if self.stores_kv(layer) else 1) * H
+        if self.attention_sinks:
+            attn += N
         return attn
 
     def _layer_ffn_params(self, layer: int) -> int:

@@ -14,7 +14,8 @@ Page-table entries a sequence does not use are -1 and never read for a live slot
 masked with a finite negative and dead values are selected away (never multiplied by a zero weight, 0 x NaN = NaN).
 Quantized pools (int8, float8_e4m3fn) pass `k_scale`, `v_scale` [P, K, page_size] and are dequantized as read.
 Computes in float32 whatever the pool dtype. `softcap` (Gemma 2's attention-logit soft-capping) caps the scaled
-scores before masking, as in `reference` (`reference.soft_cap`).
+scores before masking, as in `reference` (`reference.soft_cap`); `sinks` (gpt-oss's attention sinks, float32[N])
+join each softmax's denominator, as in `reference`.
 
 A prompt chunk (`fresh`): the queries are a chunk of new tokens continuing their sequences (the engine's chunked
 prefill, a prompt's suffix after a prefix-cache hit). They then attend over the pages only for the slots before
@@ -27,8 +28,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxkv.attention.reference import (MASKED, MIN_PREFIX, softmax, check_softcap, dequantize, dot_precision,
-                                      prefix_lengths, soft_cap)
+from jaxkv.attention.reference import (MASKED, MIN_PREFIX, softmax, check_sinks, check_softcap, dequantize,
+                                      dot_precision, grouped_sinks, prefix_lengths, soft_cap)
 
 
 def gather_pages(pages, page_table):
@@ -67,7 +68,7 @@ def before_chunk(live, slot, q_slots):
 
 def paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale: float,
                     sliding_window: int | None = None, k_scale=None, v_scale=None, softcap: float | None = None,
-                    fresh=None):
+                    fresh=None, sinks=None):
     """Softmax attention of T queries per sequence over the sequence's pages.
 
     Args:
@@ -83,6 +84,7 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale:
       fresh: None, or (k, v [B, K, T, H], valid bool[B, T]): the queries are a prompt chunk and these its own keys
         and values as computed (key t in slot q_slots[b, t], stored where valid): the pages are read only for the
         slots before each row's chunk, q_slots[b, 0] (module docstring).
+      sinks: float32[N], one logit per query head in each softmax's denominator (`reference`), or None.
 
     Returns:
       [B, T, N, H] in q's dtype. A query with no live slot gets a uniform average of zeros: finite.
@@ -90,6 +92,7 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale:
     B, T, N, H = q.shape
     softcap = check_softcap(softcap)
     K = k_pages.shape[1]
+    sinks = grouped_sinks(check_sinks(sinks, N), K)  # [K, G]
     k = dequantize(gather_pages(k_pages, page_table), None if k_scale is None else gather_pages(k_scale, page_table))
     v = dequantize(gather_pages(v_pages, page_table), None if v_scale is None else gather_pages(v_scale, page_table))
     live = live_mask(lengths, q_slots, k.shape[2], sliding_window)  # [B, T, S]
@@ -105,14 +108,14 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale:
     precision = dot_precision(q.dtype)
     qg = q.astype(jnp.float32).reshape(B, T, K, N // K, H)  # [B, T, K, G, H]
     scores = soft_cap(jnp.einsum("btkgh,bksh->bkgts", qg, k, precision=precision) * scale, softcap)  # [B,K,G,T,S]
-    weights = softmax(jnp.where(live[:, None, None], scores, MASKED))
+    weights = softmax(jnp.where(live[:, None, None], scores, MASKED), None if sinks is None else sinks[:, :, None])
     out = jnp.einsum("bkgts,bksh->btkgh", weights, v, precision=precision)  # [B, T, K, G, H]
     return out.reshape(B, T, N, H).astype(q.dtype)
 
 
 def pool_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale: float,
                    sliding_window: int | None = None, k_scale=None, v_scale=None, softcap: float | None = None,
-                   fresh=None):
+                   fresh=None, sinks=None):
     """`paged_attention` computed over the whole pool at once, each query masked to its own sequence's slots.
 
     Same arguments (`fresh` included) and result. Instead of gathering each sequence's pages (B x M pages read and
@@ -125,6 +128,8 @@ def pool_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale: 
     softcap = check_softcap(softcap)
     P, K, ps = k_pages.shape[:3]
     M = page_table.shape[1]
+    sinks = grouped_sinks(check_sinks(sinks, N), K)
+    row_sinks = None if sinks is None else sinks[:, :, None]  # [K, G, 1]: against [B, K, G, T]
     # entry[b, p]: the table entry of page p in sequence b, -1 if b does not hold p. (A sequence never holds a
     # page twice; -1 table entries scatter out of range and are dropped.)
     rows = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, M))
@@ -149,7 +154,7 @@ def pool_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale: 
     scores = soft_cap(scores.reshape(B, K, N // K, T, P * ps) * scale, softcap)
     scores = jnp.where(live[:, None, None], scores, MASKED)
     if fresh is None:
-        weights = softmax(scores).reshape(B, K, N // K, T, P, ps)
+        weights = softmax(scores, row_sinks).reshape(B, K, N // K, T, P, ps)
         out = jnp.einsum("bkgtps,pksh->btkgh", weights, v, precision=precision)  # [B, T, K, G, H]
         return out.reshape(B, T, N, H).astype(q.dtype)
     # A prompt chunk: one softmax over the pool's slots before the chunk and the chunk's own fresh K/V.
@@ -157,7 +162,7 @@ def pool_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale: 
     own = jnp.einsum("btkgh,bksh->bkgts", qg, fresh_k, precision=precision)
     own = soft_cap(own * scale, softcap)  # [B, K, G, T, T]
     own = jnp.where(fresh_mask(q_slots, valid, sliding_window)[:, None, None], own, MASKED)
-    weights = softmax(jnp.concatenate([scores, own], axis=-1))
+    weights = softmax(jnp.concatenate([scores, own], axis=-1), row_sinks)
     pool_w, own_w = weights[..., :P * ps].reshape(B, K, N // K, T, P, ps), weights[..., P * ps:]
     out = (jnp.einsum("bkgtps,pksh->btkgh", pool_w, v, precision=precision)
            + jnp.einsum("bkgts,bksh->btkgh", own_w, fresh_v, precision=precision))
@@ -166,7 +171,8 @@ def pool_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale: 
 
 def live_paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale: float,
                          sliding_window: int | None = None, k_scale=None, v_scale=None,
-                         min_prefix: int | None = MIN_PREFIX, softcap: float | None = None, fresh=None):
+                         min_prefix: int | None = MIN_PREFIX, softcap: float | None = None, fresh=None,
+                         sinks=None):
     """`paged_attention` reading only the first m table entries of every sequence, m the shortest of a few
     static lengths (`reference.prefix_lengths` in slots, so at most 1.5x what the longest sequence needs) that
     holds every sequence's written slots (with `fresh`, the slots before each chunk): one `lax.switch` branch per
@@ -176,27 +182,29 @@ def live_paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, s
     M = page_table.shape[1]
     pages = sorted({min(M, -(-n // ps)) for n in prefix_lengths(M * ps, min_prefix)})
     kwargs = dict(scale=scale, sliding_window=sliding_window, softcap=check_softcap(softcap))
+    sinks = check_sinks(sinks, q.shape[2])
 
     def branch(m):
-        def attend(q, k_pages, v_pages, k_scale, v_scale, page_table, lengths, q_slots, fresh):
+        def attend(q, k_pages, v_pages, k_scale, v_scale, page_table, lengths, q_slots, fresh, sinks):
             return paged_attention(q, k_pages, v_pages, page_table[:, :m], lengths, q_slots, k_scale=k_scale,
-                                   v_scale=v_scale, fresh=fresh, **kwargs)
+                                   v_scale=v_scale, fresh=fresh, sinks=sinks, **kwargs)
         return attend
 
     if len(pages) == 1:
         return paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, k_scale=k_scale, v_scale=v_scale,
-                               fresh=fresh, **kwargs)
+                               fresh=fresh, sinks=sinks, **kwargs)
     read = lengths if fresh is None else q_slots[:, 0]  # a chunk reads its pages only before its own slots
     needed = (jnp.max(read) + ps - 1) // ps  # table entries the longest sequence uses
     index = jnp.searchsorted(jnp.asarray(pages, jnp.int32), needed.astype(jnp.int32))
     index = jnp.minimum(index, len(pages) - 1)
     return jax.lax.switch(index, [branch(m) for m in pages], q, k_pages, v_pages, k_scale, v_scale, page_table,
-                          lengths, q_slots, fresh)
+                          lengths, q_slots, fresh, sinks)
 
 
 def ragged_paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale: float,
                            sliding_window: int | None = None, k_scale=None, v_scale=None,
-                           min_prefix: int | None = MIN_PREFIX, softcap: float | None = None):
+                           min_prefix: int | None = MIN_PREFIX, softcap: float | None = None,
+                           sinks=None):
     """`paged_attention` for one query per sequence (T == 1) reading only the pages each sequence uses.
 
     The batch's used table entries, ceil(lengths[b] / page_size) of row b, are laid end to end in one list of C
@@ -214,6 +222,7 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *,
     softcap = check_softcap(softcap)
     P, K, ps, _ = k_pages.shape
     M = page_table.shape[1]
+    sinks = grouped_sinks(check_sinks(sinks, N), K)  # [K, G]
     used = jnp.minimum((lengths + ps - 1) // ps, M).astype(jnp.int32)  # [B] table entries in use
     ends = jnp.cumsum(used)  # [B]: row b's entries are [ends[b] - used[b], ends[b]) of the list
     sizes = sorted({min(B * M, -(-n // ps)) for n in prefix_lengths(B * M * ps, min_prefix)})
@@ -240,8 +249,12 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *,
             segment = dict(segment_ids=owner, num_segments=B, indices_are_sorted=True)
             top = jax.ops.segment_max(jnp.max(scores, axis=-1), **segment)  # [B, K, G]; -inf: no entries
             top = jnp.where(jnp.isfinite(top), top, 0.0)
+            if sinks is not None:  # the sink joins each row's max and denominator (`reference.softmax`)
+                top = jnp.maximum(top, sinks)
             weights = jnp.exp(scores - top[owner][..., None])  # dead: exp(MASKED - max) == 0
             total = jax.ops.segment_sum(jnp.sum(weights, axis=-1), **segment)  # [B, K, G]
+            if sinks is not None:
+                total = total + jnp.exp(sinks - top)
             out = jnp.einsum("ckgs,cksh->ckgh", weights, v, precision=dot_precision(q.dtype))
             out = jax.ops.segment_sum(out, **segment)  # [B, K, G, H]
             out = out / jnp.where(total > 0, total, 1.0)[..., None]
@@ -268,12 +281,13 @@ def prefers_pool(num_pages: int, batch: int, max_pages: int) -> bool:
 
 def xla_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale: float,
                   sliding_window: int | None = None, k_scale=None, v_scale=None, softcap: float | None = None,
-                  fresh=None):
+                  fresh=None, sinks=None):
     """The paged kind's XLA implementation (`jaxkv.attention.api`): `paged_attention`'s arguments and result, in
     whichever formulation reads less, chosen from static shapes: the whole pool once (`pool_attention`: shared pages
     read once per step), else for one query per sequence only the pages in use, end to end (`ragged_paged_attention`),
     else each table's live prefix (`live_paged_attention`; a prompt chunk with `fresh` too)."""
-    kwargs = dict(scale=scale, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, softcap=softcap)
+    kwargs = dict(scale=scale, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, softcap=softcap,
+                  sinks=sinks)
     if prefers_pool(k_pages.shape[0], *page_table.shape):
         return pool_attention(q, k_pages, v_pages, page_table, lengths, q_slots, fresh=fresh, **kwargs)
     if q.shape[1] == 1 and fresh is None:

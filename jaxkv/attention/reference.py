@@ -23,6 +23,13 @@ Two cache variants every implementation accepts:
   score and output reductions; in the kernels, per block), never a dequantized copy of the cache. Caches in
   bfloat16/float16 pass no scales and are simply upcast.
 
+Attention sinks (gpt-oss; `sinks`, default None: off): one learned logit per query head that joins every query's
+softmax denominator and weighs no value, as transformers' GptOss eager attention does (the sink appended to the
+masked scores, the softmax taken, the sink's column dropped): weights = exp(s - m) / (sum exp(s - m) + exp(sink -
+m)), m the larger of the row's max score and the sink. A head whose sink is large attends to nothing much; a row
+with no live key then averages nothing (zeros) instead of the uniform average below. `sinks` is float32[N], an
+array (a trained parameter, not static); `check_sinks` validates it.
+
   Ring caches (`ring=True`, a sliding-window model's cache of S = window slots): absolute slot s (as counted by
   `start`, `q_offset` and positions) lives at index s mod S, overwriting slot s - S. For the query in absolute slot
   q, index i therefore holds absolute slot q - ((q - i) mod S), and the rule above applies to that slot. This holds
@@ -98,6 +105,23 @@ def soft_cap(scores, softcap: float | None):
     return jnp.tanh(scores.astype(jnp.float32) / softcap) * softcap
 
 
+def check_sinks(sinks, num_heads: int):
+    """`sinks` as float32[N] (N = `num_heads`, the query heads), or None: ValueError for any other shape (before
+    any compute)."""
+    if sinks is None:
+        return None
+    shape = getattr(sinks, "shape", None)
+    if shape != (num_heads,):
+        raise ValueError(f"sinks must be one logit per query head, shape ({num_heads},), got "
+                         f"{shape if shape is not None else type(sinks).__name__}")
+    return jnp.asarray(sinks).astype(jnp.float32)
+
+
+def grouped_sinks(sinks, num_kv_heads: int):
+    """float32[N] sinks -> [K, G]: query head n = k * G + g reads KV head k (the layout every path groups q by)."""
+    return None if sinks is None else sinks.reshape(num_kv_heads, -1)
+
+
 def dequantize(x, scale):
     """x [B, K, S, H] in the cache dtype -> float32, times its per-slot scale [B, K, S] if quantized."""
     x = x.astype(jnp.float32)
@@ -105,7 +129,8 @@ def dequantize(x, scale):
 
 
 def attention(q, k, v, start, q_offset, *, scale: float, sliding_window: int | None = None, k_scale=None,
-              v_scale=None, ring: bool = False, min_prefix: int | None = MIN_PREFIX, softcap: float | None = None):
+              v_scale=None, ring: bool = False, min_prefix: int | None = MIN_PREFIX, softcap: float | None = None,
+              sinks=None):
     """Softmax attention of T queries over S cached keys and values.
 
     Args:
@@ -124,19 +149,21 @@ def attention(q, k, v, start, q_offset, *, scale: float, sliding_window: int | N
         Over a prefix shorter than S, dead value slots are masked here and need not hold finite numbers.
       softcap: if set, each scaled score s becomes softcap * tanh(s / softcap) before masking (Gemma 2's
         attention-logit soft-capping, `soft_cap`); None leaves the scores as they are.
+      sinks: float32[N], one logit per query head in the softmax denominator (gpt-oss; module docstring), or None.
 
     Returns:
       [B, T, N, H] in q's dtype.
     """
     B, T, N, H = q.shape
     softcap = check_softcap(softcap)
+    sinks = check_sinks(sinks, N)
     lengths = prefix_lengths(k.shape[2], min_prefix)
     if T > 1 or len(lengths) == 1:
         return full_attention(q, k, v, start, q_offset, scale=scale, sliding_window=sliding_window,
-                              k_scale=k_scale, v_scale=v_scale, ring=ring, softcap=softcap)
+                              k_scale=k_scale, v_scale=v_scale, ring=ring, softcap=softcap, sinks=sinks)
     qg = q.reshape(B, k.shape[1], N // k.shape[1], H)  # [B, K, G, H]
     out = decode_prefix(qg, k, v, start, q_offset, scale, sliding_window, k_scale, v_scale, ring, lengths,
-                         softcap)
+                         softcap, grouped_sinks(sinks, k.shape[1]))
     return out.reshape(B, 1, N, H).astype(q.dtype)
 
 
@@ -150,21 +177,22 @@ def dot_precision(dtype):
 
 
 def full_attention(q, k, v, start, q_offset, *, scale: float, sliding_window: int | None = None, k_scale=None,
-                   v_scale=None, ring: bool = False, softcap: float | None = None):
+                   v_scale=None, ring: bool = False, softcap: float | None = None, sinks=None):
     """`attention` over every one of the S slots, dead ones masked: the plain formula, whatever T."""
     B, T, N, H = q.shape
     softcap = check_softcap(softcap)
     K, S = k.shape[1], k.shape[2]
+    sinks = grouped_sinks(check_sinks(sinks, N), K)  # [K, G]
     live = live_mask(start, q_offset, T, S, sliding_window, ring)  # [B, T, S]
     qg = q.reshape(B, T, K, N // K, H)  # [B, T, K, G, H]
     if T == 1:
-        out = _decode(qg[:, 0], k, v, live[:, 0], scale, k_scale, v_scale, softcap=softcap)
+        out = _decode(qg[:, 0], k, v, live[:, 0], scale, k_scale, v_scale, softcap=softcap, sinks=sinks)
         return out.reshape(B, 1, N, H).astype(q.dtype)
     k, v = dequantize(k, k_scale), dequantize(v, v_scale)
     precision = dot_precision(q.dtype)
     scores = jnp.einsum("btkgh,bksh->bkgts", qg, k, preferred_element_type=jnp.float32, precision=precision) * scale
     scores = jnp.where(live[:, None, None, :, :], soft_cap(scores, softcap), MASKED)  # [B, K, G, T, S]
-    weights = softmax(scores)
+    weights = softmax(scores, None if sinks is None else sinks[:, :, None])
     out = jnp.einsum("bkgts,bksh->btkgh", weights, v, precision=precision)  # [B, T, K, G, H]
     return out.reshape(B, T, N, H).astype(q.dtype)
 
@@ -187,8 +215,10 @@ def masks_dead_values(num_slots: int, num_queries: int, min_prefix: int | None =
     return num_queries == 1 and len(prefix_lengths(num_slots, min_prefix)) > 1
 
 
-def decode_prefix(q, k, v, start, q_offset, scale, sliding_window, k_scale, v_scale, ring, lengths, softcap=None):
-    """`_decode` over the shortest prefix in `lengths` holding every live index: q [B, K, G, H] -> [B, K, G, H].
+def decode_prefix(q, k, v, start, q_offset, scale, sliding_window, k_scale, v_scale, ring, lengths, softcap=None,
+                  sinks=None):
+    """`_decode` over the shortest prefix in `lengths` holding every live index: q [B, K, G, H] -> [B, K, G, H];
+    `sinks` [K, G] or None.
 
     Slots past the query (index q_offset + 1 on) are dead, so only the first q_offset + 1 indices can be live; in a
     ring that has wrapped (q_offset >= S) every index can. One `lax.switch` branch per prefix length, each the
@@ -206,20 +236,29 @@ def decode_prefix(q, k, v, start, q_offset, scale, sliding_window, k_scale, v_sc
             # Every branch masks dead values, the whole-cache one too: then the cache write does not have to zero
             # them (`masks_dead_values`), a pass over every value buffer each step (1.7-4 ms of a "small" step at
             # 4,160 slots) traded for a copy of the values in the last branch only, once the cache is >0.8 full.
-            return _decode(q, k[:, :, :n], v[:, :, :n], live, scale, ks, vs, mask_values=True, softcap=softcap)
+            return _decode(q, k[:, :, :n], v[:, :, :n], live, scale, ks, vs, mask_values=True, softcap=softcap,
+                           sinks=sinks)
         return run
 
     return jax.lax.switch(branch, [prefix(n) for n in lengths], q, k, v, k_scale, v_scale, start, q_offset)
 
 
-def softmax(scores):
-    scores = scores - jnp.max(scores, axis=-1, keepdims=True)
-    weights = jnp.exp(scores)
-    return weights / jnp.sum(weights, axis=-1, keepdims=True)
+def softmax(scores, sinks=None):
+    """Softmax over the last axis; `sinks` (broadcasting against scores.shape[:-1]) adds one logit per row to the
+    denominator only (attention sinks: module docstring), so a row's weights sum to less than one."""
+    top = jnp.max(scores, axis=-1, keepdims=True)
+    if sinks is None:
+        weights = jnp.exp(scores - top)
+        return weights / jnp.sum(weights, axis=-1, keepdims=True)
+    sinks = jnp.broadcast_to(sinks, scores.shape[:-1])[..., None]
+    top = jnp.maximum(top, sinks)
+    weights = jnp.exp(scores - top)
+    return weights / (jnp.sum(weights, axis=-1, keepdims=True) + jnp.exp(sinks - top))
 
 
-def _decode(q, k, v, live, scale, k_scale, v_scale, mask_values=False, softcap=None):
-    """One query per sequence: q [B, K, G, H], live bool[B, S] -> float32 [B, K, G, H]; `softcap` as `attention`'s.
+def _decode(q, k, v, live, scale, k_scale, v_scale, mask_values=False, softcap=None, sinks=None):
+    """One query per sequence: q [B, K, G, H], live bool[B, S] -> float32 [B, K, G, H]; `softcap` as `attention`'s,
+    `sinks` [K, G] or None.
 
     `mask_values` zeroes dead value slots (NaN included) before they are weighted. Only for a slice shorter than
     the cache (`decode_prefix`): there the weighted values are summed by a tree over the slots (`_sum_slots`),
@@ -252,7 +291,8 @@ def _decode(q, k, v, live, scale, k_scale, v_scale, mask_values=False, softcap=N
         # convert into the in-place update, materializing a float32 copy of the cache and copying the buffer
         # every step (tests/cache/test_contiguous.py).
         scores = _sum_minor((k[:, :, None, :, :] * q.astype(k.dtype)[:, :, :, None, :]).astype(jnp.float32))
-        weights = softmax(jnp.where(live[:, None, None, :], soft_cap(scores * scale, softcap), MASKED))  # [B, K, G, S]
+        weights = softmax(jnp.where(live[:, None, None, :], soft_cap(scores * scale, softcap), MASKED),
+                          sinks)  # [B, K, G, S]
         if mask_values:
             v = jnp.where(live[:, None, :, None], v, jnp.zeros((), v.dtype))
             return _sum_slots((weights.astype(v.dtype)[..., None] * v[:, :, None, :, :]).astype(jnp.float32))
@@ -262,7 +302,7 @@ def _decode(q, k, v, live, scale, k_scale, v_scale, mask_values=False, softcap=N
     if mask_values:
         v = jnp.where(live[:, None, :, None], v, 0.0)
     scores = soft_cap(_sum_minor(k[:, :, None, :, :] * q[:, :, :, None, :]) * scale, softcap)  # [B, K, G, S]
-    weights = softmax(jnp.where(live[:, None, None, :], scores, MASKED))  # [B, K, G, S]
+    weights = softmax(jnp.where(live[:, None, None, :], scores, MASKED), sinks)  # [B, K, G, S]
     if mask_values:
         return _sum_slots(weights[..., None] * v[:, :, None, :, :])  # [B, K, G, H]
     return jnp.sum(weights[..., None] * v[:, :, None, :, :], axis=-2)  # [B, K, G, H]

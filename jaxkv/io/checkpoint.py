@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from jaxkv.config import DTYPES, Config, LinearAttention, LinearScaling, Mla, MoeConfig, ProportionalRope, RopeScaling, YarnScaling
 from jaxkv.io import generation
+from jaxkv.layers import moe as moe_lib
 from jaxkv.io.hf import load_hf
 from jaxkv.model import Model, weight_layout, from_out_in, param_shapes, to_out_in
 
@@ -94,7 +95,7 @@ def cast(model: Model, dtype: str | None) -> Model:
     config = model.config.replace(dtype=dtype)
 
     def convert(path, a):  # a mixture of experts' router stays float32, as transformers keeps it (`jaxkv.moe.Moe`)
-        return a if path[-1].key in ("router", "router_bias") else a.astype(jnp.dtype(dtype))
+        return a if path[-1].key in moe_lib.FLOAT32_PARAMS else a.astype(jnp.dtype(dtype))
 
     def convert_tree(params, old: Config, new: Config):
         params = jax.tree_util.tree_map_with_path(convert, params)

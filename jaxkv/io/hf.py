@@ -26,7 +26,7 @@ with or without them.
 Also from config.json: `eos_token_id` (int or list) becomes Config.eos_ids, joined by generation_config.json's
 when the directory has one (`generation_eos_ids`). Weights keep the checkpoint's dtype
 unless `load_hf(..., dtype=...)` casts them; Config.dtype always records the params' dtype. Block-quantized FP8
-checkpoints are dequantized at load (`jaxkv.io.fp8`).
+checkpoints are dequantized at load (`jaxkv.io.fp8`), and so are MXFP4 ones (gpt-oss's experts, `jaxkv.io.mxfp4`).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from jaxkv.families import tensors
 from jaxkv.families.fields import MAX_PARAMS, Fields, eos_ids
 from jaxkv.families.registry import Family
 from jaxkv.families.tensors import TensorSpec
-from jaxkv.io import fp8
+from jaxkv.io import fp8, mxfp4
 from jaxkv.io.generation import FILE as GENERATION_CONFIG_FILE, SamplingDefaults, json_object as _json_object
 from jaxkv.io.generation import read_file as read_generation_config
 from jaxkv.io.safetensors_files import FLOAT_DTYPES, StoredTensor, read_headers, weight_files
@@ -152,16 +152,18 @@ def tensor_specs(family: Family, config: Config, hf: dict, names) -> list[Tensor
 
 def match(specs: list[TensorSpec], by_name: dict[str, StoredTensor], stored_name: Callable[[str], str], *,
           family: Family, tied: bool, ignored: frozenset[str] = frozenset(),
-          fp8_weights: bool = False) -> tuple[list[tuple[TensorSpec, StoredTensor]], StoredTensor | None]:
+          fp8_weights: bool = False,
+          mxfp4_weights: bool = False) -> tuple[list[tuple[TensorSpec, StoredTensor]], StoredTensor | None]:
     """Pairs every expected tensor with its stored one (`checkpoint_names`), checking names, shapes and dtypes;
     refuses leftovers.
 
     Returns (pairs, the stored lm_head of a tied model, to be compared with the embedding, or None). The first
     pair is the embedding. `ignored`: names that may be present and are dropped (`Family.ignored`).
     `fp8_weights`: a block-quantized FP8 checkpoint, whose weights may also be F8_E4M3 (their scales already split
-    off, `fp8.split_scales`).
+    off, `fp8.split_scales`). `mxfp4_weights`: an MXFP4 checkpoint, whose joined block/scale pairs
+    (`mxfp4.join`) are weights too.
     """
-    dtypes = [*FLOAT_DTYPES, fp8.F8_DTYPE] if fp8_weights else list(FLOAT_DTYPES)
+    dtypes = [*FLOAT_DTYPES, *([fp8.F8_DTYPE] if fp8_weights else []), *([mxfp4.DTYPE] if mxfp4_weights else [])]
     by_name = dict(by_name)
     pairs = []
     for spec in specs:
@@ -218,8 +220,11 @@ def load_hf(directory: str | os.PathLike, *, dtype: str | None = None) -> Model:
                                                        source=str(root / GENERATION_CONFIG_FILE)))
     sampling_defaults = None if generation_file is None else SamplingDefaults.from_dict(
         generation_file, source=str(root / GENERATION_CONFIG_FILE))  # before the weights: a bad file costs nothing
-    block = fp8.block_size(hf, source=source)  # block-quantized FP8: dequantized at load
+    mx = mxfp4.declared(hf)  # MXFP4 (gpt-oss): dequantized at load
+    block = None if mx else fp8.block_size(hf, source=source)  # block-quantized FP8: dequantized at load
     stored, scales = fp8.split_scales(read_headers(*weight_files(root)), block)
+    if mx:  # each (blocks, scales) pair becomes one weight; `scales` maps it to its pair
+        stored, scales = mxfp4.join(stored)
     by_name, stored_name = checkpoint_names(stored, family)
     plan = None if family.mtp is None else family.mtp(config, hf, frozenset(by_name), source)
     mtp_stored = {}
@@ -229,9 +234,10 @@ def load_hf(directory: str | os.PathLike, *, dtype: str | None = None) -> Model:
         by_name = {name: t for name, t in by_name.items() if name not in mtp_stored}
     specs = tensor_specs(family, config, hf, by_name)
     pairs, tied_head = match(specs, by_name, stored_name, family=family, tied=config.tie_embeddings,
-                             ignored=family.ignored(config, hf, by_name, source), fp8_weights=block is not None)
+                             ignored=family.ignored(config, hf, by_name, source), fp8_weights=block is not None,
+                             mxfp4_weights=mx)
     mtp_pairs = [match(module, {name: t for name, t in mtp_stored.items() if name.startswith(prefix)}, stored_name,
-                       family=family, tied=False, fp8_weights=block is not None)[0]
+                       family=family, tied=False, fp8_weights=block is not None, mxfp4_weights=mx)[0]
                  for prefix, module in (plan.modules if plan is not None else ())]
     if tied_head is not None:
         _check_tied_head(tied_head, pairs[0][1])
@@ -267,13 +273,16 @@ def _check_tied_head(head: StoredTensor, embedding: StoredTensor):
 def _load(pairs: list[tuple[TensorSpec, StoredTensor]], target: str, config: Config, scales=None,
           block=None) -> dict:
     """Reads, converts and casts each tensor in turn (one host copy at a time) into the nested params dict; an
-    FP8 weight is dequantized with its block scales first (`scales`: weight name -> scale tensor)."""
+    FP8 weight is dequantized with its block scales first (`scales`: weight name -> scale tensor), an MXFP4 one
+    from its (blocks, scales) pair (`scales`: weight name -> the pair)."""
     params: dict = {}
     in_out = in_out_names(config)
     for spec, t in pairs:
-        w = _read(t)
+        w = None if t.dtype == mxfp4.DTYPE else _read(t)
         if t.dtype == fp8.F8_DTYPE:
             w = fp8.dequantize(w, _read(scales[t.name]), block)
+        elif t.dtype == mxfp4.DTYPE:
+            w = mxfp4.read_joined(scales[t.name])
         # safetensors has no checksum; random bytes in the data region usually decode to some NaN or inf.
         if not np.isfinite(w).all():
             raise ValueError(f"tensor {t.name!r} in {t.file} holds NaN or infinite values (corrupt checkpoint?)")
@@ -281,7 +290,7 @@ def _load(pairs: list[tuple[TensorSpec, StoredTensor]], target: str, config: Con
             if path[-1] in in_out:  # the mapping above is to the [out, in] form; this weight is stored [in, out]
                 value = np.ascontiguousarray(value.transpose(ALL_OUT_IN_ORDER[path[-1]]))
             # the router stays float32 whatever the model's dtype (`jaxkv.layers.moe.Moe` declares it so)
-            dtype = "float32" if path[-1] in ("router", "router_bias") else target
+            dtype = "float32" if path[-1] in moe_lib.FLOAT32_PARAMS else target
             with np.errstate(over="ignore"):  # reported just below, with the tensor's name
                 value = value.astype(dtype)
             if not np.isfinite(value).all():

@@ -4,7 +4,8 @@ the attention itself asked of `jaxkv.attention.api` (kind "contiguous" or "paged
 Parameters (the [out, in] form; `jaxkv.layers.linear.OUT_IN_ORDER` gives the stored layout): wq [N, H, D],
 wk and wv [K, H, D] (none in a layer that shares another's K/V; no wv where the values are the keys), wo [D, N, H];
 with config.qkv_bias: wq_bias [N, H], wk_bias, wv_bias [K, H]; with config.out_bias: wo_bias [D]; with
-config.qk_norm: q_norm/scale, k_norm/scale [H].
+config.qk_norm: q_norm/scale, k_norm/scale [H]; with config.attention_sinks: sinks [N] (gpt-oss), one logit per
+query head in every softmax's denominator.
 """
 
 from __future__ import annotations
@@ -57,25 +58,31 @@ class Attention(nn.Module):
             q = apply_rope(q, *rope)
         fresh = _keys_values(self, x, rope, out_in) if cfg.kv_source(self.layer) == self.layer else None
         k, v = shared if fresh is None else fresh  # [B, K, T, H]
+        # gpt-oss's attention sinks; zeros at init (a zero logit still takes its share of every softmax)
+        sinks = (self.param("sinks", nn.initializers.zeros, (N,), jnp.dtype(cfg.dtype))
+                 if cfg.attention_sinks else None)
         if isinstance(cache, PagedKVCache):
-            out, cache = self._paged(q, k, v, cache, start, prefill, attention, chunk)
+            out, cache = self._paged(q, k, v, cache, start, prefill, attention, chunk, sinks)
         else:
-            out, cache = self._contiguous(q, k, v, cache, start, prefill, attention)
+            out, cache = self._contiguous(q, k, v, cache, start, prefill, attention, sinks)
         if gate is not None:
             out = out.astype(gate.dtype) * nn.sigmoid(gate)
         return _output(self, out, out_in), cache, fresh
 
-    def _kwargs(self) -> dict:
+    def _kwargs(self, sinks) -> dict:
         cfg = self.config
-        return dict(scale=cfg.attention_scale, sliding_window=cfg.layer_window(self.layer),
-                    softcap=cfg.attn_logit_softcap)
+        kwargs = dict(scale=cfg.attention_scale, sliding_window=cfg.layer_window(self.layer),
+                      softcap=cfg.attn_logit_softcap)
+        if sinks is not None:  # only then, so a call without sinks is the very call it was before them
+            kwargs["sinks"] = sinks.astype(jnp.float32)
+        return kwargs
 
-    def _contiguous(self, q, k, v, cache, start, prefill, attention: str):
+    def _contiguous(self, q, k, v, cache, start, prefill, attention: str, sinks=None):
         """Writes k, v [B, K, T, H] to a `KVCache` and attends over it (prefill: over k, v themselves, the cache
         only stores them; no cache: causally over k, v) -> ([B, T, N, H], cache)."""
         layer, source = self.layer, self.config.kv_source(self.layer)
         attend = api.get("contiguous", attention, mesh=self.mesh)
-        kwargs = dict(self._kwargs(), k_scale=None, v_scale=None, ring=False)
+        kwargs = dict(self._kwargs(sinks), k_scale=None, v_scale=None, ring=False)
         q_offset = jnp.zeros((), jnp.int32) if cache is None else cache.length
         if cache is not None and prefill and source == layer:
             # An empty cache: the prompt attends over its own fresh (unquantized) K/V, O(T^2), whatever the
@@ -97,7 +104,7 @@ class Attention(nn.Module):
             kwargs.update(k_scale=k_scale, v_scale=v_scale, ring=ring)
         return attend(q, k, v, start, q_offset, **kwargs), cache  # [B, T, N, H]
 
-    def _paged(self, q, k, v, cache, valid, prefill, attention: str, chunk: bool = False):
+    def _paged(self, q, k, v, cache, valid, prefill, attention: str, chunk: bool = False, sinks=None):
         """Writes k, v [B, K, T, H] (the `valid` tokens) through the page table and attends -> ([B, T, N, H], cache).
 
         Prefill (an empty cache, right-padded prompts): the prompt attends over its own fresh K/V, causally, as
@@ -109,7 +116,7 @@ class Attention(nn.Module):
         nothing: in prefill k, v are its source's fresh K/V; otherwise it reads the source layer's pools, which
         that layer (an earlier one) has already written for these tokens."""
         source = self.config.kv_source(self.layer)
-        kwargs = self._kwargs()
+        kwargs = self._kwargs(sinks)
         if source == self.layer:
             cache = cache.write(self.layer, k, v, valid)
         if prefill:  # the contiguous kind over the fresh K/V: every row starts at slot 0

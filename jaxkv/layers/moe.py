@@ -1,11 +1,13 @@
-"""Mixture of experts (DeepSeek-V2 and V3): the config, the router and the MoE feed-forward block.
+"""Mixture of experts (DeepSeek-V2 and V3, Qwen MoE, Mixtral, gpt-oss): the config, the router and the MoE
+feed-forward block.
 
 Shapes use the letters of `jaxkv.shapes`: M token rows (B * T flattened), X routed experts, A experts chosen per
 token, I one expert's hidden width, J the shared experts' hidden width (n_shared_experts * I).
 
 A MoE layer replaces the dense MLP: a float32 router scores the X experts per token and picks A of them; each
 chosen expert (a SwiGLU of width I) runs on the token and the outputs are summed with the routing weights; the
-shared experts (one SwiGLU of width J) run on every token and are added. Routing follows transformers 5.24 exactly
+shared experts (one SwiGLU of width J) run on every token and are added. gpt-oss's variant: a bias on the router's
+logits and on every expert projection, and a clamped SwiGLU (`MoeConfig.swiglu_limit`). Routing follows transformers 5.24 exactly
 (`route`), and every token is served by all its A experts (no capacity, nothing dropped).
 
 Dispatch (how the A chosen experts run without a per-token Python loop, at a fixed shape; `dispatch=`):
@@ -37,6 +39,7 @@ tie has probability zero, and assert the gap between the A-th and (A+1)-th choic
 from __future__ import annotations
 
 import math
+from typing import Callable, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -46,9 +49,11 @@ import numpy as np
 from jaxkv.config import MoeConfig
 from jaxkv.layers.linear import fan_in_init, linear, stored_out_in
 
-__all__ = ["MoeConfig", "Moe", "route", "in_out_names", "from_out_in", "OUT_IN_ORDER", "DISPATCHES"]
+__all__ = ["MoeConfig", "Moe", "route", "in_out_names", "from_out_in", "OUT_IN_ORDER", "DISPATCHES", "FLOAT32_PARAMS"]
 
 DISPATCHES = ("auto", "dense", "sorted", "gather", "grouped")
+# The parameters kept float32 whatever the model's dtype, as transformers keeps them: the router and its biases.
+FLOAT32_PARAMS = frozenset({"router", "router_bias", "router_logit_bias"})
 
 
 # Parameter leaf name -> the axes of its [out, in] form in the order of its [in, out] layout (as
@@ -87,7 +92,8 @@ def route(logits, moe: MoeConfig, bias=None):
 
     transformers 5.24's DeepseekV2TopkRouter (softmax; "greedy" / "group_limited_greedy") and DeepseekV3TopkRouter
     (sigmoid, "noaux_tc" with `bias` float32[X], the e_score_correction_bias), in float32 and in their order of
-    operations. The A choices come best first; transformers' own order is unspecified (topk sorted=False), so
+    operations; GptOssTopKRouter's "topk_softmax" (the A best logits, then their softmax; a router.bias is already
+    in the logits). The A choices come best first; transformers' own order is unspecified (topk sorted=False), so
     compare them as sets. A weight belongs to the expert id beside it."""
     X, A = moe.n_routed_experts, moe.experts_per_token
     if logits.ndim != 2 or logits.shape[-1] != X:
@@ -96,6 +102,9 @@ def route(logits, moe: MoeConfig, bias=None):
         raise ValueError(f"topk_method {moe.topk_method!r} {'needs' if bias is None else 'takes no'} a correction "
                          f"bias")
     logits = logits.astype(jnp.float32)
+    if moe.scoring == "topk_softmax":
+        top, ids = jax.lax.top_k(logits, A)
+        return jax.nn.softmax(top, axis=-1) * jnp.float32(moe.routed_scaling_factor), ids.astype(jnp.int32)
     scores = jax.nn.softmax(logits, axis=-1) if moe.scoring == "softmax" else jax.nn.sigmoid(logits)  # [M, X]
     M, G = logits.shape[0], moe.n_group
     if moe.topk_method == "greedy":
@@ -129,8 +138,9 @@ def _group_mask(group_scores, moe: MoeConfig):
 class Moe(nn.Module):
     """The MoE feed-forward block: x [B, T, D] -> [B, T, D] (routed experts + shared experts).
 
-    Parameters: router float32[X, D] (+ router_bias float32[X] for "noaux_tc"); we_gate, we_up [X, D, I] or
-    [X, I, D] and we_down [X, I, D] or [X, D, I] (`in_out_names`); ws_gate, ws_up, ws_down the shared experts
+    Parameters: router float32[X, D] (+ router_bias float32[X] for "noaux_tc", router_logit_bias float32[X] under
+    moe.router_logit_bias); we_gate, we_up [X, D, I] or [X, I, D] and we_down [X, I, D] or [X, D, I]
+    (`in_out_names`), with moe.expert_bias we_gate_bias, we_up_bias [X, I] and we_down_bias [X, D]; ws_gate, ws_up, ws_down the shared experts
     (when n_shared_experts > 0 or shared_expert_ffn_dim is set), laid out as a dense MLP of width J; shared_gate
     [1, D] ([out, in]) under shared_expert_gate.
 
@@ -164,15 +174,22 @@ class Moe(nn.Module):
 
         w_gate, w_up, w_down = expert_weight("we_gate", D, I), expert_weight("we_up", D, I), expert_weight(
             "we_down", I, D)
+        biases = None
+        if cfg.expert_bias:
+            biases = tuple(self.param(name, nn.initializers.zeros, (X, width), dtype)
+                           for name, width in (("we_gate_bias", I), ("we_up_bias", I), ("we_down_bias", D)))
         B, T = x.shape[:2]
         h = x.reshape(B * T, D)  # [M, D]
         logits = jnp.einsum("md,xd->mx", h.astype(jnp.float32), router)  # [M, X]
+        if cfg.router_logit_bias:  # gpt-oss: F.linear(x, weight, bias)
+            logits = logits + self.param("router_logit_bias", nn.initializers.zeros, (X,), jnp.float32)
         weights, ids = route(logits, cfg, bias)  # [M, A]
         dispatch = self.dispatch
         if dispatch == "auto":
             dispatch = "grouped"
-        layouts = ("we_gate" in in_out, "we_down" in in_out)
-        y = _DISPATCH[dispatch](h, weights, ids, w_gate, w_up, w_down, layouts)  # float32 [M, D]
+        experts = Experts(w_gate, w_up, w_down, biases, ("we_gate" in in_out, "we_down" in in_out),
+                          activation(cfg))
+        y = _DISPATCH[dispatch](h, weights, ids, experts)  # float32 [M, D]
         y = y.astype(dtype).reshape(B, T, D)
         if J:
             shared = self._shared(x, in_out)
@@ -202,33 +219,66 @@ def _f32(a):
     return a.astype(jnp.float32)
 
 
-def _expert_ffn(rows, gate, up, down, layouts, spec):
-    """SwiGLU of expert weights through `spec(rows, w, in_out)` (an einsum or grouped matmul); each product
-    accumulates in float32 and rounds to the weights' dtype, as PyTorch's per-expert Linear does."""
-    gate_in_out, down_in_out = layouts
+def activation(moe: MoeConfig):
+    """The experts' gated activation (gate, up) -> hidden: SwiGLU's silu(g) * u, or under moe.swiglu_limit
+    gpt-oss's clamped form (transformers' GptOssExperts._apply_gate, in the weights' dtype)."""
+    if moe.swiglu_limit is None:
+        return lambda g, u: nn.silu(g) * u
+    limit, alpha = moe.swiglu_limit, moe.swiglu_alpha
+
+    def clamped(g, u):
+        g = jnp.minimum(g, jnp.asarray(limit, g.dtype))
+        u = jnp.clip(u, -jnp.asarray(limit, u.dtype), jnp.asarray(limit, u.dtype))
+        return (u + 1) * (g * nn.sigmoid(g * jnp.asarray(alpha, g.dtype)))
+
+    return clamped
+
+
+class Experts(NamedTuple):
+    """The routed experts as the dispatches read them: the stacked weights, their biases ((gate, up, down)
+    [X, I], [X, I], [X, D], or None), the layouts (gate/up in-out, down in-out) and the gated activation."""
+
+    gate: jax.Array
+    up: jax.Array
+    down: jax.Array
+    biases: tuple | None
+    layouts: tuple[bool, bool]
+    act: Callable
+
+
+def _expert_ffn(rows, experts: Experts, spec, weights=None, bias_of=None):
+    """The gated FFN of expert weights `weights` ((gate, up, down), default the stacked ones) through
+    `spec(rows, w, in_out)` (an einsum or grouped matmul); each product accumulates in float32 and rounds to the
+    weights' dtype, as PyTorch's per-expert Linear does. `bias_of(b)` puts a stacked bias [X, width] in the shape
+    of spec's output (the rows' own experts' biases), added after the rounding as transformers adds them."""
+    gate, up, down = (experts.gate, experts.up, experts.down) if weights is None else weights
+    gate_in_out, down_in_out = experts.layouts
     dtype = gate.dtype
-    g = spec(rows, gate, gate_in_out).astype(dtype)
-    u = spec(rows, up, gate_in_out).astype(dtype)
-    return spec(nn.silu(g) * u, down, down_in_out).astype(dtype)
+    bias_g = bias_u = bias_d = 0
+    if experts.biases is not None:
+        bias_g, bias_u, bias_d = (bias_of(b) for b in experts.biases)
+    g = spec(rows, gate, gate_in_out).astype(dtype) + bias_g
+    u = spec(rows, up, gate_in_out).astype(dtype) + bias_u
+    return spec(experts.act(g, u), down, down_in_out).astype(dtype) + bias_d
 
 
-def _dense(h, weights, ids, gate, up, down, layouts):
+def _dense(h, weights, ids, experts: Experts):
     """Every expert on every row; the [M, X] combine matrix keeps the chosen ones."""
-    M, X = h.shape[0], gate.shape[0]
+    M, X = h.shape[0], experts.gate.shape[0]
 
     def spec(rows, w, in_out):  # rows [M, in] or [X, M, in] -> [X, M, out]
         sub = "xmi" if rows.ndim == 3 else "mi"
         return jnp.einsum(f"{sub},{'xio' if in_out else 'xoi'}->xmo", _f32(rows), _f32(w))
 
-    y = _expert_ffn(h, gate, up, down, layouts, spec)  # [X, M, D]
+    y = _expert_ffn(h, experts, spec, bias_of=lambda b: b[:, None, :])  # [X, M, D]
     combine = jnp.zeros((M, X), jnp.float32).at[jnp.arange(M)[:, None], ids].add(weights)  # [M, X]
     return jnp.einsum("xmd,mx->md", y.astype(jnp.float32), combine)
 
 
-def _sorted(h, weights, ids, gate, up, down, layouts):
+def _sorted(h, weights, ids, experts: Experts):
     """Assignments sorted by expert, one grouped matmul per projection, scattered back."""
     M, A = ids.shape
-    X = gate.shape[0]
+    X = experts.gate.shape[0]
     flat = ids.reshape(M * A)
     order = jnp.argsort(flat, stable=True)  # [M * A], grouped by expert
     token = order // A  # the row each sorted assignment reads
@@ -237,19 +287,19 @@ def _sorted(h, weights, ids, gate, up, down, layouts):
     def spec(rows, w, in_out):  # rows [M * A, in] sorted -> [M * A, out]
         return jax.lax.ragged_dot(_f32(rows), _f32(w if in_out else jnp.swapaxes(w, 1, 2)), sizes)
 
-    y = _expert_ffn(h[token], gate, up, down, layouts, spec)  # [M * A, D]
+    y = _expert_ffn(h[token], experts, spec, bias_of=lambda b: b[flat[order]])  # [M * A, D]
     y = y.astype(jnp.float32) * weights.reshape(M * A)[order][:, None]
     return jax.ops.segment_sum(y, token, num_segments=M)
 
 
-def _gather(h, weights, ids, gate, up, down, layouts):
+def _gather(h, weights, ids, experts: Experts):
     """Each assignment reads its own expert's weights."""
 
     def spec(rows, w, in_out):  # rows [M, in] or [M, A, in] -> [M, A, out]
         sub = "mai" if rows.ndim == 3 else "mi"
         return jnp.einsum(f"{sub},{'maio' if in_out else 'maoi'}->mao", _f32(rows), _f32(w[ids]))
 
-    y = _expert_ffn(h, gate, up, down, layouts, spec)  # [M, A, D]
+    y = _expert_ffn(h, experts, spec, bias_of=lambda b: b[ids])  # [M, A, D]
     return jnp.einsum("mad,ma->md", y.astype(jnp.float32), weights)
 
 
@@ -259,12 +309,12 @@ def _tile_rows(assignments: int, experts: int) -> int:
     return min(128, max(8, 1 << max(0, math.ceil(math.log2(max(1, assignments // experts))))))
 
 
-def _grouped(h, weights, ids, gate, up, down, layouts):
+def _grouped(h, weights, ids, experts: Experts):
     """Assignments sorted by expert, each expert's rows padded to whole tiles; a loop over the tiles in use (a
     dynamic count under the static bound ceil((M * A + X * (t - 1)) / t)) multiplies each tile by its one
     expert's weights, read in place."""
     M, A = ids.shape
-    X, D = gate.shape[0], h.shape[1]
+    X, D = experts.gate.shape[0], h.shape[1]
     tile = _tile_rows(M * A, X)
     flat = ids.reshape(M * A)
     order = jnp.argsort(flat, stable=True)  # [M * A], grouped by expert
@@ -285,7 +335,8 @@ def _grouped(h, weights, ids, gate, up, down, layouts):
 
     def body(j, out):
         e = tile_expert[j]
-        y = _expert_ffn(x[j], gate[e], up[e], down[e], layouts, spec)  # [tile, D]
+        y = _expert_ffn(x[j], experts, spec, (experts.gate[e], experts.up[e], experts.down[e]),
+                        lambda b: b[e])  # [tile, D]
         return out.at[j].set(y.astype(jnp.float32))
 
     y = jax.lax.fori_loop(0, ends[-1] // tile, body, jnp.zeros((n_tiles, tile, D), jnp.float32))

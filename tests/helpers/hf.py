@@ -181,7 +181,8 @@ def assert_no_near_ties(logits, moe: MoeConfig, bias):
     group scores), so an expert-id comparison can only fail on a real routing difference. Where a tie did occur,
     jax.lax.top_k would pick the lower expert id and torch.topk makes no promise."""
     X, A, G = moe.n_routed_experts, moe.experts_per_token, moe.n_group
-    scores = jax.nn.softmax(logits, -1) if moe.scoring == "softmax" else jax.nn.sigmoid(logits)
+    scores = {"softmax": lambda: jax.nn.softmax(logits, -1), "sigmoid": lambda: jax.nn.sigmoid(logits),
+              "topk_softmax": lambda: logits}[moe.scoring]()  # topk_softmax ranks the logits themselves
     choice = np.asarray(scores + (0 if bias is None else bias))
     if moe.topk_method != "greedy":
         grouped = np.sort(choice.reshape(len(choice), G, X // G), axis=-1)[..., ::-1]
@@ -273,9 +274,10 @@ def check_beam_search(hf, model, prompts, stops):
             assert abs(h.score - score) < 1e-4
 
 
-def check_moe_routing(hf, model, moe_layers):
+def check_moe_routing(hf, model, moe_layers, router: str = "gate"):
     """Every token is routed to the same experts as transformers' router (a `*TopKRouter` returning (logits,
-    weights, ids)) picks, with no near tie between the A-th and (A+1)-th choice."""
+    weights, ids), the `router` attribute of the layer's mlp) picks, with no near tie between the A-th and
+    (A+1)-th choice."""
     import torch
 
     from jaxkv.model import Decoder
@@ -285,7 +287,7 @@ def check_moe_routing(hf, model, moe_layers):
     for i in moe_layers:
         def hook(module, args, out, i=i):
             captured[i] = (out[0].detach().numpy(), out[2].detach().numpy())
-        hooks.append(hf.model.layers[i].mlp.gate.register_forward_hook(hook))
+        hooks.append(getattr(hf.model.layers[i].mlp, router).register_forward_hook(hook))
     try:
         with torch.no_grad():
             hf(torch.tensor(tokens))

@@ -209,7 +209,8 @@ def test_in_out_layouts_agree():
     weights, ids = route(jnp.einsum("md,xd->mx", x, params["router"]), small)
     gate, up, down = (jnp.swapaxes(params[k], 1, 2) for k in ("we_gate", "we_up", "we_down"))  # [out, in]
     for dispatch in ("grouped", "dense", "sorted", "gather"):
-        y = moe_lib._DISPATCH[dispatch](x, weights, ids, gate, up, down, (False, False))
+        experts = moe_lib.Experts(gate, up, down, None, (False, False), moe_lib.activation(small))
+        y = moe_lib._DISPATCH[dispatch](x, weights, ids, experts)
         np.testing.assert_allclose(y, expected, atol=1e-6, rtol=0)
 
 
