@@ -284,6 +284,9 @@ class Config:
       query_pre_attn_scalar: the scores are scaled by query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5
         (1.0: unscaled scores, Gemma 4).
       attn_logit_softcap: scores become cap * tanh(scores / cap) before masking and softmax (Gemma 2).
+      mtp_zero_first_embedding: in a multi-token-prediction module's config (`jaxkv.decoding.mtp`): the token
+        embedding at position 0 is zeroed before enorm (DeepSeek's and GLM's modules as vLLM reads them; not
+        Qwen3-Next's). Set by the family's MTP plan; a decoder ignores it.
       attention_sinks: each attention layer has one learned logit per query head (`sinks` [N]) that joins every
         softmax's denominator and weighs no value (gpt-oss; `jaxkv.attention.reference`).
       final_logit_softcap: the output logits become cap * tanh(logits / cap) (Gemma 2).
@@ -349,6 +352,7 @@ class Config:
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
     attention_sinks: bool = False
+    mtp_zero_first_embedding: bool = False
     global_head_dim: int | None = None
     global_kv_heads: int | None = None
     global_values_from_keys: bool = False
@@ -470,7 +474,8 @@ class Config:
         _check(isinstance(self.attn_output_gate, bool), f"attn_output_gate must be a bool, got "
                                                         f"{self.attn_output_gate!r}")
         _check(not (self.attn_output_gate and self.mla is not None), "attn_output_gate is not supported with mla")
-        _check(isinstance(self.attention_sinks, bool), f"attention_sinks must be a bool, got {self.attention_sinks!r}")
+        for name in ("attention_sinks", "mtp_zero_first_embedding"):
+            _check(isinstance(getattr(self, name), bool), f"{name} must be a bool, got {getattr(self, name)!r}")
         _check(not (self.attention_sinks and self.mla is not None), "attention_sinks is not supported with mla")
         if self.rotary_dim is not None:
             _check(isinstance(self.rotary_dim, int) and not isinstance(self.rotary_dim, bool)

@@ -7,7 +7,8 @@ main model's hidden state h_t at position t and the embedding of the token at t 
 t + 2:
 
     x_t    = eh_proj(concat(enorm(e_t), hnorm(h_t)))     [B, T, 2D] -> [B, T, D];  e_t = embed(token_{t+1}),
-                                                          zeroed at position 0 (as vLLM does)
+                                                          zeroed at position 0 (as vLLM does; not for
+                                                          Qwen3-Next: `Config.mtp_zero_first_embedding`)
     h'_t   = shared_head.norm(block(x_t))                 block: one ordinary decoder layer (MLA + MoE),
                                                           attending causally over the module's own cache
     logits = lm_head(h'_t)
@@ -80,9 +81,9 @@ class MtpModule(nn.Module):
     def __call__(self, embedded, hidden, positions, cache, prefill: bool, attention: str):
         cfg = self.config
         D, T = cfg.d_model, positions.shape[1]
-        if cfg.mla is not None:
-            # vLLM's reading of DeepSeek's code: position 0 (h_0 of the first token) takes no token embedding
-            # (DeepSeek's modules are the latent-attention ones; Qwen3-Next's, vLLM's qwen3_next_mtp, do not zero it)
+        if cfg.mtp_zero_first_embedding:
+            # vLLM's reading of DeepSeek's and GLM's code: position 0 (h_0 of the first token) takes no token
+            # embedding (Qwen3-Next's, vLLM's qwen3_next_mtp, does not zero it)
             embedded = jnp.where((positions == 0)[..., None], jnp.zeros((), embedded.dtype), embedded)
         x = jnp.concatenate([Norm(cfg, name="enorm")(embedded), Norm(cfg, name="hnorm")(hidden)], axis=-1)
         w = self.param("eh_proj", fan_in_init(2 * D), (D, 2 * D), jnp.dtype(cfg.dtype))  # [out, in]
@@ -165,7 +166,7 @@ def random_mtp(config: Config, n: int = 1, seed: int = 0) -> Mtp:
     if moe is not None:
         moe = (dataclasses.replace(moe, first_dense_layers=0, dense_layers=())
                if moe.is_moe_layer(config.n_layers - 1) else None)
-    block = config.replace(n_layers=1, moe=moe)
+    block = config.replace(n_layers=1, moe=moe, mtp_zero_first_embedding=True)
     rng = np.random.default_rng(seed)
     D, dtype = config.d_model, jnp.dtype(config.dtype)
     modules = []

@@ -150,18 +150,29 @@ def rope_interleaved(hf: dict, arch: str) -> bool:
 
 
 def mtp_plan(config: Config, hf: dict, names, source: str, arch: str) -> MtpPlan | None:
-    """DeepSeek's multi-token-prediction modules (config.json's num_nextn_predict_layers = n, stored as layers
-    n_layers, ..., n_layers + n - 1), or None when the checkpoint holds no tensor of them: transformers drops them
-    (`_keys_to_ignore_on_load_unexpected`) and its save_pretrained writes n = 1 with none. Names as in
-    `tensor_specs`; a module partly stored is a missing tensor, named by the loader."""
-    n = hf.get("num_nextn_predict_layers", 0)
+    """DeepSeek's multi-token-prediction modules (`nextn_plan`, its decoder layers' tensors)."""
+    interleaved = rope_interleaved(hf, arch)
+    return nextn_plan(config, hf, names, source, arch, _DEEPSEEK_DEFAULTS[arch]["first_k_dense_replace"],
+                      lambda block, i, fused: _layer(block, i, interleaved, fused))
+
+
+def nextn_plan(config: Config, hf: dict, names, source: str, arch: str, dense_default: int,
+               layer) -> MtpPlan | None:
+    """DeepSeek's (and GLM-4.5's) multi-token-prediction modules (config.json's num_nextn_predict_layers = n,
+    stored as layers n_layers, ..., n_layers + n - 1), or None when the checkpoint holds no tensor of them:
+    transformers drops them (`_keys_to_ignore_on_load_unexpected`) and its save_pretrained writes n = 1 with none.
+    `layer(block config, i, fused experts)` names decoder layer i's tensors; `dense_default` is the family's
+    first_k_dense_replace default. Names as in `tensor_specs`; a module partly stored is a missing tensor, named by
+    the loader."""
+    field = "num_nextn_predict_layers" if "num_nextn_predict_layers" in hf else "num_mtp_layers"
+    n = hf.get(field, 0)
     if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= 16:
-        raise ValueError(f"{source}: field 'num_nextn_predict_layers' must be an integer in [0, 16], got {n!r}")
+        raise ValueError(f"{source}: field {field!r} must be an integer in [0, 16], got {n!r}")
     L = config.n_layers
     prefixes = tuple(f"layers.{j}." for j in range(L, L + n))
     if not any(name.startswith(prefixes) for name in names):
         return None
-    dense = hf.get("first_k_dense_replace", _DEEPSEEK_DEFAULTS[arch]["first_k_dense_replace"])
+    dense = hf.get("first_k_dense_replace", dense_default)
     if len({j >= dense for j in range(L, L + n)}) > 1:
         raise ValueError(f"{source}: first_k_dense_replace = {dense} makes some multi-token-prediction layers "
                          f"dense and others mixtures of experts; one config serves them all here")
@@ -171,13 +182,13 @@ def mtp_plan(config: Config, hf: dict, names, source: str, arch: str) -> MtpPlan
     if L >= dense:
         moe = config.moe or deepseek_moe(fl.Fields(hf, source), arch, dense)
         moe = dataclasses.replace(moe, first_dense_layers=0, dense_layers=())
-    block = config.replace(n_layers=1, moe=moe)
-    interleaved, fused = rope_interleaved(hf, arch), tensors.fused_experts_stored(names)
+    block = config.replace(n_layers=1, moe=moe, mtp_zero_first_embedding=True)
+    fused = tensors.fused_experts_stored(names)
     V, D = config.vocab_size, config.d_model
     modules = []
     for prefix in prefixes:
         specs = [dataclasses.replace(spec, name=prefix + spec.name.removeprefix("layers.0."))
-                 for spec in _layer(block, 0, interleaved, fused)]
+                 for spec in layer(block, 0, fused)]
         specs += [TensorSpec(prefix + "enorm.weight", (D,), "[D]", as_is(("enorm", "scale"))),
                   TensorSpec(prefix + "hnorm.weight", (D,), "[D]", as_is(("hnorm", "scale"))),
                   TensorSpec(prefix + "eh_proj.weight", (D, 2 * D), "[D, 2*D]", as_is(("eh_proj",))),

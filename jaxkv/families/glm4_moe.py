@@ -12,18 +12,19 @@ Tensors (under `model.`, head `lm_head.weight`): Llama's embedding, norms and at
 q_proj/k_proj/v_proj (+ biases), o_proj, q_norm/k_norm), dense MLPs as Llama's, and DeepSeek's MoE tensors
 (mlp.gate.weight, mlp.gate.e_score_correction_bias, mlp.shared_experts.*, mlp.experts.{j}.* or the fused 3D form).
 
-The releases' multi-token-prediction layer (decoder layer L = num_hidden_layers, which transformers drops) is not
-loaded yet: its tensors are dropped as ignored.
+The releases' multi-token-prediction layer (decoder layer L = num_hidden_layers, num_nextn_predict_layers of them,
+which transformers drops) loads into `Model.mtp` as DeepSeek-V3's does (`deepseek.nextn_plan`: enorm, hnorm,
+eh_proj, shared_head.norm, optional embed_tokens / shared_head.head, and a decoder layer of GLM's own tensors,
+with experts from first_k_dense_replace on); vLLM's glm4_moe_mtp zeroes the token embedding at position 0 as
+DeepSeek's does (`Config.mtp_zero_first_embedding`). `Speculation("mtp")` then drafts with it.
 """
 
 from __future__ import annotations
 
-import re
-
 from jaxkv.config import Config
 from jaxkv.families import fields as fl
 from jaxkv.families import tensors
-from jaxkv.families.deepseek import deepseek_moe, ffn_tensors
+from jaxkv.families.deepseek import deepseek_moe, ffn_tensors, nextn_plan
 from jaxkv.families.llama import base_fields
 from jaxkv.families.qwen3_next import with_defaults
 from jaxkv.families.registry import Family, register
@@ -47,20 +48,25 @@ def glm4_moe_fields(f: fl.Fields) -> dict:
     return kwargs
 
 
+def glm4_layer(cfg: Config, i: int, fused: bool) -> list[TensorSpec]:
+    """Decoder layer i's tensors: Llama's norms and attention, the dense MLP or DeepSeek's experts."""
+    return tensors.norms(cfg, i, tensors.PRE_NORMS) + tensors.attention(cfg, i) + ffn_tensors(cfg, i, fused)
+
+
 def glm4_moe_tensors(cfg: Config, hf: dict, names) -> list[TensorSpec]:
     fused = cfg.moe is not None and tensors.fused_experts_stored(names)
     specs = tensors.embedding_and_final_norm(cfg)
     for i in range(cfg.n_layers):
-        specs += tensors.norms(cfg, i, tensors.PRE_NORMS) + tensors.attention(cfg, i) + ffn_tensors(cfg, i, fused)
+        specs += glm4_layer(cfg, i, fused)
     return specs
 
 
-def mtp_ignored(config: Config, hf: dict, names, source: str) -> frozenset[str]:
-    """The multi-token-prediction layers (decoder layers num_hidden_layers, ...), not loaded yet."""
-    first = re.compile(r"layers\.(\d+)\.")
-    return frozenset(name for name in names
-                     if (m := first.match(name)) is not None and int(m.group(1)) >= config.n_layers)
+def glm4_mtp_plan(config: Config, hf: dict, names, source: str):
+    """GLM's multi-token-prediction layers (module docstring); config.json spells their count
+    num_nextn_predict_layers (the releases) or num_mtp_layers (transformers 5.25's field, default 1)."""
+    hf = hf if "num_nextn_predict_layers" in hf or "num_mtp_layers" in hf else {**hf, "num_mtp_layers": 1}
+    return nextn_plan(config, hf, names, source, "glm4_moe", 1, glm4_layer)
 
 
 GLM4_MOE = register(Family("glm4_moe", ("Glm4MoeForCausalLM",), glm4_moe_fields, glm4_moe_tensors,
-                           ignored=mtp_ignored))
+                           mtp=glm4_mtp_plan))

@@ -3,10 +3,12 @@ partial rotary (half of each head, as the releases), q/k/v biases, q/k norms on 
 1-2 DeepSeek-V3-style mixtures of experts (sigmoid scores plus a randomized correction bias, 4 groups of 2 experts
 with 2 kept, normalized, scaled, a shared expert), saved with save_pretrained (per-expert tensors) and as
 transformers 5's fused state_dict: the config mapping and transformers' defaults, float32 logits within 1e-4, greedy
-tokens (a single prompt and a ragged batch), n = 2 samples, beam search, the engine, speculation, and the experts
-every token is routed to (no near ties).
+tokens (a single prompt and a ragged batch), n = 2 samples, beam search, the engine, speculation, the experts
+every token is routed to (no near ties), and the multi-token-prediction layer (its torch composition, and
+Speculation("mtp")).
 """
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -100,21 +102,100 @@ def test_fused_experts_load_too(tmp_path):
     np.testing.assert_allclose(jaxkv.logits(jaxkv.load(tmp_path), tokens), hf_logits(hf, tokens), atol=ATOL, rtol=0)
 
 
-def test_an_mtp_layer_is_dropped_and_a_broken_router_is_named(pair, tmp_path):
-    """The releases' multi-token-prediction layer (decoder layer num_hidden_layers, which transformers drops) is
-    ignored, the decoder unchanged; a router tensor of the wrong shape is a ValueError naming it."""
-    hf, model, _ = pair
+def test_a_broken_router_is_named(pair, tmp_path):
+    """A router tensor of the wrong shape is a ValueError naming it."""
+    hf, _, _ = pair
     state = {k: v.contiguous() for k, v in hf.state_dict().items()}
     hf.config.architectures = [type(hf).__name__]
     hf.config.to_json_file(tmp_path / "config.json")
-    extra = {"model.layers.3.eh_proj.weight": torch.zeros(64, 128), "model.layers.3.enorm.weight": torch.zeros(64)}
-    safetensors_torch.save_file({**state, **extra}, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    tokens = np.random.default_rng(3).integers(0, VOCAB, (1, 12))
-    np.testing.assert_array_equal(jaxkv.logits(jaxkv.load(tmp_path), tokens), jaxkv.logits(model, tokens))
     state["model.layers.1.mlp.gate.weight"] = torch.zeros(7, 64)
     safetensors_torch.save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match="model.layers.1.mlp.gate.weight"):
         jaxkv.load(tmp_path)
+
+
+def add_mtp(hf, directory):
+    """transformers drops GLM's multi-token-prediction layer (decoder layer L = num_hidden_layers), so the tests
+    build it from transformers' own parts as vLLM's glm4_moe_mtp.py composes them (enorm, hnorm, eh_proj over
+    [normed embedding; normed hidden], a Glm4MoeDecoderLayer of index L: experts, shared_head.norm), random, and
+    add its tensors (`model.layers.L.*`) to the saved checkpoint -> the torch pieces {name: module}."""
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeDecoderLayer, Glm4MoeRMSNorm
+
+    torch.manual_seed(4)
+    cfg, L = hf.config, hf.config.num_hidden_layers
+    D = cfg.hidden_size
+    parts = {"enorm": Glm4MoeRMSNorm(D, eps=cfg.rms_norm_eps), "hnorm": Glm4MoeRMSNorm(D, eps=cfg.rms_norm_eps),
+             "eh_proj": torch.nn.Linear(2 * D, D, bias=False), "layer": Glm4MoeDecoderLayer(cfg, L).eval(),
+             "shared_head.norm": Glm4MoeRMSNorm(D, eps=cfg.rms_norm_eps)}
+    stored = {}
+    for name, module in parts.items():
+        for key, value in module.state_dict().items():
+            value = torch.randn_like(value) * (0.3 if value.ndim == 1 else 0.2)  # norms' weights away from 0 too
+            with torch.no_grad():
+                dict(module.named_parameters(), **dict(module.named_buffers()))[key].copy_(value)
+            stored[f"model.layers.{L}.{'' if name == 'layer' else name + '.'}{key}"] = value.contiguous()
+    path = directory / "model.safetensors"
+    safetensors_torch.save_file({**safetensors_torch.load_file(path), **stored}, path, metadata={"format": "pt"})
+    return parts
+
+
+@pytest.fixture(scope="module")
+def with_mtp(pair, tmp_path_factory):
+    hf, _, _ = pair
+    directory = tmp_path_factory.mktemp("glm_mtp")
+    hf.save_pretrained(directory, safe_serialization=True)
+    parts = add_mtp(hf, directory)
+    return hf, parts, jaxkv.load(directory)
+
+
+def test_mtp_layer_loads_and_matches_its_torch_composition(pair, with_mtp):
+    """The checkpoint's MTP layer loads into Model.mtp (the decoder unchanged); its logits for the pairs (h_t,
+    token_{t+1}) equal the torch composition's at 1e-4, the token embedding at position 0 zeroed as vLLM's
+    glm4_moe_mtp does (without the zeroing the first position's logits differ)."""
+    from jaxkv.decoding.mtp import mtp_forward
+
+    _, model, _ = pair
+    hf, parts, loaded_mtp = with_mtp
+    assert loaded_mtp.mtp is not None and len(loaded_mtp.mtp.params) == 1
+    assert loaded_mtp.mtp.config.mtp_zero_first_embedding and loaded_mtp.mtp.config.moe is not None
+    tokens = np.random.default_rng(9).integers(0, VOCAB, (1, 24))
+    np.testing.assert_array_equal(jaxkv.logits(loaded_mtp, tokens), jaxkv.logits(model, tokens))
+    with torch.no_grad():
+        ids = torch.tensor(tokens)
+        h = hf.model(input_ids=ids).last_hidden_state  # after the final norm: what the head reads
+        T = ids.shape[1] - 1
+        embedded = hf.model.embed_tokens(ids[:, 1:]).clone()
+        embedded[:, 0] = 0  # position 0
+        x = parts["eh_proj"](torch.cat([parts["enorm"](embedded), parts["hnorm"](h[:, :-1])], dim=-1))
+        pos = torch.arange(T)[None]
+        mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
+        y = parts["layer"](x, position_embeddings=hf.model.rotary_emb(x, pos), attention_mask=mask, position_ids=pos)
+        want = hf.lm_head(parts["shared_head.norm"](y[0] if isinstance(y, tuple) else y)).numpy()
+    got, _, _ = mtp_forward(loaded_mtp.mtp.params[0], loaded_mtp.params, jnp.asarray(h[:, :-1].numpy()),
+                            jnp.asarray(tokens[:, 1:]), jnp.arange(T)[None], None, config=loaded_mtp.mtp.config)
+    np.testing.assert_allclose(np.asarray(got), want, atol=ATOL, rtol=0)
+    unzeroed = loaded_mtp.mtp.config.replace(mtp_zero_first_embedding=False)
+    other, _, _ = mtp_forward(loaded_mtp.mtp.params[0], loaded_mtp.params, jnp.asarray(h[:, :-1].numpy()),
+                              jnp.asarray(tokens[:, 1:]), jnp.arange(T)[None], None, config=unzeroed)
+    assert np.abs(np.asarray(other)[:, 0] - want[:, 0]).max() > 100 * ATOL
+
+
+@pytest.mark.parametrize("where", ["contiguous", "paged", "engine"])
+def test_mtp_speculation_equals_plain(with_mtp, where):
+    """Speculation("mtp") with GLM's MTP layer proposing: greedy tokens equal plain decoding's."""
+    _, _, model = with_mtp
+    prompts = [RAGGED[0], RAGGED[2]]
+    plain = jaxkv.generate(model, prompts, max_new_tokens=16, stop_tokens=[])
+    spec = jaxkv.Speculation("mtp", num_tokens=2, adaptive=False)
+    if where == "engine":
+        engine = jaxkv.Engine(model, slots=2, max_len=64, page_size=4, speculative=spec)
+        tokens = [r.tokens for r in engine.generate(prompts, max_new_tokens=16, stop_tokens=[])]
+        verifies = engine.stats["spec_verifies"]
+    else:
+        out = jaxkv.generate(model, prompts, max_new_tokens=16, stop_tokens=[], speculative=spec,
+                             page_size=4 if where == "paged" else None)
+        tokens, verifies = out.tokens, out.stats["spec_verifies"]
+    assert verifies > 0 and tokens == plain.tokens
 
 
 @pytest.mark.parametrize("path", ["greedy", "n=2", "engine", "beams", "routing", "speculative"])
