@@ -19,8 +19,8 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 import jaxkv  # noqa: E402
 from helpers.hf import (ATOL, BOS, EOS, PAD, RAGGED, SINGLE, VOCAB, check_moe_beam_search,  # noqa: E402
                         check_moe_engine, check_moe_greedy_generation, check_moe_parallel_greedy_samples,
-                        check_moe_routing, check_speculative_greedy, greedy_cases, hf_greedy, hf_logits,
-                        saved_and_loaded)
+                        check_moe_routing, check_mtp_speculation, check_speculative_greedy, greedy_cases,
+                        hf_greedy, hf_logits, saved_and_loaded)
 from jaxkv.io.hf import config_from_hf  # noqa: E402
 
 MOE_LAYERS = (1, 2)
@@ -183,19 +183,7 @@ def test_mtp_layer_loads_and_matches_its_torch_composition(pair, with_mtp):
 @pytest.mark.parametrize("where", ["contiguous", "paged", "engine"])
 def test_mtp_speculation_equals_plain(with_mtp, where):
     """Speculation("mtp") with GLM's MTP layer proposing: greedy tokens equal plain decoding's."""
-    _, _, model = with_mtp
-    prompts = [RAGGED[0], RAGGED[2]]
-    plain = jaxkv.generate(model, prompts, max_new_tokens=16, stop_tokens=[])
-    spec = jaxkv.Speculation("mtp", num_tokens=2, adaptive=False)
-    if where == "engine":
-        engine = jaxkv.Engine(model, slots=2, max_len=64, page_size=4, speculative=spec)
-        tokens = [r.tokens for r in engine.generate(prompts, max_new_tokens=16, stop_tokens=[])]
-        verifies = engine.stats["spec_verifies"]
-    else:
-        out = jaxkv.generate(model, prompts, max_new_tokens=16, stop_tokens=[], speculative=spec,
-                             page_size=4 if where == "paged" else None)
-        tokens, verifies = out.tokens, out.stats["spec_verifies"]
-    assert verifies > 0 and tokens == plain.tokens
+    check_mtp_speculation(with_mtp[2], where)
 
 
 @pytest.mark.parametrize("path", ["greedy", "n=2", "engine", "beams", "routing", "speculative"])

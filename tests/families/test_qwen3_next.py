@@ -27,7 +27,7 @@ pytest.importorskip("safetensors.torch")
 
 import jaxkv  # noqa: E402
 from helpers.hf import (ATOL, MIN_MARGIN, NEW_TOKENS, RAGGED, SINGLE, VOCAB, assert_clear_margins,  # noqa: E402
-                        greedy_cases, hf_greedy, hf_logits, per_row)
+                        check_mtp_speculation, greedy_cases, hf_greedy, hf_logits, per_row)
 from helpers.tolerances import tolerance  # noqa: E402
 
 HYBRID = tolerance("transformers logits, hybrid", "float32")
@@ -202,19 +202,7 @@ def test_mtp_speculation_equals_plain(tmp_path_factory, where):
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextDecoderLayer, Qwen3NextRMSNorm
 
     add_mtp(hf, directory, Qwen3NextDecoderLayer, Qwen3NextRMSNorm)
-    model = jaxkv.load(directory)
-    prompts = [RAGGED[0], RAGGED[2]]
-    plain = jaxkv.generate(model, prompts, max_new_tokens=16, stop_tokens=[])
-    spec = jaxkv.Speculation("mtp", num_tokens=2, adaptive=False)
-    if where == "engine":
-        engine = jaxkv.Engine(model, slots=2, max_len=64, page_size=4, speculative=spec)
-        tokens = [r.tokens for r in engine.generate(prompts, max_new_tokens=16, stop_tokens=[])]
-        verifies = engine.stats["spec_verifies"]
-    else:
-        out = jaxkv.generate(model, prompts, max_new_tokens=16, stop_tokens=[], speculative=spec,
-                             page_size=4 if where == "paged" else None)
-        tokens, verifies = out.tokens, out.stats["spec_verifies"]
-    assert verifies > 0 and tokens == plain.tokens
+    check_mtp_speculation(jaxkv.load(directory), where)
 
 
 @pytest.mark.parametrize("moe", [True, False], ids=["moe", "dense"])

@@ -229,6 +229,23 @@ def check_speculative_greedy(model, expected, name="", prompts=RAGGED):
     assert got.stats["spec_acceptance_rate"] > 0.8 and got.stats["target_forwards"] < NEW_TOKENS // 2, name
 
 
+def check_mtp_speculation(model, where):
+    """Speculation("mtp") with the model's MTP module proposing ("contiguous", "paged" or "engine"): greedy tokens
+    equal plain decoding's, with verifies run."""
+    prompts = [RAGGED[0], RAGGED[2]]
+    plain = jaxkv.generate(model, prompts, max_new_tokens=16, stop_tokens=[])
+    spec = jaxkv.Speculation("mtp", num_tokens=2, adaptive=False)
+    if where == "engine":
+        engine = jaxkv.Engine(model, slots=2, max_len=64, page_size=4, speculative=spec)
+        tokens = [r.tokens for r in engine.generate(prompts, max_new_tokens=16, stop_tokens=[])]
+        verifies = engine.stats["spec_verifies"]
+    else:
+        out = jaxkv.generate(model, prompts, max_new_tokens=16, stop_tokens=[], speculative=spec,
+                             page_size=4 if where == "paged" else None)
+        tokens, verifies = out.tokens, out.stats["spec_verifies"]
+    assert verifies > 0 and tokens == plain.tokens
+
+
 # --- the parity checks every MoE family's test runs (Qwen3-MoE, Mixtral): each test file keeps thin tests of these
 # names, so a family's parity reads in its own file and the bodies are written once.
 
