@@ -83,7 +83,7 @@ _PARAM_AXES = {
     "wv": (shapes.KV_HEADS, shapes.HEAD_DIM, EMBED),
     "wq_bias": (HEADS, shapes.HEAD_DIM), "wq_gate_bias": (HEADS, shapes.HEAD_DIM), "wk_bias": (shapes.KV_HEADS, shapes.HEAD_DIM),
     "wv_bias": (shapes.KV_HEADS, shapes.HEAD_DIM),
-    "wo": (EMBED, HEADS, shapes.HEAD_DIM),
+    "wo": (EMBED, HEADS, shapes.HEAD_DIM), "sinks": (HEADS,),
     "w_gate": (FFN, EMBED), "w_up": (FFN, EMBED), "w_fc": (FFN, EMBED),
     "w_gate_bias": (FFN,), "w_up_bias": (FFN,), "w_fc_bias": (FFN,),
     "w_down": (EMBED, FFN),
@@ -92,6 +92,7 @@ _PARAM_AXES = {
     "wv_b": (HEADS, shapes.HEAD_DIM, RANK),
     # Mixture of experts: routed experts over their hidden width, the shared experts as a dense FFN.
     "we_gate": (EXPERTS, FFN, EMBED), "we_up": (EXPERTS, FFN, EMBED), "we_down": (EXPERTS, EMBED, FFN),
+    "we_gate_bias": (EXPERTS, FFN), "we_up_bias": (EXPERTS, FFN),
     "ws_gate": (FFN, EMBED), "ws_up": (FFN, EMBED), "ws_down": (EMBED, FFN),
 }
 _IN_OUT_AXES = {name: tuple(_PARAM_AXES[name][i] for i in order)
@@ -350,22 +351,36 @@ def cache_bytes_per_device(cache) -> int:
     return total
 
 
+def _sinks_operand(sinks, num_heads: int, head_axis):
+    """(operands, in_specs) for attention sinks float32[N] (or None: none) passed into a shard_map, split over
+    `head_axis` exactly as the queries' head axis is, so each shard gets its own heads' sinks. Checked before the
+    shard_map, so a wrong shape is the attention's own ValueError, not a partitioning error or a per-shard shape."""
+    from jaxkv.attention.reference import check_sinks  # here: jaxkv.attention's api imports this module
+
+    sinks = check_sinks(sinks, num_heads)
+    return ((), ()) if sinks is None else ((sinks,), (P(head_axis),))
+
+
 def shard_attention(fn, mesh: Mesh):
     """Wraps an attention implementation (the `reference.attention` signature) so it runs per shard through
     `jax.shard_map`: each device sees its batch rows and its heads ([B/dp, T, N/M, H] queries over
-    [B/dp, K/M, S, H] keys/values), which is what a Pallas kernel needs (a kernel cannot be auto-partitioned)."""
+    [B/dp, K/M, S, H] keys/values, and its heads' attention sinks [N/M] if any), which is what a Pallas kernel needs
+    (a kernel cannot be auto-partitioned)."""
     q_spec = P(DATA, None, MODEL, None)
 
-    def sharded(q, k, v, start, q_offset, *, k_scale=None, v_scale=None, **kwargs):
+    def sharded(q, k, v, start, q_offset, *, k_scale=None, v_scale=None, sinks=None, **kwargs):
         scales = () if k_scale is None else (k_scale, v_scale)
+        # sinks [N] split like q's heads (axis 2); without them the shard_map is the very one it was
+        extra, extra_specs = _sinks_operand(sinks, q.shape[2], q_spec[2])
 
-        def per_shard(q, k, v, start, q_offset, *scales):
-            ks, vs = scales if scales else (None, None)
-            return fn(q, k, v, start, q_offset, k_scale=ks, v_scale=vs, **kwargs)
+        def per_shard(q, k, v, start, q_offset, *rest):
+            ks, vs = rest[:2] if scales else (None, None)
+            own = {"sinks": rest[-1]} if extra else {}
+            return fn(q, k, v, start, q_offset, k_scale=ks, v_scale=vs, **own, **kwargs)
 
-        in_specs = (q_spec, KV_SPEC, KV_SPEC, BATCH_SPEC, P()) + (KV_SCALE_SPEC,) * len(scales)
+        in_specs = (q_spec, KV_SPEC, KV_SPEC, BATCH_SPEC, P()) + (KV_SCALE_SPEC,) * len(scales) + extra_specs
         return jax.shard_map(per_shard, mesh=mesh, in_specs=in_specs, out_specs=q_spec, check_vma=False)(
-            q, k, v, start, q_offset, *scales)
+            q, k, v, start, q_offset, *scales, *extra)
 
     return sharded
 
@@ -374,20 +389,24 @@ def shard_paged_attention(fn, mesh: Mesh):
     """Wraps a paged attention (the `jaxkv.attention.pallas.paged_attention` signature) so it runs per shard
     through `jax.shard_map`, as `shard_attention` does for the contiguous cache: each device sees every
     sequence's queries of its own heads ([B, T, N/M, H]) over its own KV heads of the pools ([P, K/M, ps, H],
-    `paged_cache_shardings`), with the page tables, lengths and slots whole (replicated), and returns its heads'
-    outputs. No collective: a head's attention reads only its own KV head."""
+    `paged_cache_shardings`), with the page tables, lengths and slots whole (replicated), its heads' attention sinks
+    [N/M] if any, and returns its heads' outputs. No collective: a head's attention reads only its own KV head."""
     q_spec = P(None, None, MODEL, None)
 
-    def sharded(q, k_pages, v_pages, page_table, lengths, q_slots, *, k_scale=None, v_scale=None, **kwargs):
+    def sharded(q, k_pages, v_pages, page_table, lengths, q_slots, *, k_scale=None, v_scale=None, sinks=None,
+                **kwargs):
         scales = () if k_scale is None else (k_scale, v_scale)
+        # sinks [N] split like q's heads (axis 2); without them the shard_map is the very one it was
+        extra, extra_specs = _sinks_operand(sinks, q.shape[2], q_spec[2])
 
-        def per_shard(q, k_pages, v_pages, page_table, lengths, q_slots, *scales):
-            ks, vs = scales if scales else (None, None)
-            return fn(q, k_pages, v_pages, page_table, lengths, q_slots, k_scale=ks, v_scale=vs, **kwargs)
+        def per_shard(q, k_pages, v_pages, page_table, lengths, q_slots, *rest):
+            ks, vs = rest[:2] if scales else (None, None)
+            own = {"sinks": rest[-1]} if extra else {}
+            return fn(q, k_pages, v_pages, page_table, lengths, q_slots, k_scale=ks, v_scale=vs, **own, **kwargs)
 
         in_specs = (q_spec, PAGE_POOL_SPEC, PAGE_POOL_SPEC, P(), P(), P()) + (PAGE_SCALE_SPEC,) * len(scales)
-        return jax.shard_map(per_shard, mesh=mesh, in_specs=in_specs, out_specs=q_spec, check_vma=False)(
-            q, k_pages, v_pages, page_table, lengths, q_slots, *scales)
+        return jax.shard_map(per_shard, mesh=mesh, in_specs=in_specs + extra_specs, out_specs=q_spec,
+                             check_vma=False)(q, k_pages, v_pages, page_table, lengths, q_slots, *scales, *extra)
 
     return sharded
 

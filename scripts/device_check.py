@@ -13,10 +13,11 @@ Sections (each a subprocess with its own time limit, so one that fails or hangs 
   env        versions (python, jax, jaxlib, flax, numpy), devices, nvidia-smi's clocks and memory.
   copy       the device's copy bandwidth (a 4 GiB device-to-device copy, bytes read + written / time): the
              ceiling the bandwidth figures below are read against, next to the 4.8 TB/s datasheet figure.
-  tests      the kernel test files (`tests/attention/test_{pallas,paged_decode_kernel,mla_decode_kernel,softcap}.py`)
-             with JAXKV_PALLAS_COMPILED=1: the kernels compiled (interpret=False), the device's body only, against
-             the XLA references, float32 and bfloat16 queries, float / int8 / fp8 caches, windows, rings, soft-capping
-             and the speculative verify's query blocks.
+  tests      the kernel test files (`tests/attention/test_{pallas,paged_decode_kernel,mla_decode_kernel,softcap,
+             sinks,delta_rule_kernel}.py`) with JAXKV_PALLAS_COMPILED=1: the kernels compiled (interpret=False), the
+             device's body only, against the XLA references, float32 and bfloat16 queries, float / int8 / fp8 caches,
+             windows, rings, soft-capping, attention sinks (gpt-oss: contiguous decode over several splits and a
+             ring, prefill, paged decode over int8 pools) and the speculative verify's query blocks.
   bandwidth  decode attention (one query per row) over live K/V of 1k / 8k / 32k tokens at batch 1 / 8 / 64,
              bfloat16 and int8 caches, contiguous and paged (page 16, pages shuffled in the pool): achieved
              bandwidth = live K/V bytes (and scales) read / time, for the Pallas kernel and the XLA reference. Each
@@ -63,7 +64,7 @@ LIMITS = {"env": 60, "copy": 40, "tests": 240, "bandwidth": 160, "prefill": 40, 
           "compile": 300}
 KERNEL_TESTS = ["tests/attention/test_pallas.py", "tests/attention/test_paged_decode_kernel.py",
                 "tests/attention/test_mla_decode_kernel.py", "tests/attention/test_softcap.py",
-                "tests/attention/test_delta_rule_kernel.py"]
+                "tests/attention/test_sinks.py", "tests/attention/test_delta_rule_kernel.py"]
 # Filters, to spend a short device lease on the rows still owed (each section ignores those it has no use for).
 FILTERS = {"batches": "batch sizes (bandwidth, step)", "lives": "live lengths (bandwidth, step)",
            "layouts": "layouts, contiguous / paged (bandwidth)", "caches": "cache dtypes, bfloat16 / int8 (bandwidth)",

@@ -2,10 +2,10 @@
 
 Kinds, each with one signature (that of its XLA reference, listed last in its table):
 
-  "contiguous"    (q, k, v, start, q_offset, *, scale, sliding_window, k_scale, v_scale, ring, softcap)
+  "contiguous"    (q, k, v, start, q_offset, *, scale, sliding_window, k_scale, v_scale, ring, softcap, sinks)
                   `reference.attention`; Pallas: `pallas.attention` (decode and prefill kernels)
   "paged"         (q, k_pages, v_pages, page_table, lengths, q_slots, *, scale, sliding_window, k_scale, v_scale,
-                  softcap, fresh)  `paged_reference.xla_attention`; Pallas: `pallas.paged_attention` (decode)
+                  softcap, fresh, sinks)  `paged_reference.xla_attention`; Pallas: `pallas.paged_attention` (decode)
   "latent"        (q, latent, start, q_offset, *, latent_dim, scale, latent_scale, sliding_window, ring)
                   `mla_reference.attention`; Pallas: `mla_decode_kernel.mla_decode` (decode)
   "paged_latent"  (q, latent_pages, page_table, lengths, q_slots, *, latent_dim, scale, sliding_window,

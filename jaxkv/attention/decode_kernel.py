@@ -75,6 +75,14 @@ With `softcap` (Gemma 2), each block's scaled float32 score tile becomes softcap
 `online_softmax_step`, after the key scales and `scale` and before the live mask, as `reference.soft_cap` does; a
 static Python float baked into the kernel like `scale` (None traces exactly the uncapped kernel). Capping is
 elementwise on the [R, block_k] score tile: no memory traffic, R * block_k tanh per block.
+
+Attention sinks
+---------------
+With `sinks` (gpt-oss: one learned logit per query head in the softmax denominator, `reference`), the kernel is
+unchanged: the sink enters `combine_splits`, which already merges the splits' (acc, m, l) in plain jnp, as one more
+partial state (max = the row's sink, sum = 1, accumulator 0), so it is counted once whatever the split count, and a
+row with no live key gets 0. The kernels that normalize in the kernel (`prefill_kernel`, the TPU body of
+`paged_decode_kernel`) start their online softmax from that state instead (`reset_softmax_state`, `sink_state`).
 """
 
 from __future__ import annotations
@@ -89,7 +97,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
-from jaxkv.attention.reference import MASKED, check_softcap, dot_precision, soft_cap
+from jaxkv.attention.reference import MASKED, check_sinks, check_softcap, dot_precision, grouped_sinks, soft_cap
 
 # Triton's dot (tl.dot) needs every matmul dimension >= 16, and every loaded tensor a power-of-two size.
 GPU_MIN_DIM = 16
@@ -161,11 +169,25 @@ def load_scale(ref, *index):
     return None if ref is None else ref[index or (...,)]
 
 
-def reset_softmax_state(m_scr, l_scr, acc_scr):
-    """Starts an online softmax: running max at MASKED, running sum and accumulator at 0 (TPU scratch refs)."""
-    m_scr[...] = jnp.full(m_scr.shape, MASKED, jnp.float32)
-    l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
+def reset_softmax_state(m_scr, l_scr, acc_scr, sink_ref=None):
+    """Starts an online softmax: running max at MASKED, running sum and accumulator at 0 (TPU scratch refs).
+
+    With `sink_ref` (attention sinks: a ref whose block broadcasts to m_scr's [R, 1], each row's sink logit) the
+    state starts as if the sink were one key already folded in that weighs no value: max = sink, sum = exp(sink -
+    sink) = 1, accumulator 0. The blocks then fold in as usual, so the sink joins the denominator exactly once
+    (`sink_state`)."""
+    if sink_ref is None:
+        m_scr[...] = jnp.full(m_scr.shape, MASKED, jnp.float32)
+        l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
+    else:
+        m_scr[...], l_scr[...] = sink_state(sink_ref[...], m_scr.shape)
     acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
+
+
+def sink_state(sink, shape):
+    """(m, l) f32[shape] of an online softmax that has seen only the sink: m = sink (broadcast), l = 1. A row that
+    then sees no live key ends with acc = 0 and l = 1: output 0, as `reference.softmax` gives it."""
+    return jnp.broadcast_to(sink.astype(jnp.float32), shape), jnp.ones(shape, jnp.float32)
 
 
 def online_softmax_step(m_prev, l_prev, acc_prev, q, k, v, live, v_live, *, scale: float, k_scale=None,
@@ -242,15 +264,25 @@ def decode_masks(offset, floor, lo, hi, rows: int, cols: int, head_dim: int, wra
     return live, v_live
 
 
-def combine_splits(acc, m, l):
+def combine_splits(acc, m, l, sinks=None):
     """Merges per-split partial results: acc f32[..., P, R, H], m, l f32[..., P, R, 1] -> f32[..., R, H].
 
     Each split's state is rescaled to the global max (log-sum-exp combine). Empty splits have l = 0 and acc = 0,
     so they add nothing; a row with no live key anywhere gets 0.
+
+    `sinks` (attention sinks: f32[..., R, 1], broadcasting against m without its split axis; `row_sinks`) joins as
+    one more partial state, the sink's own: max = sink, sum = 1, accumulator 0. Here, after the splits, it is
+    counted exactly once however many splits there are (and a row with no live key still gets 0: acc / 1).
     """
     m_all = jnp.max(m, axis=-3, keepdims=True)  # [..., 1, R, 1]
+    if sinks is None:
+        w = jnp.exp(m - m_all)  # [..., P, R, 1]
+        return normalize(jnp.sum(w * acc, axis=-3), jnp.sum(w * l, axis=-3))  # [..., R, H]
+    sinks = jnp.expand_dims(sinks.astype(jnp.float32), -3)  # [..., 1, R, 1]
+    m_all = jnp.maximum(m_all, sinks)
     w = jnp.exp(m - m_all)  # [..., P, R, 1]
-    return normalize(jnp.sum(w * acc, axis=-3), jnp.sum(w * l, axis=-3))  # [..., R, H]
+    l_all = jnp.sum(w * l, axis=-3) + jnp.squeeze(jnp.exp(sinks - m_all), -3)  # [..., R, 1]
+    return normalize(jnp.sum(w * acc, axis=-3), l_all)  # [..., R, H]
 
 
 def live_bounds(start, q_offset, num_slots: int, sliding_window: int | None, ring: bool = False):
@@ -307,6 +339,16 @@ def row_bounds(lo, hi, groups: int, rows: int):
         return jnp.pad(x, ((0, 0), (0, rows - T * groups)), constant_values=fill)[:, :, None]
 
     return expand(lo, 1), expand(hi, 0)
+
+
+def row_sinks(sinks, kv_heads: int, queries: int, rows: int):
+    """float32[N] attention sinks (or None) -> f32[K, rows, 1], each kernel row's sink: row r = t * G + g is query t
+    of query head n = kv_head * G + g, so every query position of a head gets that head's sink; rows past T * G
+    (padding, sliced off) get 0. The [rows, 1] layout is the kernels' m and l column."""
+    if sinks is None:
+        return None
+    per_head = grouped_sinks(sinks, kv_heads)  # [K, G]
+    return pad_axis(jnp.tile(per_head, (1, queries)), 1, rows)[:, :, None]  # [K, T * G] -> [K, rows, 1]
 
 
 def next_pow2(n: int) -> int:
@@ -566,7 +608,7 @@ def default_splits(platform: str, batch: int, kv_heads: int, num_blocks: int) ->
 
 def decode_attention(q, k, v, start, q_offset, *, scale: float, sliding_window: int | None = None, k_scale=None,
                      v_scale=None, ring: bool = False, platform: str = "tpu", block_k: int | None = None,
-                     splits: int | None = None, interpret=False, softcap: float | None = None):
+                     splits: int | None = None, interpret=False, softcap: float | None = None, sinks=None):
     """Attention of a few queries per sequence over the cache; same contract as `reference.attention`.
 
     Meant for one query (decode) or a small block of them (a speculative verify: k + 1 queries, causal within the
@@ -584,6 +626,8 @@ def decode_attention(q, k, v, start, q_offset, *, scale: float, sliding_window: 
       splits: parallel programs per (sequence, KV head); default `default_splits`.
       interpret: run the kernel in the Pallas interpreter (any truthy value pallas_call accepts).
       softcap: Gemma 2's attention-logit soft-capping (`reference.soft_cap`), a static float; None: off.
+      sinks: float32[N] attention sinks (gpt-oss; `reference`), a traced array, or None. Folded into the split
+        combine (`combine_splits`), not the kernel: the same kernel runs with and without them.
 
     Returns:
       [B, T, N, H] in q's dtype.
@@ -592,6 +636,7 @@ def decode_attention(q, k, v, start, q_offset, *, scale: float, sliding_window: 
     K, S = k.shape[1], k.shape[2]
     check_scales(k, k_scale, v_scale)
     softcap = check_softcap(softcap)
+    sinks = check_sinks(sinks, N)
     G, dtype = N // K, q.dtype
     block_k = block_k or DEFAULT_BLOCK_K.get(platform, 0)
     if T == 1:  # one query: every row shares its bounds, the kernel takes no per-row inputs (as before T > 1)
@@ -610,6 +655,7 @@ def decode_attention(q, k, v, start, q_offset, *, scale: float, sliding_window: 
         splits = splits or default_splits(platform, B, K, cdiv(S, tpu_block(S, block_k)))
         acc, m, l = _decode_tpu(pad_axis(q, 2, R), k, v, k_scale, v_scale, lo, hi, scale=scale, block_k=block_k,
                                 splits=splits, ring=ring, interpret=interpret, softcap=softcap, rows=rows)
+        sinks = row_sinks(sinks, K, T, R)  # f32[K, R, 1] or None
     elif platform == "gpu":
         R = max(GPU_MIN_DIM, next_pow2(T * G))  # tl.dot needs M >= 16; the padded rows are zeros, sliced off below
         rows = None if T == 1 else row_bounds(lo_t, hi_t, G, R)
@@ -625,9 +671,10 @@ def decode_attention(q, k, v, start, q_offset, *, scale: float, sliding_window: 
         splits = splits or default_splits(platform, B, K, cdiv(Sp, gpu_block(Sp, block_k)))
         acc, m, l = _decode_gpu(q, k, v, k_scale, v_scale, lo, hi, scale=scale, block_k=block_k, splits=splits,
                                 ring_slots=S if ring else None, interpret=interpret, softcap=softcap, rows=rows)
+        sinks = row_sinks(sinks, K, T, R)  # f32[K, R, 1] or None
     else:
         raise ValueError(f"platform must be 'tpu' or 'gpu', got {platform!r}")
-    out = combine_splits(acc, m, l)[:, :, :T * G, :H]  # [B, K, T * G, H] float32
+    out = combine_splits(acc, m, l, sinks)[:, :, :T * G, :H]  # [B, K, T * G, H] float32
     if T > 1:
         out = out.reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4)  # [B, T, K, G, H]
     return out.reshape(B, T, N, H).astype(dtype)

@@ -39,6 +39,12 @@ gathers each slot's page-table entry (a vector load), computes the slot's pool r
 (Triton pointer tensors). Every load is masked to the live slots (`pltriton.load(..., mask)`), so a dead slot reads
 neither its page-table entry (it may be -1) nor its row. The head dim and the padded query rows must be powers of
 two; a head dim that is not is refused (padding it would copy the whole pool every step).
+
+Attention sinks (`sinks`, gpt-oss: float32[N], traced) join each row's softmax denominator once, where each body
+normalizes: the TPU body takes each row's sink as one more input, [K, R, 1] with an [R, 1] block per (b, h) like
+the row bounds' (`decode_kernel.row_sinks`), and starts its online softmax from the sink's state (max = sink,
+sum = 1); the GPU body is unchanged and the sinks join `combine_splits` as one more partial state. Either way a
+row with no live slot returns 0, and without sinks the kernels are the very ones they were.
 """
 
 from __future__ import annotations
@@ -56,9 +62,9 @@ from jax.experimental.pallas import triton as pltriton
 from jaxkv.attention.decode_kernel import (GPU_MIN_DIM, MASKED, TPU_ROW_MULTIPLE, tpu_step_block, block_range,
                                            cdiv, combine_splits, decode_masks, default_splits, live_bounds, load_rows,
                                            load_scale, matmul_dtype, next_pow2, normalize, online_softmax_step,
-                                           pad_axis, reset_softmax_state, row_bounds, scale_rows, split_row_refs,
-                                           split_scale_refs, split_share)
-from jaxkv.attention.reference import Unsupported, check_softcap
+                                           pad_axis, reset_softmax_state, row_bounds, row_sinks, scale_rows,
+                                           split_row_refs, split_scale_refs, split_share)
+from jaxkv.attention.reference import Unsupported, check_sinks, check_softcap
 
 # Slots per step a page group aims for when `pages_per_block` is not given. TPU: 128 slots (a lane-dense row of
 # scores), at most 8 pages (each page is its own BlockSpec'd input and DMA). GPU: 64 slots, as the contiguous
@@ -111,15 +117,16 @@ def _tpu_page(b, j, i, lo_ref, hi_ref, *, page_size: int, pages_per_block: int, 
 
 def _paged_kernel_tpu(lo_ref, hi_ref, table_ref, *refs, scale: float, page_size: int, pages_per_block: int,
                       num_groups: int, quantized: bool, softcap: float | None = None, per_row: bool = False,
-                      value_queries: int = 0):
+                      value_queries: int = 0, sinks: bool = False):
     """Grid (B, K, groups). With `value_queries` = T, two more scalar-prefetched refs int32[B * T]: each query's lo
     and hi (`query_value_bounds`). Then q_ref [R, H]; with `per_row`, row lo and hi refs [R, 1] (lo_ref, hi_ref then
-    span the rows' ranges); then pages_per_block K page refs [page_size, H], as many V page refs, and for a quantized
-    pool as many K and V scale refs [1, page_size]; the output [R, H] is written at the last step; scratch m, l,
-    acc."""
+    span the rows' ranges); with `sinks`, each row's sink ref [R, 1]; then pages_per_block K page refs
+    [page_size, H], as many V page refs, and for a quantized pool as many K and V scale refs [1, page_size]; the
+    output [R, H] is written at the last step; scratch m, l, acc."""
     del table_ref  # read by the index maps only
     (qlo_ref, qhi_ref), (q_ref, *refs) = (refs[:2], refs[2:]) if value_queries else ((None, None), refs)
     rows_refs, refs = split_row_refs(refs, per_row)
+    sink_ref, refs = (refs[0], refs[1:]) if sinks else (None, refs)
     n = pages_per_block
     kv_refs, rest = refs[:2 * n], refs[2 * n:]
     scale_refs, (out_ref, m_scr, l_scr, acc_scr) = (rest[:2 * n], rest[2 * n:]) if quantized else ((), rest)
@@ -130,7 +137,9 @@ def _paged_kernel_tpu(lo_ref, hi_ref, table_ref, *refs, scale: float, page_size:
     T = value_queries
     value_bounds = [(qlo_ref[b * T + t], qhi_ref[b * T + t]) for t in range(T)] or None
 
-    pl.when(j == 0)(functools.partial(reset_softmax_state, m_scr, l_scr, acc_scr))
+    # With sinks the softmax starts from the sink's own state (max = sink, sum = 1): counted once per row, and the
+    # output is normalized here, at the last step.
+    pl.when(j == 0)(functools.partial(reset_softmax_state, m_scr, l_scr, acc_scr, sink_ref))
 
     @pl.when(page(0)[2])
     def _step():
@@ -153,11 +162,11 @@ def _paged_kernel_tpu(lo_ref, hi_ref, table_ref, *refs, scale: float, page_size:
 
 
 def _paged_tpu(q, k_pages, v_pages, k_scale, v_scale, page_table, lo, hi, *, scale: float, pages_per_block: int,
-               interpret, softcap: float | None = None, rows=None, values=None):
+               interpret, softcap: float | None = None, rows=None, values=None, sinks=None):
     """q [B, K, R, H] (R a multiple of 8); pools [P, K, page_size, H]; scales f32[P, K, 1, page_size] or None;
     page_table int32[B, M]; lo, hi int32[B]; rows: None (one query per sequence) or the per-row (lo, hi)
     int32[B, R, 1] (`row_bounds`); values: None (the value slots are [lo, hi]) or each query's (lo, hi)
-    int32[B, T] -> f32[B, K, R, H]."""
+    int32[B, T]; sinks: None or each row's sink f32[K, R, 1] (`row_sinks`) -> f32[B, K, R, H]."""
     B, K, R, H = q.shape
     page_size = k_pages.shape[2]
     M = page_table.shape[1]
@@ -175,9 +184,13 @@ def _paged_tpu(q, k_pages, v_pages, k_scale, v_scale, page_table, lo, hi, *, sca
     def bounds_map(b, h, j, *_):  # the same block for every step of a row: fetched once per b
         return b, 0, 0
 
+    def sink_map(b, h, j, *_):  # the KV head's rows' sinks: the same block for every step of a (b, h)
+        return h, 0, 0
+
     page_specs = [pl.BlockSpec((None, None, page_size, H), functools.partial(page_map, i)) for i in range(n)]
     scale_specs = [pl.BlockSpec((None, None, 1, page_size), functools.partial(page_map, i)) for i in range(n)]
     row_specs = [pl.BlockSpec((None, R, 1), bounds_map)] * 2 if rows is not None else []
+    sink_specs = [pl.BlockSpec((None, R, 1), sink_map)] if sinks is not None else []  # as the row bounds' blocks
     quantized = k_scale is not None
     # lo, hi, the flattened page table (read by the index maps before each step's DMA), and each query's value
     # bounds (read by the body as scalars)
@@ -185,7 +198,7 @@ def _paged_tpu(q, k_pages, v_pages, k_scale, v_scale, page_table, lo, hi, *, sca
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(prefetch),
         grid=(B, K, num_groups),
-        in_specs=[pl.BlockSpec((None, None, R, H), row_map), *row_specs, *page_specs, *page_specs,
+        in_specs=[pl.BlockSpec((None, None, R, H), row_map), *row_specs, *sink_specs, *page_specs, *page_specs,
                   *(scale_specs * 2 if quantized else [])],
         out_specs=pl.BlockSpec((None, None, R, H), row_map),
         scratch_shapes=[pltpu.VMEM((R, 1), jnp.float32), pltpu.VMEM((R, 1), jnp.float32),
@@ -193,7 +206,7 @@ def _paged_tpu(q, k_pages, v_pages, k_scale, v_scale, page_table, lo, hi, *, sca
     )
     kernel = functools.partial(_paged_kernel_tpu, scale=scale, page_size=page_size, pages_per_block=n,
                                num_groups=num_groups, quantized=quantized, softcap=softcap, per_row=rows is not None,
-                               value_queries=0 if values is None else values[0].shape[1])
+                               value_queries=0 if values is None else values[0].shape[1], sinks=sinks is not None)
     scales = [k_scale] * n + [v_scale] * n if quantized else []
     return pl.pallas_call(
         kernel,
@@ -202,7 +215,7 @@ def _paged_tpu(q, k_pages, v_pages, k_scale, v_scale, page_table, lo, hi, *, sca
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=interpret,
         name="jaxkv_paged_decode_attention",
-    )(*prefetch, q, *(rows or ()), *[k_pages] * n, *[v_pages] * n, *scales)
+    )(*prefetch, q, *(rows or ()), *([] if sinks is None else [sinks]), *[k_pages] * n, *[v_pages] * n, *scales)
 
 
 # --- GPU (Triton) --------------------------------------------------------------------------------------------
@@ -266,10 +279,11 @@ def gpu_block_slots(page_size: int, pages_per_seq: int, pages_per_block: int | N
 
 
 def _paged_gpu(q, k_pages, v_pages, k_scale, v_scale, page_table, lo, hi, *, scale: float, block: int, splits: int,
-               interpret, softcap: float | None = None, rows=None, values=None):
+               interpret, softcap: float | None = None, rows=None, values=None, sinks=None):
     """q [B, K, R, H] (R, H powers of two >= 16); pools [P, K, page_size, H]; scales f32[P, K, page_size] or None;
     page_table int32[B, M]; lo, hi int32[B]; block: slots per loop iteration; splits: programs per (row, KV head),
-    each taking an even share of the row's live blocks; rows, values: as `_paged_tpu`'s -> f32[B, K, R, H]."""
+    each taking an even share of the row's live blocks; rows, values, sinks: as `_paged_tpu`'s -> f32[B, K, R, H].
+    The sinks join the splits' combine (`combine_splits`), not the kernel."""
     B, K, R, H = q.shape
     P, _, page_size, _ = k_pages.shape
     if H & (H - 1):
@@ -328,7 +342,7 @@ def _paged_gpu(q, k_pages, v_pages, k_scale, v_scale, page_table, lo, hi, *, sca
         name="jaxkv_paged_decode_attention",
     )(lo, hi, page_table, q, *(rows or ()), *(values or ()), k_pages.reshape(flat), v_pages.reshape(flat),
       *scales)
-    return combine_splits(acc, m, l)  # [B, K, R, H]
+    return combine_splits(acc, m, l, sinks)  # [B, K, R, H]
 
 
 # --- public --------------------------------------------------------------------------------------------------
@@ -350,7 +364,7 @@ def query_value_bounds(lo, hi):
 def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale: float,
                            sliding_window: int | None = None, k_scale=None, v_scale=None, q_slots=None,
                            platform: str | None = None, pages_per_block: int | None = None, interpret=None,
-                           softcap: float | None = None, splits: int | None = None):
+                           softcap: float | None = None, splits: int | None = None, sinks=None):
     """Attention of one query (or a small block of queries) per sequence over its pages;
     `paged_reference.paged_attention` without `fresh`.
 
@@ -376,12 +390,13 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale: f
       softcap: Gemma 2's attention-logit soft-capping (`reference.soft_cap`), a static float; None: off.
       splits: GPU: programs per (sequence, KV head), each taking an even share of the row's live blocks (static);
         None: `decode_kernel.default_splits` (enough programs to fill a large GPU when B * K is small). TPU: 1.
+      sinks: float32[N] attention sinks (gpt-oss; `paged_reference`), a traced array, or None (module docstring).
 
     Returns:
       q's shape ([B, N, H] or [B, T, N, H]) in q's dtype; a query with no live slot gets 0.
     """
     kwargs = dict(scale=scale, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, platform=platform,
-                  pages_per_block=pages_per_block, interpret=interpret, softcap=softcap, splits=splits)
+                  pages_per_block=pages_per_block, interpret=interpret, softcap=softcap, splits=splits, sinks=sinks)
     if q.ndim == 4 and q.shape[1] == 1:  # one query: exactly the [B, N, H] kernel
         q_slots = None if q_slots is None else jnp.asarray(q_slots, jnp.int32)[:, 0]
         return paged_decode_attention(q[:, 0], k_pages, v_pages, page_table, lengths, q_slots=q_slots, **kwargs)[:, None]
@@ -390,6 +405,7 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale: f
     K, page_size = k_pages.shape[1], k_pages.shape[2]
     check_pool(k_pages, v_pages, page_table, k_scale, v_scale)
     softcap = check_softcap(softcap)
+    sinks = check_sinks(sinks, N)
     platform = platform or ("gpu" if jax.default_backend() == "gpu" else "tpu")
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
@@ -426,7 +442,8 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale: f
         rows = None if T == 1 else row_bounds(lo_t, hi_t, G, R)
         out = _paged_tpu(pad_axis(q, 2, R), k_pages, v_pages, scale_rows(k_scale), scale_rows(v_scale), page_table,
                          lo, hi, scale=scale, pages_per_block=tpu_pages_per_block(page_size, M, pages_per_block),
-                         interpret=interpret, softcap=softcap, rows=rows, values=values)
+                         interpret=interpret, softcap=softcap, rows=rows, values=values,
+                         sinks=row_sinks(sinks, K, T, R))
     elif platform == "gpu":
         R = max(GPU_MIN_DIM, next_pow2(T * G))  # tl.dot needs M >= 16; the padded rows are zeros, sliced off below
         rows = None if T == 1 else row_bounds(lo_t, hi_t, G, R)
@@ -434,7 +451,8 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale: f
         num_blocks = cdiv(M * page_size, block)
         splits = max(1, min(splits or default_splits("gpu", B, K, num_blocks), num_blocks))
         out = _paged_gpu(pad_axis(q, 2, R), k_pages, v_pages, k_scale, v_scale, page_table, lo, hi, scale=scale,
-                         block=block, splits=splits, interpret=interpret, softcap=softcap, rows=rows, values=values)
+                         block=block, splits=splits, interpret=interpret, softcap=softcap, rows=rows, values=values,
+                         sinks=row_sinks(sinks, K, T, R))
     else:
         raise ValueError(f"platform must be 'tpu' or 'gpu', got {platform!r}")
     if T == 1:

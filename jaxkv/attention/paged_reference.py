@@ -8,6 +8,7 @@ b holds `lengths[b]` slots, [0, lengths[b]); there is no left padding, every seq
 
     s <= q and s < lengths[b]                (written, and not in the future)
     and q - s < sliding_window               (if there is a window)
+    and s // chunk == q // chunk             (if attention is chunked: `reference`'s chunk, slots being positions)
 
 Page-table entries a sequence does not use are -1 and never read for a live slot. Pages past a sequence's length
 (free pages, another sequence's pages, a partly written last page) may hold anything, NaN included: dead keys are
@@ -28,8 +29,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxkv.attention.reference import (MASKED, MIN_PREFIX, softmax, check_sinks, check_softcap, dequantize,
-                                      dot_precision, grouped_sinks, prefix_lengths, soft_cap)
+from jaxkv.attention.reference import (MASKED, MIN_PREFIX, softmax, check_chunk, check_sinks, check_softcap,
+                                      dequantize, dot_precision, grouped_sinks, prefix_lengths, same_chunk, soft_cap)
 
 
 def gather_pages(pages, page_table):
@@ -41,23 +42,27 @@ def gather_pages(pages, page_table):
     return g.reshape(B, g.shape[1], M * g.shape[3], *g.shape[4:])
 
 
-def live_mask(lengths, q_slots, num_slots: int, sliding_window: int | None = None):
+def live_mask(lengths, q_slots, num_slots: int, sliding_window: int | None = None, chunk: int | None = None):
     """bool[B, T, S]: which of a sequence's S slots the query in slot q_slots[b, t] may attend to."""
     s = jnp.arange(num_slots, dtype=jnp.int32)[None, None, :]  # [1, 1, S]
     q = q_slots[:, :, None]  # [B, T, 1]
     live = (s <= q) & (s < lengths[:, None, None])
     if sliding_window is not None:
         live &= s > q - sliding_window
+    if chunk is not None:
+        live &= same_chunk(s, q, chunk)
     return live
 
 
-def fresh_mask(q_slots, valid, sliding_window: int | None = None):
+def fresh_mask(q_slots, valid, sliding_window: int | None = None, chunk: int | None = None):
     """bool[B, T, T]: which of the chunk's own fresh keys (key t in slot q_slots[b, t], stored where valid[b, t])
     the query in slot q_slots[b, t'] may attend to."""
     qs, ks = q_slots[:, :, None], q_slots[:, None, :]
     live = valid[:, None, :] & (ks <= qs)
     if sliding_window is not None:
         live &= ks > qs - sliding_window
+    if chunk is not None:
+        live &= same_chunk(ks, qs, chunk)
     return live
 
 
@@ -68,7 +73,7 @@ def before_chunk(live, slot, q_slots):
 
 def paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale: float,
                     sliding_window: int | None = None, k_scale=None, v_scale=None, softcap: float | None = None,
-                    fresh=None, sinks=None):
+                    fresh=None, sinks=None, chunk: int | None = None):
     """Softmax attention of T queries per sequence over the sequence's pages.
 
     Args:
@@ -85,6 +90,7 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale:
         and values as computed (key t in slot q_slots[b, t], stored where valid): the pages are read only for the
         slots before each row's chunk, q_slots[b, 0] (module docstring).
       sinks: float32[N], one logit per query head in each softmax's denominator (`reference`), or None.
+      chunk: if set, a query sees only the earlier slots of its own chunk of `chunk` slots (Llama 4), or None.
 
     Returns:
       [B, T, N, H] in q's dtype. A query with no live slot gets a uniform average of zeros: finite.
@@ -93,15 +99,16 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale:
     softcap = check_softcap(softcap)
     K = k_pages.shape[1]
     sinks = grouped_sinks(check_sinks(sinks, N), K)  # [K, G]
+    chunk = check_chunk(chunk)
     k = dequantize(gather_pages(k_pages, page_table), None if k_scale is None else gather_pages(k_scale, page_table))
     v = dequantize(gather_pages(v_pages, page_table), None if v_scale is None else gather_pages(v_scale, page_table))
-    live = live_mask(lengths, q_slots, k.shape[2], sliding_window)  # [B, T, S]
+    live = live_mask(lengths, q_slots, k.shape[2], sliding_window, chunk)  # [B, T, S]
     if fresh is not None:  # the chunk's own keys and values after the pages' slots before it
         fresh_k, fresh_v, valid = fresh
         live = before_chunk(live, jnp.arange(k.shape[2], dtype=jnp.int32)[None, None, :], q_slots)
         k = jnp.concatenate([k, fresh_k.astype(jnp.float32)], axis=2)
         v = jnp.concatenate([v, fresh_v.astype(jnp.float32)], axis=2)
-        live = jnp.concatenate([live, fresh_mask(q_slots, valid, sliding_window)], axis=2)  # [B, T, S + T]
+        live = jnp.concatenate([live, fresh_mask(q_slots, valid, sliding_window, chunk)], axis=2)  # [B, T, S + T]
     written = jnp.any(live, axis=1)  # [B, S]: some query reads the slot
     v = jnp.where(written[:, None, :, None], v, 0.0)  # dead values selected away, NaN included
     # (dead keys need no select: their scores are replaced by MASKED, NaN or not)
@@ -115,7 +122,7 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale:
 
 def pool_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale: float,
                    sliding_window: int | None = None, k_scale=None, v_scale=None, softcap: float | None = None,
-                   fresh=None, sinks=None):
+                   fresh=None, sinks=None, chunk: int | None = None):
     """`paged_attention` computed over the whole pool at once, each query masked to its own sequence's slots.
 
     Same arguments (`fresh` included) and result. Instead of gathering each sequence's pages (B x M pages read and
@@ -130,6 +137,7 @@ def pool_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale: 
     M = page_table.shape[1]
     sinks = grouped_sinks(check_sinks(sinks, N), K)
     row_sinks = None if sinks is None else sinks[:, :, None]  # [K, G, 1]: against [B, K, G, T]
+    chunk = check_chunk(chunk)
     # entry[b, p]: the table entry of page p in sequence b, -1 if b does not hold p. (A sequence never holds a
     # page twice; -1 table entries scatter out of range and are dropped.)
     rows = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, M))
@@ -142,6 +150,8 @@ def pool_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale: 
     live = (slot <= qs) & (slot < lengths[:, None, None])  # [B, T, P * ps]
     if sliding_window is not None:
         live &= slot > qs - sliding_window
+    if chunk is not None:
+        live &= same_chunk(slot, qs, chunk)
     if fresh is not None:
         live = before_chunk(live, slot, q_slots)
     k = dequantize(k_pages, k_scale)  # [P, K, ps, H]
@@ -161,7 +171,7 @@ def pool_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale: 
     fresh_k, fresh_v, valid = (x.astype(jnp.float32) if x.dtype != bool else x for x in fresh)
     own = jnp.einsum("btkgh,bksh->bkgts", qg, fresh_k, precision=precision)
     own = soft_cap(own * scale, softcap)  # [B, K, G, T, T]
-    own = jnp.where(fresh_mask(q_slots, valid, sliding_window)[:, None, None], own, MASKED)
+    own = jnp.where(fresh_mask(q_slots, valid, sliding_window, chunk)[:, None, None], own, MASKED)
     weights = softmax(jnp.concatenate([scores, own], axis=-1), row_sinks)
     pool_w, own_w = weights[..., :P * ps].reshape(B, K, N // K, T, P, ps), weights[..., P * ps:]
     out = (jnp.einsum("bkgtps,pksh->btkgh", pool_w, v, precision=precision)
@@ -172,7 +182,7 @@ def pool_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale: 
 def live_paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale: float,
                          sliding_window: int | None = None, k_scale=None, v_scale=None,
                          min_prefix: int | None = MIN_PREFIX, softcap: float | None = None, fresh=None,
-                         sinks=None):
+                         sinks=None, chunk: int | None = None):
     """`paged_attention` reading only the first m table entries of every sequence, m the shortest of a few
     static lengths (`reference.prefix_lengths` in slots, so at most 1.5x what the longest sequence needs) that
     holds every sequence's written slots (with `fresh`, the slots before each chunk): one `lax.switch` branch per
@@ -181,7 +191,7 @@ def live_paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, s
     ps = k_pages.shape[2]
     M = page_table.shape[1]
     pages = sorted({min(M, -(-n // ps)) for n in prefix_lengths(M * ps, min_prefix)})
-    kwargs = dict(scale=scale, sliding_window=sliding_window, softcap=check_softcap(softcap))
+    kwargs = dict(scale=scale, sliding_window=sliding_window, softcap=check_softcap(softcap), chunk=check_chunk(chunk))
     sinks = check_sinks(sinks, q.shape[2])
 
     def branch(m):
@@ -204,7 +214,7 @@ def live_paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, s
 def ragged_paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale: float,
                            sliding_window: int | None = None, k_scale=None, v_scale=None,
                            min_prefix: int | None = MIN_PREFIX, softcap: float | None = None,
-                           sinks=None):
+                           sinks=None, chunk: int | None = None):
     """`paged_attention` for one query per sequence (T == 1) reading only the pages each sequence uses.
 
     The batch's used table entries, ceil(lengths[b] / page_size) of row b, are laid end to end in one list of C
@@ -223,6 +233,7 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *,
     P, K, ps, _ = k_pages.shape
     M = page_table.shape[1]
     sinks = grouped_sinks(check_sinks(sinks, N), K)  # [K, G]
+    chunk = check_chunk(chunk)
     used = jnp.minimum((lengths + ps - 1) // ps, M).astype(jnp.int32)  # [B] table entries in use
     ends = jnp.cumsum(used)  # [B]: row b's entries are [ends[b] - used[b], ends[b]) of the list
     sizes = sorted({min(B * M, -(-n // ps)) for n in prefix_lengths(B * M * ps, min_prefix)})
@@ -242,6 +253,8 @@ def ragged_paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *,
             live = valid[:, None] & (slot <= qs) & (slot < lengths[owner][:, None])  # [C, ps]
             if sliding_window is not None:
                 live &= slot > qs - sliding_window
+            if chunk is not None:
+                live &= same_chunk(slot, qs, chunk)
             v = jnp.where(live[:, None, :, None], v, 0.0)  # dead values selected away, NaN included
             qg = q[owner, 0].astype(jnp.float32).reshape(C, K, N // K, H)  # [C, K, G, H]
             scores = soft_cap(jnp.einsum("ckgh,cksh->ckgs", qg, k, precision=dot_precision(q.dtype)) * scale, softcap)
@@ -281,13 +294,13 @@ def prefers_pool(num_pages: int, batch: int, max_pages: int) -> bool:
 
 def xla_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale: float,
                   sliding_window: int | None = None, k_scale=None, v_scale=None, softcap: float | None = None,
-                  fresh=None, sinks=None):
+                  fresh=None, sinks=None, chunk: int | None = None):
     """The paged kind's XLA implementation (`jaxkv.attention.api`): `paged_attention`'s arguments and result, in
     whichever formulation reads less, chosen from static shapes: the whole pool once (`pool_attention`: shared pages
     read once per step), else for one query per sequence only the pages in use, end to end (`ragged_paged_attention`),
     else each table's live prefix (`live_paged_attention`; a prompt chunk with `fresh` too)."""
     kwargs = dict(scale=scale, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, softcap=softcap,
-                  sinks=sinks)
+                  sinks=sinks, chunk=chunk)
     if prefers_pool(k_pages.shape[0], *page_table.shape):
         return pool_attention(q, k_pages, v_pages, page_table, lengths, q_slots, fresh=fresh, **kwargs)
     if q.shape[1] == 1 and fresh is None:

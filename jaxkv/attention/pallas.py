@@ -1,6 +1,6 @@
 """Pallas attention: the public entry point, with the reference's signature plus tuning knobs.
 
-`attention(q, k, v, start, q_offset, *, scale, sliding_window, k_scale, v_scale, ring, softcap)` computes what
+`attention(q, k, v, start, q_offset, *, scale, sliding_window, k_scale, v_scale, ring, softcap, sinks)` computes what
 `reference.attention` computes (for every query row with at least one live key; a row with none returns 0) and
 dispatches on the shape:
 
@@ -19,6 +19,12 @@ with `paged_decode_kernel.paged_decode_attention`: only the live pages of each s
 `softcap` (Gemma 2's attention-logit soft-capping, `reference.soft_cap`) is a static float of every kernel's
 configuration: each float32 score tile is capped in the kernel, before its mask.
 
+`sinks` (gpt-oss's attention sinks: float32[N], one logit per query head in every softmax denominator, a traced
+array; `reference`) are served by every kernel here: the decode kernels fold them into their split combine (the
+sink as one more partial softmax state), the prefill kernel and the TPU paged body start each row's online softmax
+from its sink. With sinks, a row with no live key returns 0 as the reference does. A wrong shape is a ValueError
+before any compute; sinks=None runs the very kernels of before.
+
 Per-layer windows (Gemma 2/3: sliding layers over a ring of `window` slots, global layers over the whole cache):
 each layer calls with its own static `sliding_window` and `ring`. Decode takes every combination (a window or none,
 a ring or not, a ring wrapped any number of times); prefill takes any window over the fresh prompt K/V, however
@@ -34,7 +40,7 @@ from __future__ import annotations
 import jax
 
 from jaxkv.attention import decode_kernel, paged_decode_kernel, prefill_kernel
-from jaxkv.attention.reference import Unsupported
+from jaxkv.attention.reference import Unsupported, check_chunk, check_sinks
 
 PLATFORMS = ("tpu", "gpu")
 # The most queries per sequence the decode kernels take. They hold all T * G rows of a KV group (T queries times
@@ -51,10 +57,18 @@ def default_platform() -> str:
     return "gpu" if jax.default_backend() == "gpu" else "tpu"
 
 
+def refuse_chunk(chunk):
+    """Chunked attention (Llama 4) has no kernel yet: `Unsupported` for a chunk (after checking it), so "auto"
+    runs the XLA reference and a call naming "pallas" says why."""
+    if check_chunk(chunk) is not None:
+        raise Unsupported(f"no Pallas kernel serves chunked attention (chunk={chunk}) yet; the XLA reference does")
+
+
 def attention(q, k, v, start, q_offset, *, scale: float, sliding_window: int | None = None, k_scale=None,
               v_scale=None, ring: bool = False, interpret=None, platform: str | None = None,
               decode_block_k: int | None = None, decode_splits: int | None = None, prefill_block_q: int | None = None,
-              prefill_block_k: int | None = None, softcap: float | None = None):
+              prefill_block_k: int | None = None, softcap: float | None = None, sinks=None,
+              chunk: int | None = None):
     """Softmax attention of T queries over S cached keys and values, as Pallas kernels.
 
     Args:
@@ -74,16 +88,21 @@ def attention(q, k, v, start, q_offset, *, scale: float, sliding_window: int | N
       decode_block_k, decode_splits: decode tile size (slots) and flash-decoding splits.
       prefill_block_q, prefill_block_k: prefill tile sizes.
       softcap: if set, each scaled score s becomes softcap * tanh(s / softcap) before masking (Gemma 2); None: off.
+      sinks: float32[N], one logit per query head in the softmax denominator (gpt-oss; `reference`), or None.
+      chunk: Llama 4's chunked attention (`reference`): no kernel has its mask yet, so a chunk is `Unsupported`
+        ("auto" falls through to the XLA reference).
 
     Returns:
       [B, T, N, H] in q's dtype.
     """
+    sinks = check_sinks(sinks, q.shape[2])
+    refuse_chunk(chunk)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     platform = platform or default_platform()
     if platform not in PLATFORMS:
         raise ValueError(f"platform must be one of {PLATFORMS}, got {platform!r}")
-    cache = dict(k_scale=k_scale, v_scale=v_scale, softcap=softcap)
+    cache = dict(k_scale=k_scale, v_scale=v_scale, softcap=softcap, sinks=sinks)
     if q.shape[1] <= MAX_DECODE_QUERIES:
         # A ring with T > 1 too: the kernel computes the reference's formula (each query's index-to-slot map over
         # the S indices as they are), which is right whenever the reference's is: when no query of the block
@@ -107,7 +126,7 @@ def attention(q, k, v, start, q_offset, *, scale: float, sliding_window: int | N
 def paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale: float,
                     sliding_window: int | None = None, k_scale=None, v_scale=None, interpret=None,
                     platform: str | None = None, pages_per_block: int | None = None, softcap: float | None = None,
-                    fresh=None):
+                    fresh=None, sinks=None, chunk: int | None = None):
     """Softmax attention of a few queries per sequence over its pages, as a Pallas kernel.
 
     Args:
@@ -123,10 +142,14 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale:
       platform: "tpu" (Mosaic) or "gpu" (Triton) kernel body; None picks the default backend's.
       pages_per_block: pages per grid step (TPU) or loop iteration (GPU).
       fresh: `paged_reference.paged_attention`'s prompt-chunk argument; only None is served (else `Unsupported`).
+      sinks: float32[N], one logit per query head in the softmax denominator (gpt-oss; `paged_reference`), or None.
+      chunk: as `attention`'s: `Unsupported` unless None.
 
     Returns:
       [B, T, N, H] in q's dtype; a query with no live slot gets 0.
     """
+    sinks = check_sinks(sinks, q.shape[2])
+    refuse_chunk(chunk)
     if q.shape[1] > MAX_DECODE_QUERIES:
         raise Unsupported(f"Pallas paged attention takes at most {MAX_DECODE_QUERIES} queries per sequence (the "
                           f"decode kernel's rows; there is no paged prefill kernel), got T={q.shape[1]}")
@@ -142,4 +165,4 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale:
                                                       sliding_window=sliding_window, k_scale=k_scale,
                                                       v_scale=v_scale, q_slots=q_slots, platform=platform,
                                                       pages_per_block=pages_per_block, interpret=interpret,
-                                                      softcap=softcap)
+                                                      softcap=softcap, sinks=sinks)

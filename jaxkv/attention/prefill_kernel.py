@@ -39,9 +39,15 @@ for them with T > 1): the library's prefill attends over the fresh prompt K/V, n
 Soft-capping (`softcap`, Gemma 2) happens in the shared `online_softmax_step`, on each float32 score tile before
 its mask: a static float in the kernel's configuration, like `scale`.
 
+Attention sinks (`sinks`, gpt-oss: float32[N], traced) are one more input, [N, 1, 1] with a [1, 1] block per
+program (its head's sink; legal on Mosaic as the array's own last two dims, a power of two on Triton). Each
+program's online softmax starts from the sink's state (running max = sink, running sum = 1, `sink_state`) instead
+of (MASKED, 0), so the sink joins every query row's denominator exactly once and a row with no live key returns 0;
+without sinks the kernel is the very one it was.
+
 Query rows past T (padding of the query axis to a whole block) compute finite garbage that is sliced off; a query
 row with no live key (a left-padding slot) returns 0, where the reference returns a uniform average over the
-slots any query sees: only rows with at least one live key are specified.
+slots any query sees: only rows with at least one live key are specified (with sinks, the reference's are 0 too).
 """
 
 from __future__ import annotations
@@ -58,8 +64,9 @@ from jax.experimental.pallas import triton as pltriton
 
 from jaxkv.attention.decode_kernel import (GPU_MIN_DIM, MASKED, block_range, cdiv, check_scales, gpu_block,
                                            load_scale, matmul_dtype, next_pow2, normalize, online_softmax_step,
-                                           pad_axis, reset_softmax_state, scale_rows, split_scale_refs, tpu_block)
-from jaxkv.attention.reference import check_softcap
+                                           pad_axis, reset_softmax_state, scale_rows, sink_state, split_scale_refs,
+                                           tpu_block)
+from jaxkv.attention.reference import check_sinks, check_softcap
 
 # --- shared between the two bodies ---------------------------------------------------------------------------
 
@@ -97,6 +104,11 @@ def max_key_steps(num_blocks: int, block_q: int, block_k: int, window: int | Non
     return min(num_blocks, cdiv(block_q + window - 1, block_k) + 1)
 
 
+def split_sink_ref(refs, sinks: bool):
+    """(the sink ref or None, the remaining refs): the sinks input follows K/V and their scales only when given."""
+    return (refs[0], refs[1:]) if sinks else (None, refs)
+
+
 # --- TPU (Mosaic) --------------------------------------------------------------------------------------------
 
 
@@ -110,15 +122,18 @@ def _tpu_step_block(b, i, j, start_ref, qoff_ref, *, block_k: int, num_blocks: i
 
 def _prefill_kernel_tpu(start_ref, qoff_ref, q_ref, k_ref, v_ref, *refs, scale: float, block_k: int,
                         num_blocks: int, window: int | None, quantized: bool, softcap: float | None = None,
-                        **bounds):
+                        sinks: bool = False, **bounds):
     """Grid (B, N, query blocks, key steps). q_ref, o_ref [block_q, H]; k_ref, v_ref [block_k, H]; for a quantized
-    cache ks_ref, vs_ref [1, block_k] before o_ref; scratch m, l, acc."""
-    ks_ref, vs_ref, (o_ref, m_scr, l_scr, acc_scr) = split_scale_refs(refs, quantized)
+    cache ks_ref, vs_ref [1, block_k], then with `sinks` the head's sink_ref [1, 1], before o_ref; scratch m, l,
+    acc."""
+    ks_ref, vs_ref, refs = split_scale_refs(refs, quantized)
+    sink_ref, (o_ref, m_scr, l_scr, acc_scr) = split_sink_ref(refs, sinks)
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     block, live_step = _tpu_step_block(b, i, j, start_ref, qoff_ref, block_k=block_k, num_blocks=num_blocks,
                                        window=window, **bounds)
 
-    pl.when(j == 0)(functools.partial(reset_softmax_state, m_scr, l_scr, acc_scr))
+    # With sinks the softmax starts from the sink's own state (max = sink, sum = 1): counted once per query row.
+    pl.when(j == 0)(functools.partial(reset_softmax_state, m_scr, l_scr, acc_scr, sink_ref))
 
     @pl.when(live_step)
     def _step():
@@ -138,9 +153,10 @@ def _prefill_kernel_tpu(start_ref, qoff_ref, q_ref, k_ref, v_ref, *refs, scale: 
 
 
 def _prefill_tpu(q, k, v, k_scale, v_scale, start, q_offset, *, scale: float, block_q: int, block_k: int,
-                 num_queries: int, window: int | None, out_dtype, interpret, softcap: float | None = None):
+                 num_queries: int, window: int | None, out_dtype, interpret, softcap: float | None = None,
+                 sinks=None):
     """q [B, N, Tp, H] (Tp a multiple of block_q); k, v [B, K, S, H]; k_scale, v_scale f32[B, K, 1, S] or None;
-    start int32[B]; q_offset int32[1] -> [B, N, Tp, H] in out_dtype."""
+    start int32[B]; q_offset int32[1]; sinks f32[N, 1, 1] or None -> [B, N, Tp, H] in out_dtype."""
     B, N, Tp, H = q.shape
     K, S = k.shape[1], k.shape[2]
     G = N // K
@@ -159,20 +175,26 @@ def _prefill_tpu(q, k, v, k_scale, v_scale, start, q_offset, *, scale: float, bl
     def scale_map(b, n, i, j, start_ref, qoff_ref):  # the K/V block's slots
         return b, lax.div(n, G), 0, step_block(b, i, j, start_ref, qoff_ref)[0]
 
+    def sink_map(b, n, i, j, start_ref, qoff_ref):  # the head's sink: the same block for all of a (b, n)
+        return n, 0, 0
+
     kv_spec = pl.BlockSpec((None, None, block_k, H), kv_map)
     q_spec = pl.BlockSpec((None, None, block_q, H), q_map)
     quantized = k_scale is not None
     scale_specs = [pl.BlockSpec((None, None, 1, block_k), scale_map)] * 2 if quantized else []
+    # [1, 1]: the array's own last two dims, a legal Mosaic block; broadcast over the rows in the body
+    sink_specs = [pl.BlockSpec((None, 1, 1), sink_map)] if sinks is not None else []
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,  # start, q_offset: the index maps need them before each step's DMA
         grid=(B, N, Tp // block_q, max_key_steps(num_blocks, block_q, block_k, window)),
-        in_specs=[q_spec, kv_spec, kv_spec, *scale_specs],
+        in_specs=[q_spec, kv_spec, kv_spec, *scale_specs, *sink_specs],
         out_specs=q_spec,
         scratch_shapes=[pltpu.VMEM((block_q, 1), jnp.float32), pltpu.VMEM((block_q, 1), jnp.float32),
                         pltpu.VMEM((block_q, H), jnp.float32)],
     )
     kernel = functools.partial(_prefill_kernel_tpu, scale=scale, block_k=block_k, num_blocks=num_blocks,
-                               window=window, quantized=quantized, softcap=softcap, **bounds)
+                               window=window, quantized=quantized, softcap=softcap, sinks=sinks is not None,
+                               **bounds)
     return pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
@@ -180,17 +202,20 @@ def _prefill_tpu(q, k, v, k_scale, v_scale, start, q_offset, *, scale: float, bl
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=interpret,
         name="jaxkv_prefill_attention",
-    )(start, q_offset, q, k, v, *([k_scale, v_scale] if quantized else []))
+    )(start, q_offset, q, k, v, *([k_scale, v_scale] if quantized else []), *([] if sinks is None else [sinks]))
 
 
 # --- GPU (Triton) --------------------------------------------------------------------------------------------
 
 
 def _prefill_kernel_gpu(start_ref, qoff_ref, q_ref, k_ref, v_ref, *refs, scale: float, block_k: int,
-                        window: int | None, quantized: bool, softcap: float | None = None, **bounds):
+                        window: int | None, quantized: bool, softcap: float | None = None, sinks: bool = False,
+                        **bounds):
     """Grid (B, N, query blocks). start_ref, qoff_ref [1]; q_ref, o_ref [block_q, H]; k_ref, v_ref [Sp, H] (a
-    pointer: only the loop's slices are read); for a quantized cache ks_ref, vs_ref [1, Sp] before o_ref."""
-    ks_ref, vs_ref, (o_ref,) = split_scale_refs(refs, quantized)
+    pointer: only the loop's slices are read); for a quantized cache ks_ref, vs_ref [1, Sp], then with `sinks` the
+    head's sink_ref [1, 1], before o_ref."""
+    ks_ref, vs_ref, refs = split_scale_refs(refs, quantized)
+    sink_ref, (o_ref,) = split_sink_ref(refs, sinks)
     start = start_ref[0]
     ref_slots = k_ref.shape[0]  # Sp >= num_slots: the shifted block may re-read zero padding, never past it
     lo, hi, q_first = query_block_bounds(start, qoff_ref[0], pl.program_id(2), window=window, **bounds)
@@ -209,18 +234,21 @@ def _prefill_kernel_gpu(start_ref, qoff_ref, q_ref, k_ref, v_ref, *refs, scale: 
         return online_softmax_step(*carry, q, k, v, live, v_live, scale=scale, k_scale=k_scale, v_scale=v_scale,
                                    softcap=softcap)
 
-    init = (jnp.full((rows, 1), MASKED, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
-            jnp.zeros((rows, head_dim), jnp.float32))
+    if sink_ref is None:
+        init = (jnp.full((rows, 1), MASKED, jnp.float32), jnp.zeros((rows, 1), jnp.float32))
+    else:  # the sink's own state (max = sink, sum = 1): counted once per query row
+        init = sink_state(sink_ref[...], (rows, 1))
+    init = (*init, jnp.zeros((rows, head_dim), jnp.float32))
     _, l, acc = lax.fori_loop(0, count, body, init)  # only the live key blocks are loaded
     o_ref[...] = normalize(acc, l).astype(o_ref.dtype)
 
 
 def _prefill_gpu(q, k, v, k_scale, v_scale, start, q_offset, *, scale: float, block_q: int, block_k: int,
                  num_queries: int, num_slots: int, window: int | None, out_dtype, interpret,
-                 softcap: float | None = None):
+                 softcap: float | None = None, sinks=None):
     """q [B, N, Tp, H]; k, v [B, K, Sp, H] (Sp >= 16; H, block_q powers of two >= 16), of which the first
-    `num_slots` slots are real; k_scale, v_scale f32[B, K, 1, Sp] or None; start int32[B]; q_offset int32[1]
-    -> [B, N, Tp, H] in out_dtype."""
+    `num_slots` slots are real; k_scale, v_scale f32[B, K, 1, Sp] or None; start int32[B]; q_offset int32[1];
+    sinks f32[N, 1, 1] or None -> [B, N, Tp, H] in out_dtype."""
     B, N, Tp, H = q.shape
     K, Sp = k.shape[1], k.shape[2]
     G = N // K
@@ -238,24 +266,29 @@ def _prefill_gpu(q, k, v, k_scale, v_scale, start, q_offset, *, scale: float, bl
     def kv_map(b, n, i):
         return b, lax.div(n, G), 0, 0
 
+    def sink_map(b, n, i):
+        return n, 0, 0
+
     quantized = k_scale is not None
     kernel = functools.partial(_prefill_kernel_gpu, scale=scale, block_k=block_k, window=window, block_q=block_q,
-                               num_queries=num_queries, num_slots=num_slots, quantized=quantized, softcap=softcap)
+                               num_queries=num_queries, num_slots=num_slots, quantized=quantized, softcap=softcap,
+                               sinks=sinks is not None)
     q_spec = pl.BlockSpec((None, None, block_q, H), q_map)
     kv_spec = pl.BlockSpec((None, None, Sp, H), kv_map)  # whole row: a base pointer, loaded per block
     scale_specs = [pl.BlockSpec((None, None, 1, Sp), kv_map)] * 2 if quantized else []
+    sink_specs = [pl.BlockSpec((None, 1, 1), sink_map)] if sinks is not None else []  # one number per program
     return pl.pallas_call(
         kernel,
         grid=(B, N, Tp // block_q),
         in_specs=[pl.BlockSpec((1,), scalar_map), pl.BlockSpec((1,), qoff_map), q_spec, kv_spec, kv_spec,
-                  *scale_specs],
+                  *scale_specs, *sink_specs],
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct(q.shape, out_dtype),
         # Explicit Triton params: without them JAX 0.10 lowers GPU pallas_calls with Mosaic GPU.
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="jaxkv_prefill_attention",
-    )(start, q_offset, q, k, v, *([k_scale, v_scale] if quantized else []))
+    )(start, q_offset, q, k, v, *([k_scale, v_scale] if quantized else []), *([] if sinks is None else [sinks]))
 
 
 # --- public --------------------------------------------------------------------------------------------------
@@ -265,7 +298,7 @@ DEFAULT_BLOCKS = types.MappingProxyType({"tpu": (128, 256), "gpu": (64, 64)})  #
 
 def prefill_attention(q, k, v, start, q_offset, *, scale: float, sliding_window: int | None = None, k_scale=None,
                       v_scale=None, platform: str = "tpu", block_q: int | None = None, block_k: int | None = None,
-                      interpret=False, softcap: float | None = None):
+                      interpret=False, softcap: float | None = None, sinks=None):
     """Causal attention of T queries over S key slots; same contract as `reference.attention` (no ring caches).
 
     Args:
@@ -276,6 +309,8 @@ def prefill_attention(q, k, v, start, q_offset, *, scale: float, sliding_window:
       block_q, block_k: tile sizes (TPU: block_q a multiple of 16, block_k of 128; GPU: powers of two >= 16).
       interpret: run the kernel in the Pallas interpreter (any truthy value pallas_call accepts).
       softcap: Gemma 2's attention-logit soft-capping (`reference.soft_cap`), a static float; None: off.
+      sinks: float32[N] attention sinks (gpt-oss; `reference`), a traced array, or None: each head's online
+        softmax starts from its sink (module docstring).
 
     Returns:
       [B, T, N, H] in q's dtype.
@@ -285,13 +320,14 @@ def prefill_attention(q, k, v, start, q_offset, *, scale: float, sliding_window:
     if platform not in DEFAULT_BLOCKS:
         raise ValueError(f"platform must be 'tpu' or 'gpu', got {platform!r}")
     check_scales(k, k_scale, v_scale)
+    sinks = check_sinks(sinks, N)
     k_scale, v_scale = scale_rows(k_scale), scale_rows(v_scale)  # f32[B, K, 1, S] or None
     default_q, default_k = DEFAULT_BLOCKS[platform]
     block_q, block_k = block_q or default_q, block_k or default_k
     start = jnp.asarray(start, jnp.int32)  # [B]
     q_offset = jnp.reshape(jnp.asarray(q_offset, jnp.int32), (1,))  # [1]: scalar operands are 1-D refs
     common = dict(scale=scale, num_queries=T, window=sliding_window, out_dtype=q.dtype, interpret=interpret,
-                  softcap=check_softcap(softcap))
+                  softcap=check_softcap(softcap), sinks=None if sinks is None else sinks.reshape(N, 1, 1))
     # [B, N, T, H]: each (sequence, head) a contiguous [T, H] tile source, in the matmul dtype
     q = q.transpose(0, 2, 1, 3).astype(matmul_dtype(q.dtype, k.dtype))
     if platform == "tpu":

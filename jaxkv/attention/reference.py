@@ -6,6 +6,12 @@ to key slot s when
 
     start[b] <= s <= q                       (a real token of this sequence, not in the future)
     and q - s < sliding_window               (if there is a window)
+    and (s - start[b]) // chunk == (q - start[b]) // chunk     (if attention is chunked)
+
+Chunked attention (Llama 4's `attention_chunk_size`; `chunk`, default None: off): positions are cut into chunks of
+`chunk` tokens and a query sees only the earlier tokens of its own chunk, so a layer reads at most `chunk` slots:
+its cache is a ring of `chunk` slots (a ring that restarts at each chunk boundary, in effect). Positions count from
+each sequence's first real token (slot - start[b]), as the model's position ids do.
 
 Computes in float32 whatever the input dtype. Masking uses `jnp.where` with a large finite negative, never an
 additive -inf: a row with no live key then gets a uniform (finite) distribution instead of NaN, and a NaN or
@@ -65,7 +71,7 @@ MIN_PREFIX = 256
 
 
 def live_mask(start, q_offset, num_queries: int, num_slots: int, sliding_window: int | None = None,
-              ring: bool = False, num_indices: int | None = None):
+              ring: bool = False, num_indices: int | None = None, chunk: int | None = None):
     """bool[B, T, S]: which cache indices each query may attend to (the rule in the module docstring).
 
     `num_indices` (default all S) limits the mask to the first that many indices of the S-slot cache: a ring's
@@ -76,7 +82,24 @@ def live_mask(start, q_offset, num_queries: int, num_slots: int, sliding_window:
     live = (k_slot[None] >= start[:, None, None]) & (k_slot[None] <= q_slot[None])
     if sliding_window is not None:
         live &= k_slot[None] > q_slot[None] - sliding_window
+    if chunk is not None:
+        live &= same_chunk(k_slot[None] - start[:, None, None], q_slot[None] - start[:, None, None], chunk)
     return live
+
+
+def same_chunk(k_position, q_position, chunk: int):
+    """Whether a key at `k_position` lies in the chunk of the query at `q_position` (<= it: the causal rule is the
+    caller's): k >= q - q mod chunk. For a padding query (a negative position) the result does not matter."""
+    return k_position >= q_position - q_position % chunk
+
+
+def check_chunk(chunk) -> int | None:
+    """`chunk` as a Python int or None: static, as `sliding_window`; ValueError unless a positive integer."""
+    if chunk is None:
+        return None
+    if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
+        raise ValueError(f"chunk must be None or a positive integer (a static Python int), got {chunk!r}")
+    return int(chunk)
 
 
 def check_softcap(softcap) -> float | None:
@@ -130,7 +153,7 @@ def dequantize(x, scale):
 
 def attention(q, k, v, start, q_offset, *, scale: float, sliding_window: int | None = None, k_scale=None,
               v_scale=None, ring: bool = False, min_prefix: int | None = MIN_PREFIX, softcap: float | None = None,
-              sinks=None):
+              sinks=None, chunk: int | None = None):
     """Softmax attention of T queries over S cached keys and values.
 
     Args:
@@ -150,20 +173,22 @@ def attention(q, k, v, start, q_offset, *, scale: float, sliding_window: int | N
       softcap: if set, each scaled score s becomes softcap * tanh(s / softcap) before masking (Gemma 2's
         attention-logit soft-capping, `soft_cap`); None leaves the scores as they are.
       sinks: float32[N], one logit per query head in the softmax denominator (gpt-oss; module docstring), or None.
+      chunk: if set, a query sees only the earlier tokens of its own chunk of `chunk` positions (Llama 4's chunked
+        attention; module docstring).
 
     Returns:
       [B, T, N, H] in q's dtype.
     """
     B, T, N, H = q.shape
-    softcap = check_softcap(softcap)
+    softcap, chunk = check_softcap(softcap), check_chunk(chunk)
     sinks = check_sinks(sinks, N)
     lengths = prefix_lengths(k.shape[2], min_prefix)
     if T > 1 or len(lengths) == 1:
         return full_attention(q, k, v, start, q_offset, scale=scale, sliding_window=sliding_window,
-                              k_scale=k_scale, v_scale=v_scale, ring=ring, softcap=softcap, sinks=sinks)
+                              k_scale=k_scale, v_scale=v_scale, ring=ring, softcap=softcap, sinks=sinks, chunk=chunk)
     qg = q.reshape(B, k.shape[1], N // k.shape[1], H)  # [B, K, G, H]
     out = decode_prefix(qg, k, v, start, q_offset, scale, sliding_window, k_scale, v_scale, ring, lengths,
-                         softcap, grouped_sinks(sinks, k.shape[1]))
+                         softcap, grouped_sinks(sinks, k.shape[1]), chunk)
     return out.reshape(B, 1, N, H).astype(q.dtype)
 
 
@@ -177,13 +202,14 @@ def dot_precision(dtype):
 
 
 def full_attention(q, k, v, start, q_offset, *, scale: float, sliding_window: int | None = None, k_scale=None,
-                   v_scale=None, ring: bool = False, softcap: float | None = None, sinks=None):
+                   v_scale=None, ring: bool = False, softcap: float | None = None, sinks=None,
+                   chunk: int | None = None):
     """`attention` over every one of the S slots, dead ones masked: the plain formula, whatever T."""
     B, T, N, H = q.shape
     softcap = check_softcap(softcap)
     K, S = k.shape[1], k.shape[2]
     sinks = grouped_sinks(check_sinks(sinks, N), K)  # [K, G]
-    live = live_mask(start, q_offset, T, S, sliding_window, ring)  # [B, T, S]
+    live = live_mask(start, q_offset, T, S, sliding_window, ring, chunk=check_chunk(chunk))  # [B, T, S]
     qg = q.reshape(B, T, K, N // K, H)  # [B, T, K, G, H]
     if T == 1:
         out = _decode(qg[:, 0], k, v, live[:, 0], scale, k_scale, v_scale, softcap=softcap, sinks=sinks)
@@ -216,7 +242,7 @@ def masks_dead_values(num_slots: int, num_queries: int, min_prefix: int | None =
 
 
 def decode_prefix(q, k, v, start, q_offset, scale, sliding_window, k_scale, v_scale, ring, lengths, softcap=None,
-                  sinks=None):
+                  sinks=None, chunk=None):
     """`_decode` over the shortest prefix in `lengths` holding every live index: q [B, K, G, H] -> [B, K, G, H];
     `sinks` [K, G] or None.
 
@@ -231,7 +257,7 @@ def decode_prefix(q, k, v, start, q_offset, scale, sliding_window, k_scale, v_sc
 
     def prefix(n):
         def run(q, k, v, k_scale, v_scale, start, q_offset):
-            live = live_mask(start, q_offset, 1, S, sliding_window, ring, num_indices=n)[:, 0]  # [B, n]
+            live = live_mask(start, q_offset, 1, S, sliding_window, ring, num_indices=n, chunk=chunk)[:, 0]  # [B, n]
             ks, vs = (None if x is None else x[:, :, :n] for x in (k_scale, v_scale))
             # Every branch masks dead values, the whole-cache one too: then the cache write does not have to zero
             # them (`masks_dead_values`), a pass over every value buffer each step (1.7-4 ms of a "small" step at
