@@ -16,10 +16,10 @@ from jaxkv.rope_scaling import LinearScaling, ProportionalRope, RopeScaling, Yar
 FfnKind = Literal["swiglu", "geglu", "gelu"]
 NormKind = Literal["rmsnorm", "gemma_rmsnorm", "rmsnorm_f32", "layernorm"]
 NORM_KINDS = ("rmsnorm", "gemma_rmsnorm", "rmsnorm_f32", "layernorm")
-LayerType = Literal["full_attention", "sliding_attention", "linear_attention"]
-LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
+LayerType = Literal["full_attention", "sliding_attention", "chunked_attention", "linear_attention"]
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "linear_attention")
 PositionKind = Literal["rope", "learned"]
-MoeScoring = Literal["softmax", "sigmoid", "topk_softmax"]
+MoeScoring = Literal["softmax", "sigmoid", "topk_softmax", "topk_sigmoid"]
 MoeTopkMethod = Literal["greedy", "group_limited_greedy", "noaux_tc"]
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -133,7 +133,8 @@ class MoeConfig:
       dense_layers: further layers, anywhere, that keep the dense MLP (Qwen3-MoE's `mlp_only_layers` and the
         layers `decoder_sparse_step` skips); sorted, no repeats.
       scoring: "softmax" (V2) or "sigmoid" (V3) of the float32 router logits, or "topk_softmax" (gpt-oss): the A
-        largest logits chosen, their softmax the weights ("greedy" only).
+        largest logits chosen, their softmax the weights ("greedy" only), or "topk_sigmoid" (Llama 4): the A largest
+        logits chosen, their sigmoid the weights.
       topk_method: "greedy" (the A best scores), "group_limited_greedy" (V2: experts in n_group groups, a group
         scored by its best expert, only the topk_group best groups eligible) or "noaux_tc" (V3: the choice uses
         the scores plus a per-expert correction bias, a group scored by the sum of its two best; the weights are
@@ -147,6 +148,8 @@ class MoeConfig:
       swiglu_limit: None (each expert is down(silu(gate x) * up x)) or gpt-oss's clamped SwiGLU: g = min(gate x,
         limit), u = clip(up x, -limit, limit), down((u + 1) * g * sigmoid(swiglu_alpha * g)).
       swiglu_alpha: the sigmoid's gain in the clamped SwiGLU (gpt-oss: 1.702).
+      scale_expert_input: the routing weight multiplies each chosen expert's input, and its output is summed as is
+        (Llama 4); otherwise (every other family) the weight multiplies the expert's output.
     """
 
     n_routed_experts: int
@@ -169,6 +172,7 @@ class MoeConfig:
     expert_bias: bool = False
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
+    scale_expert_input: bool = False
 
     def __post_init__(self):
         for name in ("n_routed_experts", "experts_per_token", "moe_ffn_dim", "n_group", "topk_group"):
@@ -190,12 +194,14 @@ class MoeConfig:
                f"moe.dense_layers must be a sorted tuple of distinct layer indices, got {self.dense_layers!r}")
         X, A = self.n_routed_experts, self.experts_per_token
         _check(A <= X, f"moe.experts_per_token ({A}) exceeds moe.n_routed_experts ({X})")
-        _check(self.scoring in ("softmax", "sigmoid", "topk_softmax"),
-               f"moe.scoring must be 'softmax', 'sigmoid' or 'topk_softmax', got {self.scoring!r}")
-        _check(self.scoring != "topk_softmax" or self.topk_method == "greedy",
-               f"moe.scoring 'topk_softmax' chooses the best logits: topk_method must be 'greedy', got "
+        _check(self.scoring in ("softmax", "sigmoid", "topk_softmax", "topk_sigmoid"),
+               f"moe.scoring must be 'softmax', 'sigmoid', 'topk_softmax' or 'topk_sigmoid', got {self.scoring!r}")
+        _check(not self.scoring.startswith("topk_") or self.topk_method == "greedy",
+               f"moe.scoring {self.scoring!r} chooses the best logits: topk_method must be 'greedy', got "
                f"{self.topk_method!r}")
-        for name in ("router_logit_bias", "expert_bias"):
+        _check(not (self.scale_expert_input and self.expert_bias),
+               "moe.scale_expert_input needs experts without biases (a scaled-away expert must give zero)")
+        for name in ("router_logit_bias", "expert_bias", "scale_expert_input"):
             _check(isinstance(getattr(self, name), bool), f"moe.{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("swiglu_limit", "swiglu_alpha"):
             value = getattr(self, name)
@@ -271,7 +277,15 @@ class Config:
       max_positions: the largest position id + 1 the model supports.
       sliding_window: if set, a token attends only to the `sliding_window` most recent tokens, itself included:
         on every layer, or with `layer_types` on the "sliding_attention" layers only.
-      layer_types: per layer "full_attention", "sliding_attention" or (with `linear_attention`)
+      attention_chunk_size: the chunk of the "chunked_attention" layers (Llama 4): positions are cut into chunks of
+        this many tokens and a query attends only to the earlier tokens of its own chunk; such a layer's cache is a
+        ring of the chunk (`layer_chunk`, `layer_span`).
+      nope_layers: layers without rotary positions (Llama 4's NoPE layers, no_rope_layers 0).
+      qk_l2_norm: a weightless RMS norm (eps norm_eps, in float32) over each query and key head after the rotation,
+        on the rotary layers only (Llama 4's use_qk_norm).
+      attn_temperature: (floor_scale, attn_scale): the NoPE layers' queries at position p are scaled by
+        log1p(floor((p + 1) / floor_scale)) * attn_scale + 1 (Llama 4's attn_temperature_tuning); None: off.
+      layer_types: per layer "full_attention", "sliding_attention", "chunked_attention" or (with `linear_attention`)
         "linear_attention" (Hugging Face's `layer_types`), or None (every layer sliding when sliding_window is
         set, else full). Each layer's cache is sized by its kind (`layer_window`): a ring of the window for a
         sliding layer, full length for a full one, and no K/V but a fixed-size state for a linear one.
@@ -353,6 +367,10 @@ class Config:
     final_logit_softcap: float | None = None
     attention_sinks: bool = False
     mtp_zero_first_embedding: bool = False
+    attention_chunk_size: int | None = None
+    nope_layers: tuple[int, ...] = ()
+    qk_l2_norm: bool = False
+    attn_temperature: tuple[float, float] | None = None
     global_head_dim: int | None = None
     global_kv_heads: int | None = None
     global_values_from_keys: bool = False
@@ -385,6 +403,9 @@ class Config:
             object.__setattr__(self, "ffn_dim", 4 * self.d_model)
         if self.layer_types is not None and not isinstance(self.layer_types, tuple):
             object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        for name in ("nope_layers", "attn_temperature"):  # JSON gives lists
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         if isinstance(self.eos_ids, int):
             object.__setattr__(self, "eos_ids", (self.eos_ids,))
         else:
@@ -449,6 +470,8 @@ class Config:
                    f"layer_types has {len(self.layer_types)} entries for {self.n_layers} layers")
             bad = [t for t in self.layer_types if t not in LAYER_TYPES]
             _check(not bad, f"layer_types entries must be one of {LAYER_TYPES}, got {bad[0]!r}" if bad else "")
+            _check(self.attention_chunk_size is not None or "chunked_attention" not in self.layer_types,
+                   "layer_types has chunked_attention layers but attention_chunk_size is None")
             _check(self.sliding_window is not None or "sliding_attention" not in self.layer_types,
                    "layer_types has sliding_attention layers but sliding_window is None")
             _check(self.mla is None, "layer_types is not supported with mla")
@@ -498,11 +521,33 @@ class Config:
             _check(isinstance(getattr(self, name), bool), f"{name} must be a bool, got {getattr(self, name)!r}")
         _check(not (self.qk_norm and self.mla is not None), "qk_norm is not supported with mla")
         self._validate_per_layer()
+        self._validate_llama4()
         for i in self.eos_ids:
             _check(0 <= i < self.vocab_size, f"eos id {i} is outside the vocabulary [0, {self.vocab_size})")
         _check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         _check(self.attention in ATTENTION_IMPLS,
                f"attention must be one of {ATTENTION_IMPLS}, got {self.attention!r}")
+
+    def _validate_llama4(self):
+        """Chunked attention, NoPE layers, the q/k L2 norm and attention temperature tuning."""
+        c = self.attention_chunk_size
+        _check(c is None or (isinstance(c, int) and not isinstance(c, bool) and c >= 1),
+               f"attention_chunk_size must be None or a positive integer, got {c!r}")
+        _check(c is None or (self.layer_types is not None and "chunked_attention" in self.layer_types),
+               "attention_chunk_size is set but no layer_types entry is 'chunked_attention'")
+        _check(c is None or self.mla is None, "chunked attention is not supported with mla")
+        _check(isinstance(self.nope_layers, tuple) and all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.n_layers for i in self.nope_layers)
+               and list(self.nope_layers) == sorted(set(self.nope_layers)),
+               f"nope_layers must be a sorted tuple of distinct layer indices, got {self.nope_layers!r}")
+        _check(not self.nope_layers or (self.positions == "rope" and self.mla is None),
+               "nope_layers needs rotary positions and no mla")
+        _check(isinstance(self.qk_l2_norm, bool), f"qk_l2_norm must be a bool, got {self.qk_l2_norm!r}")
+        _check(not (self.qk_l2_norm and self.mla is not None), "qk_l2_norm is not supported with mla")
+        t = self.attn_temperature
+        _check(t is None or (isinstance(t, tuple) and len(t) == 2 and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in t)),
+               f"attn_temperature must be None or (floor_scale, attn_scale), two finite numbers > 0, got {t!r}")
 
     def _validate_per_layer(self):
         """The Gemma 4 fields: per-layer geometry, cross-layer K/V sharing, per-layer inputs."""
@@ -558,19 +603,40 @@ class Config:
         return len(self.linear_layers) * self.linear_attention.state_bytes(self.dtype)
 
     def layer_window(self, layer: int) -> int | None:
-        """The sliding window of `layer` (None: it sees the whole context)."""
+        """The sliding window of `layer` (None: it sees the whole context, or its chunk: `layer_chunk`)."""
         if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
             return self.sliding_window
         return None
+
+    def layer_chunk(self, layer: int) -> int | None:
+        """The attention chunk of a "chunked_attention" layer (Llama 4), else None."""
+        if self.layer_types is not None and self.layer_types[layer] == "chunked_attention":
+            return self.attention_chunk_size
+        return None
+
+    def layer_span(self, layer: int) -> int | None:
+        """The most recent slots `layer` can ever read: its sliding window or its chunk (its cache is then a ring of
+        that many slots), or None (every slot)."""
+        window = self.layer_window(layer)
+        return window if window is not None else self.layer_chunk(layer)
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:
         return tuple(self.layer_window(layer) for layer in range(self.n_layers))
 
     @property
+    def layer_spans(self) -> tuple[int | None, ...]:
+        return tuple(self.layer_span(layer) for layer in range(self.n_layers))
+
+    @property
     def every_layer_sliding(self) -> bool:
-        """Every layer has a window: a cache that is a ring on every layer needs no bound on the length."""
-        return all(w is not None for w in self.layer_windows)
+        """Every layer reads a bounded span (a window or a chunk): a cache that is a ring on every layer needs no
+        bound on the length."""
+        return all(w is not None for w in self.layer_spans)
+
+    def layer_is_nope(self, layer: int) -> bool:
+        """`layer` has no rotary positions (Llama 4's NoPE layers)."""
+        return layer in self.nope_layers
 
     def layer_head_dim(self, layer: int) -> int:
         """H of `layer`: global_head_dim on a full-attention layer when set, else head_dim."""

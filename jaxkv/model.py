@@ -46,9 +46,10 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, x, rope, cache, start, prefill, attention: str, shared=None, layer_input=None,
-                 chunk: bool = False, real=None, step_states: bool = False):
+                 chunk: bool = False, real=None, step_states: bool = False, query_scale=None):
         """-> (x, cache, this layer's fresh K/V or None); `shared`: the fresh K/V of the layer this one reads
         (`Config.kv_source`); `layer_input` [B, T, P]: its per-layer input (`Config.per_layer_input_dim`);
+        `query_scale` [B, T]: multiplies the queries (Llama 4's attention temperature, `Config.attn_temperature`);
         `chunk`: a prompt chunk over a paged cache (`Decoder`); `real` bool[B, T]: the tokens that are not
         padding (what a linear-attention layer's state may take); `step_states`: a linear layer sows its state
         after each token (`GatedDeltaNet`)."""
@@ -64,7 +65,7 @@ class Block(nn.Module):
         else:
             attn = Attention(cfg, self.layer, self.mesh, name="attn")
             h, cache, fresh = attn(Norm(cfg, name="attn_norm")(x), rope, cache, start, prefill, attention, shared,
-                                   chunk)
+                                   chunk, query_scale)
         if cfg.post_norms:  # Gemma 2/3/4: each branch's output normalized before the residual add
             h = Norm(cfg, name="post_attn_norm")(h)
         x = x + h
@@ -160,12 +161,14 @@ class Decoder(nn.Module):
             poisoned |= cache.length + T > cache.capacity
         sources = {cfg.kv_source(layer) for layer in range(cfg.n_layers) if not cfg.stores_kv(layer)}
         fresh = {}  # a K/V source layer's fresh keys and values, for the layers that share them
+        temperature = None if cfg.attn_temperature is None else query_temperature(positions, cfg.attn_temperature)
         for layer in range(cfg.n_layers):
-            layer_rope = None if rope is None else rope[_rope_key(cfg, layer)]
+            nope = cfg.layer_is_nope(layer)  # Llama 4's NoPE layers: no rotation, the temperature instead
+            layer_rope = None if rope is None or nope else rope[_rope_key(cfg, layer)]
             layer_input = None if layer_inputs is None else layer_inputs[:, :, layer]
             x, cache, kv = Block(cfg, layer, self.mesh, name=f"layer_{layer}")(
                 x, layer_rope, cache, start, prefill, attention, fresh.get(cfg.kv_source(layer)), layer_input,
-                chunk, real, step_states=step_states)
+                chunk, real, step_states=step_states, query_scale=temperature if nope else None)
             if layer in sources and kv is not None:
                 fresh[layer] = kv
         if cache is not None:
@@ -230,6 +233,14 @@ def _logits(module: Decoder, x, embedding, real, last_only: bool, return_hidden:
         cap = jnp.float32(cfg.final_logit_softcap)
         logits = jnp.tanh(logits / cap) * cap
     return logits, hidden
+
+
+def query_temperature(positions, temperature: tuple[float, float]):
+    """Llama 4's attention temperature tuning of its NoPE layers: float32[B, T] query scales
+    log1p(floor((p + 1) / floor_scale)) * attn_scale + 1 for positions p (padding, p < 0, gets 1)."""
+    floor_scale, attn_scale = temperature
+    p = jnp.maximum(positions, 0).astype(jnp.float32)
+    return jnp.log1p(jnp.floor((p + 1.0) / floor_scale)) * attn_scale + 1.0
 
 
 def _rope_key(config: Config, layer: int):

@@ -306,3 +306,30 @@ def test_prefix_cache_on_a_mesh_equals_single_device():
                                                                                           page_size=4), mesh=mesh)
     with pytest.raises(ValueError, match="'data' axis must be 1"):
         jaxkv.generate(model, [header], max_new_tokens=2, n=2, mesh=mesh_of(2, 2))
+
+
+# gpt-oss's and Llama 4's pieces (issue 32): sinks split over the model axis with the heads, alternating ring and
+# full layers, the gpt-oss experts; chunked rings, NoPE layers with temperature, the L2 q/k norm, input-scaled
+# experts beside a dense layer.
+GPT_OSS_LIKE = jaxkv.Config(
+    vocab_size=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=32, qkv_bias=True,
+    out_bias=True, attention_sinks=True, layer_types=("sliding_attention", "full_attention"), sliding_window=4,
+    moe=jaxkv.MoeConfig(n_routed_experts=4, experts_per_token=2, moe_ffn_dim=32, scoring="topk_softmax",
+                        router_logit_bias=True, expert_bias=True, swiglu_limit=2.0))
+LLAMA4_LIKE = jaxkv.Config(
+    vocab_size=128, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=64,
+    layer_types=("chunked_attention", "full_attention"), attention_chunk_size=4, nope_layers=(1,), qk_l2_norm=True,
+    attn_temperature=(2.0, 0.1),
+    moe=jaxkv.MoeConfig(n_routed_experts=4, experts_per_token=2, moe_ffn_dim=32, shared_expert_ffn_dim=32,
+                        scoring="topk_sigmoid", scale_expert_input=True, dense_layers=(0,)))
+
+
+@pytest.mark.parametrize("config", [GPT_OSS_LIKE, LLAMA4_LIKE], ids=["gpt-oss", "llama4"])
+@pytest.mark.parametrize("shape, paged", [((2, 2), False), ((1, 2), True)], ids=["2x2", "1x2-paged"])
+def test_issue_32_families_on_a_mesh_equal_single_device(config, shape, paged):
+    """Prompts of 1-5 tokens and 8 new ones cross the window / chunk of 4 (the rings wrap); the same tokens as
+    one device, contiguous and paged (n = 2 forks)."""
+    kwargs = dict(n=2, page_size=4) if paged else {}
+    got = jaxkv.generate(model_for(config), PROMPTS, max_new_tokens=NEW, stop_tokens=[], mesh=mesh_of(*shape),
+                         **kwargs)
+    assert got.tokens == reference(config, **kwargs).tokens

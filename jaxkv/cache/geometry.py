@@ -88,7 +88,7 @@ class CacheGeometry:
             for layer in range(config.n_layers))
         return cls(config.n_layers, config.n_kv_heads, config.head_dim, config.dtype, config.sliding_window,
                    keys_only=config.mla is not None,
-                   layer_windows=None if config.layer_types is None else config.layer_windows, layer_shapes=shapes,
+                   layer_windows=None if config.layer_types is None else config.layer_spans, layer_shapes=shapes,
                    state_bytes=config.state_bytes_per_sequence())
 
 
@@ -111,7 +111,7 @@ def layer_slots(config: Config, max_len: int, ring: bool, lookahead: int = 0) ->
         slots = [(max_len, bool(ring)) for _ in range(config.n_layers)]
     else:
         slots = [(min(w + lookahead, max_len), True) if w is not None else (max_len, False)
-                 for w in config.layer_windows]
+                 for w in config.layer_spans]  # a window, or a chunk (Llama 4): the slots the layer can read
     return tuple((0, False) if config.layer_is_linear(layer)  # a state, no K/V (`KVCache.conv_states`)
                  else slots[layer] if config.stores_kv(layer) else (0, slots[config.kv_source(layer)][1])
                  for layer in range(config.n_layers))

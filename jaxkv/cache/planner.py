@@ -269,7 +269,8 @@ def plan_cache(config: Config, prompt_lengths, max_new_tokens: int, *, max_len: 
                              f"could never be used")
     bucket = max(MIN_PROMPT_BUCKET, next_pow2(longest))
     default = min(max(MIN_CAPACITY, next_pow2(bucket + max_new_tokens)), limit)
-    window = config.sliding_window
+    spans = [w for w in config.layer_spans if w is not None]  # sliding windows, or Llama 4's chunks
+    window = max(spans) if spans else None
     if window is not None and not config.every_layer_sliding:
         # Mixed layer kinds (Gemma 2/3): the full layers bound the sequence as a plain cache does; each sliding
         # layer holds a ring of min(window + lookahead, capacity) slots (`jaxkv.cache.geometry.layer_slots`).

@@ -9,7 +9,8 @@ architectures, config-field mapping, tensor names, ignored and redundant tensors
   gpt2.py      gpt2                           deepseek.py  deepseek_v2, deepseek_v3
   qwen3_moe.py qwen3_moe                      mixtral.py   mixtral
   qwen3_next.py qwen3_next (hybrid)          qwen3_5.py   qwen3_5_text, qwen3_5_moe_text, qwen3_5, qwen3_5_moe
-  glm4_moe.py  glm4_moe
+  glm4_moe.py  glm4_moe                       gpt_oss.py   gpt_oss
+  llama4.py    llama4_text, llama4
 
 Importing the package imports every module in it, so each family registers itself: adding one is a module here
 and its parity test, nothing else (docs/design/families.md). May import jaxkv.config (and numpy); the loader

@@ -200,16 +200,6 @@ def nextn_plan(config: Config, hf: dict, names, source: str, arch: str, dense_de
     return MtpPlan(block, tuple(modules))
 
 
-def _deinterleave(rows: int, rope: int, heads: int = 1) -> np.ndarray:
-    """Row order that turns each head's last `rope` of `rows` output rows from interleaved pairs (x0, x1), (x2,
-    x3), ... into halves (x0, x2, ... ; x1, x3, ...): DeepSeek's pairwise rotation of pair i by frequency i is
-    then `layers.apply_rope`'s rotate-half, bit for bit. Queries and keys are permuted alike, so every score is
-    unchanged."""
-    head = np.arange(rows)
-    head[rows - rope:] = rows - rope + np.concatenate([np.arange(0, rope, 2), np.arange(1, rope, 2)])
-    return (np.arange(heads)[:, None] * rows + head[None]).reshape(-1)
-
-
 def _split_kv_b(paths, N, nope, dv, R):
     """kv_b_proj [N*(nope+dv), R]: per head, nope key rows then dv value rows -> wk_b [N, nope, R], wv_b [N, dv, R]."""
     def convert(w):
@@ -232,8 +222,8 @@ def _layer(cfg: Config, i: int, interleaved: bool, fused_experts: bool) -> list[
     m = cfg.mla
     D, N = cfg.d_model, cfg.n_heads
     R, E, nope, dv, qk = m.kv_lora_rank, m.qk_rope_head_dim, m.qk_nope_head_dim, m.v_head_dim, m.qk_head_dim
-    q_order = _deinterleave(qk, E if interleaved else 0, N)
-    kv_order = _deinterleave(R + E, E if interleaved else 0)
+    q_order = tensors.deinterleave(qk, E if interleaved else 0, N)
+    kv_order = tensors.deinterleave(R + E, E if interleaved else 0)
     hf, jx = f"layers.{i}.", f"layer_{i}"
     attn = hf + "self_attn."
     specs = [

@@ -69,6 +69,16 @@ def rows(path, order, *shape):
     return lambda w: {path: np.ascontiguousarray(w[order]).reshape(shape or w.shape)}
 
 
+def deinterleave(rows: int, rope: int, heads: int = 1) -> np.ndarray:
+    """Row order that turns each head's last `rope` of `rows` output rows from interleaved pairs (x0, x1), (x2,
+    x3), ... into halves (x0, x2, ... ; x1, x3, ...): DeepSeek's and Llama 4's pairwise rotation of pair i by
+    frequency i is then `layers.apply_rope`'s rotate-half, bit for bit. Queries and keys are permuted alike, so every
+    score is unchanged."""
+    head = np.arange(rows)
+    head[rows - rope:] = rows - rope + np.concatenate([np.arange(0, rope, 2), np.arange(1, rope, 2)])
+    return (np.arange(heads)[:, None] * rows + head[None]).reshape(-1)
+
+
 def lm_head(config: Config) -> list[TensorSpec]:
     """The untied head (nothing for a tied model)."""
     if config.tie_embeddings:

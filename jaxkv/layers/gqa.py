@@ -29,7 +29,8 @@ class Attention(nn.Module):
     mesh: Mesh | None = None  # with a mesh, a Pallas kernel runs per shard (`jaxkv.attention.api`)
 
     @nn.compact
-    def __call__(self, x, rope, cache, start, prefill, attention: str, shared=None, chunk: bool = False):
+    def __call__(self, x, rope, cache, start, prefill, attention: str, shared=None, chunk: bool = False,
+                 query_scale=None):
         """x [B, T, D]; rope: (cos, sin) or None; start int32[B] -> ([B, T, D], cache, (k, v)).
 
         With a cache, the queries sit in slots [cache.length, cache.length + T) and attend over the cache (with
@@ -56,6 +57,10 @@ class Attention(nn.Module):
             q = Norm(cfg, dim=H, name="q_norm")(q)
         if rope is not None:
             q = apply_rope(q, *rope)
+            if cfg.qk_l2_norm:  # Llama 4: a weightless RMS norm after the rotation, rotary layers only
+                q = Norm(cfg, dim=H, with_scale=False, name="q_l2_norm")(q)
+        if query_scale is not None:  # Llama 4's NoPE layers: attention temperature tuning
+            q = (q * query_scale[:, :, None, None]).astype(q.dtype)
         fresh = _keys_values(self, x, rope, out_in) if cfg.kv_source(self.layer) == self.layer else None
         k, v = shared if fresh is None else fresh  # [B, K, T, H]
         # gpt-oss's attention sinks; zeros at init (a zero logit still takes its share of every softmax)
@@ -73,6 +78,8 @@ class Attention(nn.Module):
         cfg = self.config
         kwargs = dict(scale=cfg.attention_scale, sliding_window=cfg.layer_window(self.layer),
                       softcap=cfg.attn_logit_softcap)
+        if cfg.layer_chunk(self.layer) is not None:  # only then, as sinks: the call is otherwise as it was
+            kwargs["chunk"] = cfg.layer_chunk(self.layer)
         if sinks is not None:  # only then, so a call without sinks is the very call it was before them
             kwargs["sinks"] = sinks.astype(jnp.float32)
         return kwargs
@@ -161,6 +168,8 @@ def _keys_values(module: Attention, x, rope, out_in: bool):
         v = Norm(cfg, dim=H, with_scale=False, name="v_norm")(v)
     if rope is not None:
         k = apply_rope(k, *rope)
+        if cfg.qk_l2_norm:
+            k = Norm(cfg, dim=H, with_scale=False, name="k_l2_norm")(k)
     return k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
 

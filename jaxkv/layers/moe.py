@@ -7,7 +7,8 @@ token, I one expert's hidden width, J the shared experts' hidden width (n_shared
 A MoE layer replaces the dense MLP: a float32 router scores the X experts per token and picks A of them; each
 chosen expert (a SwiGLU of width I) runs on the token and the outputs are summed with the routing weights; the
 shared experts (one SwiGLU of width J) run on every token and are added. gpt-oss's variant: a bias on the router's
-logits and on every expert projection, and a clamped SwiGLU (`MoeConfig.swiglu_limit`). Routing follows transformers 5.24 exactly
+logits and on every expert projection, and a clamped SwiGLU (`MoeConfig.swiglu_limit`); Llama 4's: the routing
+weight scales each expert's input (`MoeConfig.scale_expert_input`). Routing follows transformers 5.24 exactly
 (`route`), and every token is served by all its A experts (no capacity, nothing dropped).
 
 Dispatch (how the A chosen experts run without a per-token Python loop, at a fixed shape; `dispatch=`):
@@ -93,7 +94,8 @@ def route(logits, moe: MoeConfig, bias=None):
     transformers 5.24's DeepseekV2TopkRouter (softmax; "greedy" / "group_limited_greedy") and DeepseekV3TopkRouter
     (sigmoid, "noaux_tc" with `bias` float32[X], the e_score_correction_bias), in float32 and in their order of
     operations; GptOssTopKRouter's "topk_softmax" (the A best logits, then their softmax; a router.bias is already
-    in the logits). The A choices come best first; transformers' own order is unspecified (topk sorted=False), so
+    in the logits) and Llama4Router's "topk_sigmoid" (the A best logits, then their sigmoid). The A choices come
+    best first; transformers' own order is unspecified (topk sorted=False), so
     compare them as sets. A weight belongs to the expert id beside it."""
     X, A = moe.n_routed_experts, moe.experts_per_token
     if logits.ndim != 2 or logits.shape[-1] != X:
@@ -102,9 +104,10 @@ def route(logits, moe: MoeConfig, bias=None):
         raise ValueError(f"topk_method {moe.topk_method!r} {'needs' if bias is None else 'takes no'} a correction "
                          f"bias")
     logits = logits.astype(jnp.float32)
-    if moe.scoring == "topk_softmax":
+    if moe.scoring in ("topk_softmax", "topk_sigmoid"):
         top, ids = jax.lax.top_k(logits, A)
-        return jax.nn.softmax(top, axis=-1) * jnp.float32(moe.routed_scaling_factor), ids.astype(jnp.int32)
+        weights = jax.nn.softmax(top, axis=-1) if moe.scoring == "topk_softmax" else jax.nn.sigmoid(top)
+        return weights * jnp.float32(moe.routed_scaling_factor), ids.astype(jnp.int32)
     scores = jax.nn.softmax(logits, axis=-1) if moe.scoring == "softmax" else jax.nn.sigmoid(logits)  # [M, X]
     M, G = logits.shape[0], moe.n_group
     if moe.topk_method == "greedy":
@@ -140,7 +143,8 @@ class Moe(nn.Module):
 
     Parameters: router float32[X, D] (+ router_bias float32[X] for "noaux_tc", router_logit_bias float32[X] under
     moe.router_logit_bias); we_gate, we_up [X, D, I] or [X, I, D] and we_down [X, I, D] or [X, D, I]
-    (`in_out_names`), with moe.expert_bias we_gate_bias, we_up_bias [X, I] and we_down_bias [X, D]; ws_gate, ws_up, ws_down the shared experts
+    (`in_out_names`), with moe.expert_bias we_gate_bias, we_up_bias [X, I] and we_down_bias [X, D]; ws_gate,
+    ws_up, ws_down the shared experts
     (when n_shared_experts > 0 or shared_expert_ffn_dim is set), laid out as a dense MLP of width J; shared_gate
     [1, D] ([out, in]) under shared_expert_gate.
 
@@ -188,7 +192,7 @@ class Moe(nn.Module):
         if dispatch == "auto":
             dispatch = "grouped"
         experts = Experts(w_gate, w_up, w_down, biases, ("we_gate" in in_out, "we_down" in in_out),
-                          activation(cfg))
+                          activation(cfg), cfg.scale_expert_input)
         y = _DISPATCH[dispatch](h, weights, ids, experts)  # float32 [M, D]
         y = y.astype(dtype).reshape(B, T, D)
         if J:
@@ -236,7 +240,8 @@ def activation(moe: MoeConfig):
 
 class Experts(NamedTuple):
     """The routed experts as the dispatches read them: the stacked weights, their biases ((gate, up, down)
-    [X, I], [X, I], [X, D], or None), the layouts (gate/up in-out, down in-out) and the gated activation."""
+    [X, I], [X, I], [X, D], or None), the layouts (gate/up in-out, down in-out), the gated activation, and
+    whether the routing weight scales each expert's input rather than its output (Llama 4)."""
 
     gate: jax.Array
     up: jax.Array
@@ -244,6 +249,7 @@ class Experts(NamedTuple):
     biases: tuple | None
     layouts: tuple[bool, bool]
     act: Callable
+    scale_input: bool = False
 
 
 def _expert_ffn(rows, experts: Experts, spec, weights=None, bias_of=None):
@@ -270,8 +276,12 @@ def _dense(h, weights, ids, experts: Experts):
         sub = "xmi" if rows.ndim == 3 else "mi"
         return jnp.einsum(f"{sub},{'xio' if in_out else 'xoi'}->xmo", _f32(rows), _f32(w))
 
-    y = _expert_ffn(h, experts, spec, bias_of=lambda b: b[:, None, :])  # [X, M, D]
     combine = jnp.zeros((M, X), jnp.float32).at[jnp.arange(M)[:, None], ids].add(weights)  # [M, X]
+    rows = h
+    if experts.scale_input:  # each expert's own scaled copy of the rows; an unchosen one's input is 0 -> output 0
+        rows = (combine.T[:, :, None] * h[None].astype(jnp.float32)).astype(h.dtype)  # [X, M, D]
+        combine = (combine > 0).astype(jnp.float32)
+    y = _expert_ffn(rows, experts, spec, bias_of=lambda b: b[:, None, :])  # [X, M, D]
     return jnp.einsum("xmd,mx->md", y.astype(jnp.float32), combine)
 
 
@@ -287,8 +297,12 @@ def _sorted(h, weights, ids, experts: Experts):
     def spec(rows, w, in_out):  # rows [M * A, in] sorted -> [M * A, out]
         return jax.lax.ragged_dot(_f32(rows), _f32(w if in_out else jnp.swapaxes(w, 1, 2)), sizes)
 
-    y = _expert_ffn(h[token], experts, spec, bias_of=lambda b: b[flat[order]])  # [M * A, D]
-    y = y.astype(jnp.float32) * weights.reshape(M * A)[order][:, None]
+    scale = weights.reshape(M * A)[order][:, None]  # [M * A, 1]
+    rows = h[token]
+    if experts.scale_input:
+        rows, scale = (rows.astype(jnp.float32) * scale).astype(h.dtype), jnp.ones_like(scale)
+    y = _expert_ffn(rows, experts, spec, bias_of=lambda b: b[flat[order]])  # [M * A, D]
+    y = y.astype(jnp.float32) * scale
     return jax.ops.segment_sum(y, token, num_segments=M)
 
 
@@ -299,7 +313,11 @@ def _gather(h, weights, ids, experts: Experts):
         sub = "mai" if rows.ndim == 3 else "mi"
         return jnp.einsum(f"{sub},{'maio' if in_out else 'maoi'}->mao", _f32(rows), _f32(w[ids]))
 
-    y = _expert_ffn(h, experts, spec, bias_of=lambda b: b[ids])  # [M, A, D]
+    rows = h
+    if experts.scale_input:  # [M, A, D]: each assignment's scaled copy
+        rows = (weights[..., None] * h[:, None].astype(jnp.float32)).astype(h.dtype)
+        weights = jnp.ones_like(weights)
+    y = _expert_ffn(rows, experts, spec, bias_of=lambda b: b[ids])  # [M, A, D]
     return jnp.einsum("mad,ma->md", y.astype(jnp.float32), weights)
 
 
@@ -328,7 +346,10 @@ def _grouped(h, weights, ids, experts: Experts):
     token = jnp.full((rows,), M, jnp.int32).at[slot].set(order // A)  # M: an empty slot (reads a zero row)
     scale = jnp.zeros((rows,), jnp.float32).at[slot].set(weights.reshape(M * A)[order])
     tile_expert = jnp.minimum(jnp.searchsorted(ends, jnp.arange(n_tiles) * tile, side="right"), X - 1)
-    x = jnp.concatenate([h, jnp.zeros((1, D), h.dtype)])[token].reshape(n_tiles, tile, D)
+    x = jnp.concatenate([h, jnp.zeros((1, D), h.dtype)])[token]  # [rows, D]
+    if experts.scale_input:
+        x, scale = (x.astype(jnp.float32) * scale[:, None]).astype(h.dtype), (scale > 0).astype(jnp.float32)
+    x = x.reshape(n_tiles, tile, D)
 
     def spec(r, w, in_out):  # r [tile, in], w one expert's -> [tile, out]
         return jnp.einsum("ti,io->to" if in_out else "ti,oi->to", _f32(r), _f32(w))

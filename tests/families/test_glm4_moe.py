@@ -17,10 +17,9 @@ transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 import jaxkv  # noqa: E402
-from helpers.hf import (ATOL, BOS, EOS, PAD, RAGGED, SINGLE, VOCAB, check_moe_beam_search,  # noqa: E402
-                        check_moe_engine, check_moe_greedy_generation, check_moe_parallel_greedy_samples,
-                        check_moe_routing, check_mtp_speculation, check_speculative_greedy, greedy_cases,
-                        hf_greedy, hf_logits, saved_and_loaded)
+from helpers.hf import (ATOL, BOS, EOS, PAD, RAGGED, SINGLE, VOCAB, check_moe_path,  # noqa: E402
+                        check_moe_routing, check_mtp_speculation, greedy_cases, hf_greedy, hf_logits,
+                        saved_and_loaded)
 from jaxkv.io.hf import config_from_hf  # noqa: E402
 
 MOE_LAYERS = (1, 2)
@@ -190,9 +189,4 @@ def test_mtp_speculation_equals_plain(with_mtp, where):
 def test_decoding_paths_equal_transformers(pair, path):
     """Each decoding path against transformers' tokens (beams: and scores), and every token's experts."""
     hf, model, greedy = pair
-    {"greedy": lambda: check_moe_greedy_generation(model, greedy),
-     "n=2": lambda: check_moe_parallel_greedy_samples(model, greedy),
-     "engine": lambda: check_moe_engine(model, greedy),
-     "beams": lambda: check_moe_beam_search(hf, model, greedy),
-     "routing": lambda: check_moe_routing(hf, model, MOE_LAYERS),
-     "speculative": lambda: check_speculative_greedy(model, greedy[len(RAGGED)], "glm4-moe")}[path]()
+    check_moe_path(path, hf, model, greedy, "glm4-moe", routing=lambda: check_moe_routing(hf, model, MOE_LAYERS))

@@ -181,8 +181,9 @@ def assert_no_near_ties(logits, moe: MoeConfig, bias):
     group scores), so an expert-id comparison can only fail on a real routing difference. Where a tie did occur,
     jax.lax.top_k would pick the lower expert id and torch.topk makes no promise."""
     X, A, G = moe.n_routed_experts, moe.experts_per_token, moe.n_group
+    # topk_softmax / topk_sigmoid rank the logits themselves
     scores = {"softmax": lambda: jax.nn.softmax(logits, -1), "sigmoid": lambda: jax.nn.sigmoid(logits),
-              "topk_softmax": lambda: logits}[moe.scoring]()  # topk_softmax ranks the logits themselves
+              "topk_softmax": lambda: logits, "topk_sigmoid": lambda: logits}[moe.scoring]()
     choice = np.asarray(scores + (0 if bias is None else bias))
     if moe.topk_method != "greedy":
         grouped = np.sort(choice.reshape(len(choice), G, X // G), axis=-1)[..., ::-1]
@@ -291,10 +292,11 @@ def check_beam_search(hf, model, prompts, stops):
             assert abs(h.score - score) < 1e-4
 
 
-def check_moe_routing(hf, model, moe_layers, router: str = "gate"):
-    """Every token is routed to the same experts as transformers' router (a `*TopKRouter` returning (logits,
-    weights, ids), the `router` attribute of the layer's mlp) picks, with no near tie between the A-th and
-    (A+1)-th choice."""
+def check_moe_routing(hf, model, moe_layers, router=lambda layer: layer.mlp.gate,
+                      routed=lambda out: (out[0], out[2])):
+    """Every token is routed to the same experts as transformers' router picks, with no near tie between the A-th
+    and (A+1)-th choice. `router(decoder layer)` is the router module (default a `*TopKRouter` at mlp.gate);
+    `routed(its output)` -> (logits, expert ids) (default: the (logits, weights, ids) such a router returns)."""
     import torch
 
     from jaxkv.model import Decoder
@@ -303,8 +305,8 @@ def check_moe_routing(hf, model, moe_layers, router: str = "gate"):
     captured, hooks = {}, []
     for i in moe_layers:
         def hook(module, args, out, i=i):
-            captured[i] = (out[0].detach().numpy(), out[2].detach().numpy())
-        hooks.append(getattr(hf.model.layers[i].mlp, router).register_forward_hook(hook))
+            captured[i] = tuple(np.asarray(x.detach().numpy()) for x in routed(out))
+        hooks.append(router(hf.model.layers[i]).register_forward_hook(hook))
     try:
         with torch.no_grad():
             hf(torch.tensor(tokens))
@@ -323,3 +325,15 @@ def check_moe_routing(hf, model, moe_layers, router: str = "gate"):
         # transformers' order within a token is unspecified: compare as sets
         np.testing.assert_array_equal(np.sort(ours, -1), np.sort(ids, -1), err_msg=f"layer {i}")
         assert len({tuple(sorted(row)) for row in ours}) > 2  # different tokens pick different experts
+
+
+def check_moe_path(path, hf, model, greedy, name, routing, beams=None):
+    """One of the decoding paths every MoE family's test checks against transformers ("greedy", "n=2", "engine",
+    "beams", "routing", "speculative"); `routing` runs the family's routing check, `beams` replaces the default
+    beam check."""
+    {"greedy": lambda: check_moe_greedy_generation(model, greedy),
+     "n=2": lambda: check_moe_parallel_greedy_samples(model, greedy),
+     "engine": lambda: check_moe_engine(model, greedy),
+     "beams": beams or (lambda: check_moe_beam_search(hf, model, greedy)),
+     "routing": routing,
+     "speculative": lambda: check_speculative_greedy(model, greedy[len(RAGGED)], name)}[path]()

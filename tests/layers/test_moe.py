@@ -284,3 +284,52 @@ def test_bad_input_is_a_clear_error():
         Moe(moe, D).init(jax.random.PRNGKey(0), jnp.zeros((3, 16)))
     with pytest.raises(ValueError, match="dispatch"):
         Moe(moe, D, dispatch="loop").init(jax.random.PRNGKey(0), jnp.zeros((1, 3, D)))
+
+
+@pytest.mark.parametrize("variant", ["gpt-oss", "llama4"])
+def test_variant_dispatches_equal_a_per_token_loop(variant):
+    """gpt-oss's experts (logit bias, top-k softmax, expert biases, clamped SwiGLU that binds) and Llama 4's (top-k
+    sigmoid scaling each expert's input, a shared expert): every dispatch equals a plain loop over tokens and
+    their chosen experts, written from transformers' formulas."""
+    if variant == "gpt-oss":
+        cfg = MoeConfig(n_routed_experts=6, experts_per_token=2, moe_ffn_dim=8, scoring="topk_softmax",
+                        router_logit_bias=True, expert_bias=True, swiglu_limit=0.5)
+    else:
+        cfg = MoeConfig(n_routed_experts=6, experts_per_token=2, moe_ffn_dim=8, scoring="topk_sigmoid",
+                        scale_expert_input=True, shared_expert_ffn_dim=8)
+    D, rng = 16, np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(size=(1, 7, D)), jnp.float32)
+    params = Moe(cfg, D).init(jax.random.PRNGKey(0), x)["params"]
+    params = jax.tree_util.tree_map(lambda p: jnp.asarray(rng.normal(size=p.shape) * 0.5, p.dtype), params)
+    p = {k: np.asarray(v, np.float64) for k, v in params.items()}
+    names = moe_lib.in_out_names(cfg, D, "float32")
+    # every expert matrix in its [X, out, in] form, the shared expert's [out, in]
+    w = {k: (p[k] if k not in names else np.swapaxes(p[k], 1, 2)) for k in ("we_gate", "we_up", "we_down")}
+    w |= {k: (p[k] if k not in names else p[k].T) for k in ("ws_gate", "ws_up", "ws_down") if k in p}
+    want = np.zeros((7, D))
+    for m, h in enumerate(np.asarray(x[0], np.float64)):
+        logits = p["router"] @ h + (p["router_logit_bias"] if cfg.router_logit_bias else 0)
+        ids = np.argsort(-logits)[:2]
+        top = logits[ids]
+        if variant == "gpt-oss":
+            weights = np.exp(top - top.max()) / np.exp(top - top.max()).sum()
+        else:
+            weights = 1 / (1 + np.exp(-top))
+        for e, g in zip(ids, weights):
+            inp = h * g if cfg.scale_expert_input else h
+            gate, up = w["we_gate"][e] @ inp, w["we_up"][e] @ inp
+            if cfg.expert_bias:
+                gate, up = gate + p["we_gate_bias"][e], up + p["we_up_bias"][e]
+            if cfg.swiglu_limit is None:
+                hidden = gate / (1 + np.exp(-gate)) * up
+            else:
+                gate, up = np.minimum(gate, 0.5), np.clip(up, -0.5, 0.5)
+                hidden = (up + 1) * gate / (1 + np.exp(-1.702 * gate))
+            out = w["we_down"][e] @ hidden + (p["we_down_bias"][e] if cfg.expert_bias else 0)
+            want[m] += out if cfg.scale_expert_input else g * out
+        if cfg.shared_ffn_dim:
+            sg, su = w["ws_gate"] @ h, w["ws_up"] @ h
+            want[m] += w["ws_down"] @ (sg / (1 + np.exp(-sg)) * su)
+    for dispatch in ("grouped", "dense", "sorted", "gather"):
+        got = Moe(cfg, D, dispatch=dispatch).apply({"params": params}, x)[0]
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=0, err_msg=dispatch)
