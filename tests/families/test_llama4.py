@@ -129,6 +129,9 @@ def test_chunked_rings_paged_and_prefix_cache_equal_plain(pair):
         assert out.tokens == plain.tokens and out.stats["prefix_hit_tokens"] == hits
     assert jaxkv.generate(model, [prompt], max_new_tokens=16, stop_tokens=[], n=2, page_size=4).tokens == \
         plain.tokens * 2
+    for dtype in ("int8", "float8_e4m3fn"):  # quantized rings of the chunk: close to plain, not equal
+        quantized = jaxkv.generate(model, [prompt], max_new_tokens=16, stop_tokens=[], cache_dtype=dtype)
+        assert sum(a == b for a, b in zip(quantized.tokens[0], plain.tokens[0])) >= 8, dtype
 
 
 def test_the_text_part_of_a_multimodal_checkpoint_loads(pair, tmp_path):
