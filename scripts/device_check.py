@@ -64,7 +64,8 @@ LIMITS = {"env": 60, "copy": 40, "tests": 240, "bandwidth": 160, "prefill": 40, 
           "compile": 300}
 KERNEL_TESTS = ["tests/attention/test_pallas.py", "tests/attention/test_paged_decode_kernel.py",
                 "tests/attention/test_mla_decode_kernel.py", "tests/attention/test_softcap.py",
-                "tests/attention/test_sinks.py", "tests/attention/test_delta_rule_kernel.py"]
+                "tests/attention/test_sinks.py", "tests/attention/test_chunked.py",
+                "tests/attention/test_delta_rule_kernel.py"]
 # Filters, to spend a short device lease on the rows still owed (each section ignores those it has no use for).
 FILTERS = {"batches": "batch sizes (bandwidth, step)", "lives": "live lengths (bandwidth, step)",
            "layouts": "layouts, contiguous / paged (bandwidth)", "caches": "cache dtypes, bfloat16 / int8 (bandwidth)",

@@ -97,7 +97,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
-from jaxkv.attention.reference import MASKED, check_sinks, check_softcap, dot_precision, grouped_sinks, soft_cap
+from jaxkv.attention.reference import (MASKED, check_chunk, check_sinks, check_softcap, dot_precision, grouped_sinks,
+                                      soft_cap)
 
 # Triton's dot (tl.dot) needs every matmul dimension >= 16, and every loaded tensor a power-of-two size.
 GPU_MIN_DIM = 16
@@ -285,9 +286,13 @@ def combine_splits(acc, m, l, sinks=None):
     return normalize(jnp.sum(w * acc, axis=-3), l_all)  # [..., R, H]
 
 
-def live_bounds(start, q_offset, num_slots: int, sliding_window: int | None, ring: bool = False):
+def live_bounds(start, q_offset, num_slots: int, sliding_window: int | None, ring: bool = False,
+                chunk: int | None = None):
     """int32[B] lo, hi: the cache indices the query in slot q_offset of each row may see are [lo, hi] (none if
     lo > hi).
+
+    A chunk (Llama 4's chunked attention, `reference`) is one more lower bound, like the window: the query at
+    position p = q_offset - start sees back to its chunk's first position, p - p mod chunk (age p mod chunk).
 
     For a ring, hi = q_offset mod S (the query's own index) and lo = hi - max_age, where max_age is the oldest age
     q_offset - slot the row may see (start, window and S bound it); lo < 0 means the range wraps to
@@ -300,16 +305,20 @@ def live_bounds(start, q_offset, num_slots: int, sliding_window: int | None, rin
         max_age = jnp.minimum(q_offset - lo, num_slots - 1)  # [B]; negative when start is past the query
         if sliding_window is not None:
             max_age = jnp.minimum(max_age, sliding_window - 1)
+        if chunk is not None:
+            max_age = jnp.minimum(max_age, jnp.remainder(q_offset - lo, chunk))
         hi = jnp.remainder(q_offset, num_slots)
         return hi - max_age, jnp.broadcast_to(hi, max_age.shape)
     if sliding_window is not None:
         lo = jnp.maximum(lo, q_offset - (sliding_window - 1))
+    if chunk is not None:
+        lo = jnp.maximum(lo, q_offset - jnp.remainder(q_offset - jnp.asarray(start, jnp.int32), chunk))
     hi = jnp.broadcast_to(jnp.minimum(q_offset, num_slots - 1), lo.shape)
     return lo, hi
 
 
 def query_block_bounds(start, q_offset, num_queries: int, num_slots: int, sliding_window: int | None,
-                       ring: bool = False):
+                       ring: bool = False, chunk: int | None = None):
     """Live bounds of T consecutive queries (slots q_offset .. q_offset + T - 1) of each row: (lo, hi int32[B, T],
     each query's own range as `live_bounds` gives it; lo_all, hi_all int32[B], the union of a row's ranges).
 
@@ -322,7 +331,8 @@ def query_block_bounds(start, q_offset, num_queries: int, num_slots: int, slidin
     start = jnp.asarray(start, jnp.int32)
     shape = (start.shape[0], num_queries)
     slots = jnp.broadcast_to(q_offset + jnp.arange(num_queries, dtype=jnp.int32)[None, :], shape)  # [B, T]
-    lo, hi = live_bounds(jnp.broadcast_to(start[:, None], shape), slots, num_slots, sliding_window, ring)
+    # (a chunk boundary moves a query's lower bound forward by up to `chunk`: the union below stays a superset)
+    lo, hi = live_bounds(jnp.broadcast_to(start[:, None], shape), slots, num_slots, sliding_window, ring, chunk)
     if ring:  # the union's oldest slot is the first query's: hi_all - lo_all = T - 1 + its oldest age
         hi_all = hi[:, -1]
         return lo, hi, hi_all - (num_queries - 1) - (hi[:, 0] - lo[:, 0]), hi_all
@@ -608,7 +618,8 @@ def default_splits(platform: str, batch: int, kv_heads: int, num_blocks: int) ->
 
 def decode_attention(q, k, v, start, q_offset, *, scale: float, sliding_window: int | None = None, k_scale=None,
                      v_scale=None, ring: bool = False, platform: str = "tpu", block_k: int | None = None,
-                     splits: int | None = None, interpret=False, softcap: float | None = None, sinks=None):
+                     splits: int | None = None, interpret=False, softcap: float | None = None, sinks=None,
+                     chunk: int | None = None):
     """Attention of a few queries per sequence over the cache; same contract as `reference.attention`.
 
     Meant for one query (decode) or a small block of them (a speculative verify: k + 1 queries, causal within the
@@ -628,6 +639,8 @@ def decode_attention(q, k, v, start, q_offset, *, scale: float, sliding_window: 
       softcap: Gemma 2's attention-logit soft-capping (`reference.soft_cap`), a static float; None: off.
       sinks: float32[N] attention sinks (gpt-oss; `reference`), a traced array, or None. Folded into the split
         combine (`combine_splits`), not the kernel: the same kernel runs with and without them.
+      chunk: Llama 4's chunked attention (`reference`): one more lower bound per query (`live_bounds`), so the
+        same kernel serves it.
 
     Returns:
       [B, T, N, H] in q's dtype.
@@ -637,12 +650,13 @@ def decode_attention(q, k, v, start, q_offset, *, scale: float, sliding_window: 
     check_scales(k, k_scale, v_scale)
     softcap = check_softcap(softcap)
     sinks = check_sinks(sinks, N)
+    chunk = check_chunk(chunk)
     G, dtype = N // K, q.dtype
     block_k = block_k or DEFAULT_BLOCK_K.get(platform, 0)
     if T == 1:  # one query: every row shares its bounds, the kernel takes no per-row inputs (as before T > 1)
-        lo, hi = live_bounds(start, q_offset, S, sliding_window, ring)  # int32[B] each
+        lo, hi = live_bounds(start, q_offset, S, sliding_window, ring, chunk)  # int32[B] each
     else:  # per-query bounds, and their union: the blocks to read
-        lo_t, hi_t, lo, hi = query_block_bounds(start, q_offset, T, S, sliding_window, ring)
+        lo_t, hi_t, lo, hi = query_block_bounds(start, q_offset, T, S, sliding_window, ring, chunk)
     k_scale, v_scale = scale_rows(k_scale), scale_rows(v_scale)  # f32[B, K, 1, S] or None
     # [B, K, T * G, H]: row t * G + g is query t of head n = kv_head * G + g (T == 1: a free reshape); cast once
     # here rather than per block in the kernel

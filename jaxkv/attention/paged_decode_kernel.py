@@ -64,7 +64,7 @@ from jaxkv.attention.decode_kernel import (GPU_MIN_DIM, MASKED, TPU_ROW_MULTIPLE
                                            load_scale, matmul_dtype, next_pow2, normalize, online_softmax_step,
                                            pad_axis, reset_softmax_state, row_bounds, row_sinks, scale_rows,
                                            split_row_refs, split_scale_refs, split_share)
-from jaxkv.attention.reference import Unsupported, check_sinks, check_softcap
+from jaxkv.attention.reference import Unsupported, check_chunk, check_sinks, check_softcap
 
 # Slots per step a page group aims for when `pages_per_block` is not given. TPU: 128 slots (a lane-dense row of
 # scores), at most 8 pages (each page is its own BlockSpec'd input and DMA). GPU: 64 slots, as the contiguous
@@ -73,11 +73,12 @@ TARGET_SLOTS = types.MappingProxyType({"tpu": 128, "gpu": 64})
 TPU_MAX_PAGES_PER_BLOCK = 8
 
 
-def paged_live_bounds(lengths, q_slots, num_slots: int, sliding_window: int | None):
+def paged_live_bounds(lengths, q_slots, num_slots: int, sliding_window: int | None, chunk: int | None = None):
     """int32[B] lo, hi: the slots [lo, hi] the query in slot q_slots[b] may see (none if lo > hi, e.g. a length-0
-    row): written (< lengths), not in the future (<= q_slot), inside the window."""
+    row): written (< lengths), not in the future (<= q_slot), inside the window and the chunk (slots are
+    positions here)."""
     lengths = jnp.asarray(lengths, jnp.int32)
-    lo, hi = live_bounds(jnp.zeros_like(lengths), q_slots, num_slots, sliding_window)
+    lo, hi = live_bounds(jnp.zeros_like(lengths), q_slots, num_slots, sliding_window, chunk=chunk)
     return lo, jnp.minimum(hi, lengths - 1)
 
 
@@ -364,7 +365,8 @@ def query_value_bounds(lo, hi):
 def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale: float,
                            sliding_window: int | None = None, k_scale=None, v_scale=None, q_slots=None,
                            platform: str | None = None, pages_per_block: int | None = None, interpret=None,
-                           softcap: float | None = None, splits: int | None = None, sinks=None):
+                           softcap: float | None = None, splits: int | None = None, sinks=None,
+                           chunk: int | None = None):
     """Attention of one query (or a small block of queries) per sequence over its pages;
     `paged_reference.paged_attention` without `fresh`.
 
@@ -391,12 +393,15 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale: f
       splits: GPU: programs per (sequence, KV head), each taking an even share of the row's live blocks (static);
         None: `decode_kernel.default_splits` (enough programs to fill a large GPU when B * K is small). TPU: 1.
       sinks: float32[N] attention sinks (gpt-oss; `paged_reference`), a traced array, or None (module docstring).
+      chunk: Llama 4's chunked attention (`paged_reference`): one more lower bound per query
+        (`paged_live_bounds`), the same kernel.
 
     Returns:
       q's shape ([B, N, H] or [B, T, N, H]) in q's dtype; a query with no live slot gets 0.
     """
     kwargs = dict(scale=scale, sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, platform=platform,
-                  pages_per_block=pages_per_block, interpret=interpret, softcap=softcap, splits=splits, sinks=sinks)
+                  pages_per_block=pages_per_block, interpret=interpret, softcap=softcap, splits=splits, sinks=sinks,
+                  chunk=chunk)
     if q.ndim == 4 and q.shape[1] == 1:  # one query: exactly the [B, N, H] kernel
         q_slots = None if q_slots is None else jnp.asarray(q_slots, jnp.int32)[:, 0]
         return paged_decode_attention(q[:, 0], k_pages, v_pages, page_table, lengths, q_slots=q_slots, **kwargs)[:, None]
@@ -404,7 +409,7 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale: f
     T = q.shape[1] if q.ndim == 4 else 1
     K, page_size = k_pages.shape[1], k_pages.shape[2]
     check_pool(k_pages, v_pages, page_table, k_scale, v_scale)
-    softcap = check_softcap(softcap)
+    softcap, chunk = check_softcap(softcap), check_chunk(chunk)
     sinks = check_sinks(sinks, N)
     platform = platform or ("gpu" if jax.default_backend() == "gpu" else "tpu")
     if interpret is None:
@@ -415,7 +420,7 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale: f
     rows = values = None
     if T == 1:
         q_slots = lengths - 1 if q_slots is None else jnp.asarray(q_slots, jnp.int32)
-        lo, hi = paged_live_bounds(lengths, q_slots, M * page_size, sliding_window)  # int32[B] each
+        lo, hi = paged_live_bounds(lengths, q_slots, M * page_size, sliding_window, chunk)  # int32[B] each
     else:
         if q_slots is None:
             q_slots = lengths[:, None] - T + jnp.arange(T, dtype=jnp.int32)[None, :]
@@ -423,9 +428,9 @@ def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, *, scale: f
         if q_slots.shape != (B, T):
             raise ValueError(f"q_slots must be int32[B, T] = {(B, T)} for q {q.shape}, got shape {q_slots.shape}")
         lo_t, hi_t = paged_live_bounds(jnp.broadcast_to(lengths[:, None], (B, T)), q_slots, M * page_size,
-                                       sliding_window)  # int32[B, T] each
+                                       sliding_window, chunk)  # int32[B, T] each
         lo, hi = query_value_bounds(lo_t, hi_t)
-        values = None if sliding_window is None else (lo_t, hi_t)
+        values = None if sliding_window is None and chunk is None else (lo_t, hi_t)
     page_table = jnp.asarray(page_table, jnp.int32)
     mm_dtype = matmul_dtype(dtype, k_pages.dtype)
     if platform == "tpu" and page_size == 1:

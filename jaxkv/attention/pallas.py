@@ -57,13 +57,6 @@ def default_platform() -> str:
     return "gpu" if jax.default_backend() == "gpu" else "tpu"
 
 
-def refuse_chunk(chunk):
-    """Chunked attention (Llama 4) has no kernel yet: `Unsupported` for a chunk (after checking it), so "auto"
-    runs the XLA reference and a call naming "pallas" says why."""
-    if check_chunk(chunk) is not None:
-        raise Unsupported(f"no Pallas kernel serves chunked attention (chunk={chunk}) yet; the XLA reference does")
-
-
 def attention(q, k, v, start, q_offset, *, scale: float, sliding_window: int | None = None, k_scale=None,
               v_scale=None, ring: bool = False, interpret=None, platform: str | None = None,
               decode_block_k: int | None = None, decode_splits: int | None = None, prefill_block_q: int | None = None,
@@ -89,14 +82,14 @@ def attention(q, k, v, start, q_offset, *, scale: float, sliding_window: int | N
       prefill_block_q, prefill_block_k: prefill tile sizes.
       softcap: if set, each scaled score s becomes softcap * tanh(s / softcap) before masking (Gemma 2); None: off.
       sinks: float32[N], one logit per query head in the softmax denominator (gpt-oss; `reference`), or None.
-      chunk: Llama 4's chunked attention (`reference`): no kernel has its mask yet, so a chunk is `Unsupported`
-        ("auto" falls through to the XLA reference).
+      chunk: Llama 4's chunked attention (`reference`): served by the decode kernel (one more lower bound per
+        query); the prefill kernel has no chunk mask, so a longer block with a chunk is `Unsupported` ("auto"
+        falls through to the XLA reference).
 
     Returns:
       [B, T, N, H] in q's dtype.
     """
-    sinks = check_sinks(sinks, q.shape[2])
-    refuse_chunk(chunk)
+    sinks, chunk = check_sinks(sinks, q.shape[2]), check_chunk(chunk)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     platform = platform or default_platform()
@@ -110,7 +103,10 @@ def attention(q, k, v, start, q_offset, *, scale: float, sliding_window: int | N
         # (a ring cache refuses writes of more than one token after its prompt).
         return decode_kernel.decode_attention(q, k, v, start, q_offset, scale=scale, sliding_window=sliding_window,
                                               ring=ring, platform=platform, block_k=decode_block_k,
-                                              splits=decode_splits, interpret=interpret, **cache)
+                                              splits=decode_splits, interpret=interpret, chunk=chunk, **cache)
+    if chunk is not None:
+        raise Unsupported(f"the Pallas prefill kernel has no chunk mask (chunk={chunk}); the XLA reference serves "
+                          "a chunked prompt")
     if ring:
         # Past the decode kernel's rows the prefill kernel would have to serve it, and it has no ring layout; a
         # chunk that long over a full ring of S = window slots overwrites the oldest slots its earlier queries
@@ -143,13 +139,12 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale:
       pages_per_block: pages per grid step (TPU) or loop iteration (GPU).
       fresh: `paged_reference.paged_attention`'s prompt-chunk argument; only None is served (else `Unsupported`).
       sinks: float32[N], one logit per query head in the softmax denominator (gpt-oss; `paged_reference`), or None.
-      chunk: as `attention`'s: `Unsupported` unless None.
+      chunk: Llama 4's chunked attention, served by the kernel (one more lower bound per query).
 
     Returns:
       [B, T, N, H] in q's dtype; a query with no live slot gets 0.
     """
-    sinks = check_sinks(sinks, q.shape[2])
-    refuse_chunk(chunk)
+    sinks, chunk = check_sinks(sinks, q.shape[2]), check_chunk(chunk)
     if q.shape[1] > MAX_DECODE_QUERIES:
         raise Unsupported(f"Pallas paged attention takes at most {MAX_DECODE_QUERIES} queries per sequence (the "
                           f"decode kernel's rows; there is no paged prefill kernel), got T={q.shape[1]}")
@@ -165,4 +160,4 @@ def paged_attention(q, k_pages, v_pages, page_table, lengths, q_slots, *, scale:
                                                       sliding_window=sliding_window, k_scale=k_scale,
                                                       v_scale=v_scale, q_slots=q_slots, platform=platform,
                                                       pages_per_block=pages_per_block, interpret=interpret,
-                                                      softcap=softcap, sinks=sinks)
+                                                      softcap=softcap, sinks=sinks, chunk=chunk)

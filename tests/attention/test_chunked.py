@@ -122,3 +122,60 @@ def test_a_bad_chunk_is_refused(qkv, bad):
     with pytest.raises(ValueError, match="chunk"):
         reference.attention(jnp.asarray(q[:, :2]), k, v, jnp.zeros(B, jnp.int32), jnp.int32(0), scale=SCALE,
                             chunk=bad)
+
+
+# --- the Pallas kernels (interpret mode on CPU; compiled where helpers.kernels finds a device) ----------------------
+
+from jaxkv.attention import api, pallas  # noqa: E402
+from helpers.kernels import INTERPRET, PLATFORMS  # noqa: E402
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("T, ring", [(1, False), (3, False), (1, True)], ids=["decode", "verify-3", "ring"])
+def test_decode_kernel_takes_the_chunk(qkv, platform, T, ring):
+    """The decode kernel with a chunk of 8 (one more lower bound per query) == the reference, for each query
+    position across two chunk boundaries; a left-padded row; over the whole cache or a ring of 8 + T - 1."""
+    q, k, v = qkv
+    C, start = 8, np.array([0, 3])
+    S_ring = C + T - 1
+    for t in range(12, 24, 3):
+        kk, vv = k, v
+        if ring:
+            kk, vv = np.zeros((B, K, S_ring, H), np.float32), np.zeros((B, K, S_ring, H), np.float32)
+            for s in range(t + T - S_ring, t + T):
+                kk[:, :, s % S_ring], vv[:, :, s % S_ring] = k[:, :, s], v[:, :, s]
+        args = (jnp.asarray(q[:, t:t + T]), kk, vv, jnp.asarray(start, jnp.int32), jnp.int32(t))
+        want = reference.attention(*args, scale=SCALE, chunk=C, ring=ring)
+        got = pallas.attention(*args, scale=SCALE, chunk=C, ring=ring, platform=platform, interpret=INTERPRET)
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0, err_msg=f"query slot {t}")
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+def test_paged_kernel_takes_the_chunk(qkv, platform):
+    """The paged decode kernel with a chunk of 8 (pages of 4) == the paged reference, one query and a verify of 3."""
+    q, k, v = qkv
+    ps, C = 4, 8
+    pool_k, pool_v = np.zeros((20, K, ps, H), np.float32), np.zeros((20, K, ps, H), np.float32)
+    table = np.arange(B * (S // ps), dtype=np.int32).reshape(B, S // ps)
+    for b in range(B):
+        for m in range(S // ps):
+            pool_k[table[b, m]], pool_v[table[b, m]] = k[b, :, m * ps:(m + 1) * ps], v[b, :, m * ps:(m + 1) * ps]
+    for T, offset in ((1, 17), (3, 14), (1, 23)):
+        slots = jnp.broadcast_to(offset + jnp.arange(T, dtype=jnp.int32), (B, T))
+        args = (jnp.asarray(q[:, offset:offset + T]), pool_k, pool_v, table, jnp.full((B,), offset + T, jnp.int32),
+                slots)
+        want = paged.paged_attention(*args, scale=SCALE, chunk=C)
+        got = pallas.paged_attention(*args, scale=SCALE, chunk=C, platform=platform, interpret=INTERPRET)
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0, err_msg=f"T={T}, offset {offset}")
+
+
+def test_a_chunked_prompt_falls_through_to_xla(qkv):
+    """The prefill kernel has no chunk mask: "pallas" refuses a 20-query chunked block by name, "auto" (Pallas
+    first, as on a device) serves it with the reference."""
+    q, k, v = qkv
+    args = (jnp.asarray(q[:, :20]), k, v, jnp.zeros(B, jnp.int32), jnp.int32(0))
+    with pytest.raises(NotImplementedError, match="chunk"):
+        api.get("contiguous", "pallas")(*args, scale=SCALE, chunk=8)
+    auto = api.Attend("contiguous", ("pallas", "xla"), explicit=False)
+    np.testing.assert_allclose(auto(*args, scale=SCALE, chunk=8), reference.attention(*args, scale=SCALE, chunk=8),
+                               atol=1e-6, rtol=0)
