@@ -30,7 +30,8 @@ class CacheGeometry:
     dtype: str = "float32"
     sliding_window: int | None = None
     keys_only: bool = False  # an MLA cache: one latent row per token, no value buffers
-    # Per-layer windows (None entries: full-attention layers), for models that mix layer kinds (Gemma 2/3,
+    # Per-layer spans: sliding windows or Llama 4's attention chunks (`Config.layer_span`; None entries:
+    # full-attention layers), for models that mix layer kinds (Gemma 2/3, Llama 4,
     # `Config.layer_types`); None: every layer has `sliding_window`.
     layer_windows: tuple[int | None, ...] | None = None
     # Per-layer (KV heads, head dim), None entries for layers that cache nothing (they share another layer's K/V:
