@@ -17,9 +17,9 @@ transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 import jaxkv  # noqa: E402
-from helpers.hf import (ATOL, BOS, EOS, PAD, RAGGED, SINGLE, VOCAB, check_moe_path,  # noqa: E402
-                        check_moe_routing, check_mtp_speculation, greedy_cases, hf_greedy, hf_logits,
-                        saved_and_loaded)
+from helpers.hf import (ATOL, BOS, EOS, PAD, VOCAB, check_moe_path, check_moe_routing,  # noqa: E402
+                        check_mtp_speculation, hf_greedy_cases, hf_logits, saved_and_loaded)
+from helpers.hf import build_hf as hf_model  # noqa: E402
 from jaxkv.io.hf import config_from_hf  # noqa: E402
 
 MOE_LAYERS = (1, 2)
@@ -31,10 +31,7 @@ FIELDS = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_interm
 
 
 def build_hf(seed: int = 0, **changes):
-    torch.manual_seed(seed)
-    config = transformers.Glm4MoeConfig(**dict(FIELDS, **changes))
-    hf = transformers.Glm4MoeForCausalLM._from_config(config, attn_implementation="eager").eval()
-    hf.generation_config.eos_token_id = None  # never stop early (helpers.hf.build_hf)
+    hf = hf_model("Glm4MoeConfig", dict(FIELDS, **changes), seed)
     with torch.no_grad():  # transformers zeroes the correction bias, which would hide one left out
         for i in MOE_LAYERS:
             bias = hf.model.layers[i].mlp.gate.e_score_correction_bias
@@ -49,7 +46,7 @@ loaded = saved_and_loaded(build_hf, {"glm4_moe": ()})
 def pair(tmp_path_factory):
     """(transformers' model, jaxkv's, transformers' greedy tokens for SINGLE and RAGGED by prompt count)."""
     hf, model, _ = loaded("glm4_moe", tmp_path_factory)
-    return hf, model, {len(prompts): hf_greedy(hf, prompts) for prompts, _ in greedy_cases(SINGLE, RAGGED)}
+    return hf, model, hf_greedy_cases(hf)
 
 
 def test_config_maps_attention_and_experts(pair):

@@ -20,7 +20,8 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 
 import jaxkv  # noqa: E402
 from helpers.hf import (ATOL, BOS, EOS, PAD, RAGGED, SINGLE, VOCAB, check_moe_path,  # noqa: E402
-                        check_moe_routing, greedy_cases, hf_greedy, hf_logits, saved_and_loaded)
+                        check_moe_routing, hf_greedy_cases, hf_logits, saved_and_loaded)
+from helpers.hf import build_hf as hf_model  # noqa: E402
 from jaxkv.io.hf import config_from_hf  # noqa: E402
 
 LAYERS = 4
@@ -31,10 +32,7 @@ FIELDS = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=48, num_hidden
 
 
 def build_hf(seed: int = 0, **changes):
-    torch.manual_seed(seed)
-    config = transformers.GptOssConfig(**dict(FIELDS, **changes))
-    hf = transformers.GptOssForCausalLM._from_config(config, attn_implementation="eager").eval()
-    hf.generation_config.eos_token_id = None  # never stop early (helpers.hf.build_hf)
+    hf = hf_model("GptOssConfig", dict(FIELDS, **changes), seed)
     with torch.no_grad():  # transformers zeroes the expert biases and draws small sinks: make them matter
         for layer in hf.model.layers:
             layer.self_attn.sinks.copy_(torch.randn(layer.self_attn.sinks.shape) * 2)
@@ -50,7 +48,7 @@ loaded = saved_and_loaded(build_hf, {"gpt_oss": ()})
 def pair(tmp_path_factory):
     """(transformers' model, jaxkv's, transformers' greedy tokens for SINGLE and RAGGED by prompt count)."""
     hf, model, _ = loaded("gpt_oss", tmp_path_factory)
-    return hf, model, {len(prompts): hf_greedy(hf, prompts) for prompts, _ in greedy_cases(SINGLE, RAGGED)}
+    return hf, model, hf_greedy_cases(hf)
 
 
 def test_config_maps_sinks_windows_and_experts(pair):

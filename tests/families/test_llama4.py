@@ -22,6 +22,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 import jaxkv  # noqa: E402
 from helpers.hf import (ATOL, BOS, EOS, PAD, RAGGED, SINGLE, VOCAB, check_beam_search,  # noqa: E402
                         check_moe_path, check_moe_routing, hf_greedy, hf_logits, saved_and_loaded)
+from helpers.hf import build_hf as hf_model  # noqa: E402
 from jaxkv.io.hf import config_from_hf  # noqa: E402
 
 LAYERS = 4
@@ -37,11 +38,7 @@ FIELDS = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, intermedia
 
 
 def build_hf(seed: int = 0, **changes):
-    torch.manual_seed(seed)
-    config = transformers.Llama4TextConfig(**dict(FIELDS, **changes))
-    hf = transformers.Llama4ForCausalLM._from_config(config, attn_implementation="eager").eval()
-    hf.generation_config.eos_token_id = None  # never stop early (helpers.hf.build_hf)
-    return hf
+    return hf_model("Llama4TextConfig", dict(FIELDS, **changes), seed)
 
 
 loaded = saved_and_loaded(build_hf, {"llama4_text": ()})

@@ -20,9 +20,10 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 import jaxkv  # noqa: E402
 from jaxkv.checkpoint_hf import config_from_hf  # noqa: E402
 from helpers.hf import build_hf as hf_model  # noqa: E402
-from helpers.hf import (ATOL, BOS, EOS, PAD, RAGGED, SINGLE, VOCAB,  # noqa: E402
+from helpers.hf import (ATOL, BOS, EOS, PAD, RAGGED, VOCAB,  # noqa: E402
                         check_moe_beam_search, check_moe_engine, check_moe_greedy_generation,
-                        check_moe_parallel_greedy_samples, check_speculative_greedy, check_moe_routing, greedy_cases, hf_greedy, hf_logits)
+                        check_moe_parallel_greedy_samples, check_speculative_greedy, check_moe_routing,
+                        hf_greedy_cases, hf_logits)
 
 # 2 layers, both MoE (Mixtral has no dense MLP); head_dim left out: hidden / heads = 16.
 FIELDS = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -48,7 +49,7 @@ def pair(tmp_path_factory):
 def greedy(pair):
     """transformers' greedy tokens for SINGLE and RAGGED."""
     hf, _ = pair
-    return {len(prompts): hf_greedy(hf, prompts) for prompts, _ in greedy_cases(SINGLE, RAGGED)}
+    return hf_greedy_cases(hf)
 
 
 def test_config_maps_the_router_and_window(pair):

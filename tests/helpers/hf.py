@@ -112,6 +112,11 @@ def hf_greedy(hf, prompts, new_tokens: int = NEW_TOKENS) -> list[list[int]]:
     return out[:, T:].tolist()
 
 
+def hf_greedy_cases(hf) -> dict[int, list[list[int]]]:
+    """transformers' greedy tokens for SINGLE and for RAGGED (batched), keyed by prompt count (`greedy_cases`)."""
+    return {len(prompts): hf_greedy(hf, prompts) for prompts, _ in greedy_cases(SINGLE, RAGGED)}
+
+
 def saved_and_loaded(build, cases):
     """`loaded(name, tmp_path_factory)` -> (HF model, jaxkv model loaded from its save_pretrained directory, that
     directory) for `build(*cases[name])`, built once per run and process (shared by a test module's tests)."""
