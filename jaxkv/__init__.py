@@ -25,6 +25,7 @@ _EXPORTS = {
     "JsonSchema": "jaxkv.constraints.spec",
     "KVCache": "jaxkv.cache.contiguous",
     "Mla": "jaxkv.config",
+    "SparseIndexer": "jaxkv.config",
     "LinearAttention": "jaxkv.config",
     "MoeConfig": "jaxkv.config",
     "Model": "jaxkv.model",

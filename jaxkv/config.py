@@ -27,6 +27,29 @@ ATTENTION_IMPLS = ("auto", "xla", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
+class SparseIndexer:
+    """DeepSeek-V3.2's lightning indexer (DeepSeek Sparse Attention): per token and layer one small key of
+    `head_dim` is cached beside the MLA latent row, and each query attends only to the `topk` cached slots the
+    indexer scores highest (`jaxkv.attention.indexer`). Letters as in `jaxkv.shapes`.
+
+    Attributes:
+      n_heads: the indexer's query heads (index_n_heads), each weighted per token by a learned projection.
+      head_dim: the indexer's query / key width (index_head_dim); its first qk_rope_head_dim columns are rotated.
+      topk: slots each query attends to (index_topk); a query with fewer live slots attends to them all.
+    """
+
+    n_heads: int = 64
+    head_dim: int = 128
+    topk: int = 2048
+
+    def __post_init__(self):
+        for name in ("n_heads", "head_dim", "topk"):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                   f"mla.indexer.{name} must be a positive integer, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
 class Mla:
     """Multi-head latent attention (DeepSeek-V2/V3). Letters as in `jaxkv.shapes`.
 
@@ -39,6 +62,8 @@ class Mla:
       q_lora_rank: the query's low-rank width (q = W_qb norm(W_qa x)); None projects the query directly.
       latent_norm_eps: epsilon of the q and kv latent RMSNorms (transformers fixes it at 1e-6, whatever
         rms_norm_eps says).
+      indexer: DeepSeek-V3.2's sparse-attention indexer (its keys are cached as the latent cache's values), or
+        None: every query attends to every live slot.
     """
 
     kv_lora_rank: int
@@ -47,6 +72,7 @@ class Mla:
     v_head_dim: int
     q_lora_rank: int | None = None
     latent_norm_eps: float = 1e-6
+    indexer: SparseIndexer | None = None
 
     def __post_init__(self):
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
@@ -59,6 +85,14 @@ class Mla:
         _check(self.qk_rope_head_dim % 2 == 0, f"RoPE needs an even mla.qk_rope_head_dim, got {self.qk_rope_head_dim}")
         _check(self.latent_norm_eps > 0 and math.isfinite(self.latent_norm_eps),
                f"mla.latent_norm_eps must be > 0, got {self.latent_norm_eps}")
+        if self.indexer is not None:
+            _check(isinstance(self.indexer, SparseIndexer),
+                   f"mla.indexer must be a SparseIndexer or None, got {type(self.indexer).__name__}")
+            # The indexer's query is projected from the query's low-rank latent and rotates its first E columns.
+            _check(self.q_lora_rank is not None, "mla.indexer needs mla.q_lora_rank (its query reads the q latent)")
+            _check(self.indexer.head_dim >= self.qk_rope_head_dim,
+                   f"mla.indexer.head_dim ({self.indexer.head_dim}) must be >= qk_rope_head_dim "
+                   f"({self.qk_rope_head_dim}): its first qk_rope_head_dim columns are rotated")
 
     @property
     def qk_head_dim(self) -> int:
@@ -448,6 +482,8 @@ class Config:
                    f"token: n_kv_heads must be 1 and head_dim {self.mla.row_dim}, got {self.n_kv_heads} and "
                    f"{self.head_dim}")
             _check(self.positions == "rope", "an MLA config needs positions 'rope'")
+            _check(self.mla.indexer is None or self.sliding_window is None,
+                   "mla.indexer (sparse attention) is not supported with a sliding_window")
         if self.positions == "rope" and self.mla is None:
             _check(self.head_dim % 2 == 0, f"RoPE needs an even head_dim, got {self.head_dim}")
         if self.positions == "rope":
@@ -694,12 +730,14 @@ class Config:
 
     def kv_bytes_per_token(self, bytes_per_element: int | None = None) -> int:
         """2 (K and V) x layers x KV heads x head dim x bytes per element; an MLA cache holds keys only (its
-        values are the first R columns of the same row): layers x (R + E) x bytes per element."""
+        values are the first R columns of the same row): layers x (R + E) x bytes per element, plus DeepSeek-V3.2's
+        indexer key (`SparseIndexer.head_dim`) per layer where it has one."""
         if bytes_per_element is None:
             bytes_per_element = 4 if self.dtype == "float32" else 2
         kinds = 1 if self.mla is not None else 2
-        return kinds * bytes_per_element * sum(self.layer_kv_heads(layer) * self.layer_head_dim(layer)
-                                               for layer in range(self.n_layers) if self.caches_kv(layer))
+        indexer = 0 if self.mla is None or self.mla.indexer is None else self.mla.indexer.head_dim
+        return bytes_per_element * sum(kinds * self.layer_kv_heads(layer) * self.layer_head_dim(layer) + indexer
+                                       for layer in range(self.n_layers) if self.caches_kv(layer))
 
     @property
     def attention_scale(self) -> float:
@@ -726,6 +764,9 @@ class Config:
             attn += (m.q_lora_rank or 0) + m.row_dim
         if self.out_bias:
             attn += D
+        if m.indexer is not None:  # wq [H*Di, q_rank], wk [Di, D], its LayerNorm, the head weights [H, D]
+            ix = m.indexer
+            attn += ix.n_heads * ix.head_dim * m.q_lora_rank + ix.head_dim * D + 2 * ix.head_dim + ix.n_heads * D
         return attn
 
     def param_count(self) -> int:

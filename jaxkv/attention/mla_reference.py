@@ -85,3 +85,41 @@ def full_attention(q, latent, start, q_offset, *, latent_dim: int, scale: float,
     # A dead slot's weight is exactly 0, but 0 x NaN is NaN: dead rows are zeroed, so garbage there cannot leak.
     values = jnp.where(live[:, :, :, None].any(axis=1), rows[..., :latent_dim], 0.0)  # [B, S, R]
     return jnp.einsum("bnts,bsr->btnr", weights, values, precision=precision)
+
+
+def sparse_attention(q, latent, slots, valid, *, latent_dim: int, scale: float, latent_scale=None):
+    """Absorbed latent attention of each query over only its own K slots (DeepSeek-V3.2's top-k, chosen by
+    `jaxkv.attention.indexer.top_slots`): the K rows are gathered, so a query reads K rows, not S.
+
+    Args:
+      q: [B, T, N, R + E] queries in latent space, as `attention`'s.
+      latent: [B, S, R + E] the cache. slots: int32[B, T, K] the slots each query reads; valid: bool[B, T, K]
+        which of them it may see (picks past its live slots are masked).
+      latent_scale: float32[B, S] dequantization scales of an int8/fp8 cache, else None.
+
+    Returns:
+      [B, T, N, R] float32, as `attention`'s; a query with no valid slot gets zeros.
+    """
+    B, T, N, C = q.shape
+    if latent.ndim != 3 or latent.shape[0] != B or latent.shape[2] != C or not 0 < latent_dim < C:
+        raise ValueError(f"latent {latent.shape} does not fit queries {q.shape} with latent_dim {latent_dim}")
+    if slots.shape[:2] != (B, T) or valid.shape != slots.shape:
+        raise ValueError(f"slots {slots.shape} / valid {valid.shape} are not [{B}, {T}, K]")
+    K = slots.shape[2]
+    flat = slots.reshape(B, T * K)
+    rows = jnp.take_along_axis(latent, flat[..., None], axis=1).reshape(B, T, K, C).astype(jnp.float32)
+    if latent_scale is not None:
+        rows = rows * jnp.take_along_axis(latent_scale, flat, axis=1).reshape(B, T, K, 1).astype(jnp.float32)
+    return gathered_attention(q, rows, valid, latent_dim=latent_dim, scale=scale)
+
+
+def gathered_attention(q, rows, valid, *, latent_dim: int, scale: float):
+    """`sparse_attention` over rows already gathered per query: rows float32[B, T, K, R + E] (dequantized),
+    valid bool[B, T, K] -> [B, T, N, R] float32. The paged cache gathers its rows through the page table."""
+    # An invalid pick may be a slot never written (garbage or NaN): its row is zeroed, its score masked.
+    rows = jnp.where(valid[..., None], rows, 0.0)
+    precision = dot_precision(q.dtype)
+    scores = jnp.einsum("btnc,btkc->btnk", q.astype(jnp.float32), rows, precision=precision) * scale
+    weights = softmax(jnp.where(valid[:, :, None, :], scores, MASKED))  # [B, T, N, K]
+    weights = jnp.where(valid.any(axis=-1)[:, :, None, None], weights, 0.0)
+    return jnp.einsum("btnk,btkr->btnr", weights, rows[..., :latent_dim], precision=precision)

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv.attention.paged_reference import before_chunk, fresh_mask, gather_pages, live_mask
+from jaxkv.attention.mla_reference import gathered_attention
 from jaxkv.attention.reference import MASKED, MIN_PREFIX, softmax, prefix_lengths
 
 
@@ -33,7 +34,7 @@ def _check(q, latent_pages, page_table, latent_dim, latent_scale):
 
 
 def paged_mla_attention(q, latent_pages, page_table, lengths, q_slots, *, latent_dim: int, scale: float,
-                        sliding_window: int | None = None, latent_scale=None, fresh=None):
+                        sliding_window: int | None = None, latent_scale=None, fresh=None, keep=None):
     """Absorbed latent attention of T queries per sequence over the sequence's pages of latent rows.
 
     Args:
@@ -50,6 +51,8 @@ def paged_mla_attention(q, latent_pages, page_table, lengths, q_slots, *, latent
       fresh: None, or (rows [B, T, R + E], valid bool[B, T]): the queries are a prompt chunk and these its own
         latent rows as computed (row t in slot q_slots[b, t], stored where valid): the pages are read only for
         the slots before each row's chunk, q_slots[b, 0].
+      keep: None, or bool[B, T, S] (S = M x page_size, + T with `fresh`: the chunk's own rows last): the slots
+        each query may read at most (DeepSeek-V3.2's top-k selection, `jaxkv.attention.indexer.keep_mask`).
 
     Returns:
       [B, T, N, R] float32: each head's output in latent space, before the value up-projection. A query with no
@@ -65,6 +68,8 @@ def paged_mla_attention(q, latent_pages, page_table, lengths, q_slots, *, latent
         live = before_chunk(live, jnp.arange(rows.shape[1], dtype=jnp.int32)[None, None, :], q_slots)
         rows = jnp.concatenate([rows, own.astype(jnp.float32)], axis=1)  # [B, S + T, R + E]
         live = jnp.concatenate([live, fresh_mask(q_slots, valid, sliding_window)], axis=2)
+    if keep is not None:
+        live &= keep
     scores = jnp.einsum("btnc,bsc->bnts", q.astype(jnp.float32), rows) * scale  # [B, N, T, S]
     weights = softmax(jnp.where(live[:, None], scores, MASKED))
     # A dead slot's weight is exactly 0, but 0 x NaN is NaN: dead rows are selected away, so garbage cannot leak.
@@ -99,3 +104,27 @@ def live_paged_mla_attention(q, latent_pages, page_table, lengths, q_slots, *, l
     needed = (jnp.max(read) + ps - 1) // ps  # table entries the longest sequence uses
     index = jnp.minimum(jnp.searchsorted(jnp.asarray(pages, jnp.int32), needed.astype(jnp.int32)), len(pages) - 1)
     return jax.lax.switch(index, [branch(m) for m in pages], *args)
+
+
+def gather_slots(pages, page_table, slots):
+    """A pool [P, 1, page_size, ...] read at each query's own slots (int32[B, T, K], sequence slots, any page
+    table entry; -1 entries read page 0, for the caller to mask) -> [B, T, K, ...]: only those rows are read."""
+    ps = pages.shape[2]
+    B, T, K = slots.shape
+    entry = jnp.clip(slots // ps, 0, page_table.shape[1] - 1).reshape(B, T * K)
+    page = jnp.maximum(jnp.take_along_axis(page_table, entry, axis=1), 0).reshape(B, T, K)
+    return pages[page, 0, slots % ps]
+
+
+def sparse_paged_mla_attention(q, latent_pages, page_table, slots, valid, *, latent_dim: int, scale: float,
+                               latent_scale=None):
+    """`jaxkv.attention.mla_reference.sparse_attention` over a paged pool: each query reads only its K slots
+    (int32[B, T, K], sequence slots; valid bool[B, T, K] which it may see), gathered through the page table.
+    -> [B, T, N, R] float32."""
+    B, T, N, C = q.shape
+    if latent_pages.ndim != 4 or latent_pages.shape[1] != 1 or latent_pages.shape[3] != C:
+        raise ValueError(f"latent pages {latent_pages.shape} are not [P, 1, page_size, {C}] for queries {q.shape}")
+    rows = gather_slots(latent_pages, page_table, slots).astype(jnp.float32)  # [B, T, K, R + E]
+    if latent_scale is not None:
+        rows = rows * gather_slots(latent_scale, page_table, slots)[..., None]
+    return gathered_attention(q, rows, valid, latent_dim=latent_dim, scale=scale)

@@ -66,12 +66,14 @@ def _cache_dtype(geometry: CacheGeometry, cache_dtype) -> str:
 
 
 def _layer_bytes_per_slot(geometry: CacheGeometry, cache_dtype) -> tuple[int, ...]:
-    """Bytes of one slot of each layer: kinds x K x (H x bytes per element + scale bytes); 0 for a layer that
-    caches nothing."""
+    """Bytes of one slot of each layer: kinds x K x (H x bytes per element + scale bytes) (+ an MLA indexer's
+    key); 0 for a layer that caches nothing."""
     dtype = _cache_dtype(geometry, cache_dtype)
+    scale = SCALE_BYTES if dtype in QUANTIZED else 0
+    # DeepSeek-V3.2: one indexer key per slot beside the latent row (the keys-only cache's values, with a scale)
+    index = 0 if geometry.index_dim is None else geometry.index_dim * BYTES_PER_ELEMENT[dtype] + scale
     return tuple(0 if shape is None else
-                 geometry.kinds * shape[0] * (shape[1] * BYTES_PER_ELEMENT[dtype] + (SCALE_BYTES if dtype in QUANTIZED
-                                                                                     else 0))
+                 geometry.kinds * shape[0] * (shape[1] * BYTES_PER_ELEMENT[dtype] + scale) + index
                  for shape in geometry.shapes)
 
 

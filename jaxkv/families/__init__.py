@@ -6,7 +6,7 @@ architectures, config-field mapping, tensor names, ignored and redundant tensors
   tensors.py   TensorSpec, its converters, and the spec lists families share (Llama-style decoder, experts)
   llama.py     llama, mistral, qwen2          qwen3.py     qwen3
   gemma.py     gemma2, gemma3_text, gemma3    gemma4.py    gemma4_text, gemma4
-  gpt2.py      gpt2                           deepseek.py  deepseek_v2, deepseek_v3
+  gpt2.py      gpt2                           deepseek.py  deepseek_v2, deepseek_v3, deepseek_v32
   qwen3_moe.py qwen3_moe                      mixtral.py   mixtral
   qwen3_next.py qwen3_next (hybrid)          qwen3_5.py   qwen3_5_text, qwen3_5_moe_text, qwen3_5, qwen3_5_moe
   glm4_moe.py  glm4_moe                       gpt_oss.py   gpt_oss

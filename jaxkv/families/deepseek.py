@@ -1,4 +1,4 @@
-"""DeepSeek-V2 / V3 (`model_type` deepseek_v2, deepseek_v3): multi-head latent attention (`jaxkv.layers.mla`;
+"""DeepSeek-V2 / V3 / V3.2 (`model_type` deepseek_v2, deepseek_v3, deepseek_v32): multi-head latent attention (`jaxkv.layers.mla`;
 qk = qk_nope + E), RMSNorm, SwiGLU; the first `first_k_dense_replace` layers keep a dense MLP, the rest are mixtures
 of experts (`jaxkv.layers.moe`; X experts of width I, J = n_shared * I). Norms, embeddings, lm_head and dense MLPs as
 Llama's.
@@ -12,7 +12,11 @@ Llama's.
   layers.{i}.self_attn.kv_b_proj.weight [N*(qk_nope+v), R] -> layer_{i}/attn/wk_b [N, qk_nope, R], wv_b [N, v, R]
   layers.{i}.self_attn.o_proj.weight   [D, N*v]         -> layer_{i}/attn/wo [D, N, v]        reshape
   with attention_bias: q_a_proj.bias, kv_a_proj_with_mqa.bias (rope rows*), o_proj.bias -> wq_a_bias, wkv_a_bias,
-  wo_bias.  * DeepSeek rotates interleaved pairs (V2 always, V3 unless rope_interleave is false): each head's E
+  wo_bias.
+  DeepSeek-V3.2's lightning indexer (`indexer_tensors`, `jaxkv.layers.indexer`), all as stored:
+  layers.{i}.self_attn.indexer.wq_b.weight [Hi*Di, q_lora_rank], wk.weight [Di, D], k_norm.{weight,bias} [Di],
+  weights_proj.weight [Hi, D] -> layer_{i}/attn/indexer/index_wq, index_wk, index_norm_{scale,bias}, index_weights.
+  * DeepSeek rotates interleaved pairs (V2 always, V3 unless rope_interleave is false): each head's E
   rotary output rows are reordered evens-then-odds on load, which turns that rotation into jaxkv's rotate-half.
 their mixture-of-experts layers (i >= first_k_dense_replace; `tensors.router`, `shared_experts`, `experts`)
   layers.{i}.mlp.gate.weight           [X, D]    -> layer_{i}/mlp/router            as is, kept float32
@@ -42,7 +46,7 @@ import dataclasses
 
 import numpy as np
 
-from jaxkv.config import Config, Mla, MoeConfig
+from jaxkv.config import Config, Mla, MoeConfig, SparseIndexer
 from jaxkv.families import fields as fl
 from jaxkv.families import tensors
 from jaxkv.families.registry import Family, MtpPlan, register
@@ -50,7 +54,8 @@ from jaxkv.families.tensors import TensorSpec, as_is, reshape, rows
 
 # transformers' DeepseekV2Config / DeepseekV3Config defaults for fields a config.json may omit.
 _DEEPSEEK_DEFAULTS = {"deepseek_v2": dict(q_lora_rank=1536, first_k_dense_replace=0, max_position_embeddings=2048),
-                      "deepseek_v3": dict(q_lora_rank=1536, first_k_dense_replace=3, max_position_embeddings=4096)}
+                      "deepseek_v3": dict(q_lora_rank=1536, first_k_dense_replace=3, max_position_embeddings=4096),
+                      "deepseek_v32": dict(q_lora_rank=1536, first_k_dense_replace=3, max_position_embeddings=163840)}
 
 
 def deepseek_fields(f: fl.Fields, arch: str) -> dict:
@@ -69,12 +74,18 @@ def deepseek_fields(f: fl.Fields, arch: str) -> dict:
         mla = Mla(kv_lora_rank=f.int("kv_lora_rank", cap=fl.MAX_D_MODEL, required=True),
                   qk_nope_head_dim=f.int("qk_nope_head_dim", cap=fl.MAX_HEAD_DIM, required=True),
                   qk_rope_head_dim=f.int("qk_rope_head_dim", cap=fl.MAX_HEAD_DIM, required=True),
-                  v_head_dim=f.int("v_head_dim", cap=fl.MAX_HEAD_DIM, required=True), q_lora_rank=q_lora_rank)
+                  v_head_dim=f.int("v_head_dim", cap=fl.MAX_HEAD_DIM, required=True), q_lora_rank=q_lora_rank,
+                  indexer=sparse_indexer(f) if arch == "deepseek_v32" else None)
     except ValueError as e:
         raise ValueError(f"{f.source}: {e}") from None
     dense = f.hf.get("first_k_dense_replace", defaults["first_k_dense_replace"])
     if isinstance(dense, bool) or not isinstance(dense, int) or dense < 0:
         f.fail("first_k_dense_replace", f"must be a non-negative integer, got {dense!r}")
+    mlp_types = f.hf.get("mlp_layer_types")  # DeepSeek-V3.2's config spells the dense / MoE split out too
+    if mlp_types is not None and list(mlp_types) != ["dense"] * min(dense, n_layers) + ["sparse"] * max(
+            n_layers - dense, 0):
+        f.fail("mlp_layer_types", f"= {mlp_types!r} is not supported: only the first_k_dense_replace ({dense}) "
+                                  f"dense layers, then mixtures of experts")
     moe = deepseek_moe(f, arch, dense) if dense < n_layers else None
     kwargs = dict(
         vocab_size=f.int("vocab_size", cap=fl.MAX_VOCAB, required=True),
@@ -103,9 +114,26 @@ _DEEPSEEK_MOE_DEFAULTS = {
     "deepseek_v2": dict(n_routed_experts=64, n_shared_experts=2, moe_intermediate_size=1407, routed_scaling_factor=1.0),
     "deepseek_v3": dict(n_routed_experts=256, n_shared_experts=1, moe_intermediate_size=2048, routed_scaling_factor=2.5,
                       num_experts_per_tok=8, n_group=8, topk_group=4, norm_topk_prob=True),
+    "deepseek_v32": dict(n_routed_experts=256, n_shared_experts=1, moe_intermediate_size=2048,
+                         routed_scaling_factor=2.5, num_experts_per_tok=8, n_group=8, topk_group=4,
+                         norm_topk_prob=True),
     # GLM-4.5 / 4.6 (`jaxkv.families.glm4_moe`): DeepSeek-V3's router and experts, transformers' Glm4MoeConfig defaults
     "glm4_moe": dict(n_routed_experts=128, n_shared_experts=1, moe_intermediate_size=1408, routed_scaling_factor=1.0,
                      num_experts_per_tok=8, n_group=1, topk_group=1, norm_topk_prob=True)}
+
+
+def sparse_indexer(f: fl.Fields) -> SparseIndexer:
+    """DeepSeek-V3.2's lightning indexer (transformers' DeepseekV32Config defaults); every layer has one (its
+    layer_types are all "indexed_attention")."""
+    types = f.hf.get("layer_types")
+    if types is not None and any(t != "indexed_attention" for t in types):
+        f.fail("layer_types", f"= {types!r} is not supported: every DeepSeek-V3.2 layer is 'indexed_attention'")
+    try:
+        return SparseIndexer(n_heads=f.int("index_n_heads", 64, cap=fl.MAX_HEADS),
+                             head_dim=f.int("index_head_dim", 128, cap=fl.MAX_HEAD_DIM),
+                             topk=f.int("index_topk", 2048, cap=1 << 24))
+    except ValueError as e:
+        raise ValueError(f"{f.source}: {e}") from None
 
 
 def deepseek_moe(f: fl.Fields, arch: str, dense: int) -> MoeConfig:
@@ -125,7 +153,7 @@ def deepseek_moe(f: fl.Fields, arch: str, dense: int) -> MoeConfig:
         n_shared_experts=f.int("n_shared_experts", d["n_shared_experts"], cap=fl.MAX_EXPERTS),
         first_dense_layers=dense,
         routed_scaling_factor=f.float("routed_scaling_factor", d["routed_scaling_factor"]))
-    if arch in ("deepseek_v3", "glm4_moe"):
+    if arch in ("deepseek_v3", "deepseek_v32", "glm4_moe"):
         fields |= dict(scoring="sigmoid", topk_method="noaux_tc", n_group=f.int("n_group", d["n_group"]),
                        topk_group=f.int("topk_group", d["topk_group"]),
                        norm_topk_prob=f.bool("norm_topk_prob", d["norm_topk_prob"]))
@@ -145,8 +173,9 @@ def deepseek_moe(f: fl.Fields, arch: str, dense: int) -> MoeConfig:
 
 def rope_interleaved(hf: dict, arch: str) -> bool:
     """Whether a DeepSeek checkpoint's rotary columns come in interleaved pairs (x0, x1), (x2, x3), ...: always
-    for V2 (its complex-number rotary), V3 unless `rope_interleave` is false."""
-    return arch == "deepseek_v2" or hf.get("rope_interleave", True) is not False
+    for V2 (its complex-number rotary) and V3.2 (transformers 5.25 reads no flag), V3 unless `rope_interleave` is
+    false. DeepSeek-V3.2's indexer rotates halves: its weights are never reordered."""
+    return arch in ("deepseek_v2", "deepseek_v32") or hf.get("rope_interleave", True) is not False
 
 
 def mtp_plan(config: Config, hf: dict, names, source: str, arch: str) -> MtpPlan | None:
@@ -237,6 +266,8 @@ def _layer(cfg: Config, i: int, interleaved: bool, fused_experts: bool) -> list[
         TensorSpec(attn + "o_proj.weight", (D, N * dv), "[D, N*v]", reshape((jx, "attn", "wo"), D, N, dv)),
     ]
     specs += ffn_tensors(cfg, i, fused_experts)
+    if m.indexer is not None:
+        specs += indexer_tensors(cfg, i)
     if m.q_lora_rank is None:
         specs.append(TensorSpec(attn + "q_proj.weight", (N * qk, D), "[N*qk, D]",
                                 rows((jx, "attn", "wq"), q_order, N, qk, D)))
@@ -260,6 +291,19 @@ def _layer(cfg: Config, i: int, interleaved: bool, fused_experts: bool) -> list[
     return specs
 
 
+def indexer_tensors(cfg: Config, i: int) -> list[TensorSpec]:
+    """Layer i's DeepSeek-V3.2 indexer (`jaxkv.layers.indexer`), every tensor as stored."""
+    ix, D, Q = cfg.mla.indexer, cfg.d_model, cfg.mla.q_lora_rank
+    Hi, Di = ix.n_heads, ix.head_dim
+    hf, path = f"layers.{i}.self_attn.indexer.", (f"layer_{i}", "attn", "indexer")
+    return [TensorSpec(hf + "wq_b.weight", (Hi * Di, Q), "[index_n_heads*index_head_dim, q_lora_rank]",
+                       as_is((*path, "index_wq"))),
+            TensorSpec(hf + "wk.weight", (Di, D), "[index_head_dim, D]", as_is((*path, "index_wk"))),
+            TensorSpec(hf + "k_norm.weight", (Di,), "[index_head_dim]", as_is((*path, "index_norm_scale"))),
+            TensorSpec(hf + "k_norm.bias", (Di,), "[index_head_dim]", as_is((*path, "index_norm_bias"))),
+            TensorSpec(hf + "weights_proj.weight", (Hi, D), "[index_n_heads, D]", as_is((*path, "index_weights")))]
+
+
 def ffn_tensors(cfg: Config, i: int, fused_experts: bool) -> list[TensorSpec]:
     """Layer i's FFN: the dense MLP, or the router, the shared experts and the X routed experts."""
     m = cfg.moe
@@ -275,10 +319,12 @@ def _family(arch: str) -> Family:
         return _tensors(config, rope_interleaved(hf, arch), config.moe is not None
                         and tensors.fused_experts_stored(names))
 
-    classes = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+    classes = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+               "deepseek_v32": "DeepseekV32ForCausalLM"}
     return Family(arch, (classes[arch],), lambda f: deepseek_fields(f, arch), tensor_specs,
                   mtp=lambda config, hf, names, source: mtp_plan(config, hf, names, source, arch))
 
 
 DEEPSEEK_V2 = register(_family("deepseek_v2"))
 DEEPSEEK_V3 = register(_family("deepseek_v3"))
+DEEPSEEK_V32 = register(_family("deepseek_v32"))
