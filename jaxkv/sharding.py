@@ -213,8 +213,11 @@ def param_shardings(params, mesh: Mesh, config: Config):
 
 def is_latent(cache) -> bool:
     """Whether a KVCache is an MLA latent cache: keys only, the values being the keys' first R columns
-    (`jaxkv.cache.zeroed_buffers`)."""
-    return bool(cache.keys) and not cache.values
+    (`jaxkv.cache.zeroed_buffers`), or DeepSeek-V3.2's, whose value buffers hold one indexer key per slot, of
+    another width than the latent row (any other cache's values are as wide as its keys)."""
+    if not cache.keys:
+        return False
+    return not cache.values or (cache.keys[0].shape[1] == 1 and cache.values[0].shape[-1] != cache.keys[0].shape[-1])
 
 
 def cache_shardings(cache, mesh: Mesh):

@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jaxkv
 from jaxkv import sharding
-from jaxkv.config import Mla, MoeConfig
+from jaxkv.config import Mla, MoeConfig, SparseIndexer
 
 from helpers import hlo
 from helpers.env import SCRIPTS
@@ -34,7 +34,10 @@ MLA = jaxkv.Config(vocab_size=128, d_model=48, n_layers=2, n_heads=8, ffn_dim=80
 MLA_MOE = MLA.replace(moe=MoeConfig(n_routed_experts=8, experts_per_token=2, moe_ffn_dim=32, n_shared_experts=1,
                                     first_dense_layers=1, scoring="sigmoid", topk_method="noaux_tc", n_group=2,
                                     topk_group=1, routed_scaling_factor=2.0, norm_topk_prob=True))
-CONFIGS = {"mla": MLA, "mla-moe": MLA_MOE}
+# DeepSeek-V3.2: an indexer keeping 4 slots per query (the prompts and their 8 new tokens outgrow it), its keys
+# cached as the latent cache's values and split like the rows.
+MLA_INDEXED = MLA_MOE.replace(mla=dataclasses.replace(MLA.mla, indexer=SparseIndexer(n_heads=4, head_dim=16, topk=4)))
+CONFIGS = {"mla": MLA, "mla-moe": MLA_MOE, "mla-indexed": MLA_INDEXED}
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]  # ragged; the padded batch of 4 does not divide a data axis of 8
 NEW = 8
 SAMPLED = dict(temperature=1.0, top_p=0.9, seed=3)
@@ -63,12 +66,15 @@ def latent_bytes(config: jaxkv.Config, batch: int, slots: int, cache_dtype: str 
     """The whole latent cache: per layer, batch x slots rows of R + E numbers (+ one float32 scale per row when
     quantized)."""
     row = config.mla.row_dim * np.dtype(cache_dtype).itemsize + (4 if cache_dtype == "int8" else 0)
+    if config.mla.indexer is not None:  # DeepSeek-V3.2's indexer key beside each row
+        row += config.mla.indexer.head_dim * np.dtype(cache_dtype).itemsize + (4 if cache_dtype == "int8" else 0)
     return config.n_layers * batch * slots * row
 
 
 # The dense MLA model split over "model" alone and over both axes; the MoE model with its experts split over a
 # 4-way model axis beside data (a data-only mesh, (8, 1), is plain data parallelism: tests/test_sharding.py).
-@pytest.mark.parametrize("name, shape", [("mla", (2, 4)), ("mla", (1, 8)), ("mla-moe", (2, 4))])
+@pytest.mark.parametrize("name, shape", [("mla", (2, 4)), ("mla", (1, 8)), ("mla-moe", (2, 4)),
+                                         ("mla-indexed", (2, 4))])
 def test_greedy_generation_equals_single_device(name, shape):
     """Greedy tokens identical to one device's for a ragged batch, log-probabilities within LOGPROB_ATOL, and the
     per-device cache = the whole latent cache / data (replicated over "model", never split by it)."""
@@ -117,7 +123,7 @@ def test_ring_latent_cache_on_a_mesh():
     assert got.stats["kv_cache_bytes_per_device"] == got.stats["kv_cache_bytes"] // 2
 
 
-@pytest.mark.parametrize("name, shape", [("mla-moe", (2, 4))])
+@pytest.mark.parametrize("name, shape", [("mla-moe", (2, 4)), ("mla-indexed", (2, 4))])
 def test_int8_latent_cache(name, shape):
     """An int8 latent cache on a mesh: the cache leaves (rows and their scales) carry the latent layout, hold
     total / data bytes on each device, and generation equals single-device int8 generation."""
@@ -144,7 +150,13 @@ def test_int8_latent_cache(name, shape):
         assert scales.sharding.is_equivalent_to(NamedSharding(mesh, sharding.LATENT_SCALE_SPEC), 3)
         # One device holds its batch rows' whole rows: B / data rows, all R + E columns.
         assert rows.addressable_shards[0].data.shape == (B // data, 1, S, config.mla.row_dim)
-    assert cache.values == () and cache.value_scales == ()
+    if config.mla.indexer is None:
+        assert cache.values == () and cache.value_scales == ()
+    else:  # DeepSeek-V3.2's indexer keys: laid out as the rows
+        for keys, scales in zip(cache.values, cache.value_scales, strict=True):
+            assert keys.shape == (B, 1, S, config.mla.indexer.head_dim) and keys.dtype == np.int8
+            assert keys.sharding.is_equivalent_to(NamedSharding(mesh, sharding.LATENT_SPEC), 4)
+            assert scales.sharding.is_equivalent_to(NamedSharding(mesh, sharding.LATENT_SCALE_SPEC), 3)
     assert sharding.cache_bytes_per_device(cache) == latent_bytes(config, B, S, "int8") // data
 
 

@@ -120,6 +120,6 @@ def gathered_attention(q, rows, valid, *, latent_dim: int, scale: float):
     rows = jnp.where(valid[..., None], rows, 0.0)
     precision = dot_precision(q.dtype)
     scores = jnp.einsum("btnc,btkc->btnk", q.astype(jnp.float32), rows, precision=precision) * scale
+    # A query with no valid slot spreads its weight over zeroed rows: its output is zeros.
     weights = softmax(jnp.where(valid[:, :, None, :], scores, MASKED))  # [B, T, N, K]
-    weights = jnp.where(valid.any(axis=-1)[:, :, None, None], weights, 0.0)
     return jnp.einsum("btnk,btkr->btnr", weights, rows[..., :latent_dim], precision=precision)

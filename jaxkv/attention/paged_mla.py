@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from jaxkv.attention.paged_reference import before_chunk, fresh_mask, gather_pages, live_mask
 from jaxkv.attention.mla_reference import gathered_attention
-from jaxkv.attention.reference import MASKED, MIN_PREFIX, softmax, prefix_lengths
+from jaxkv.attention.reference import MASKED, MIN_PREFIX, dot_precision, softmax, prefix_lengths
 
 
 def _check(q, latent_pages, page_table, latent_dim, latent_scale):
@@ -69,12 +69,15 @@ def paged_mla_attention(q, latent_pages, page_table, lengths, q_slots, *, latent
         rows = jnp.concatenate([rows, own.astype(jnp.float32)], axis=1)  # [B, S + T, R + E]
         live = jnp.concatenate([live, fresh_mask(q_slots, valid, sliding_window)], axis=2)
     if keep is not None:
+        if keep.shape != live.shape:
+            raise ValueError(f"keep {keep.shape} is not {live.shape} (the pages' slots, then a chunk's own)")
         live &= keep
-    scores = jnp.einsum("btnc,bsc->bnts", q.astype(jnp.float32), rows) * scale  # [B, N, T, S]
+    precision = dot_precision(jnp.float32)  # float32 products, as the contiguous reference (not TF32 on a GPU)
+    scores = jnp.einsum("btnc,bsc->bnts", q.astype(jnp.float32), rows, precision=precision) * scale  # [B, N, T, S]
     weights = softmax(jnp.where(live[:, None], scores, MASKED))
     # A dead slot's weight is exactly 0, but 0 x NaN is NaN: dead rows are selected away, so garbage cannot leak.
     values = jnp.where(jnp.any(live, axis=1)[..., None], rows[..., :latent_dim], 0.0)  # [B, S, R]
-    return jnp.einsum("bnts,bsr->btnr", weights, values)
+    return jnp.einsum("bnts,bsr->btnr", weights, values, precision=precision)
 
 
 def live_paged_mla_attention(q, latent_pages, page_table, lengths, q_slots, *, latent_dim: int, scale: float,
@@ -121,9 +124,9 @@ def sparse_paged_mla_attention(q, latent_pages, page_table, slots, valid, *, lat
     """`jaxkv.attention.mla_reference.sparse_attention` over a paged pool: each query reads only its K slots
     (int32[B, T, K], sequence slots; valid bool[B, T, K] which it may see), gathered through the page table.
     -> [B, T, N, R] float32."""
-    B, T, N, C = q.shape
-    if latent_pages.ndim != 4 or latent_pages.shape[1] != 1 or latent_pages.shape[3] != C:
-        raise ValueError(f"latent pages {latent_pages.shape} are not [P, 1, page_size, {C}] for queries {q.shape}")
+    _check(q, latent_pages, page_table, latent_dim, latent_scale)
+    if slots.shape[:2] != q.shape[:2] or valid.shape != slots.shape:
+        raise ValueError(f"slots {slots.shape} / valid {valid.shape} are not [{q.shape[0]}, {q.shape[1]}, K]")
     rows = gather_slots(latent_pages, page_table, slots).astype(jnp.float32)  # [B, T, K, R + E]
     if latent_scale is not None:
         rows = rows * gather_slots(latent_scale, page_table, slots)[..., None]
