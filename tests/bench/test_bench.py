@@ -335,6 +335,36 @@ def test_bench_hybrid_quick(tmp_path, capsys):
     assert "bytes ratio" in out and "time to first token" in out and "keeping the state after each" in out
 
 
+def test_bench_sparse_quick(tmp_path, capsys):
+    """`jaxkv bench sparse`: the indexer's keys are allocated as planned beside the latent rows (a quarter more per
+    token), the dense twin is the same model without the indexer, the sparse attention alone reads its top-k rows
+    whatever the context; the gpt-oss-shaped rings hold what the planner says, less than every layer full."""
+    import json
+
+    from jaxkv import cli
+    from jaxkv.bench.sparse import sparse_twins
+
+    assert cli.main(["bench", "sparse", "--quick", "--contexts", "160,600", "--window-context", "600", "--steps",
+                     "2", "--topk", "64", "--out", str(tmp_path / "sparse.json")]) == 0
+    result = json.loads((tmp_path / "sparse.json").read_text())
+    sparse, dense = sparse_twins(64)
+    configs = result["sparse"]["configs"]
+    assert configs["sparse"]["kv_bytes_per_token"] == 8 * (128 + 32) * 4 and configs["dense"][
+        "kv_bytes_per_token"] == 8 * 128 * 4
+    assert configs["sparse"]["params"] - configs["dense"]["params"] == sparse.param_count() - dense.param_count() > 0
+    for row in result["sparse"]["rows"]:
+        for name in ("sparse", "dense"):
+            assert row[name]["cache_bytes_allocated"] == row[name]["cache_bytes_planned"] and row[name]["step_ms"] > 0
+        assert row["attention_ms"]["sparse"] > 0 and row["attention_ms"]["dense"] > 0
+    w = result["windows"]
+    slot = 2 * 4 * 64 * 4  # K and V, 4 KV heads of 64, float32
+    assert w["windows"]["cache_bytes_allocated"] == w["windows"]["cache_bytes_planned"] == (
+        4 * 602 + 4 * 128) * slot
+    assert w["full"]["cache_bytes_allocated"] == 8 * 602 * slot
+    out = capsys.readouterr().out
+    assert "dense/sparse" in out and "full / windows" in out
+
+
 def test_bench_layers_quick(tmp_path, capsys):
     """`jaxkv bench layers`: past the window the rings allocate what the planner says, less than full length."""
     import json
