@@ -125,7 +125,9 @@ def run(args) -> dict:
         "n_layers": geometry.n_layers, "n_kv_heads": geometry.n_kv_heads, "head_dim": geometry.head_dim,
         "mla": None if not isinstance(model, Config) or model.mla is None else {
             "kv_lora_rank": model.mla.kv_lora_rank, "qk_rope_head_dim": model.mla.qk_rope_head_dim,
-            "n_heads": model.n_heads, "qk_head_dim": model.mla.qk_head_dim, "v_head_dim": model.mla.v_head_dim},
+            "n_heads": model.n_heads, "qk_head_dim": model.mla.qk_head_dim, "v_head_dim": model.mla.v_head_dim,
+            # DeepSeek-V3.2: one indexer key per token and layer beside the row
+            "index_head_dim": None if model.mla.indexer is None else model.mla.indexer.head_dim},
         "dtype": geometry.dtype, "sliding_window": geometry.sliding_window,
         "linear_layers": None if not isinstance(model, Config) or model.linear_attention is None
         else len(model.linear_layers),
@@ -258,6 +260,9 @@ def _print_summary(result: dict):
         print(f"{name}{result['n_layers']} layers, multi-head latent attention: one cached row per token and layer of "
               f"latent {mla['kv_lora_rank']} + rotary key {mla['qk_rope_head_dim']} = {result['head_dim']} values "
               f"(keys only){window}, {result['dtype']}{params}")
+        if mla["index_head_dim"] is not None:
+            print(f"plus the lightning indexer's key of {mla['index_head_dim']} values per token and layer (DeepSeek "
+                  f"Sparse Attention)")
         print(f"per-head K/V: what {mla['n_heads']} heads' full keys ({mla['qk_head_dim']}) and values "
               f"({mla['v_head_dim']}) would take instead")
     if result["linear_layers"]:

@@ -1,7 +1,7 @@
-"""DeepSeek-V2 / V3 / V3.2 (`model_type` deepseek_v2, deepseek_v3, deepseek_v32): multi-head latent attention (`jaxkv.layers.mla`;
-qk = qk_nope + E), RMSNorm, SwiGLU; the first `first_k_dense_replace` layers keep a dense MLP, the rest are mixtures
-of experts (`jaxkv.layers.moe`; X experts of width I, J = n_shared * I). Norms, embeddings, lm_head and dense MLPs as
-Llama's.
+"""DeepSeek-V2 / V3 / V3.2 (`model_type` deepseek_v2, deepseek_v3, deepseek_v32): multi-head latent attention
+(`jaxkv.layers.mla`; qk = qk_nope + E), RMSNorm, SwiGLU; the first `first_k_dense_replace` layers keep a dense
+MLP, the rest are mixtures of experts (`jaxkv.layers.moe`; X experts of width I, J = n_shared * I). Norms,
+embeddings, lm_head and dense MLPs as Llama's.
 
   layers.{i}.self_attn.q_proj.weight   [N*qk, D]        -> layer_{i}/attn/wq [N, qk, D]       reshape, rope rows*
   layers.{i}.self_attn.q_a_proj.weight [q_lora_rank, D] -> layer_{i}/attn/wq_a                as is (q_lora_rank)

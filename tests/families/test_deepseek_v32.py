@@ -3,7 +3,8 @@ DeepseekV32ForCausalLM: tiny random models whose lightning indexer keeps 8 slots
 heads of 16, the first 8 columns rotated), so every prompt here outgrows it and the sparse selection decides the
 logits; layer 0 dense and layers 1-2 DeepSeek-V3 mixtures of experts. Float32 logits within 1e-4 (and far off when
 the model attends to every slot instead), greedy tokens (single, ragged), n = 2, the engine (prompt chunks past the
-top-k), beams, speculation, the prefix cache, int8 and fp8 caches (read as their dequantized numbers), the planner's bytes, broken checkpoints.
+top-k), beams, speculation (a draft, and an MTP module with its own indexer), the prefix cache, int8 and fp8 caches
+(read as their dequantized numbers), the planner's bytes, a mesh (tests/test_sharding_mla.py), broken checkpoints.
 
 transformers embeds the pad id as zeros (`padding_idx`): a zero hidden state scores every slot 0 and the top-k is
 then an arbitrary pick among ties, different in torch and in XLA. The models here get a random pad embedding, and
@@ -18,8 +19,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import jaxkv  # noqa: E402
-from helpers.hf import (ATOL, DEEPSEEK_MOE_LIKE, DEEPSEEK_MOE_LAYERS, RAGGED, SINGLE, TIE_GAP,  # noqa: E402
-                        VOCAB, check_moe_path, check_moe_routing, hf_greedy_cases, hf_logits, saved_and_loaded)
+from helpers.hf import (ATOL, DEEPSEEK_MOE_LAYERS, DEEPSEEK_MOE_LIKE, RAGGED, SINGLE, TIE_GAP,  # noqa: E402
+                        VOCAB, check_moe_path, check_moe_routing, check_mtp_speculation, hf_greedy_cases,
+                        hf_logits, saved_and_loaded)
 from helpers.hf import build_hf as hf_model  # noqa: E402
 from jaxkv.cache.planner import kv_bytes_per_token, kv_cache_bytes  # noqa: E402
 from jaxkv.io.hf import config_from_hf  # noqa: E402
@@ -140,6 +142,18 @@ def test_decoding_paths_equal_transformers(pair, path):
     hf, model, greedy = pair
     check_moe_path(path, hf, model, greedy, "deepseek-v3.2",
                    routing=lambda: check_moe_routing(hf, model, DEEPSEEK_MOE_LAYERS))
+
+
+@pytest.mark.parametrize("where", ["contiguous", "paged", "engine"])
+def test_mtp_speculation_equals_plain_decoding(pair, where):
+    """A V3.2 MTP module (random, its block's attention with its own indexer and indexer-key cache) proposing for
+    `Speculation("mtp")`: the greedy tokens of plain decoding, with verifies run."""
+    from jaxkv.decoding.mtp import random_mtp
+    _, model, _ = pair
+    speculating = jaxkv.Model(model.config, model.params)
+    speculating.mtp = random_mtp(model.config, seed=1)
+    assert speculating.mtp.config.mla.indexer == model.config.mla.indexer
+    check_mtp_speculation(speculating, where)
 
 
 def test_prefix_cache_equals_the_plain_run(pair):
