@@ -19,6 +19,12 @@ Parameters (the [out, in] form; `jaxkv.layers.linear.ALL_OUT_IN_ORDER` gives the
   with config.qkv_bias: wq_a_bias [q_rank], wkv_a_bias [R+E]; with config.out_bias: wo_bias [D].
 The rotary columns (the last E of each head's query, the last E of wkv_a) use the halves convention
 (`layers.apply_rope`); checkpoints with DeepSeek's interleaved pairs are permuted on load (`checkpoint_hf`).
+
+DeepSeek-V3.2 (`Mla.indexer`): the layer's `Indexer` (`jaxkv.layers.indexer`, params under attn/indexer) scores the
+cached slots and each query attends to its top-k only (`jaxkv.attention.indexer`): its keys are written as the
+cache's values ([B, 1, T, Di]); decode gathers each query's k rows (`mla_reference.sparse_attention`,
+`paged_mla.sparse_paged_mla_attention`), prefill and a prompt chunk mask the rest; with no more than k slots in
+the cache every live slot is read and nothing is scored.
 """
 
 from __future__ import annotations
@@ -103,8 +109,9 @@ def paged_absorbed_attention(q_nope, q_rope, cache: PagedKVCache, layer: int, wk
     a prompt chunk's own latent rows as computed, which it attends over instead of their stored (quantized) copy
     (`paged_mla`'s `fresh`). `attention`: `jaxkv.attention.api`'s kind "paged_latent", whose one implementation
     is plain XLA (`jaxkv.attention.paged_mla`): there is no Pallas paged latent kernel yet. `index`: None, or
-    DeepSeek-V3.2's (q [B, T, Hi, Di], weights [B, T, Hi], this chunk's keys [B, T, Di]) from `Indexer`: a decode
-    step then reads only each query's top-k slots through the page table, a prompt chunk masks the rest.
+    DeepSeek-V3.2's (q [B, T, Hi, Di], weights [B, T, Hi], this chunk's keys [B, T, Di], topk, scale), the first
+    three from `Indexer`: a decode step then reads only each query's top-k slots through the page table, a prompt
+    chunk masks the rest.
     -> [B, T, N, dv]"""
     dtype = q_nope.dtype
     R = wk_b.shape[-1]
@@ -115,9 +122,9 @@ def paged_absorbed_attention(q_nope, q_rope, cache: PagedKVCache, layer: int, wk
     lengths = cache.lengths + jnp.sum(valid, axis=1, dtype=jnp.int32)  # this chunk's own rows included
     q_slots = cache.positions(q.shape[1])
     fresh = None if fresh_rows is None else (fresh_rows, valid)
-    latent_scale, index_scale = cache.scales(layer)
+    latent_scale, key_scale = cache.scales(layer)  # key_scale: the indexer keys' (the values' scales)
     selection = None if index is None else _paged_selection(cache, layer, index, lengths, q_slots, valid, fresh,
-                                                              index_scale)
+                                                              key_scale)
     if selection is None:
         out = api.get("paged_latent", attention)(
             q, cache.keys[layer], cache.page_table, lengths, q_slots, latent_dim=R, scale=scale,
