@@ -36,17 +36,24 @@ class SparseIndexer:
       n_heads: the indexer's query heads (index_n_heads), each weighted per token by a learned projection.
       head_dim: the indexer's query / key width (index_head_dim); its first qk_rope_head_dim columns are rotated.
       topk: slots each query attends to (index_topk); a query with fewer live slots attends to them all.
+      key_dtype: the cache dtype of the indexer keys: None, the cache's own (what transformers computes with);
+        "float8_e4m3fn" stores them as DeepSeek's release does (one float32 scale per key), beside latent rows of
+        any cache dtype. One of the cache dtypes (`jaxkv.cache.CACHE_DTYPES`).
     """
 
     n_heads: int = 64
     head_dim: int = 128
     topk: int = 2048
+    key_dtype: str | None = None
 
     def __post_init__(self):
         for name in ("n_heads", "head_dim", "topk"):
             value = getattr(self, name)
             _check(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
                    f"mla.indexer.{name} must be a positive integer, got {value!r}")
+        # The cache dtypes' names (`jaxkv.cache.dtypes`, which imports this module's package's cache: not here)
+        _check(self.key_dtype in (None, "float32", "bfloat16", "float16", "int8", "float8_e4m3fn"),
+               f"mla.indexer.key_dtype must be None or a cache dtype name, got {self.key_dtype!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -735,6 +742,8 @@ class Config:
         if bytes_per_element is None:
             bytes_per_element = 4 if self.dtype == "float32" else 2
         kinds = 1 if self.mla is not None else 2
+        # (an indexer key of another dtype, `SparseIndexer.key_dtype`, is counted at this size too: an estimate;
+        # the planner's `kv_bytes_per_token` is exact)
         indexer = 0 if self.mla is None or self.mla.indexer is None else self.mla.indexer.head_dim
         return bytes_per_element * sum(kinds * self.layer_kv_heads(layer) * self.layer_head_dim(layer) + indexer
                                        for layer in range(self.n_layers) if self.caches_kv(layer))

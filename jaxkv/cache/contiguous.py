@@ -134,11 +134,10 @@ class KVCache(LayerStates):
         return bool(self.key_scales)
 
     def scales(self, layer: int):
-        """(key scales, value scales) of `layer`, or (None, None) for an unquantized cache (value scales None for
-        a keys-only MLA cache)."""
-        if not self.quantized:
-            return None, None
-        return self.key_scales[layer], self.value_scales[layer] if self.value_scales else None
+        """(key scales, value scales) of `layer`, each None where that kind is not quantized (an unquantized cache,
+        a keys-only MLA cache's values; DeepSeek-V3.2's float8 indexer keys beside unquantized rows)."""
+        return (self.key_scales[layer] if self.key_scales else None,
+                self.value_scales[layer] if self.value_scales else None)
 
     @property
     def batch(self) -> int:
@@ -207,26 +206,29 @@ class KVCache(LayerStates):
 
         if (v is None) != (not self.values):
             raise ValueError("a keys-only (MLA) cache is written with v=None, any other cache with values")
+        # Keys and values are quantized each where their buffers are (DeepSeek-V3.2's indexer keys, the values of a
+        # latent cache, may be float8 beside rows that are not: `zeroed_buffers`).
         k_scale, v_scale = self.scales(layer)
-        if self.quantized:
+        if k_scale is not None:
             k, new_k_scale = quantize(k, self.dtype)
         if v is None:
             with jax.named_scope("cache_update"):
                 cache = self.with_layer(layer, update(self.keys[layer], k), None)
                 return cache.with_layer_scales(layer, update(k_scale, new_k_scale), None) if self.quantized else cache
-        if self.quantized:
-            v, new_v_scale = quantize(v, self.dtype)
         values = self.values[layer]
+        if v_scale is not None:
+            v, new_v_scale = quantize(v, values.dtype.name)
         if zero_dead_values:
             # What the next query (slot `length`) can see, before this write; the written slots are replaced below.
             kept = live_mask(self.start, self.length, 1, S, ring=ring)[:, 0]  # [B, S]
             values = jnp.where(kept[:, None, :, None], values, jnp.zeros((), values.dtype))
-            if self.quantized:  # a float8 value can itself be NaN: zero both the value and its scale
+            if v_scale is not None:  # a float8 value can itself be NaN: zero both the value and its scale
                 v_scale = jnp.where(kept[:, None, :], v_scale, 0.0)
         with jax.named_scope("cache_update"):
             cache = self.with_layer(layer, update(self.keys[layer], k), update(values, v))
-            if self.quantized:
-                cache = cache.with_layer_scales(layer, update(k_scale, new_k_scale), update(v_scale, new_v_scale))
+            if k_scale is not None or v_scale is not None:
+                cache = cache.with_layer_scales(layer, None if k_scale is None else update(k_scale, new_k_scale),
+                                                None if v_scale is None else update(v_scale, new_v_scale))
             return cache
 
     def write_prompt(self, layer: int, k: jax.Array, v: jax.Array | None) -> "KVCache":
@@ -246,8 +248,10 @@ class KVCache(LayerStates):
         return dataclasses.replace(self, keys=keys, values=values)
 
     def with_layer_scales(self, layer: int, k_scale: jax.Array, v_scale: jax.Array | None) -> "KVCache":
-        """The cache with layer `layer`'s quantization scales replaced (v_scale None in a keys-only cache)."""
-        key_scales = self.key_scales[:layer] + (k_scale,) + self.key_scales[layer + 1:]
+        """The cache with layer `layer`'s quantization scales replaced (None: those scales left as they are, as in
+        a keys-only cache or one whose keys or values alone are quantized)."""
+        key_scales = (self.key_scales if k_scale is None
+                      else self.key_scales[:layer] + (k_scale,) + self.key_scales[layer + 1:])
         value_scales = (self.value_scales if v_scale is None
                         else self.value_scales[:layer] + (v_scale,) + self.value_scales[layer + 1:])
         return dataclasses.replace(self, key_scales=key_scales, value_scales=value_scales)

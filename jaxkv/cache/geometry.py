@@ -33,6 +33,7 @@ class CacheGeometry:
     # DeepSeek-V3.2's indexer key width (`SparseIndexer.head_dim`), stored as a keys-only cache's values: one
     # more buffer of this width per layer; None: no indexer.
     index_dim: int | None = None
+    index_dtype: str | None = None  # their dtype where it is not the cache's (`SparseIndexer.key_dtype`)
     # Per-layer spans: sliding windows or Llama 4's attention chunks (`Config.layer_span`; None entries:
     # full-attention layers), for models that mix layer kinds (Gemma 2/3, Llama 4,
     # `Config.layer_types`); None: every layer has `sliding_window`.
@@ -93,6 +94,8 @@ class CacheGeometry:
         return cls(config.n_layers, config.n_kv_heads, config.head_dim, config.dtype, config.sliding_window,
                    keys_only=config.mla is not None,
                    index_dim=None if config.mla is None or config.mla.indexer is None else config.mla.indexer.head_dim,
+                   index_dtype=None if config.mla is None or config.mla.indexer is None
+                   else config.mla.indexer.key_dtype,
                    layer_windows=None if config.layer_types is None else config.layer_spans, layer_shapes=shapes,
                    state_bytes=config.state_bytes_per_sequence())
 

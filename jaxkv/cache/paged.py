@@ -131,11 +131,10 @@ class PagedKVCache(LayerStates):
         return self.page_table.shape[1] * self.page_size
 
     def scales(self, layer: int):
-        """(key scales, value scales) of `layer`, or (None, None) for an unquantized pool (value scales None for a
-        keys-only pool)."""
-        if not self.quantized:
-            return None, None
-        return self.key_scales[layer], self.value_scales[layer] if self.value_scales else None
+        """(key scales, value scales) of `layer`, each None where that kind is not quantized (an unquantized pool,
+        a keys-only pool's values; DeepSeek-V3.2's float8 indexer keys beside unquantized rows)."""
+        return (self.key_scales[layer] if self.key_scales else None,
+                self.value_scales[layer] if self.value_scales else None)
 
     def nbytes(self) -> int:
         """Bytes of the pools (keys, values and scales) and (hybrid models) the rows' states: what
@@ -225,15 +224,16 @@ class PagedKVCache(LayerStates):
             new = jnp.moveaxis(new, 2, 1)  # [B, T, K, ...]
             return pool.at[page, :, offset].set(new.astype(pool.dtype), mode="drop")
 
+        # Keys and values each quantized where their pools are (`scales`; DeepSeek-V3.2's float8 indexer keys).
         k_scale, v_scale = self.scales(layer)
-        if self.quantized:
+        if k_scale is not None:
             k, new_k_scale = quantize(k, self.dtype)
-            v, new_v_scale = (None, None) if v is None else quantize(v, self.dtype)
+        if v is not None and v_scale is not None:
+            v, new_v_scale = quantize(v, self.values[layer].dtype.name)
         with jax.named_scope("paged_cache_update"):
             cache = self._with_layer(layer, put(self.keys[layer], k), None if v is None else put(self.values[layer], v))
-            if self.quantized:
-                cache = cache._with_layer_scales(layer, put(k_scale, new_k_scale),
-                                                 None if v is None else put(v_scale, new_v_scale))
+            cache = cache._with_layer_scales(layer, None if k_scale is None else put(k_scale, new_k_scale),
+                                             None if v is None or v_scale is None else put(v_scale, new_v_scale))
         return cache
 
     def fork(self, parents) -> "PagedKVCache":

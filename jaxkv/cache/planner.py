@@ -71,7 +71,9 @@ def _layer_bytes_per_slot(geometry: CacheGeometry, cache_dtype) -> tuple[int, ..
     dtype = _cache_dtype(geometry, cache_dtype)
     scale = SCALE_BYTES if dtype in QUANTIZED else 0
     # DeepSeek-V3.2: one indexer key per slot beside the latent row (the keys-only cache's values, with a scale)
-    index = 0 if geometry.index_dim is None else geometry.index_dim * BYTES_PER_ELEMENT[dtype] + scale
+    index_dtype = geometry.index_dtype or dtype  # their own dtype where `SparseIndexer.key_dtype` names one
+    index = 0 if geometry.index_dim is None else geometry.index_dim * BYTES_PER_ELEMENT[index_dtype] + (
+        SCALE_BYTES if index_dtype in QUANTIZED else 0)
     return tuple(0 if shape is None else
                  geometry.kinds * shape[0] * (shape[1] * BYTES_PER_ELEMENT[dtype] + scale) + index
                  for shape in geometry.shapes)

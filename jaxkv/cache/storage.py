@@ -29,18 +29,22 @@ def zeroed_buffers(config: Config, shape, dtype=None):
     An MLA config (`config.mla`) caches keys only: its values are the first R columns of the key row, so values
     and value_scales are empty and no second buffer is ever allocated. DeepSeek-V3.2 (`Mla.indexer`) stores its
     indexer's keys in the value buffers instead, one head of `indexer.head_dim` per slot ([..., 1, S, Di]): every
-    fork, page copy, move and prefix snapshot then carries them as it carries values, quantized the same way."""
+    fork, page copy, move and prefix snapshot then carries them as it carries values. They take the cache dtype,
+    or `indexer.key_dtype` (DeepSeek's release: float8 keys beside bfloat16 rows), with scales where quantized:
+    key_scales exist where the keys are quantized and value_scales where the values are, independently."""
     name = check_cache_dtype(dtype or config.dtype)
     shapes = [tuple(shape)] * config.n_layers if isinstance(shape, tuple) else [tuple(s) for s in shape]
     buffers = lambda dt, cut=None: tuple(jnp.zeros(s[:cut], dt) for s in shapes)  # noqa: E731
     scales = name in QUANTIZED
     indexer = None if config.mla is None else config.mla.indexer
-    values = config.mla is None or indexer is not None
-    value_buffers = buffers(name) if config.mla is None else tuple(
-        jnp.zeros((*s[:3], indexer.head_dim), name) for s in shapes) if indexer is not None else ()
-    return (buffers(name), value_buffers,
-            buffers(jnp.float32, 3) if scales else (),
-            buffers(jnp.float32, 3) if scales and values else ())
+    if indexer is None:
+        values = () if config.mla is not None else buffers(name)
+        value_scales = buffers(jnp.float32, 3) if scales and values else ()
+    else:  # the indexer's keys, in their own dtype where `SparseIndexer.key_dtype` names one
+        key_dtype = check_cache_dtype(indexer.key_dtype or name)
+        values = tuple(jnp.zeros((*s[:3], indexer.head_dim), key_dtype) for s in shapes)
+        value_scales = buffers(jnp.float32, 3) if key_dtype in QUANTIZED else ()
+    return buffers(name), values, buffers(jnp.float32, 3) if scales else (), value_scales
 
 
 def zeroed_states(config: Config, batch: int):

@@ -362,10 +362,24 @@ def test_mla_bytes_per_token(tmp_path, capsys):
     assert rows["bfloat16"]["per_head_kv_total_bytes"] == 1000 * 4_997_120
     assert rows["int8"]["per_head_kv_bytes_per_token"] == 61 * 128 * (320 + 8)
     assert result["mla"] == {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "n_heads": 128, "qk_head_dim": 192,
-                             "v_head_dim": 128}
+                             "v_head_dim": 128, "index_head_dim": None}
     out = run(capsys, "--model", str(tmp_path), "--tokens", "1000", "--cache-dtype", "bfloat16")
-    assert "latent 512 + rotary key 64 = 576 values (keys only)" in out
+    assert "latent 512 + rotary key 64 = 576 values (keys only)" in out and "indexer" not in out
     assert table_row(out, "bfloat16")[-2:] == ["4,997,120", "4,997,120,000"]
+
+
+def test_deepseek_v32_counts_the_indexer_key(tmp_path, capsys):
+    """DeepSeek-V3.2 (V3's shape plus a lightning indexer of 64 heads x 128): each token and layer also caches the
+    indexer's key of 128 values: 61 x (576 + 128) x 2 = 85,888 bytes per token in bfloat16 (int8: a scale each)."""
+    v32 = dict(DEEPSEEK_V3, architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32", index_topk=2048,
+               index_head_dim=128, index_n_heads=64)
+    (tmp_path / "config.json").write_text(json.dumps(v32))
+    result = run_json(capsys, "--model", str(tmp_path), "--tokens", "1000")
+    rows = {r["cache_dtype"]: r for r in result["rows"]}
+    assert rows["bfloat16"]["bytes_per_token"] == 61 * (576 + 128) * 2 == 85_888
+    assert rows["int8"]["bytes_per_token"] == 61 * (576 + 4 + 128 + 4)
+    assert result["mla"]["index_head_dim"] == 128
+    assert "indexer's key of 128 values" in run(capsys, "--model", str(tmp_path), "--tokens", "1000")
 
 
 def test_mla_allocation_equals_the_planner():

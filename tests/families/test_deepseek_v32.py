@@ -194,6 +194,52 @@ def test_quantized_caches_read_what_they_hold(pair, dtype):
     np.testing.assert_allclose(np.asarray(ours), np.asarray(want), atol=ATOL, rtol=0)
 
 
+def with_key_dtype(model, key_dtype):
+    """The model with its indexer keys cached as `key_dtype` (`SparseIndexer.key_dtype`), the weights the same."""
+    import dataclasses
+    mla = model.config.mla
+    config = model.config.replace(mla=dataclasses.replace(mla, indexer=dataclasses.replace(mla.indexer,
+                                                                                             key_dtype=key_dtype)))
+    return jaxkv.Model(config, model.params)
+
+
+def test_float8_indexer_keys_beside_float32_rows(pair):
+    """DeepSeek's release caches the indexer keys in float8 (a scale each) whatever the rows' dtype
+    (`SparseIndexer.key_dtype`): the buffers and bytes are so (the planner agrees), a step reads exactly what a
+    float32 cache holding the dequantized keys gives, and paged forks equal the contiguous run of the same model
+    (a prefix-cache hit does not: its first query scores the stored float8 keys where a whole prefill scores
+    them as computed, and these weights' selection margins are within that rounding)."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from jaxkv.generate import decode_step, prefill
+    _, model, _ = pair
+    fp8 = with_key_dtype(model, "float8_e4m3fn")
+    c, m = fp8.config, fp8.config.mla
+    cache = jaxkv.KVCache.allocate(c, batch=2, max_len=40)
+    assert cache.keys[0].dtype == jnp.float32 and cache.values[0].dtype == jnp.float8_e4m3fn
+    assert cache.key_scales == () and len(cache.value_scales) == c.n_layers
+    assert cache.nbytes() == kv_cache_bytes(c, tokens=40, batch=2) == 2 * 40 * c.n_layers * (
+        m.row_dim * 4 + m.indexer.head_dim + 4)
+
+    tokens, start = jnp.asarray([SINGLE[0] + RAGGED[1]], jnp.int32), jnp.zeros((1,), jnp.int32)
+    _, cache = prefill(fp8.params, tokens, start, config=c, capacity=48)
+    assert float(jnp.max(cache.value_scales[1])) > 0  # the prompt's keys were quantized into the cache
+    keys = tuple(v.astype(jnp.float32) * s[..., None] for v, s in zip(cache.values, cache.value_scales))
+    plain = dataclasses.replace(cache, keys=tuple(map(jnp.array, cache.keys)), values=keys, value_scales=(),
+                                start=jnp.array(cache.start), length=jnp.array(cache.length))  # steps donate
+    step = jnp.asarray([5], jnp.int32)
+    ours, _ = decode_step(fp8.params, step, cache, config=c)
+    want, _ = decode_step(model.params, step, plain, config=model.config)
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(want), atol=ATOL, rtol=0)
+
+    prompt = SINGLE[0] + RAGGED[1]
+    contiguous = jaxkv.generate(fp8, [prompt], max_new_tokens=12, stop_tokens=[])
+    assert jaxkv.generate(fp8, [prompt], max_new_tokens=12, stop_tokens=[], n=2, page_size=4).tokens == (
+        contiguous.tokens * 2)
+
+
 def test_the_planner_counts_the_indexer_keys(pair):
     """Bytes per token: L x ((R + E) + Di) x 4 in float32 (+ 2 scales of 4 bytes in int8), what the caches hold."""
     _, model, _ = pair
