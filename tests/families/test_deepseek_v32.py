@@ -156,6 +156,39 @@ def test_mtp_speculation_equals_plain_decoding(pair, where):
     check_mtp_speculation(speculating, where)
 
 
+def test_a_stored_mtp_layer_loads_with_its_indexer(pair, tmp_path_factory, tmp_path):
+    """A V3.2 checkpoint's MTP layer as the release stores it (layer L with num_nextn_predict_layers 1: a decoder
+    layer, indexer included, here layer L - 1's tensors under layer L's names (a mixture of experts, as DeepSeek's
+    rule makes layer L), then enorm, hnorm, eh_proj, shared_head.norm): its indexer tensors land in `Model.mtp`'s
+    block, and `Speculation("mtp")` proposing with it gives plain greedy's tokens."""
+    import json
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+    _, _, directory = loaded("deepseek_v32", tmp_path_factory)
+    L, D = FIELDS["num_hidden_layers"], FIELDS["hidden_size"]
+    target = tmp_path / "mtp"
+    shutil.copytree(directory, target)
+    tensors = load_file(str(target / "model.safetensors"))
+    rng = np.random.default_rng(7)
+    last, mtp = f"model.layers.{L - 1}.", f"model.layers.{L}."
+    tensors |= {mtp + k.removeprefix(last): v for k, v in tensors.items() if k.startswith(last)}
+    tensors |= {mtp + "enorm.weight": (1 + 0.2 * rng.standard_normal(D)).astype(np.float32),
+                mtp + "hnorm.weight": (1 + 0.2 * rng.standard_normal(D)).astype(np.float32),
+                mtp + "eh_proj.weight": (rng.standard_normal((D, 2 * D)) / np.sqrt(2 * D)).astype(np.float32),
+                mtp + "shared_head.norm.weight": tensors["model.norm.weight"]}
+    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps(config | {"num_nextn_predict_layers": 1}))
+    model = jaxkv.load(target)
+    assert model.mtp is not None and model.mtp.config.mla.indexer == model.config.mla.indexer
+    indexer = model.mtp.params[0]["layer_0"]["attn"]["indexer"]
+    for name, stored in (("index_wk", "wk.weight"), ("index_wq", "wq_b.weight"), ("index_norm_bias", "k_norm.bias"),
+                         ("index_weights", "weights_proj.weight")):
+        np.testing.assert_array_equal(np.asarray(indexer[name]), tensors[mtp + "self_attn.indexer." + stored])
+    check_mtp_speculation(model, "contiguous")
+
+
 def test_prefix_cache_equals_the_plain_run(pair):
     """A prefix-cache hit (the indexer keys come back with the latent pages) equals the plain run."""
     _, model, _ = pair
