@@ -31,12 +31,33 @@ def weight_bytes_per_step(config: Config, batch: int, bytes_per_element: int) ->
     return (total - skipped) * bytes_per_element
 
 
+def kv_read_bytes_per_step(config: Config, live_len: float, cache_bytes_per_element: int) -> float:
+    """Cached bytes one sequence's decode step reads at `live_len` tokens, per layer: its bytes per slot
+    (`Config.kv_bytes_per_token`'s terms) times the slots it reads, at most its sliding window or chunk
+    (`Config.layer_span`); DeepSeek-V3.2 (`Mla.indexer`) reads every indexer key but only `topk` latent rows."""
+    bpe, total = cache_bytes_per_element, 0.0
+    m = config.mla
+    for layer in range(config.n_layers):
+        if not config.caches_kv(layer):
+            continue
+        span = config.layer_span(layer)
+        live = live_len if span is None else min(live_len, span)
+        if m is not None and m.indexer is not None:
+            total += m.row_dim * bpe * min(live, m.indexer.topk) + m.indexer.head_dim * bpe * live
+        else:
+            kinds = 1 if m is not None else 2
+            total += kinds * config.layer_kv_heads(layer) * config.layer_head_dim(layer) * bpe * live
+    return total
+
+
 def decode_bytes_per_step(config: Config, batch: int, live_len: float, bytes_per_element: int = 4,
                           cache_bytes_per_element: int | None = None) -> float:
-    """Bytes one decode step moves: weights read + live K/V read + new K/V written."""
+    """Bytes one decode step moves: weights read + live K/V read (`kv_read_bytes_per_step`: windows, chunks and
+    DeepSeek-V3.2's top-k bound it per layer) + new K/V written."""
     cache_bpe = bytes_per_element if cache_bytes_per_element is None else cache_bytes_per_element
     per_token = config.kv_bytes_per_token(cache_bpe)
-    return weight_bytes_per_step(config, batch, bytes_per_element) + batch * (live_len + 1) * per_token
+    return weight_bytes_per_step(config, batch, bytes_per_element) + batch * (
+        kv_read_bytes_per_step(config, live_len, cache_bpe) + per_token)
 
 
 @dataclasses.dataclass

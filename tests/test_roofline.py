@@ -18,6 +18,23 @@ def test_decode_bytes_per_step_hand_computed():
     assert roofline.weight_bytes_per_step(tied, 1, 2) == (236 - 40) * 2
 
 
+def test_live_reads_are_bounded_per_layer():
+    """A step reads at most a layer's window or chunk (a global layer beside sliding ones reads every live token),
+    and DeepSeek-V3.2 reads every indexer key but only top-k latent rows."""
+    from jaxkv.config import Mla, SparseIndexer
+    cfg = jaxkv.Config(vocab_size=10, d_model=4, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=8, sliding_window=3,
+                       layer_types=("sliding_attention", "full_attention"))
+    slot = 2 * 1 * 2 * 4  # K and V, 1 KV head of 2, float32
+    assert roofline.kv_read_bytes_per_step(cfg, 10, 4) == slot * (3 + 10)
+    assert roofline.decode_bytes_per_step(cfg, 2, 10, 4) == roofline.weight_bytes_per_step(cfg, 2, 4) + 2 * (
+        slot * 13 + 2 * slot)
+    mla = Mla(kv_lora_rank=6, qk_nope_head_dim=2, qk_rope_head_dim=2, v_head_dim=2, q_lora_rank=4,
+              indexer=SparseIndexer(n_heads=2, head_dim=4, topk=5))
+    v32 = jaxkv.Config(vocab_size=10, d_model=4, n_layers=2, n_heads=2, ffn_dim=8, mla=mla)
+    assert roofline.kv_read_bytes_per_step(v32, 12, 2) == 2 * (8 * 2 * 5 + 4 * 2 * 12)
+    assert roofline.kv_read_bytes_per_step(v32, 3, 2) == 2 * (8 * 2 * 3 + 4 * 2 * 3)
+
+
 def test_generation_stats_report_per_step_figures():
     cfg = jaxkv.Config(vocab_size=10, d_model=4, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=8)
     out = jaxkv.generate(jaxkv.Model.random(cfg), [[1, 2, 3]], max_new_tokens=5, stop_tokens=[])

@@ -78,9 +78,7 @@ def generation(model: Model, req: Request, loop: LoopOut, prefill_time: Phase, d
     # The first new token comes from the prefill logits; each later one costs a one-token forward pass. The loop
     # stops once every row has stopped, so `forward_passes` is what ran (at most max_new_tokens - 1).
     steps = int(forward_passes)
-    live = np.mean(lengths) + steps / 2
-    if config.sliding_window is not None:
-        live = min(live, config.sliding_window)
+    live = np.mean(lengths) + steps / 2  # windows, chunks and top-k bound it per layer (`roofline`)
     step_bytes = roofline.decode_bytes_per_step(config, req.plan.padded_batch, live, jnp.dtype(config.dtype).itemsize,
                                                 jnp.dtype(req.plan.cache_dtype).itemsize)
     steps_per_s = steps / decode_s if decode_s > 0 and steps > 0 else 0.0
