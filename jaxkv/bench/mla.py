@@ -33,17 +33,21 @@ TARGETS = {"bytes_ratio": 4.0, "speed_ratio_at_longest": 1.0}
 QUICK = {"contexts": "64,128", "steps": 4, "reps": 1}
 
 
-def context_parser(argv, *, prog: str, description: str, contexts: str, quick: dict):
-    """(parser, args) for a benchmark over cached contexts (`jaxkv bench mla`, `jaxkv bench layers`): --contexts
-    (comma-separated, default `contexts`), --batch, --steps, --reps, --out and --quick (as if given `quick`;
-    explicit options win), each checked; `parser.error` is the caller's for further checks."""
+def context_parser(argv, *, prog: str, description: str, contexts: str, quick: dict, steps: int = 32,
+                   add_options=None):
+    """(parser, args) for a benchmark over cached contexts (`jaxkv bench mla`, `layers`, `sparse`): --contexts
+    (comma-separated, default `contexts`), --batch, --steps (default `steps`), --reps, --out and --quick (as if
+    given `quick`; explicit options win), each checked; `add_options(parser)` adds a benchmark's own options
+    first; `parser.error` is the caller's for further checks."""
     p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--contexts", default=contexts, help=f"comma-separated cached tokens (default {contexts})")
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--steps", type=int, default=32, help="decode steps per timed call (default 32)")
+    p.add_argument("--steps", type=int, default=steps, help=f"decode steps per timed call (default {steps})")
     p.add_argument("--reps", type=int, default=5, help="timed calls per variant and context (default 5)")
     p.add_argument("--out", default=None, help="write the figures as JSON to this file")
-    as_if = ", ".join(f"--{k} {v}" for k, v in quick.items())
+    if add_options is not None:
+        add_options(p)
+    as_if = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in quick.items())
     p.add_argument("--quick", action="store_true", help=f"a small run, as if given {as_if} (explicit options win)")
     first = argparse.ArgumentParser(add_help=False)
     first.add_argument("--quick", action="store_true")

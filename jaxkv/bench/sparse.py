@@ -37,32 +37,17 @@ WINDOW = 128
 
 
 def parse_args(argv=None):
-    import argparse
+    from jaxkv.bench.mla import context_parser
 
-    p = argparse.ArgumentParser(prog="jaxkv bench sparse", description=__doc__.split("\n\n")[0])
-    p.add_argument("--contexts", default="4096,16384,65536", help="comma-separated cached tokens (part 1)")
-    p.add_argument("--window-context", type=int, default=16384, help="cached tokens of part 2 (default 16384)")
-    p.add_argument("--topk", type=int, default=TOPK, help=f"the indexer's top-k (default {TOPK}, as released)")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--steps", type=int, default=16, help="decode steps per timed call (default 16)")
-    p.add_argument("--reps", type=int, default=5, help="timed calls per variant and context (default 5)")
-    p.add_argument("--out", default=None, help="write the figures as JSON to this file")
-    as_if = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items())
-    p.add_argument("--quick", action="store_true", help=f"a small run, as if given {as_if} (explicit options win)")
-    first = argparse.ArgumentParser(add_help=False)
-    first.add_argument("--quick", action="store_true")
-    if first.parse_known_args(argv)[0].quick:
-        p.set_defaults(**QUICK)
-    args = p.parse_args(argv)
-    try:
-        args.contexts = [int(c) for c in args.contexts.split(",")]
-    except ValueError:
-        p.error(f"--contexts must be comma-separated integers, got {args.contexts!r}")
-    for name in ("batch", "steps", "reps", "topk", "window_context"):
+    def own_options(p):
+        p.add_argument("--window-context", type=int, default=16384, help="cached tokens of part 2 (default 16384)")
+        p.add_argument("--topk", type=int, default=TOPK, help=f"the indexer's top-k (default {TOPK}, as released)")
+
+    p, args = context_parser(argv, prog="jaxkv bench sparse", description=__doc__.split("\n\n")[0],
+                             contexts="4096,16384,65536", quick=QUICK, steps=16, add_options=own_options)
+    for name in ("topk", "window_context"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if min(args.contexts) < 1:
-        p.error("--contexts must be positive")
     longest = max(*args.contexts, args.window_context) + args.steps
     if longest > MAX_POSITIONS:
         p.error(f"--contexts / --window-context: at most {MAX_POSITIONS - args.steps} tokens with --steps {args.steps}")
