@@ -26,6 +26,7 @@ _EXPORTS = {
     "KVCache": "jaxkv.cache.contiguous",
     "Mla": "jaxkv.config",
     "SparseIndexer": "jaxkv.config",
+    "WeightQuant": "jaxkv.layers.quantized",
     "LinearAttention": "jaxkv.config",
     "MoeConfig": "jaxkv.config",
     "Model": "jaxkv.model",

@@ -174,3 +174,40 @@ def openai_penalty(name: str, value) -> float:
     if not -2.0 <= value <= 2.0:
         raise ArgumentError(f"{name} must be in [-2, 2] (0 is off), got {value}", name)
     return value
+
+
+# Weight-only quantization flags, shared by `jaxkv generate`, `jaxkv serve` and (--weights) `jaxkv memory`.
+WEIGHT_MODES = ("int8", "fp8", "int4")  # jaxkv.layers.quantized.WEIGHT_MODES (not imported here: no JAX)
+
+
+def add_weight_flags(parser) -> None:
+    """--weights, --weight-group-size, --quantize-embeddings: weight-only quantization (`weights_of`)."""
+    parser.add_argument("--weights", choices=WEIGHT_MODES, default=None,
+                        help="quantize the weights (weight-only): int8 or fp8 per output channel, int4 in groups; "
+                             "default: as stored")
+    parser.add_argument("--weight-group-size", type=int, default=None, metavar="G",
+                        help="int4's inputs per scale (default 64)")
+    parser.add_argument("--quantize-embeddings", action="store_true",
+                        help="with --weights, also quantize the embedding tables and lm_head")
+
+
+def check_weight_flags(args) -> None:
+    """A weight flag that needs --weights without it, or --weight-group-size without int4: ValueError (no JAX)."""
+    if args.weights is None and (args.weight_group_size is not None or args.quantize_embeddings):
+        raise ArgumentError("--weight-group-size and --quantize-embeddings need --weights", "--weights")
+    if args.weight_group_size is not None and args.weight_group_size < 1:
+        raise ArgumentError(f"--weight-group-size must be a positive integer, got {args.weight_group_size}",
+                            "--weight-group-size")
+    if args.weight_group_size is not None and args.weights not in (None, "int4"):
+        raise ArgumentError(f"--weight-group-size is int4's; --weights {args.weights} has one scale per channel",
+                            "--weight-group-size")
+
+
+def weights_of(args):
+    """The `jaxkv.WeightQuant` the weight flags ask for (`check_weight_flags` first), or None."""
+    check_weight_flags(args)
+    if args.weights is None:
+        return None
+    from jaxkv.layers.quantized import DEFAULT_GROUP_SIZE, WeightQuant
+
+    return WeightQuant(args.weights, args.weight_group_size or DEFAULT_GROUP_SIZE, args.quantize_embeddings)

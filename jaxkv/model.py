@@ -26,6 +26,7 @@ from jaxkv import compile_cache
 from jaxkv.cache.contiguous import KVCache
 from jaxkv.config import Config
 from jaxkv.layers import moe as moe_lib
+from jaxkv.layers import quantized
 from jaxkv.layers.gated_delta import GatedDeltaNet
 from jaxkv.layers.gqa import Attention
 from jaxkv.layers.linear import ALL_OUT_IN_ORDER, fan_in_init, in_out_names, linear
@@ -187,7 +188,7 @@ def _embed(module: Decoder, tokens, positions):
     cfg = module.config
     dtype = jnp.dtype(cfg.dtype)
     embedding = module.param("embedding", fan_in_init(cfg.d_model), (cfg.vocab_size, cfg.d_model), dtype)
-    x = jnp.take(embedding, tokens, axis=0)  # [B, T, D]
+    x = quantized.rows(embedding, tokens, dtype)  # [B, T, D]
     if cfg.embed_scale is not None:  # Gemma: sqrt(D), rounded to the dtype first as transformers does
         x = x * jnp.asarray(cfg.embed_scale, dtype)
     real = positions >= 0  # [B, T]
@@ -224,11 +225,11 @@ def _logits(module: Decoder, x, embedding, real, last_only: bool, return_hidden:
         x = x[:, -1:]
     x = final_norm(x)
     if cfg.tie_embeddings:
-        logits = jnp.einsum("btd,vd->btv", x, embedding, preferred_element_type=jnp.float32)
+        logits = quantized.einsum("btd,vd->btv", x, embedding)
     else:
         shape = (cfg.vocab_size, cfg.d_model)
         head = module.param("lm_head", fan_in_init(cfg.d_model), shape, jnp.dtype(cfg.dtype))
-        logits = jnp.einsum("btd,vd->btv", x, head, preferred_element_type=jnp.float32)
+        logits = quantized.einsum("btd,vd->btv", x, head)
     if cfg.final_logit_softcap is not None:  # Gemma 2: cap * tanh(logits / cap), in float32
         cap = jnp.float32(cfg.final_logit_softcap)
         logits = jnp.tanh(logits / cap) * cap
@@ -339,6 +340,9 @@ class Model:
     # generation_config.json's sampling (`jaxkv.io.generation.SamplingDefaults`) or None: what
     # `generate(..., sampling="checkpoint")`, `jaxkv generate` and `jaxkv serve` sample with by default
     sampling_defaults: object | None = None
+    # How `params` are quantized (`jaxkv.layers.quantized.WeightQuant`: weight-only int8 / fp8 / int4, made by
+    # `quantize_weights` or `jaxkv.load(..., weights=)`), or None for float weights
+    weights: quantized.WeightQuant | None = None
 
     @classmethod
     def random(cls, config: Config, seed: int = 0) -> "Model":
@@ -355,6 +359,21 @@ class Model:
             if length + T > cache.capacity:
                 raise ValueError(f"cannot write {T} tokens at slot {length} of a cache of {cache.capacity} slots")
         return Decoder(self.config).apply({"params": self.params}, tokens, positions, cache, **kwargs)
+
+
+def quantize_weights(model: Model, weights) -> Model:
+    """The model with its weights quantized (`jaxkv.layers.quantized`: "int8", "fp8", "int4" or a
+    `WeightQuant`); None returns it unchanged. A model already quantized is refused (quantize the float model: a
+    second rounding would compound the first)."""
+    quant = quantized.WeightQuant.of(weights)
+    if quant is None:
+        return model
+    if model.weights is not None:
+        raise ValueError(f"the model's weights are already quantized ({model.weights.mode}); load the float "
+                         f"checkpoint to quantize it as {quant.mode}")
+    names, orders = weight_layout(model.config)
+    params = quantized.quantize_params(model.params, quant, names, orders)
+    return dataclasses.replace(model, params=params, weights=quant)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "attention"))

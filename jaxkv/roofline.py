@@ -17,11 +17,22 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.config import Config
+from jaxkv.layers import quantized
 
 
-def weight_bytes_per_step(config: Config, batch: int, bytes_per_element: int) -> int:
+def weight_bytes_per_step(config: Config, batch: int, bytes_per_element: int, params=None) -> int:
     """Weights a decode step reads: all of them, except that an untied token embedding is read only for the
-    `batch` looked-up rows (and a learned position table for `batch` rows)."""
+    `batch` looked-up rows (and a learned position table for `batch` rows). With `params` (a parameter tree,
+    quantized or not), their bytes at each dtype's width (`quantized.packed_bytes`: int4 at half a byte, the
+    scales included) instead of parameter count x `bytes_per_element`."""
+    if params is not None:
+        total, skipped = quantized.packed_bytes(params), 0.0
+        tables = [("embedding", config.vocab_size)] if not config.tie_embeddings else []
+        if config.positions == "learned":
+            tables.append(("pos_embedding", config.max_positions))
+        for name, rows in tables:
+            skipped += quantized.packed_bytes(params[name]) * (rows - batch) / rows
+        return int(total - skipped)
     total = config.param_count()
     skipped = 0
     if not config.tie_embeddings:
@@ -51,12 +62,13 @@ def kv_read_bytes_per_step(config: Config, live_len: float, cache_bytes_per_elem
 
 
 def decode_bytes_per_step(config: Config, batch: int, live_len: float, bytes_per_element: int = 4,
-                          cache_bytes_per_element: int | None = None) -> float:
-    """Bytes one decode step moves: weights read + live K/V read (`kv_read_bytes_per_step`: windows, chunks and
-    DeepSeek-V3.2's top-k bound it per layer) + new K/V written."""
+                          cache_bytes_per_element: int | None = None, params=None) -> float:
+    """Bytes one decode step moves: weights read (`weight_bytes_per_step`; from `params` when given, e.g.
+    quantized ones) + live K/V read (`kv_read_bytes_per_step`: windows, chunks and DeepSeek-V3.2's top-k bound
+    it per layer) + new K/V written."""
     cache_bpe = bytes_per_element if cache_bytes_per_element is None else cache_bytes_per_element
     per_token = config.kv_bytes_per_token(cache_bpe)
-    return weight_bytes_per_step(config, batch, bytes_per_element) + batch * (
+    return weight_bytes_per_step(config, batch, bytes_per_element, params) + batch * (
         kv_read_bytes_per_step(config, live_len, cache_bpe) + per_token)
 
 

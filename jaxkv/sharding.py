@@ -61,7 +61,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from jaxkv import shapes
 from jaxkv.config import Config
 from jaxkv import moe as moe_lib
-from jaxkv.layers import ALL_OUT_IN_ORDER, OUT_IN_ORDER, in_out_names
+from jaxkv.layers import ALL_OUT_IN_ORDER, OUT_IN_ORDER, in_out_names, quantized
 
 DATA, MODEL = "data", "model"
 AXES = (DATA, MODEL)
@@ -207,8 +207,21 @@ def param_spec(path, config: Config) -> P:
 
 
 def param_shardings(params, mesh: Mesh, config: Config):
-    """NamedShardings for a params tree (same structure) of a model with `config`."""
-    return jax.tree_util.tree_map_with_path(lambda path, _: NamedSharding(mesh, param_spec(path, config)), params)
+    """NamedShardings for a params tree (same structure) of a model with `config`. A quantized weight
+    (`jaxkv.layers.quantized`) is a QArray of shardings: its values split as the float weight, its scale on the
+    same mesh axes where the scale's axis divides evenly (a per-channel scale's output axis), else replicated there
+    (a scale shared along an axis, or fewer groups than devices)."""
+
+    def sharding(path, leaf):
+        spec_ = param_spec(path, config)
+        if not quantized.is_quantized(leaf):
+            return NamedSharding(mesh, spec_)
+        axes = tuple(spec_) + (None,) * (leaf.scale.ndim - len(spec_))
+        scale = P(*(a if a is not None and leaf.scale.shape[i] % mesh.shape[a] == 0 else None
+                    for i, a in enumerate(axes)))
+        return quantized.QArray(NamedSharding(mesh, spec_), NamedSharding(mesh, scale), qtype=leaf.qtype)
+
+    return jax.tree_util.tree_map_with_path(sharding, params, is_leaf=quantized.is_quantized)
 
 
 def is_latent(cache) -> bool:
@@ -280,10 +293,12 @@ def replicate_kv_heads(params, config: Config, run_config: Config | int):
         name = path[-1].key
         r = next((repeats[k.key] for k in path if getattr(k, "key", None) in repeats), 1)
         if name in ("wk", "wv", "wk_bias", "wv_bias") and r > 1:  # KV heads: axis 0 of [K, H, D] and biases [K, H]
-            return np.repeat(np.asarray(x), r, axis=OUT_IN_ORDER[name].index(0) if name in in_out else 0)
+            axis = OUT_IN_ORDER[name].index(0) if name in in_out else 0
+            # a quantized weight's scale is per KV head (an output axis): repeated alike
+            return jax.tree.map(lambda a: np.repeat(np.asarray(a), r, axis=axis), x)
         return x
 
-    return jax.tree_util.tree_map_with_path(repeat, params)
+    return jax.tree_util.tree_map_with_path(repeat, params, is_leaf=quantized.is_quantized)
 
 
 def global_array(value, sharding: NamedSharding) -> jax.Array:

@@ -161,14 +161,30 @@ def allocated_bytes(config: Config | CacheGeometry, *, tokens: int, batch: int =
     return kv_cache_bytes(config, tokens=tokens, batch=next_pow2(batch), cache_dtype=cache_dtype)
 
 
-def weight_bytes(config: Config, dtype: str | None = None) -> int:
-    """Bytes of the model's parameters: parameter count x bytes per element of `dtype` (None: config.dtype)."""
+def weight_bytes(config: Config, dtype: str | None = None, weights=None) -> int:
+    """Bytes of the model's parameters: parameter count x bytes per element of `dtype` (None: config.dtype).
+
+    weights: weight-only quantization ("int8", "fp8", "int4" or a `jaxkv.WeightQuant`; `jaxkv.layers.quantized`):
+    the quantized weights at their width (int4 at half a byte, as GPUs and TPUs hold them; XLA:CPU holds one per
+    byte) plus their float32 scales, the other parameters in `dtype`. Counted from the parameter shapes
+    `jaxkv.load(..., weights=)` makes (this imports JAX)."""
     if not isinstance(config, Config):
         raise TypeError(f"weight bytes need a full jaxkv.Config (for its parameter count), got "
                         f"{type(config).__name__}")
     dtype = config.dtype if dtype is None else dtype
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if weights is not None:
+        import jax
+
+        from jaxkv.layers import quantized
+        from jaxkv.model import param_shapes, weight_layout
+
+        config = config.replace(dtype=dtype)
+        quant = quantized.WeightQuant.of(weights)
+        shapes = jax.eval_shape(lambda p: quantized.quantize_params(p, quant, *weight_layout(config)),
+                                param_shapes(config))
+        return quantized.packed_bytes(shapes)
     return config.param_count() * BYTES_PER_ELEMENT[dtype]
 
 

@@ -58,3 +58,4 @@ def positive_float(text: str) -> float:
 
 def non_negative_float(text: str) -> float:
     return _float(text, allow_zero=True)
+

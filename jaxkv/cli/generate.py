@@ -13,6 +13,7 @@ import sys
 import time
 
 from jaxkv import checks
+from jaxkv.checks import add_weight_flags, check_weight_flags, weights_of
 from jaxkv.io import generation as generation_config
 from jaxkv.cache import planner as memory
 
@@ -51,6 +52,7 @@ def add_parser(commands):
     pen.add_argument("--min-tokens", type=int, default=None, metavar="N",
                      help="no stop token (eos included) before N new tokens")
     gen.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    add_weight_flags(gen)
     gen.add_argument("--max-len", type=int, default=None, help="KV-cache capacity in tokens")
     gen.add_argument("--cache-dtype", choices=memory.CACHE_DTYPES, default=None,
                      help="KV-cache dtype (int8/fp8: quantized with a scale per token per KV head); default: the "
@@ -160,6 +162,7 @@ def _penalties(args) -> dict:
 def _check_generate(args):
     """Every `generate` flag checked without JAX (jaxkv.checks: the same checks as the API), before anything is
     printed or imported. Returns the prompt: the text, or the list of ids. Raises ValueError."""
+    check_weight_flags(args)
     if args.prompt is not None:
         if not args.prompt:
             raise ValueError("--prompt is empty: give some text to continue")
@@ -247,7 +250,7 @@ def run(args, started: float) -> dict:
     from jaxkv.generate import Speculation, generate
 
     t1 = time.perf_counter()
-    model = load(args.model, dtype=args.dtype)
+    model = load(args.model, dtype=args.dtype, weights=weights_of(args))
     t2 = time.perf_counter()
     if args.prompt is not None and model.tokenizer is None:
         raise ValueError(f"model {args.model} has no tokenizer.json: pass --prompt-ids instead of --prompt")

@@ -11,6 +11,7 @@ import json
 import pathlib
 
 from jaxkv.cache import planner as memory
+from jaxkv.checks import WEIGHT_MODES
 from jaxkv.cli.arguments import non_negative_float, positive_float, positive_int
 from jaxkv.config import DTYPES, Config
 
@@ -46,6 +47,10 @@ def add_parser(commands):
                      help="one cache dtype (default: a row for each)")
     mem.add_argument("--hbm-gib", metavar="G", type=positive_float, default=None,
                      help="device memory in GiB: also print how many --tokens sequences fit beside the weights")
+    mem.add_argument("--weights", choices=WEIGHT_MODES, default=None,
+                     help="weight-only quantization (as jaxkv generate/serve --weights; int4 in groups of 64): "
+                          "print the weights' bytes in the --dtype float form and quantized, and use the latter "
+                          "with --hbm-gib (needs a config: --model or --config)")
     mem.add_argument("--weights-gib", metavar="W", type=non_negative_float, default=None,
                      help="weights' size in GiB (default: parameter count x dtype bytes; needed with --layers)")
     mem.add_argument("--plot", metavar="FILE.png", default=None, help="draw cache size versus tokens to FILE.png")
@@ -115,6 +120,10 @@ def run(args) -> dict:
     geometry = memory.CacheGeometry.of(model)
     if args.weights_gib is not None and args.hbm_gib is None:
         raise ValueError("--weights-gib is only used with --hbm-gib")
+    if args.weights is not None and not isinstance(model, Config):
+        raise ValueError("--weights needs a config to count parameters from (--model or --config)")
+    if args.weights is not None and args.weights_gib is not None:
+        raise ValueError("--weights counts the quantized weights; --weights-gib gives their size by hand: not both")
     hbm, weights = _device_budget(args, model)
     if args.new_tokens is not None and args.n is None:
         raise ValueError("--new-tokens is only used with --n")
@@ -140,6 +149,10 @@ def run(args) -> dict:
         "padded_batch": memory.next_pow2(args.batch),
         "n": args.n, "new_tokens": args.new_tokens, "page_size": args.page_size if args.n is not None else None,
         "hbm_bytes": hbm, "weights_bytes": weights, "weights_fit": None if hbm is None else weights <= hbm,
+        # --weights: the float weights' bytes and the quantized ones' (memory.weight_bytes)
+        "weights": args.weights,
+        "float_weights_bytes": None if args.weights is None else memory.weight_bytes(model),
+        "quantized_weights_bytes": None if args.weights is None else memory.weight_bytes(model, weights=args.weights),
         "rows": rows,
     }
     if args.plot is not None:
@@ -156,7 +169,7 @@ def _device_budget(args, model) -> tuple[int | None, int | None]:
         if args.weights_gib is not None:
             weights = int(args.weights_gib * memory.GIB)
         elif isinstance(model, Config):
-            weights = memory.weight_bytes(model)
+            weights = memory.weight_bytes(model, weights=args.weights)
         else:
             raise ValueError("--hbm-gib with --layers/--kv-heads/--head-dim also needs --weights-gib (there is no "
                              "config to count parameters from)")
@@ -277,6 +290,10 @@ def _print_summary(result: dict):
     else:
         print(f"{result['tokens']:,} tokens x batch {result['batch']:,} ({result['slots']:,} cache slots per "
               f"sequence)")
+    if result.get("weights") is not None:
+        fl, qu = result["float_weights_bytes"], result["quantized_weights_bytes"]
+        print(f"weights: {fl:,} bytes ({_gib(fl)}) in {result['dtype']}, {qu:,} bytes ({_gib(qu)}) as "
+              f"{result['weights']} ({qu / fl:.3f} of it; the scales included, float32)")
     hbm = result["hbm_bytes"]
     if hbm is not None:
         weights = result["weights_bytes"]

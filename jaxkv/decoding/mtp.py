@@ -46,6 +46,7 @@ import numpy as np
 from jaxkv.cache.contiguous import KVCache
 from jaxkv.cache.paged import PagedKVCache
 from jaxkv.config import Config
+from jaxkv.layers import quantized
 from jaxkv.layers.linear import fan_in_init, linear
 from jaxkv.layers.norms import Norm
 from jaxkv.layers.rope import rope_angles
@@ -131,7 +132,7 @@ def mtp_forward(mtp_params: dict, params: dict, hidden, tokens, positions,
     attention = attention or config.attention
     embedding = mtp_params.get("embedding", params["embedding"])
     block = {k: v for k, v in mtp_params.items() if k not in _TABLES}
-    x = jnp.take(embedding, tokens, axis=0)  # [B, T, D]
+    x = quantized.rows(embedding, tokens, jnp.dtype(config.dtype))  # [B, T, D] (the main model's may be quantized)
     h, new_cache = MtpModule(config).apply({"params": block}, x, hidden, positions, cache, prefill, attention)
     logits = mtp_head(mtp_params, params, h, config=config)
     poisoned = jnp.any(positions >= config.max_positions, axis=1)  # [B]
@@ -147,7 +148,7 @@ def mtp_head(mtp_params: dict, params: dict, h, *, config: Config):
     """The module's head over its output h' [..., D] (`mtp_forward`'s second result) -> float32[..., V] logits:
     the module's own lm_head if it has one, else the main model's."""
     head = mtp_params.get("lm_head", params["embedding"] if config.tie_embeddings else params["lm_head"])
-    return jnp.einsum("...d,vd->...v", h, head, preferred_element_type=jnp.float32)
+    return quantized.einsum("...d,vd->...v", h, head)
 
 
 def mtp_cache(model, batch: int, capacity: int, *, dtype=None, start=None) -> KVCache:

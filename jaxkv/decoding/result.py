@@ -11,6 +11,7 @@ import numpy as np
 
 from jaxkv import roofline, sharding
 from jaxkv.cache import planner as memory
+from jaxkv.layers import quantized
 from jaxkv.decoding.loop import LoopOut
 from jaxkv.decoding.phase import Phase
 from jaxkv.model import Model
@@ -80,7 +81,8 @@ def generation(model: Model, req: Request, loop: LoopOut, prefill_time: Phase, d
     steps = int(forward_passes)
     live = np.mean(lengths) + steps / 2  # windows, chunks and top-k bound it per layer (`roofline`)
     step_bytes = roofline.decode_bytes_per_step(config, req.plan.padded_batch, live, jnp.dtype(config.dtype).itemsize,
-                                                jnp.dtype(req.plan.cache_dtype).itemsize)
+                                                jnp.dtype(req.plan.cache_dtype).itemsize,
+                                                params=model.params if model.weights is not None else None)
     steps_per_s = steps / decode_s if decode_s > 0 and steps > 0 else 0.0
     fed_back = sum(max(len(r) - 1, 0) for r in result)  # tokens that came out of decode forward passes
     stats = {
@@ -104,6 +106,10 @@ def generation(model: Model, req: Request, loop: LoopOut, prefill_time: Phase, d
         "decode_steps": steps,
         "decode_steps_per_s": steps_per_s,
         "decode_tokens_per_s": fed_back / decode_s if decode_s > 0 else 0.0,
+        # The parameter arrays as held on their devices (`quantized.held_bytes`; weight-only quantization shrinks
+        # them, `jaxkv.load(..., weights=)`), and the weights' quantization or None.
+        "weight_bytes": quantized.held_bytes(model.params),
+        "weights": None if model.weights is None else model.weights.mode,
         # Bytes a step must move (weights + live K/V read + new K/V written; jaxkv.roofline) and the rate achieved.
         "bytes_per_step": float(step_bytes),
         "achieved_GBps": float(step_bytes * steps_per_s / 1e9),

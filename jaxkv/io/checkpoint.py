@@ -4,6 +4,9 @@ A jaxkv directory holds:
   jaxkv_config.json  the Config, as JSON, with a format version
   params/            the parameter tree, an orbax checkpoint
   tokenizer.json     the tokenizer (`tokenizers` format), when the model has one
+  weights.json       how the weights are quantized (`jaxkv.WeightQuant` as JSON), when they are: each quantized
+                     weight is then stored as {"qvalue", "scale"} (int8 / float8_e4m3fn / int4 values, float32
+                     scales), read back bit-exactly without quantizing again
 
 Restore checks every stored array's shape and dtype against what the config implies before reading any array, and
 refuses a mismatch instead of casting silently.
@@ -23,11 +26,13 @@ from jaxkv.config import DTYPES, Config, LinearAttention, LinearScaling, Mla, Mo
 from jaxkv.io import generation
 from jaxkv.layers import moe as moe_lib
 from jaxkv.io.hf import load_hf
-from jaxkv.model import Model, weight_layout, from_out_in, param_shapes, to_out_in
+from jaxkv.layers import quantized
+from jaxkv.model import Model, weight_layout, from_out_in, param_shapes, quantize_weights, to_out_in
 
 CONFIG_FILE = "jaxkv_config.json"
 PARAMS_DIR = "params"
 TOKENIZER_FILE = "tokenizer.json"
+WEIGHTS_FILE = "weights.json"
 FORMAT_VERSION = 2  # 2: weights laid out as `layers.in_out_names` says; 1: all [out, in] (converted on read)
 READ_VERSIONS = (1, 2)
 TINY_DIR = pathlib.Path(__file__).parents[1] / "tiny"  # jaxkv/tiny, the bundled model
@@ -92,6 +97,9 @@ def cast(model: Model, dtype: str | None) -> Model:
     _check_dtype(dtype)
     if dtype is None or dtype == model.config.dtype:
         return model
+    if model.weights is not None:
+        raise ValueError(f"the model's weights are quantized ({model.weights.mode}); cast the float model to "
+                         f"{dtype} before quantizing it")
     config = model.config.replace(dtype=dtype)
 
     def convert(path, a):  # a mixture of experts' router stays float32, as transformers keeps it (`jaxkv.moe.Moe`)
@@ -138,8 +146,10 @@ def save(model: Model, directory: str | os.PathLike) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / CONFIG_FILE).write_text(json.dumps(config_to_dict(model.config), indent=2) + "\n")
     checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(directory / PARAMS_DIR, model.params)
+    checkpointer.save(directory / PARAMS_DIR, _stored_form(model.params))
     checkpointer.wait_until_finished()
+    if model.weights is not None:
+        (directory / WEIGHTS_FILE).write_text(json.dumps(model.weights.to_dict(), indent=2) + "\n")
     if model.tokenizer is not None:
         model.tokenizer.save(str(directory / TOKENIZER_FILE))
     generation.write(model.sampling_defaults, directory)
@@ -160,6 +170,9 @@ def load_saved(directory: str | os.PathLike, *, dtype: str | None = None) -> Mod
         raise ValueError(f"{config_path}: not valid JSON ({e})") from None
     version = data.get("format_version")
     config = config_from_dict(data, source=str(config_path))
+    quant = _read_weights(directory / WEIGHTS_FILE)
+    if quant is not None and version == 1:
+        raise ValueError(f"{config_path}: format_version 1 predates quantized weights")
     params_dir = directory / PARAMS_DIR
     if not params_dir.is_dir():
         raise FileNotFoundError(f"{params_dir}: missing parameter checkpoint")
@@ -171,12 +184,42 @@ def load_saved(directory: str | os.PathLike, *, dtype: str | None = None) -> Mod
     expected = param_shapes(config)
     if version == 1:  # stored in the [out, in] form
         expected = to_out_in(expected, config)
+    if quant is not None:
+        expected = _stored_form(jax.eval_shape(lambda p: quantized.quantize_params(p, quant, *weight_layout(config)),
+                                               expected))
     _check_against_config(stored, expected, str(params_dir))
     params = checkpointer.restore(params_dir)
     if version == 1:
         params = jax.tree_util.tree_map(jnp.asarray, from_out_in(params, config))
-    return cast(Model(config, params, _load_tokenizer(directory), sampling_defaults=generation.read(directory)),
-                dtype)
+    model = Model(config, _from_stored_form(params), _load_tokenizer(directory),
+                  sampling_defaults=generation.read(directory), weights=quant)
+    return cast(model, dtype)
+
+
+def _stored_form(params):
+    """The params tree as saved: each quantized weight (a qwix QArray) as {"qvalue", "scale"}."""
+    return jax.tree.map(lambda w: {"qvalue": w.qvalue, "scale": w.scale} if quantized.is_quantized(w) else w,
+                        params, is_leaf=quantized.is_quantized)
+
+
+def _from_stored_form(params):
+    """The inverse of `_stored_form`."""
+    if isinstance(params, dict) and set(params) == {"qvalue", "scale"}:
+        return quantized.QArray(jnp.asarray(params["qvalue"]), jnp.asarray(params["scale"]))
+    if isinstance(params, dict):
+        return {k: _from_stored_form(v) for k, v in params.items()}
+    return params
+
+
+def _read_weights(path: pathlib.Path):
+    """The WeightQuant of a saved directory's weights.json, or None without one."""
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    return quantized.WeightQuant.from_dict(data, source=str(path))
 
 
 def _check_against_config(stored, expected, source: str):
@@ -196,9 +239,26 @@ def _check_against_config(stored, expected, source: str):
                              f" but the config needs {jnp.dtype(want.dtype).name}{list(want.shape)}")
 
 
-def load(source: str | os.PathLike, *, dtype: str | None = None) -> Model:
-    """A model from "tiny" (the bundled default), a directory written by `save`, or a Hugging Face directory."""
+def load(source: str | os.PathLike, *, dtype: str | None = None, weights=None) -> Model:
+    """A model from "tiny" (the bundled default), a directory written by `save`, or a Hugging Face directory.
+
+    dtype: cast the parameters (None: as stored).
+    weights: weight-only quantization, "int8", "fp8", "int4" or a `jaxkv.WeightQuant` (group size, embeddings;
+      `jaxkv.layers.quantized`): the loaded (and cast) float weights are quantized. A checkpoint saved quantized
+      loads as stored; naming another quantization for it is an error. None: as stored.
+    """
     _check_dtype(dtype)
+    quant = quantized.WeightQuant.of(weights)
+    model = _load(source, dtype)
+    if quant is not None and model.weights is not None:
+        if model.weights != quant:
+            raise ValueError(f"{source}: its weights are stored quantized as {model.weights}, not {quant}; load "
+                             f"the float checkpoint to quantize it otherwise")
+        return model
+    return quantize_weights(model, quant)
+
+
+def _load(source, dtype) -> Model:
     if isinstance(source, str) and source == "tiny":
         return load_saved(TINY_DIR, dtype=dtype)
     directory = pathlib.Path(source)

@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 from jaxkv.attention import api
 from jaxkv.attention.reference import masks_dead_values
 from jaxkv.config import Config
+from jaxkv.layers import quantized
 from jaxkv.layers.linear import fan_in_init, linear, stored_out_in
 from jaxkv.layers.norms import Norm
 from jaxkv.layers.rope import apply_rope
@@ -145,9 +146,9 @@ def _project(module: Attention, name: str, x, heads: int, out_in: bool):
     cfg = module.config
     D, H, dtype = cfg.d_model, cfg.layer_head_dim(module.layer), jnp.dtype(cfg.dtype)
     if out_in:
-        w = module.param(name, fan_in_init(D), (heads, H, D), dtype).reshape(heads * H, D)
+        w = quantized.merged(module.param(name, fan_in_init(D), (heads, H, D), dtype), (heads * H, D))
     else:
-        w = module.param(name, fan_in_init(D), (D, heads, H), dtype).reshape(D, heads * H)
+        w = quantized.merged(module.param(name, fan_in_init(D), (D, heads, H), dtype), (D, heads * H))
     y = linear(x, w, out_in).reshape(*x.shape[:2], heads, H)
     if cfg.qkv_bias:
         y = y + module.param(name + "_bias", nn.initializers.zeros, (heads, H), dtype)
@@ -178,9 +179,9 @@ def _output(module: Attention, out, out_in: bool):
     cfg = module.config
     D, N, H, dtype = cfg.d_model, cfg.n_heads, cfg.layer_head_dim(module.layer), jnp.dtype(cfg.dtype)
     if out_in:
-        wo = module.param("wo", fan_in_init(N * H), (D, N, H), dtype).reshape(D, N * H)
+        wo = quantized.merged(module.param("wo", fan_in_init(N * H), (D, N, H), dtype), (D, N * H))
     else:
-        wo = module.param("wo", fan_in_init(N * H), (N, H, D), dtype).reshape(N * H, D)
+        wo = quantized.merged(module.param("wo", fan_in_init(N * H), (N, H, D), dtype), (N * H, D))
     y = linear(out.reshape(*out.shape[:2], N * H), wo, out_in)  # [B, T, D]
     if cfg.out_bias:
         y = y + module.param("wo_bias", nn.initializers.zeros, (D,), dtype)

@@ -9,6 +9,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from jaxkv.config import Config
+from jaxkv.layers import quantized
 
 
 def fan_in_init(fan_in: int):
@@ -71,6 +72,7 @@ def in_out_names(config: Config) -> frozenset[str]:
 def linear(x, w, out_in: bool = False):
     """x [B, T, in] times w -> [B, T, out]; w is [in, out], or [out, in] with `out_in` (`stored_out_in`).
 
-    Accumulates in float32 and rounds the result to x's dtype, as PyTorch's bfloat16 matmul does."""
-    y = jnp.einsum("bti,oi->bto" if out_in else "bti,io->bto", x, w, preferred_element_type=jnp.float32)
+    Accumulates in float32 and rounds the result to x's dtype, as PyTorch's bfloat16 matmul does. A quantized w
+    (`jaxkv.layers.quantized`) is dequantized to x's dtype first."""
+    y = quantized.einsum("bti,oi->bto" if out_in else "bti,io->bto", x, w)
     return y.astype(x.dtype)

@@ -42,6 +42,7 @@ from jaxkv.attention.reference import MASKED, Unsupported, softmax, live_mask
 from jaxkv.cache.paged import PagedKVCache
 from jaxkv.config import Config
 from jaxkv.layers.indexer import Indexer
+from jaxkv.layers import quantized
 from jaxkv.layers.linear import fan_in_init, linear, mla_out_in
 from jaxkv.layers.norms import Norm
 from jaxkv.layers.rope import apply_rope
@@ -229,8 +230,10 @@ class MlaAttention(nn.Module):
         kv_a = dense("wkv_a", x, D, (R + E,), cfg.qkv_bias)  # [B, T, R + E]
         c = Norm(cfg, dim=R, eps=m.latent_norm_eps, name="kv_norm")(kv_a[..., :R])  # [B, T, R]
         k_rope = apply_rope(kv_a[:, :, None, R:], *rope)[:, :, 0]  # [B, T, E]
-        wk_b = self.param("wk_b", fan_in_init(R), (N, nope, R), dtype)
-        wv_b = self.param("wv_b", fan_in_init(R), (N, dv, R), dtype)
+        # The up-projections reach the attention implementations (kernels included) as float arrays: a quantized
+        # one is dequantized here, once per call (`jaxkv.layers.quantized`).
+        wk_b = quantized.dequantized(self.param("wk_b", fan_in_init(R), (N, nope, R), dtype), dtype)
+        wv_b = quantized.dequantized(self.param("wv_b", fan_in_init(R), (N, dv, R), dtype), dtype)
         scale = cfg.attention_scale
 
         if cache is None or prefill:
@@ -271,9 +274,9 @@ class MlaAttention(nn.Module):
                                      attention=attention, mesh=self.mesh, sparse=sparse)  # [B, T, N, dv]
 
         if out_in["wo"]:
-            wo = self.param("wo", fan_in_init(N * dv), (D, N, dv), dtype).reshape(D, N * dv)
+            wo = quantized.merged(self.param("wo", fan_in_init(N * dv), (D, N, dv), dtype), (D, N * dv))
         else:
-            wo = self.param("wo", fan_in_init(N * dv), (N, dv, D), dtype).reshape(N * dv, D)
+            wo = quantized.merged(self.param("wo", fan_in_init(N * dv), (N, dv, D), dtype), (N * dv, D))
         y = linear(out.reshape(*out.shape[:2], N * dv), wo, out_in["wo"])  # [B, T, D]
         if cfg.out_bias:
             y = y + self.param("wo_bias", nn.initializers.zeros, (D,), dtype)
@@ -285,7 +288,7 @@ def _dense(module: MlaAttention, out_in: dict, name: str, y, d_in: int, out_shap
     dtype = jnp.dtype(module.config.dtype)
     shape = (*out_shape, d_in) if out_in[name] else (d_in, *out_shape)
     w = module.param(name, fan_in_init(d_in), shape, dtype)
-    w = w.reshape(-1, d_in) if out_in[name] else w.reshape(d_in, -1)
+    w = quantized.merged(w, (-1, d_in) if out_in[name] else (d_in, -1))
     y = linear(y, w, out_in[name]).reshape(*y.shape[:2], *out_shape)
     if bias:
         y = y + module.param(name + "_bias", nn.initializers.zeros, out_shape, dtype)

@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.config import MoeConfig
+from jaxkv.layers import quantized
 from jaxkv.layers.linear import fan_in_init, linear, stored_out_in
 
 __all__ = ["MoeConfig", "Moe", "route", "in_out_names", "from_out_in", "OUT_IN_ORDER", "DISPATCHES", "FLOAT32_PARAMS"]
@@ -219,8 +220,9 @@ class Moe(nn.Module):
 def _f32(a):
     """XLA:CPU (jax 0.10) has no batched or ragged bfloat16 x bfloat16 -> float32 dot ("Unsupported element type
     for DotThunk"); 16-bit products are exact in float32, so upcasting the operands gives the same float32-
-    accumulated result."""
-    return a.astype(jnp.float32)
+    accumulated result. A quantized expert weight (`jaxkv.layers.quantized`; only the experts a dispatch picked,
+    `w[ids]` or one expert's `w[e]`) is dequantized to float32."""
+    return quantized.dequantized(a, jnp.float32).astype(jnp.float32)
 
 
 def activation(moe: MoeConfig):
@@ -259,7 +261,7 @@ def _expert_ffn(rows, experts: Experts, spec, weights=None, bias_of=None):
     of spec's output (the rows' own experts' biases), added after the rounding as transformers adds them."""
     gate, up, down = (experts.gate, experts.up, experts.down) if weights is None else weights
     gate_in_out, down_in_out = experts.layouts
-    dtype = gate.dtype
+    dtype = rows.dtype  # the model's (a quantized weight's dtype is its scale's)
     bias_g = bias_u = bias_d = 0
     if experts.biases is not None:
         bias_g, bias_u, bias_d = (bias_of(b) for b in experts.biases)
@@ -295,7 +297,7 @@ def _sorted(h, weights, ids, experts: Experts):
     sizes = jnp.bincount(flat, length=X).astype(jnp.int32)  # [X], rows per expert, summing to M * A
 
     def spec(rows, w, in_out):  # rows [M * A, in] sorted -> [M * A, out]
-        return jax.lax.ragged_dot(_f32(rows), _f32(w if in_out else jnp.swapaxes(w, 1, 2)), sizes)
+        return jax.lax.ragged_dot(_f32(rows), _f32(w) if in_out else jnp.swapaxes(_f32(w), 1, 2), sizes)
 
     scale = weights.reshape(M * A)[order][:, None]  # [M * A, 1]
     rows = h[token]

@@ -6,6 +6,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from jaxkv.config import Config
+from jaxkv.layers import quantized
 from jaxkv.layers.linear import fan_in_init, linear
 from jaxkv.layers.norms import Norm
 
@@ -23,7 +24,7 @@ class PerLayerInputs(nn.Module):
         D, L, P, dtype = cfg.d_model, cfg.n_layers, cfg.per_layer_input_dim, jnp.dtype(cfg.dtype)
         B, T = tokens.shape
         table = self.param("embedding", fan_in_init(P), (cfg.vocab_size, L * P), dtype)
-        from_tokens = jnp.take(table, tokens, axis=0) * jnp.asarray(P ** 0.5, dtype)
+        from_tokens = quantized.rows(table, tokens, dtype) * jnp.asarray(P ** 0.5, dtype)
         w = self.param("projection", fan_in_init(D), (L * P, D), dtype)  # [out, in]
         projected = (linear(x, w, True) * jnp.asarray(D ** -0.5, dtype)).reshape(B, T, L, P)
         projected = Norm(cfg, dim=P, name="norm")(projected)

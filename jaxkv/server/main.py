@@ -32,6 +32,7 @@ import sys
 import time
 
 from jaxkv import checks
+from jaxkv.checks import add_weight_flags, check_weight_flags, weights_of
 from jaxkv.cache import planner as memory
 
 EXIT_USAGE = 2
@@ -63,6 +64,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--num-pages", type=int, default=None,
                    help="pages in the pool (default: every slot at max-len, plus a quarter for cached prefixes)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="weights dtype")
+    add_weight_flags(p)
     p.add_argument("--api-key", default=os.environ.get("JAXKV_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $JAXKV_API_KEY, else none)")
     p.add_argument("--served-model-name", default=None, help="the model's name in /v1/models (default: the "
@@ -100,6 +102,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def check(args):
+    check_weight_flags(args)
     for name in ("slots", "page_size", "max_waiting", "steps_per_dispatch", "prefill_chunk", "tensor_parallel_size"):
         checks.check_int(f"--{name.replace('_', '-')}", getattr(args, name), 1 if name != "max_waiting" else 0)
     checks.check_int("--max-queued", args.max_queued, 0)
@@ -228,9 +231,11 @@ def _model(args):
             import dataclasses
 
             config = dataclasses.replace(config, dtype=args.dtype)
-        return jaxkv.Model.random(config), None, args.preset
+        from jaxkv.model import quantize_weights
+
+        return quantize_weights(jaxkv.Model.random(config), weights_of(args)), None, args.preset
     source = args.model or "tiny"
-    model = jaxkv.load(source, dtype=args.dtype)
+    model = jaxkv.load(source, dtype=args.dtype, weights=weights_of(args))
     directory = checkpoint.TINY_DIR if source == "tiny" else source
     return model, directory, "tiny" if source == "tiny" else os.path.basename(os.path.normpath(source))
 
