@@ -302,6 +302,8 @@ def _result(args, out, timing: dict, first_token: float | None) -> dict:
         "decode_tokens_per_s": round(s["decode_tokens_per_s"], 2),
         "kv_cache_bytes": s["kv_cache_bytes"],
         "cache_dtype": s["cache_dtype"],
+        "weights": s["weights"],  # --weights (None: float)
+        "weight_bytes": s["weight_bytes"],  # the parameter arrays as held
         # Where the wait for the first token goes: importing JAX, reading the checkpoint, compiling (prefill_ms
         # and decode_tokens_per_s exclude compile time).
         **timing,
@@ -373,8 +375,9 @@ def _figures(r: dict) -> str:
         spec = (f"; speculative: {r['spec_accepted']} of {r['spec_proposed']} proposals accepted "
                 f"({100 * r['spec_acceptance_rate']:.0f}%), {r['target_forwards']} target forwards "
                 f"({r['spec_verifies']} verifies), {r['tokens_per_target_forward']:.2f} tokens per forward")
+    weights = f"; {r['weights']} weights {r['weight_bytes']:,} bytes" if r.get("weights") else ""
     return (f"[prompt tokens {r['prompt_tokens']}, new tokens {r['new_tokens']}; {wait}; "
-            f"decode {r['decode_tokens_per_s']:.1f} tokens/s; {kv}{spec}]")
+            f"decode {r['decode_tokens_per_s']:.1f} tokens/s; {kv}{weights}{spec}]")
 
 
 def _beam_figures(r: dict) -> str:

@@ -27,7 +27,7 @@ from jaxkv.io import generation
 from jaxkv.layers import moe as moe_lib
 from jaxkv.io.hf import load_hf
 from jaxkv.layers import quantized
-from jaxkv.model import Model, weight_layout, from_out_in, param_shapes, quantize_weights, to_out_in
+from jaxkv.model import Model, from_out_in, param_shapes, quantize_weights, to_out_in, weight_layout
 
 CONFIG_FILE = "jaxkv_config.json"
 PARAMS_DIR = "params"
