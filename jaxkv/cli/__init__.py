@@ -21,6 +21,8 @@
   jaxkv bench layers [options]    (per-layer rings against full-length caches: jaxkv.bench.layers)
   jaxkv serve [options]     (an OpenAI-compatible HTTP server on the engine; see jaxkv serve --help;
                              needs pip install "jaxkv[serve]")
+  jaxkv run-batch -i requests.jsonl -o results.jsonl [options]   (an OpenAI Batch API file through the
+                             server's handling; resumable, split over processes; see jaxkv run-batch --help)
   jaxkv --version
 
 Compiled programs are kept on disk between runs (`jaxkv.compile_cache`: ~/.cache/jaxkv/xla, JAXKV_COMPILE_CACHE

@@ -29,6 +29,8 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["serve"]:  # the server has its own options (jaxkv/server/main.py)
         return serve.run(argv[1:])
+    if argv[:1] == ["run-batch"]:  # a batch job: the server's engine options and its own (jaxkv/server/batch.py)
+        return serve.run_batch(argv[1:])
     if argv[:1] == ["bench"]:  # each benchmark has its own options
         return bench.run(argv[1:])
     try:

@@ -1,5 +1,5 @@
-"""`jaxkv serve ...`: handed to the server's own parser and main (`jaxkv.server.main`), imported only then, so
-neither Starlette nor uvicorn is needed for the other commands."""
+"""`jaxkv serve ...` and `jaxkv run-batch ...`: handed to their own parsers and mains (`jaxkv.server.main`,
+`jaxkv.server.batch`), imported only then, so neither Starlette nor uvicorn is needed for the other commands."""
 
 from __future__ import annotations
 
@@ -9,3 +9,17 @@ def run(argv: list[str]) -> int:
     from jaxkv.server.main import main as serve
 
     return serve(argv)
+
+
+def run_batch(argv: list[str]) -> int:
+    """`argv`: what follows `jaxkv run-batch`."""
+    try:
+        import starlette  # noqa: F401  (the app run-batch drives is the server's)
+    except ImportError:
+        import sys
+
+        print('jaxkv run-batch: error: it runs the server\'s app: pip install "jaxkv[serve]"', file=sys.stderr)
+        return 2
+    from jaxkv.server.batch import main as batch
+
+    return batch(argv)

@@ -47,13 +47,25 @@ class _Parser(argparse.ArgumentParser):
 def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="jaxkv serve", description="An OpenAI-compatible HTTP server (completions, chat completions) "
                                                 "over jaxkv's continuous-batching engine.")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
+    p.add_argument("--port", type=int, default=8000, help="port (0: any free port, printed at start)")
+    p.add_argument("--api-key", default=os.environ.get("JAXKV_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $JAXKV_API_KEY, else none)")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds in-flight requests may take to finish after SIGINT/SIGTERM before being cancelled")
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (info logs every request)")
+    add_engine_options(p)
+    return p
+
+
+def add_engine_options(p: argparse.ArgumentParser) -> None:
+    """The model and engine flags `jaxkv serve` and `jaxkv run-batch` share (what `build` reads)."""
     source = p.add_mutually_exclusive_group()
     source.add_argument("--model", default=None, help="checkpoint directory (Hugging Face or jaxkv) or 'tiny' "
                                                       "(the default)")
     source.add_argument("--preset", default=None, help="a config preset with random weights and no tokenizer "
                                                        "(token-id prompts only; for load tests), e.g. small")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
-    p.add_argument("--port", type=int, default=8000, help="port (0: any free port, printed at start)")
     p.add_argument("--slots", type=int, default=8, help="sequences decoded together (the engine's batch)")
     p.add_argument("--max-len", type=int, default=None,
                    help="the most tokens one sequence may use, prompt included (default: the model's max "
@@ -65,8 +77,6 @@ def parser() -> argparse.ArgumentParser:
                    help="pages in the pool (default: every slot at max-len, plus a quarter for cached prefixes)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="weights dtype")
     add_weight_flags(p)
-    p.add_argument("--api-key", default=os.environ.get("JAXKV_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $JAXKV_API_KEY, else none)")
     p.add_argument("--served-model-name", default=None, help="the model's name in /v1/models (default: the "
                                                              "checkpoint directory's name, or tiny / the preset)")
     p.add_argument("--max-waiting", type=int, default=256,
@@ -84,8 +94,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=int, default=128, help="prompt tokens per prefill chunk")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="devices the weights and KV cache are split over (heads and FFN widths)")
-    p.add_argument("--shutdown-timeout", type=float, default=10.0,
-                   help="seconds in-flight requests may take to finish after SIGINT/SIGTERM before being cancelled")
     spec = p.add_argument_group("speculative decoding", "a proposer guesses each sequence's next tokens and one "
                                 "forward pass verifies them; outputs are distributed exactly as without it")
     spec.add_argument("--speculative-method", choices=["ngram", "draft", "mtp"], default=None,
@@ -96,30 +104,32 @@ def parser() -> argparse.ArgumentParser:
                       help="tokens proposed per verify (1-16)")
     spec.add_argument("--draft-model", default=None, metavar="PATH",
                       help="the draft model's checkpoint directory, or 'tiny' (--speculative-method draft)")
-    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
-                   help="uvicorn's log level (info logs every request)")
-    return p
 
 
 def check(args):
+    checks.check_int("--port", args.port, 0, 65535)
+    if not args.shutdown_timeout >= 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key is empty")
+    check_engine_options(args)
+
+
+def check_engine_options(args):
+    """`add_engine_options`'s flags checked without JAX; ValueError."""
     check_weight_flags(args)
     for name in ("slots", "page_size", "max_waiting", "steps_per_dispatch", "prefill_chunk", "tensor_parallel_size"):
         checks.check_int(f"--{name.replace('_', '-')}", getattr(args, name), 1 if name != "max_waiting" else 0)
     checks.check_int("--max-queued", args.max_queued, 0)
-    checks.check_int("--port", args.port, 0, 65535)
     if args.max_len is not None:
         checks.check_int("--max-len", args.max_len, 2)
     if args.num_pages is not None:
         checks.check_int("--num-pages", args.num_pages, 1)
-    if not args.shutdown_timeout >= 0:
-        raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     checks.check_int("--num-speculative-tokens", args.num_speculative_tokens, 1, 16)
     if (args.speculative_method == "draft") != (args.draft_model is not None):
         raise ValueError("--draft-model goes with --speculative-method draft, and it needs one")
     if args.draft_model not in (None, "tiny") and not os.path.isdir(args.draft_model):
         raise ValueError(f"--draft-model {args.draft_model}: no such directory (a checkpoint directory or 'tiny')")
-    if args.api_key is not None and not args.api_key.strip():
-        raise ValueError("--api-key is empty")
     if args.preset is not None:
         from jaxkv.config import PRESETS
 
@@ -145,8 +155,9 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def build(args):
-    """The model, engine and app state for checked `args` (imports JAX) -> (state, engine)."""
+def build(args, warm: bool = True):
+    """The model, engine and app state for checked `args` (imports JAX) -> (state, engine). `warm`: compile every
+    program before returning (the server: no client waits on a compile); a batch job compiles what it uses."""
     import jaxkv
     from jaxkv.chat_template import ChatTemplate
     from jaxkv.server.state import ServerState
@@ -176,9 +187,10 @@ def build(args):
                           steps_per_dispatch=args.steps_per_dispatch, prefill_chunk=args.prefill_chunk,
                           mesh=mesh, speculative=_speculation(args))
     scoring = None
-    if model.tokenizer is not None:  # echo + logprobs scores prompts (`jaxkv.score`): its programs too, meanwhile
+    if warm and model.tokenizer is not None:  # echo + logprobs scores prompts (`jaxkv.score`): its programs too
         scoring = _started(warm_up_scoring, model, max_len)
-    engine.warm_up()  # compiles every engine program (each decode width) before the first client
+    if warm:
+        engine.warm_up()  # compiles every engine program (each decode width) before the first client
     if scoring is not None:
         scoring()
     worker = EngineWorker(engine, max_waiting=args.max_waiting, max_queued=args.max_queued)

@@ -1,10 +1,15 @@
 """`jaxkv serve` as a subprocess on a free port, as clients see it."""
 
+import json
 import os
+import pathlib
 import re
+import shutil
 import subprocess
 import sys
 import threading
+
+from jaxkv import checkpoint
 
 
 def start_server(args, timeout=180.0, env=None):
@@ -32,3 +37,19 @@ def start_server(args, timeout=180.0, env=None):
         raise AssertionError(f"the server did not start: {''.join(lines)}{proc.stderr.read()}")
     threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # keep the pipe drained
     return proc, found[0]
+
+
+TEMPLATE = ("{% for message in messages %}"
+            "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+            "{{ raise_exception('unknown role: ' + message['role']) }}{% endif %}"
+            "<|{{ message['role'] }}|>\n{{ message['content'] | trim }}{{ eos_token }}\n"
+            "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def chat_model_dir(root: pathlib.Path) -> pathlib.Path:
+    """The bundled model plus a tokenizer_config.json with a chat template (as a Hugging Face repo ships it)."""
+    directory = root / "tiny-chat"
+    shutil.copytree(checkpoint.TINY_DIR, directory)
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "chat_template": TEMPLATE}))
+    return directory

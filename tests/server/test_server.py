@@ -8,9 +8,7 @@ file order; the last one stops it with SIGTERM.
 
 import asyncio
 import json
-import pathlib
 import re
-import shutil
 import signal
 import threading
 import time
@@ -22,9 +20,8 @@ import numpy as np
 import pytest
 
 import jaxkv
-from jaxkv import checkpoint
 
-from helpers.server import start_server
+from helpers.server import TEMPLATE, chat_model_dir, start_server
 
 openai = pytest.importorskip("openai")  # in the test extra; the import guard only names what is missing
 
@@ -33,22 +30,6 @@ pytestmark = pytest.mark.xdist_group("server")
 KEY = "test-key"
 SLOTS, MAX_LEN, MAX_WAITING = 4, 256, 24
 CAPACITY = SLOTS + 2 * 4 + MAX_WAITING  # slots + staging rows (2 x prefill_rows) + the waiting queue
-TEMPLATE = ("{% for message in messages %}"
-            "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
-            "{{ raise_exception('unknown role: ' + message['role']) }}{% endif %}"
-            "<|{{ message['role'] }}|>\n{{ message['content'] | trim }}{{ eos_token }}\n"
-            "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-
-
-def chat_model_dir(root: pathlib.Path) -> pathlib.Path:
-    """The bundled model plus a tokenizer_config.json with a chat template (as a Hugging Face repo ships it)."""
-    directory = root / "tiny-chat"
-    shutil.copytree(checkpoint.TINY_DIR, directory)
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "chat_template": TEMPLATE}))
-    return directory
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return chat_model_dir(tmp_path_factory.mktemp("serve"))

@@ -1,0 +1,189 @@
+"""`jaxkv run-batch` as users run it: a subprocess over an OpenAI Batch API file. Its answers are the server's for
+the same bodies; killed (SIGKILL) at random moments and resumed, it ends with exactly one result per request,
+equal to an uninterrupted run's; two processes and --merge equal one; bad lines are error records."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from helpers.server import chat_model_dir, start_server
+
+pytestmark = pytest.mark.xdist_group("server")
+
+ENGINE = ["--slots", "2", "--max-len", "96", "--prefill-chunk", "32", "--served-model-name", "tiny-chat"]
+
+
+def requests_file(path: pathlib.Path) -> pathlib.Path:
+    """28 lines: greedy completions (text and token-id prompts, n=2, logprobs, echo, stop strings), chats, a
+    request the server refuses (400) and lines that are no request."""
+    lines = []
+    for i in range(20):
+        body = {"model": "tiny-chat", "prompt": f"The KV cache {i} holds", "max_tokens": 4 + i % 7,
+                "temperature": 0}
+        if i % 5 == 1:
+            body |= {"n": 2, "logprobs": 2}
+        if i % 5 == 2:
+            body |= {"echo": True, "logprobs": 1, "stop": [" "]}
+        if i % 5 == 3:
+            body |= {"prompt": [1 + i, 2, 3, 4, 5]}
+        lines.append({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions", "body": body})
+    for i in range(4):
+        lines.append({"custom_id": f"chat{i}", "method": "POST", "url": "/v1/chat/completions",
+                      "body": {"model": "tiny-chat", "messages": [{"role": "user", "content": f"hello {i}"}],
+                               "max_tokens": 6, "temperature": 0}})
+    lines.append({"custom_id": "bad-body", "method": "POST", "url": "/v1/completions",
+                  "body": {"model": "tiny-chat", "prompt": "x", "max_tokens": 3, "temperature": 5}})
+    text = [json.dumps(line) for line in lines]
+    text += ["{not json", json.dumps({"custom_id": "get", "method": "GET", "url": "/v1/completions", "body": {}}),
+             json.dumps({"custom_id": "stream", "method": "POST", "url": "/v1/completions",
+                         "body": {"model": "tiny-chat", "prompt": "x", "stream": True}})]
+    path.write_text("\n".join(text) + "\n")
+    return path
+
+
+def run_batch(*args, env=None, check=True):
+    proc = subprocess.run([sys.executable, "-m", "jaxkv.cli", "run-batch", *map(str, args)], capture_output=True,
+                          text=True, env=env, timeout=600)
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def records(path: pathlib.Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def answer(record: dict):
+    """What a record says, without what differs between runs (the completion's id and creation time)."""
+    response = record["response"]
+    if response is None:
+        return record["error"]
+    body = {k: v for k, v in response["body"].items() if k not in ("id", "created")}
+    return response["status_code"], body
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    root = tmp_path_factory.mktemp("batch")
+    model = chat_model_dir(root)
+    inputs = requests_file(root / "requests.jsonl")
+    env = {**os.environ, "JAXKV_COMPILE_CACHE": str(root / "xla")}  # later runs start warm
+    out = root / "full.jsonl"
+    run_batch("-i", inputs, "-o", out, "--model", model, *ENGINE, env=env)
+    return root, model, inputs, env, out
+
+
+def test_every_line_has_one_record_and_bad_lines_are_error_records(job):
+    root, _, inputs, _, out = job
+    got = records(out)
+    assert len(got) == len(inputs.read_text().splitlines()) == 28
+    assert len({r["id"] for r in got}) == 28
+    by_custom = {r["custom_id"]: r for r in got}
+    assert by_custom["bad-body"]["response"]["status_code"] == 400
+    assert by_custom["bad-body"]["response"]["body"]["error"]["param"] == "temperature"
+    assert "method" in by_custom["get"]["error"]["message"] and by_custom["get"]["error"]["line"] == 27
+    assert "stream" in by_custom["stream"]["error"]["message"]
+    assert "JSON" in by_custom[None]["error"]["message"] and by_custom[None]["error"]["line"] == 26
+    ok = [r for r in got if r["response"] is not None and r["response"]["status_code"] == 200]
+    assert len(ok) == 24
+    for r in ok:
+        assert r["response"]["request_id"] == r["id"] and r["error"] is None
+
+
+def test_answers_equal_the_servers_for_the_same_bodies(job):
+    root, model, inputs, _, out = job
+    proc, url = start_server(["--model", str(model), *ENGINE])
+    try:
+        by_custom = {r["custom_id"]: r for r in records(out)}
+        with httpx.Client(base_url=url, timeout=120) as client:
+            for raw in inputs.read_text().splitlines():
+                try:
+                    item = json.loads(raw)
+                except json.JSONDecodeError:
+                    continue
+                if item.get("method") != "POST" or item["body"].get("stream"):
+                    continue
+                r = client.post(item["url"], json=item["body"])
+                want = (r.status_code, {k: v for k, v in r.json().items() if k not in ("id", "created")})
+                assert answer(by_custom[item["custom_id"]]) == want, item["custom_id"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+
+
+def test_killed_at_random_moments_and_resumed_loses_and_repeats_nothing(job):
+    root, model, inputs, env, out = job
+    want = {r["id"]: answer(r) for r in records(out)}
+    path = root / "killed.jsonl"
+    rng = np.random.default_rng(0)
+    for kill in range(10):
+        before = len(path.read_text().splitlines()) if path.exists() else 0
+        if before == len(want):
+            break
+        target = before + int(rng.integers(0, 4))  # 0: killed while starting, before any result
+        proc = subprocess.Popen([sys.executable, "-m", "jaxkv.cli", "run-batch", "-i", str(inputs), "-o", str(path),
+                                 "--model", str(model), *ENGINE, "--no-progress"], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and time.monotonic() < deadline:
+            lines = path.read_bytes().count(b"\n") if path.exists() else 0
+            if lines >= target and (target > before or rng.random() < 0.2):
+                break
+            time.sleep(0.01 + 0.05 * rng.random())
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    run_batch("-i", inputs, "-o", path, "--model", model, *ENGINE, "--no-progress", env=env)
+    got = records(path)
+    assert sorted(r["id"] for r in got) == sorted(want)  # each once
+    assert {r["id"]: answer(r) for r in got} == want
+
+
+def test_two_processes_and_merge_equal_one(job):
+    root, model, inputs, env, out = job
+    parts = root / "split.jsonl"
+    procs = [subprocess.Popen([sys.executable, "-m", "jaxkv.cli", "run-batch", "-i", str(inputs), "-o", str(parts),
+                               "--model", str(model), *ENGINE, "--num-processes", "2", "--process-id", str(i),
+                               "--no-progress"], env=env, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    for p in procs:
+        assert p.wait(timeout=600) == 0, p.stderr.read()
+    first = records(parts.with_name("split.jsonl.part-0-of-2"))
+    # process 0 took lines 0, 2, 4, ...: the even completions c0, c2, ... (lines 0-19)
+    assert {int(r["custom_id"][1:]) % 2 for r in first if (r["custom_id"] or "")[1:].isdigit()} == {0}
+    incomplete = run_batch("--merge", "-i", inputs, "-o", root / "early.jsonl", "--num-processes", "3",
+                           check=False)
+    assert incomplete.returncode == 2 and "missing" in incomplete.stderr
+    run_batch("--merge", "-i", inputs, "-o", parts, "--num-processes", "2")
+    merged, full = records(parts), {r["id"]: r for r in records(out)}
+    assert [r["id"] for r in merged] == [r["id"] for r in sorted(full.values(), key=lambda r: _line(r, inputs))]
+    assert [answer(r) for r in merged] == [answer(full[r["id"]]) for r in merged]
+
+
+def _line(record, inputs) -> int:
+    from jaxkv.server.batch import parse_line
+
+    for index, raw in enumerate(inputs.read_text().splitlines()):
+        if parse_line(index, raw).request_id == record["id"]:
+            return index
+    raise AssertionError(record)
+
+
+def test_bad_flags_and_files_are_one_line_errors(job, tmp_path):
+    root, model, inputs, env, _ = job
+    dup = tmp_path / "dup.jsonl"
+    dup.write_text('{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {}}\n' * 2)
+    for args, match in [(["-i", dup, "-o", tmp_path / "o"], "custom_id 'a' is on lines 1 and 2"),
+                        (["-i", tmp_path / "none", "-o", tmp_path / "o"], "no such file"),
+                        (["-i", inputs, "-o", tmp_path / "o", "--process-id", "1"], "go together"),
+                        (["-i", inputs, "-o", tmp_path / "o", "--num-processes", "2", "--process-id", "2"],
+                         "--process-id must be in"),
+                        (["-i", inputs, "-o", inputs], "not a run-batch result")]:
+        proc = run_batch(*args, check=False)
+        assert proc.returncode == 2 and match in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
