@@ -412,7 +412,7 @@ def main(argv=None) -> int:
     from jaxkv.server.app import create_app
 
     app = create_app(state)
-    max_concurrent = args.max_concurrent or engine.slots + 8 + args.max_waiting
+    max_concurrent = args.max_concurrent or state.worker.capacity  # slots + staging rows + max-waiting
     writer = Writer(path)
     state.worker.start()
     progress.started = time.perf_counter()  # rates from the first request on, not from loading and compiling

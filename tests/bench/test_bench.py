@@ -400,3 +400,19 @@ def test_bench_speculative_quick(tmp_path, capsys):
     assert r["bundled"]["same_tokens"] and 0 <= r["bundled"]["acceptance"] <= 1
     assert all(e["same_tokens"] and e["speedup"] > 0 for e in r["engine"])
     assert "measured/analytic" in capsys.readouterr().out
+
+
+def test_bench_run_batch_quick(tmp_path, capsys):
+    """`jaxkv bench run-batch`: both paths generate every token asked for (ignore_eos: the same count), the ratio
+    is theirs."""
+    from jaxkv import cli
+    from jaxkv.bench.batch import make_requests
+
+    assert cli.main(["bench", "run-batch", "--requests", "6", "--slots", "2", "--reps", "1",
+                     "--out", str(tmp_path / "rb.json")]) == 0
+    result = json.loads((tmp_path / "rb.json").read_text())
+    asked = sum(r["max_tokens"] for r in make_requests(257, 6, 0))
+    assert result["runs"]["engine"][0]["new_tokens"] == result["runs"]["run-batch"][0]["new_tokens"] == asked
+    rates = result["tokens_per_s"]
+    assert result["ratio"] == pytest.approx(rates["run-batch"] / rates["engine"])
+    assert "of the engine's" in capsys.readouterr().out
