@@ -31,6 +31,17 @@ A match then ends at the longest cached prefix whose last block has a snapshot (
 starts from that snapshot's state: hits land on snapshot boundaries only, the rest is prefilled. A snapshot is
 taken where a prefill chunk ends, so prompts are prefilled in chunks that end on those boundaries (`generate`:
 chunks of exactly the interval; the engine: its chunks cut back to the last boundary they reach).
+
+The host tier (`host_pages`). A block evicted from the device pool is copied to host memory instead of dropped
+(the page's K/V in every layer, with its scales: `planner.pool_bytes` per page): to the backend's "pinned_host"
+memory where it has one (GPU, TPU, and XLA:CPU here), as host numpy arrays otherwise; jax-llm-examples, JetStream
+and sglang's HiCache keep prefixes the same way. A later prompt whose device match stops where host blocks
+continue it (`host_match`) gets them copied back into free device pages (`take_host` + `write_pages`, then
+`indexed`) instead of prefilling them again: a hit of both tiers. Each tier is least recently used first: a block
+copied back leaves the host tier (it is a device block again), and the host tier drops its oldest blocks beyond
+`host_pages`. Evictions copy in batches (one device gather and one transfer per eviction), and a batch's host
+memory is freed when its last block is dropped. Not for hybrid models yet (a spilled block would need its state
+snapshot too).
 """
 
 from __future__ import annotations
@@ -87,11 +98,13 @@ class PrefixCache:
       max_snapshots: (hybrid models only) snapshots kept, each `snapshot_bytes` (default: one per interval of the
         pool's pages, so every cached boundary can keep one, but at most as many as fit in the pool's own bytes: a
         real model's snapshot is tens of MB, hundreds of pages' worth).
+      host_pages: pages the host tier holds (module docstring; 0: none, evicted blocks are dropped), each
+        `page_bytes` bytes of host memory: `jaxkv serve --host-cache-gib G` sizes it in GiB.
     """
 
     def __init__(self, model, *, num_pages: int | None = None, page_size: int = planner.DEFAULT_PAGE_SIZE,
                  cache_dtype=None, mesh=None, snapshot_interval: int | None = None,
-                 max_snapshots: int | None = None):
+                 max_snapshots: int | None = None, host_pages: int = 0):
         # A jaxkv.Model by what it holds (a Config and params): the cache package sits below the model and never
         # imports it.
         if not isinstance(getattr(model, "config", None), Config) or not hasattr(model, "params"):
@@ -135,6 +148,17 @@ class PrefixCache:
         # call succeeds (the store is donated as it is written, so a failed call could not be undone otherwise).
         self._pending: list | None = None
         self.lent_to = None  # the `jaxkv.Engine` running in this pool now, if any (it holds the pool meanwhile)
+        self.host_pages = checks.check_int("host_pages", host_pages, 0)
+        if self.host_pages and self.hybrid:
+            raise ValueError("a host tier (host_pages) for a hybrid model (linear_attention layers) is not supported "
+                             "yet: its blocks would need their state snapshots on the host too")
+        # The host tier: block key -> (batch id, row of that batch), least recently used first; batch id -> [the
+        # batch's arrays (the pool's tuples, [n, ...] per layer) in host memory, blocks of it still indexed].
+        self._host_index: collections.OrderedDict[bytes, tuple[int, int]] = collections.OrderedDict()
+        self._host_batches: dict[int, list] = {}
+        self._host_batch_ids = 0
+        self._host_memory = _host_memory()
+        self.host_stats = collections.Counter()  # spilled_pages, restored_pages, host_dropped_pages
 
     def _empty_pools(self) -> "_Pools":
         empty = PagedKVCache.allocate(self._run_config, 1, num_pages=self.num_pages, page_size=self.page_size,
@@ -182,6 +206,8 @@ class PrefixCache:
         the cache starts empty: every entry it keeps is always complete and valid."""
         index, pools = collections.OrderedDict(self._index), self._pools
         snapshot_index = collections.OrderedDict(self._snapshot_index)
+        host = (collections.OrderedDict(self._host_index), {b: list(e) for b, e in self._host_batches.items()},
+                collections.Counter(self.host_stats))
         self._pending = []
         try:
             yield
@@ -189,6 +215,7 @@ class PrefixCache:
             if any(leaf.is_deleted() for leaf in jax.tree.leaves(pools.arrays())):
                 index, pools, snapshot_index = collections.OrderedDict(), self._empty_pools(), collections.OrderedDict()
             self._index, self._pools, self._snapshot_index = index, pools, snapshot_index
+            self._host_index, self._host_batches, self.host_stats = host  # (host arrays are never changed in place)
             raise
         else:
             for keys, states in self._pending:
@@ -235,17 +262,18 @@ class PrefixCache:
             raise ValueError(f"the call needs {needed} free pages; the PrefixCache pool has {free} free of "
                              f"{self.num_pages} even after dropping every cached prefix it does not use: build it "
                              f"with more pages")
-        dropped = self._drop(victims)
+        dropped = self._drop(victims, self._pools)
         np.subtract.at(refcounts, dropped, 1)
         self._pools = dataclasses.replace(self._pools, refcounts=jax.device_put(refcounts))
 
-    def evict(self, needed: int, keep: set[int], refcounts: np.ndarray) -> tuple[list[int], int]:
+    def evict(self, needed: int, keep: set[int], refcounts: np.ndarray, pool=None) -> tuple[list[int], int]:
         """Drops least recently used blocks from the index (never pages in `keep`) until `needed` pages would be
         free under `refcounts` (the pool's counts, read, not changed), or every droppable block is gone -> (the
         dropped pages, whose index reference the caller must remove from the pool's counts; the free pages after
-        that)."""
+        that). With a host tier, `pool` (the `PagedKVCache` the caller runs in this pool) is where the dropped
+        blocks' K/V are copied from."""
         victims, free = self._victims(needed, keep, refcounts)
-        return self._drop(victims), free
+        return self._drop(victims, pool), free
 
     def _victims(self, needed: int, keep: set[int], refcounts: np.ndarray) -> tuple[list[bytes], int]:
         """The keys `evict` would drop, least recently used first, and the free pages after dropping them; the
@@ -263,12 +291,114 @@ class PrefixCache:
             free += int(counts[page] == 0)
         return victims, free
 
-    def _drop(self, keys: list[bytes]) -> list[int]:
+    def _drop(self, keys: list[bytes], pool=None) -> list[int]:
         """Removes `keys` from the index (and their snapshots, which no match could reach any more) -> their
-        pages."""
+        pages. With a host tier their K/V are first copied from `pool` (a `PagedKVCache` or `_Pools` over this
+        cache's pool) to host memory."""
         for key in keys:
             self._snapshot_index.pop(key, None)
-        return [self._index.pop(key) for key in keys]
+        pages = [self._index.pop(key) for key in keys]
+        if self.host_pages and keys:
+            if pool is None:
+                raise ValueError("a PrefixCache with a host tier evicts with the pool its K/V are copied from")
+            self._spill(keys, pages, pool)
+        return pages
+
+    # --- the host tier ------------------------------------------------------------------------------------------
+
+    def _spill(self, keys: list[bytes], pages: list[int], pool):
+        """Copies the blocks `keys` (in `pages` of `pool`) to the host tier, dropping its oldest beyond
+        host_pages."""
+        keep = [(k, p) for k, p in zip(keys, pages) if k not in self._host_index][-self.host_pages:]
+        if not keep:
+            return
+        data = _gather_pages(_page_arrays(pool), jnp.asarray([p for _, p in keep], jnp.int32))
+        batch = self._host_batch_ids
+        self._host_batch_ids += 1
+        self._host_batches[batch] = [self._host_memory(data), len(keep)]
+        for row, (key, _) in enumerate(keep):
+            self._host_index[key] = (batch, row)
+        self.host_stats["spilled_pages"] += len(keep)
+        while len(self._host_index) > self.host_pages:
+            self._host_forget(self._host_index.popitem(last=False)[1])
+            self.host_stats["host_dropped_pages"] += 1
+
+    def _host_forget(self, where: tuple[int, int]):
+        entry = self._host_batches[where[0]]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self._host_batches[where[0]]
+
+    def host_match(self, tokens, device_pages: int) -> list[bytes]:
+        """The keys of the host tier's blocks that continue a device match of `device_pages` blocks of `tokens`
+        (consecutive, leaving at least one token to prefill, as `match`): what `take_host` copies back."""
+        if not self._host_index:
+            return []
+        keys = _block_keys(tokens[:len(tokens) - 1], self.page_size)[device_pages:]
+        found = []
+        for key in keys:
+            if key not in self._host_index:
+                break
+            found.append(key)
+        return found
+
+    def take_host(self, keys: list[bytes]):
+        """The K/V of host blocks `keys`, as device arrays in the pool's layout ([n, ...] per layer), removed from
+        the host tier (the caller writes them into free pages, `write_pages`, and indexes them, `indexed`)."""
+        rows = [self._host_index.pop(key) for key in keys]
+        parts, positions = [], []  # one gather per host batch; positions[j]: the key row j of the result is for
+        for batch in dict.fromkeys(b for b, _ in rows):
+            mine = [i for i, (b, _) in enumerate(rows) if b == batch]
+            parts.append(_gather_pages(_to_device(self._host_batches[batch][0]),
+                                       jnp.asarray([rows[i][1] for i in mine], jnp.int32)))
+            positions += mine
+        for where in rows:
+            self._host_forget(where)
+        self.host_stats["restored_pages"] += len(keys)
+        data = jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts) if len(parts) > 1 else parts[0]
+        inverse = jnp.asarray(np.argsort(positions), jnp.int32)
+        return jax.tree.map(lambda x: x[inverse], data)
+
+    def indexed(self, keys: list[bytes], pages: list[int]):
+        """Blocks `keys` now held in `pages` (copied back from the host tier): indexed, most recently used, last
+        block first. The caller adds the index's reference to each page's count."""
+        for key, page in reversed(list(zip(keys, pages))):
+            self._index[key] = int(page)
+            self._index.move_to_end(key)
+
+    def fetch(self, tokens, hits: list[int]) -> list[int]:
+        """(`generate`: the cache owns its pool) `hits` (the device match of `tokens`) extended by the host blocks
+        that continue it, copied back into free pages of the pool and indexed -> the longer hit. Free pages must be
+        there (`make_room` first); blocks for which none is free stay on the host."""
+        keys = self.host_match(tokens, len(hits))
+        if not keys:
+            return hits
+        free = np.flatnonzero(np.asarray(self._pools.refcounts) == 0)[:len(keys)]
+        keys = keys[:len(free)]
+        if not keys:
+            return hits
+        pages = [int(p) for p in free]
+        arrays, refcounts = write_pages(_page_arrays(self._pools), self._pools.refcounts,
+                                        jnp.asarray(pages, jnp.int32), self.take_host(keys))
+        keys_, values, key_scales, value_scales = arrays
+        self._pools = _Pools(keys_, values, key_scales, value_scales, refcounts)
+        self.indexed(keys, pages)
+        return hits + pages
+
+    @property
+    def host_cached_pages(self) -> int:
+        """Blocks the host tier holds."""
+        return len(self._host_index)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page in every layer (K/V and scales): a host block's size."""
+        return planner.pool_bytes(self.config, num_pages=1, page_size=self.page_size, cache_dtype=self.cache_dtype)
+
+    def host_nbytes(self) -> int:
+        """Host memory the tier's batches hold now (a batch stays whole until its last block is dropped)."""
+        return sum(sum(np.asarray(x).nbytes if not isinstance(x, jax.Array) else x.nbytes
+                       for x in jax.tree.leaves(entry[0])) for entry in self._host_batches.values())
 
     # --- state snapshots (hybrid models) ------------------------------------------------------------------------
 
@@ -350,6 +480,8 @@ class PrefixCache:
                 if key not in self._index:
                     pages.append(page)
                     self._index[key] = page
+                    if key in self._host_index:  # computed again (not copied back): the device copy replaces it
+                        self._host_forget(self._host_index.pop(key))
                 self._index.move_to_end(key)
         return pages
 
@@ -391,6 +523,43 @@ class PrefixCache:
         """The pool's bytes and (hybrid models) the snapshot store's (`max_snapshots` x `snapshot_bytes`)."""
         return planner.pool_bytes(self.config, num_pages=self.num_pages, page_size=self.page_size,
                                   cache_dtype=self.cache_dtype) + self.max_snapshots * self.snapshot_bytes
+
+
+def _page_arrays(pool) -> tuple:
+    """(keys, values, key_scales, value_scales) of a `PagedKVCache` or `_Pools`: the per-layer pools, whose
+    axis 0 is the page."""
+    return pool.keys, pool.values, pool.key_scales, pool.value_scales
+
+
+@jax.jit
+def _gather_pages(arrays, pages):
+    return jax.tree.map(lambda a: a[pages], arrays)
+
+
+def put_pages(arrays, refcounts, pages, data):
+    """The pools `arrays` (`_page_arrays`) with `data` ([n, ...] per layer) in `pages` (int32[n]), and the index's
+    reference added to those pages' counts -> (arrays, refcounts). Traceable (the engine's `programs.restore`)."""
+    return (jax.tree.map(lambda a, d: a.at[pages].set(d.astype(a.dtype)), arrays, data),
+            refcounts.at[pages].add(1))
+
+
+write_pages = jax.jit(put_pages, donate_argnums=(0, 1))  # `put_pages` on the cache's own pool (donated)
+
+
+def _to_device(data):
+    """A host batch back in device memory, in the layout it was copied from (numpy: the default device)."""
+    return jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind("device"))
+                        if isinstance(x, jax.Array) else jnp.asarray(x), data)
+
+
+def _host_memory():
+    """arrays -> their copy in host memory: the "pinned_host" memory kind of their devices where the backend has
+    one, numpy arrays otherwise."""
+    device = jax.local_devices()[0]
+    if "pinned_host" in [m.kind for m in device.addressable_memories()]:
+        return lambda data: jax.device_put(data, jax.tree.map(lambda a: a.sharding.with_memory_kind("pinned_host"),
+                                                              data))
+    return jax.device_get
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))

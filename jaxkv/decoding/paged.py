@@ -133,6 +133,8 @@ def _prefill(params, token_lists, parents, pages, prefix_cache, *, config, atten
         snapshots[:len(matched)] = [slot for _, slot in matched]
         # The pages this call adds: everything the plan counts but the prefix pages it reuses.
         prefix_cache.make_room(pages.pages_needed - sum(map(len, hits)), keep={p for h in hits for p in h})
+        # Host-tier blocks continuing a device match come back into free pages (pages the prompt needs anyway)
+        hits = [prefix_cache.fetch(p, h) for p, h in zip(token_lists, hits)]
     hit = [len(h) * page_size for h in hits]  # tokens found in the cache
     T = max(memory.MIN_PROMPT_BUCKET, memory.next_pow2(max(len(p) - h for p, h in zip(token_lists, hit))))
     tokens, positions = request.right_pad(token_lists, rows=pages.prefill_batch, length=T, cached=hit)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxkv import sharding
+from jaxkv.cache import prefix
 from jaxkv.cache.paged import PagedKVCache
 from jaxkv.decoding import processing, programs, step
 from jaxkv.decoding.request import MAX_TOP_LOGPROBS, STOP_ID_SLOTS
@@ -357,6 +358,19 @@ def refs(state: State, pages, delta, *, mesh=None):
     cache = state.cache
     flat = jnp.where(pages >= 0, pages, cache.num_pages)
     cache = dataclasses.replace(cache, refcounts=cache.refcounts.at[flat].add(delta, mode="drop"))
+    state = placed(state.replace(cache=cache), mesh)
+    return state, _free_pages(state)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh",), donate_argnames=("state",))
+def restore(state: State, pages, data, *, mesh=None):
+    """Blocks copied back from the prefix cache's host tier (`PrefixCache.take_host`: [n, ...] per layer) into
+    free `pages` (int32[n]) of the pool, each with the prefix index's reference -> (state, free pages)."""
+    cache = state.cache
+    (keys, values, key_scales, value_scales), refcounts = prefix.put_pages(
+        (cache.keys, cache.values, cache.key_scales, cache.value_scales), cache.refcounts, pages, data)
+    cache = dataclasses.replace(cache, keys=keys, values=values, key_scales=key_scales, value_scales=value_scales,
+                                refcounts=refcounts)
     state = placed(state.replace(cache=cache), mesh)
     return state, _free_pages(state)
 

@@ -503,7 +503,7 @@ class Engine:
             if room < need and self.prefix_cache is not None:
                 keep = {p for r in self._requests.values() if r.row >= 0 for p in r.hit_pages} | set(hits)
                 counts = np.asarray(self._state.cache.refcounts)
-                dropped, _ = self.prefix_cache.evict(need + self._pending_pages(), keep, counts)
+                dropped, _ = self.prefix_cache.evict(need + self._pending_pages(), keep, counts, self._state.cache)
                 if dropped:
                     self._state, free = programs.refs(self._state, padded(dropped, self.num_pages), np.int32(-1),
                                                       mesh=self.mesh)
@@ -511,6 +511,19 @@ class Engine:
                 room = self._free - self._pending_pages()
             if room < need:
                 return  # it waits (and the requests behind it) until finished requests free pages
+            if self.prefix_cache is not None and self.prefix_cache.host_pages:
+                # host-tier blocks continuing the hit come back into free pages (pages `need` counts anyway)
+                host = self.prefix_cache.host_match(req.prompt, len(hits))
+                if host:
+                    free = np.flatnonzero(np.asarray(self._state.cache.refcounts) == 0)[:len(host)]
+                    host = host[:len(free)]
+                    pages = [int(p) for p in free[:len(host)]]
+                    self._state, free_count = programs.restore(self._state, jnp.asarray(pages, jnp.int32),
+                                                               self.prefix_cache.take_host(host), mesh=self.mesh)
+                    self._free = int(free_count)
+                    self.prefix_cache.indexed(host, pages)
+                    hits = list(hits) + pages
+                    self._stats["host_hit_tokens"] += len(pages) * self.page_size
             self._waiting.popleft()
             j = self._staging.index(None)
             table = np.full((self.max_pages,), NO_PAGE, np.int32)

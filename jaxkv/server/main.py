@@ -90,6 +90,9 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                         "generation_config.json (transformers' meaning: do_sample false is greedy); ignore: OpenAI's "
                         "defaults (temperature 1, no filters)")
     p.add_argument("--no-prefix-cache", action="store_true", help="do not keep prompt pages for later requests")
+    p.add_argument("--host-cache-gib", type=float, default=0.0, metavar="G",
+                   help="host memory (GiB) for prompt pages evicted from the device pool: a later request with that "
+                        "prefix copies them back instead of recomputing them (default 0: evicted pages are dropped)")
     p.add_argument("--steps-per-dispatch", type=int, default=8, help="decode steps per engine dispatch")
     p.add_argument("--prefill-chunk", type=int, default=128, help="prompt tokens per prefill chunk")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
@@ -121,6 +124,10 @@ def check_engine_options(args):
     for name in ("slots", "page_size", "max_waiting", "steps_per_dispatch", "prefill_chunk", "tensor_parallel_size"):
         checks.check_int(f"--{name.replace('_', '-')}", getattr(args, name), 1 if name != "max_waiting" else 0)
     checks.check_int("--max-queued", args.max_queued, 0)
+    if not 0 <= args.host_cache_gib < float("inf"):
+        raise ValueError(f"--host-cache-gib must be a finite number >= 0, got {args.host_cache_gib}")
+    if args.host_cache_gib and args.no_prefix_cache:
+        raise ValueError("--host-cache-gib holds the prefix cache's evicted pages: not with --no-prefix-cache")
     if args.max_len is not None:
         checks.check_int("--max-len", args.max_len, 2)
     if args.num_pages is not None:
@@ -179,8 +186,12 @@ def build(args, warm: bool = True):
     num_pages = args.num_pages or args.slots * per_sequence + max(per_sequence, args.slots * per_sequence // 4)
     prefix_cache = None
     if not args.no_prefix_cache:
+        page_bytes = memory.pool_bytes(config, num_pages=1, page_size=args.page_size, cache_dtype=args.cache_dtype)
+        host_pages = int(args.host_cache_gib * memory.GIB // page_bytes)
+        if args.host_cache_gib and not host_pages:
+            raise ValueError(f"--host-cache-gib {args.host_cache_gib} holds no page of {page_bytes:,} bytes")
         prefix_cache = jaxkv.PrefixCache(model, num_pages=num_pages, page_size=args.page_size,
-                                         cache_dtype=args.cache_dtype, mesh=mesh)
+                                         cache_dtype=args.cache_dtype, mesh=mesh, host_pages=host_pages)
     engine = jaxkv.Engine(model, slots=args.slots, max_len=max_len, page_size=args.page_size,
                           cache_dtype=args.cache_dtype, prefix_cache=prefix_cache,
                           num_pages=None if prefix_cache is not None else num_pages,
