@@ -12,7 +12,8 @@ import importlib
 BENCH_SCENARIOS = {"sharing": "jaxkv.bench.sharing", "engine": "jaxkv.bench.engine", "beam": "jaxkv.bench.beam",
                    "mla": "jaxkv.bench.mla", "layers": "jaxkv.bench.layers",
                    "speculative": "jaxkv.bench.speculative", "constrained": "jaxkv.bench.constrained",
-                   "hybrid": "jaxkv.bench.hybrid", "sparse": "jaxkv.bench.sparse", "run-batch": "jaxkv.bench.batch"}
+                   "hybrid": "jaxkv.bench.hybrid", "sparse": "jaxkv.bench.sparse", "run-batch": "jaxkv.bench.batch",
+                   "host-cache": "jaxkv.bench.host_cache"}
 
 
 def add_parser(commands):

@@ -416,3 +416,17 @@ def test_bench_run_batch_quick(tmp_path, capsys):
     rates = result["tokens_per_s"]
     assert result["ratio"] == pytest.approx(rates["run-batch"] / rates["engine"])
     assert "of the engine's" in capsys.readouterr().out
+
+
+def test_bench_host_cache_quick(tmp_path, capsys):
+    """`jaxkv bench host-cache`: the host hit finds the prefix's whole pages cached (copied back), the recompute
+    none (the bench checks both), and the ratio is the medians'."""
+    from jaxkv import cli
+
+    assert cli.main(["bench", "host-cache", "--config", "test-tiny", "--prefix-len", "64", "--suffix-len", "4", "--reps",
+                     "1", "--out", str(tmp_path / "hc.json")]) == 0
+    result = json.loads((tmp_path / "hc.json").read_text())
+    assert result["host_stats"]["restored_pages"] >= 2 * 3  # 3 whole pages of the 64-token prefix (of 16), x2 reps
+    t = result["ttft_s"]
+    assert result["ratio"] == pytest.approx(t["recompute"] / t["host hit"])
+    assert "host hit" in capsys.readouterr().out
