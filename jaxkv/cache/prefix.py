@@ -329,6 +329,16 @@ class PrefixCache:
         if entry[1] == 0:
             del self._host_batches[where[0]]
 
+    def cached_prefix_pages(self, tokens) -> int:
+        """How many whole-page blocks of `tokens` (leaving one token) this cache holds in a row, device and host
+        tiers together; a probe: nothing is marked used (a data-parallel engine's placement asks every shard)."""
+        count = 0
+        for key in _block_keys(tokens[:len(tokens) - 1], self.page_size):
+            if key not in self._index and key not in self._host_index:
+                break
+            count += 1
+        return count
+
     def host_match(self, tokens, device_pages: int) -> list[bytes]:
         """The keys of the host tier's blocks that continue a device match of `device_pages` blocks of `tokens`
         (consecutive, leaving at least one token to prefill, as `match`): what `take_host` copies back."""

@@ -46,12 +46,14 @@ The package:
   programs.py   the device state (`State`) and the five compiled programs over it
   outputs.py    `Event`, `Result`, and a decode dispatch's outputs read into each slot's tokens
   requests.py   `Request`, a submitted request as the host tracks it
+  data_parallel.py  `DataParallelEngine`: what `Engine(mesh=)` is for a "data" axis above 1, an engine per shard
 
 May import: `jaxkv.decoding` (the one decode step, request normalization, the forward pass), `jaxkv.cache`, the
 model, `jaxkv.sampling`, `jaxkv.sharding`, `jaxkv.checks`. The server imports this package, never the reverse.
 """
 
+from jaxkv.engine.data_parallel import DataParallelEngine, data_shards
 from jaxkv.engine.outputs import Event, Result
 from jaxkv.engine.scheduler import Engine
 
-__all__ = ["Engine", "Event", "Result"]
+__all__ = ["DataParallelEngine", "Engine", "Event", "Result", "data_shards"]

@@ -48,7 +48,9 @@ class Engine:
         short. While requests are in flight the engine holds the pool (a `generate` call on it is refused).
         A hybrid model (linear-attention layers) resumes a hit from the cache's state snapshot at its end; its
         prompt chunks are cut back to the snapshot boundaries they reach, where its state is snapshotted.
-      mesh: a ("data", "model") `jax.sharding.Mesh` with data 1: weights split Megatron-style over "model" as for
+      mesh: a ("data", "model") `jax.sharding.Mesh`. Its "data" axis above 1: one engine per data shard, each with
+        these arguments (`jaxkv.engine.data_parallel.DataParallelEngine`, what is returned then). With data 1:
+        weights split Megatron-style over "model" as for
         `generate`, the page pools over KV heads (`sharding.paged_cache_shardings`), the page tables and the
         per-slot state on every device; attention="pallas" runs the paged kernel per shard of the heads
         (`sharding.shard_paged_attention`). A prefix_cache must be built for the same mesh
@@ -77,6 +79,14 @@ class Engine:
         K/V live alike under the target's tables, one position behind; its prompt pairs are written with the
         target's chunks. No mesh.
     """
+
+    def __new__(cls, model=None, *args, mesh=None, **kwargs):
+        # A mesh whose "data" axis is above 1: one engine per data shard (`jaxkv.engine.data_parallel`)
+        if mesh is not None and sharding.data_size(sharding.check_mesh(mesh)) > 1:
+            from jaxkv.engine.data_parallel import DataParallelEngine
+
+            return DataParallelEngine(model, *args, mesh=mesh, **kwargs)
+        return super().__new__(cls)
 
     def __init__(self, model: Model, *, slots: int, max_len: int, page_size: int | None = None,
                  cache_dtype: str | None = None, prefix_cache=None, mesh=None, num_pages: int | None = None,
@@ -366,6 +376,17 @@ class Engine:
         if self.prefix_cache is not None:
             np.subtract.at(counts, self.prefix_cache.pages(), 1)
         return int((counts > 0).sum())
+
+    @property
+    def cached_pages(self) -> int:
+        """Pages the prefix cache keeps for later prompts (0 without one)."""
+        return 0 if self.prefix_cache is None else self.prefix_cache.cached_pages
+
+    @property
+    def queued_events(self) -> int:
+        """Events not yet reported (cancellations, and what a `run` left early did not yield): the next `step`
+        returns them first."""
+        return len(self._events)
 
     @property
     def waiting(self) -> int:

@@ -97,6 +97,10 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=int, default=128, help="prompt tokens per prefill chunk")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="devices the weights and KV cache are split over (heads and FFN widths)")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engines side by side, each with its own slots, pages and prefix cache (and its own "
+                        "--tensor-parallel-size devices); a request goes to the one holding its longest cached "
+                        "prefix, else the least loaded (--slots and --num-pages are per engine)")
     spec = p.add_argument_group("speculative decoding", "a proposer guesses each sequence's next tokens and one "
                                 "forward pass verifies them; outputs are distributed exactly as without it")
     spec.add_argument("--speculative-method", choices=["ngram", "draft", "mtp"], default=None,
@@ -121,7 +125,8 @@ def check(args):
 def check_engine_options(args):
     """`add_engine_options`'s flags checked without JAX; ValueError."""
     check_weight_flags(args)
-    for name in ("slots", "page_size", "max_waiting", "steps_per_dispatch", "prefill_chunk", "tensor_parallel_size"):
+    for name in ("slots", "page_size", "max_waiting", "steps_per_dispatch", "prefill_chunk", "tensor_parallel_size",
+                 "data_parallel_size"):
         checks.check_int(f"--{name.replace('_', '-')}", getattr(args, name), 1 if name != "max_waiting" else 0)
     checks.check_int("--max-queued", args.max_queued, 0)
     if not 0 <= args.host_cache_gib < float("inf"):
@@ -167,6 +172,7 @@ def build(args, warm: bool = True):
     program before returning (the server: no client waits on a compile); a batch job compiles what it uses."""
     import jaxkv
     from jaxkv.chat_template import ChatTemplate
+    from jaxkv.engine import data_shards
     from jaxkv.server.state import ServerState
     from jaxkv.server.tokenization import read_tokenizer_info
     from jaxkv.server.worker import EngineWorker, warm_up_scoring
@@ -190,8 +196,11 @@ def build(args, warm: bool = True):
         host_pages = int(args.host_cache_gib * memory.GIB // page_bytes)
         if args.host_cache_gib and not host_pages:
             raise ValueError(f"--host-cache-gib {args.host_cache_gib} holds no page of {page_bytes:,} bytes")
-        prefix_cache = jaxkv.PrefixCache(model, num_pages=num_pages, page_size=args.page_size,
-                                         cache_dtype=args.cache_dtype, mesh=mesh, host_pages=host_pages)
+        meshes = [mesh] if mesh is None or args.data_parallel_size == 1 else data_shards(mesh)
+        prefix_cache = [jaxkv.PrefixCache(model, num_pages=num_pages, page_size=args.page_size,
+                                          cache_dtype=args.cache_dtype, mesh=m, host_pages=host_pages)
+                        for m in meshes]
+        prefix_cache = prefix_cache[0] if len(prefix_cache) == 1 else prefix_cache
     engine = jaxkv.Engine(model, slots=args.slots, max_len=max_len, page_size=args.page_size,
                           cache_dtype=args.cache_dtype, prefix_cache=prefix_cache,
                           num_pages=None if prefix_cache is not None else num_pages,
@@ -264,20 +273,21 @@ def _model(args):
 
 
 def _mesh(args, config):
-    """With --tensor-parallel-size N > 1, a ("data", "model") mesh of 1 x N over the first N devices, else None."""
-    if args.tensor_parallel_size <= 1:
+    """A ("data", "model") mesh of --data-parallel-size x --tensor-parallel-size over the first devices, or None
+    for 1 x 1. A data axis above 1: one engine per data shard (`jaxkv.engine.data_parallel`)."""
+    dp, tp = args.data_parallel_size, args.tensor_parallel_size
+    if dp * tp <= 1:
         return None
     import jax
     import numpy as np
 
     from jaxkv import sharding
 
-    if jax.device_count() < args.tensor_parallel_size:
-        raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size} needs that many devices; "
-                         f"{jax.device_count()} found ({jax.devices()[0].platform})")
-    devices = jax.devices()[:args.tensor_parallel_size]
-    mesh = jax.sharding.Mesh(np.asarray(devices).reshape(1, -1), ("data", "model"))
-    sharding.check_config(config, mesh)  # heads and FFN widths must divide over N: a clear error, before compute
+    if jax.device_count() < dp * tp:
+        raise ValueError(f"--data-parallel-size {dp} x --tensor-parallel-size {tp} needs {dp * tp} devices; "
+                         f"there are {jax.device_count()}")
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:dp * tp]).reshape(dp, tp), ("data", "model"))
+    sharding.check_config(config, mesh)  # heads and FFN widths must divide over tp: a clear error, before compute
     return mesh
 
 

@@ -345,7 +345,7 @@ class EngineWorker:
             "slots_total": engine.slots, "slots_free": engine.free_slots,
             "pages_total": engine.num_pages, "pages_free": engine.free_pages,
             "pages_held": engine.held_pages(),
-            "pages_cached": engine.prefix_cache.cached_pages if engine.prefix_cache is not None else 0,
+            "pages_cached": engine.cached_pages,
             "generated_tokens": stats.get("generated_tokens", 0),
             "prefill_tokens": stats.get("prefill_tokens", 0),
             "prefix_hit_tokens": stats.get("prefix_hit_tokens", 0),

@@ -1,0 +1,222 @@
+"""`jaxkv.Engine(..., mesh=)` with a "data" axis above 1: one engine per data shard, requests placed on one.
+
+Each row d of the ("data", "model") mesh is a shard: an `Engine` over the (1, model) mesh of that row's devices,
+with its own slots, page pool (and prefix cache) and its own copy of the weights (split over "model" as a one-row
+mesh splits them). A paged pool cannot be split over "data" (sequences anywhere may share any page:
+`sharding.check_paged_mesh`), so data parallelism is engines side by side, as tpu-inference's DP attention and
+sglang's --dp-size run them.
+
+Placement, at `submit`: with prefix caches, the shard whose cache holds the longest cached prefix of the prompt
+(device and host tiers, `PrefixCache.cached_prefix_pages`), the least loaded among equals; without, the least
+loaded shard (fewest requests in flight; among equals, the next in turn). A request stays on its shard to the end.
+Its tokens are what that shard's engine gives, which is what one engine gives (each request is independent of the
+batch it shares: `jaxkv.engine`'s docstring), so outputs equal a single-device engine's.
+
+Stepping: `step` runs every shard with work in its own thread at once (each dispatch waits on its own devices;
+JAX releases the GIL while it waits), so the shards compute in parallel. Ids: `submit` returns an id of this
+engine's (its events and results carry it); each shard keeps its own.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxkv import sharding
+from jaxkv.engine.outputs import Event, Result
+
+
+def data_shards(mesh: Mesh) -> list[Mesh]:
+    """The (1, model) meshes of each row of a ("data", "model") mesh: where `jaxkv.Engine(mesh=mesh)` runs its
+    shards, and what a shard's `jaxkv.PrefixCache(..., mesh=)` is built for."""
+    mesh = sharding.check_mesh(mesh)
+    devices = np.asarray(mesh.devices)
+    return [Mesh(devices[d:d + 1], (sharding.DATA, sharding.MODEL)) for d in range(devices.shape[0])]
+
+
+class DataParallelEngine:
+    """The engine `jaxkv.Engine(model, mesh=mesh, ...)` returns for a mesh whose "data" axis is above 1 (module
+    docstring). Its arguments are `Engine`'s, per shard (slots, num_pages, ...: each shard has that many), except:
+
+      prefix_cache: None, or one `jaxkv.PrefixCache` per data shard, each built with `mesh=` its shard's mesh
+        (`data_shards(mesh)[d]`).
+
+    It has `Engine`'s methods and properties; counts (slots, free slots and pages, pending, waiting, stats) are
+    the shards' sums; `shards` are the shards' engines.
+    """
+
+    def __init__(self, model, *, mesh, prefix_cache=None, **kwargs):
+        from jaxkv.engine.scheduler import Engine
+        from jaxkv.cache.prefix import PrefixCache
+
+        self.mesh = sharding.check_mesh(mesh)
+        meshes = data_shards(self.mesh)
+        if prefix_cache is not None:
+            caches = list(prefix_cache) if isinstance(prefix_cache, (list, tuple)) else None
+            if caches is None or len(caches) != len(meshes) or not all(isinstance(c, PrefixCache) for c in caches):
+                raise ValueError(f"on a mesh with {len(meshes)} data shards, prefix_cache is a list of "
+                                 f"{len(meshes)} jaxkv.PrefixCache, one per shard, each built with mesh= its "
+                                 f"shard's (jaxkv.engine.data_shards(mesh)[d])")
+        else:
+            caches = [None] * len(meshes)
+        self.shards = [Engine(model, mesh=m, prefix_cache=c, **kwargs) for m, c in zip(meshes, caches)]
+        first = self.shards[0]
+        self.model, self.config, self.max_len, self.page_size = first.model, first.config, first.max_len, \
+            first.page_size
+        self.slots = sum(e.slots for e in self.shards)
+        self.num_pages = sum(e.num_pages for e in self.shards)
+        self.prefill_rows = sum(e.prefill_rows for e in self.shards)  # staging rows are twice these, per shard
+        self.prefix_cache = None if prefix_cache is None else caches
+        self._where: dict[int, tuple[int, int]] = {}  # our id -> (shard, the shard's id)
+        self._ours: list[dict[int, int]] = [{} for _ in self.shards]  # per shard: its id -> ours
+        self._next_id = 0
+        self._order: list[int] = []  # ids submitted and not yet handed over by results(), in order
+        self._done: dict[int, Result] = {}  # finished results not yet handed over
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(self.shards),
+                                                           thread_name_prefix="jaxkv-shard")
+
+    # --- requests -----------------------------------------------------------------------------------------------
+
+    def _place(self, prompt) -> int:
+        """The shard a prompt goes to: the longest cached prefix, then the fewest requests in flight, then the
+        next in turn (so an idle engine's requests go round the shards, not all to the first)."""
+        D = len(self.shards)
+        loads = [e.pending for e in self.shards]
+        cached = [0] * D
+        if self.prefix_cache is not None:
+            ids = prompt
+            if isinstance(prompt, str):  # the shard's engine tokenizes it; match as it will
+                ids = self.model.tokenizer.encode(prompt).ids if self.model.tokenizer is not None else []
+            cached = [c.cached_prefix_pages(ids) for c in self.prefix_cache]
+        return min(range(D), key=lambda d: (-cached[d], loads[d], (d - self._next_id) % D))
+
+    def submit(self, prompt, *, callback=None, **kwargs) -> int:
+        """`Engine.submit` on the shard `prompt` is placed on -> this engine's id for it."""
+        d = self._place(prompt)
+        rid = self._next_id
+        wrapped = None if callback is None else (lambda event: callback(event._replace(id=rid)))
+        shard_id = self.shards[d].submit(prompt, callback=wrapped, **kwargs)
+        self._next_id += 1
+        self._where[rid] = (d, shard_id)
+        self._ours[d][shard_id] = rid
+        self._order.append(rid)
+        return rid
+
+    def cancel(self, request_id: int) -> bool:
+        where = self._where.get(request_id)
+        return False if where is None else self.shards[where[0]].cancel(where[1])
+
+    # --- running ------------------------------------------------------------------------------------------------
+
+    def _ours_of(self, d: int, event: Event) -> Event:
+        return event._replace(id=self._ours[d][event.id])
+
+    def step(self) -> list[Event]:
+        """One round of every shard with work, the shards at once -> their events (this engine's ids)."""
+        busy = [d for d, e in enumerate(self.shards) if e.pending or e.queued_events]
+        if len(busy) == 1:
+            rounds = [(busy[0], self.shards[busy[0]].step())]
+        else:
+            futures = [(d, self._pool.submit(self.shards[d].step)) for d in busy]
+            rounds = [(d, f.result()) for d, f in futures]
+        events = []
+        for d, shard_events in rounds:
+            for event in shard_events:
+                event = self._ours_of(d, event)
+                events.append(event)
+                if event.finished:
+                    self._collect(d, event.id)
+        return events
+
+    def _collect(self, d: int, rid: int):
+        result = self.shards[d].take(self._where[rid][1])
+        if result is not None:
+            self._done[rid] = dataclasses.replace(result, id=rid)
+
+    def run(self) -> Iterator[Event]:
+        while self.pending:
+            yield from self.step()
+
+    def results(self) -> list[Result]:
+        for _ in self.run():
+            pass
+        order, self._order = self._order, []
+        return [self._forget(rid) for rid in order]
+
+    def take(self, request_id: int) -> Result | None:
+        result = self._done.get(request_id)
+        if result is None:
+            return None
+        self._order.remove(request_id)
+        return self._forget(request_id)
+
+    def _forget(self, rid: int) -> Result:
+        d, shard_id = self._where.pop(rid)
+        self._ours[d].pop(shard_id, None)
+        return self._done.pop(rid)
+
+    def generate(self, requests, **defaults) -> list[Result]:
+        """As `Engine.generate`: every request checked by its shard as submitted; the results in order."""
+        if isinstance(requests, (str, dict)) or not isinstance(requests, Sequence) or not requests:
+            raise ValueError("requests must be a non-empty list of prompts or of dicts of submit arguments")
+        calls = [dict(defaults, **r) if isinstance(r, dict) else dict(defaults, prompt=r) for r in requests]
+        ids = [self.submit(call.pop("prompt"), **call) for call in calls]
+        for _ in self.run():
+            pass
+        self._order = [rid for rid in self._order if rid not in ids]
+        return [self._forget(rid) for rid in ids]
+
+    # --- inspection ---------------------------------------------------------------------------------------------
+
+    @property
+    def free_slots(self) -> int:
+        return sum(e.free_slots for e in self.shards)
+
+    @property
+    def free_pages(self) -> int:
+        return sum(e.free_pages for e in self.shards)
+
+    def held_pages(self) -> int:
+        return sum(e.held_pages() for e in self.shards)
+
+    @property
+    def cached_pages(self) -> int:
+        return sum(e.cached_pages for e in self.shards)
+
+    @property
+    def waiting(self) -> int:
+        return sum(e.waiting for e in self.shards)
+
+    @property
+    def pending(self) -> int:
+        return sum(e.pending for e in self.shards)
+
+    @property
+    def stats(self) -> dict:
+        """The shards' counters summed (their ratios recomputed over the sums), and each shard's as "shards"."""
+        per = [e.stats for e in self.shards]
+        total: dict = {}
+        for s in per:
+            for k, v in s.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    total[k] = total.get(k, 0) + v
+        rows = total.get("decode_steps", 0) and sum(s.get("decode_steps", 0) * e.slots for s, e in
+                                                    zip(per, self.shards))
+        total["slot_occupancy"] = total.get("decode_rows_used", 0) / rows if rows else 0.0
+        computed = total.get("decode_rows_computed", 0)
+        total["decode_padding"] = 1.0 - total.get("decode_rows_used", 0) / computed if computed else 0.0
+        computed = total.get("prefill_tokens_computed", 0)
+        total["prefill_padding"] = 1.0 - total.get("prefill_tokens", 0) / computed if computed else 0.0
+        total["shards"] = per
+        return total
+
+    def warm_up(self):
+        list(self._pool.map(lambda e: e.warm_up(), self.shards))
+
+    def reset_stats(self):
+        for e in self.shards:
+            e.reset_stats()
