@@ -13,7 +13,7 @@ BENCH_SCENARIOS = {"sharing": "jaxkv.bench.sharing", "engine": "jaxkv.bench.engi
                    "mla": "jaxkv.bench.mla", "layers": "jaxkv.bench.layers",
                    "speculative": "jaxkv.bench.speculative", "constrained": "jaxkv.bench.constrained",
                    "hybrid": "jaxkv.bench.hybrid", "sparse": "jaxkv.bench.sparse", "run-batch": "jaxkv.bench.batch",
-                   "host-cache": "jaxkv.bench.host_cache"}
+                   "host-cache": "jaxkv.bench.host_cache", "data-parallel": "jaxkv.bench.data_parallel"}
 
 
 def add_parser(commands):

@@ -430,3 +430,15 @@ def test_bench_host_cache_quick(tmp_path, capsys):
     t = result["ttft_s"]
     assert result["ratio"] == pytest.approx(t["recompute"] / t["host hit"])
     assert "host hit" in capsys.readouterr().out
+
+
+def test_bench_data_parallel_quick(tmp_path, capsys):
+    """`jaxkv bench data-parallel`: every mesh gives the first mesh's tokens; a row per mesh."""
+    from jaxkv import cli
+
+    assert cli.main(["bench", "data-parallel", "--requests", "4", "--slots", "1", "--meshes", "1x1,2x1",
+                     "--reps", "1", "--out", str(tmp_path / "dp.json")]) == 0
+    result = json.loads((tmp_path / "dp.json").read_text())
+    assert [r["mesh"] for r in result["rows"]] == ["1x1", "2x1"]
+    assert all(r["same_tokens_as_first_mesh"] and r["tokens_per_s"] > 0 for r in result["rows"])
+    assert "new tokens/s" in capsys.readouterr().out

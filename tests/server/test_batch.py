@@ -187,3 +187,13 @@ def test_bad_flags_and_files_are_one_line_errors(job, tmp_path):
                         (["-i", inputs, "-o", inputs], "not a run-batch result")]:
         proc = run_batch(*args, check=False)
         assert proc.returncode == 2 and match in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_data_parallel_engines_give_the_same_answers(job):
+    """--data-parallel-size 2 (an engine per data shard, on 2 of the 8 host devices): every answer equals the
+    single engine's (greedy)."""
+    root, model, inputs, env, out = job
+    dp = root / "dp.jsonl"
+    run_batch("-i", inputs, "-o", dp, "--model", model, *ENGINE, "--data-parallel-size", "2", "--no-progress",
+              env=env)
+    assert {r["id"]: answer(r) for r in records(dp)} == {r["id"]: answer(r) for r in records(out)}
