@@ -349,6 +349,11 @@ def _processes(args) -> tuple[int, int]:
         jax.distributed.initialize(coordinator_address=args.coordinator_address, num_processes=args.num_processes,
                                    process_id=args.process_id)
         return jax.process_count(), jax.process_index()
+    if args.num_processes is None and "jax" in sys.modules:
+        import jax  # already running under jax.distributed (a wrapper initialized it): its count and index
+
+        if jax.process_count() > 1:
+            return jax.process_count(), jax.process_index()
     n = 1 if args.num_processes is None else args.num_processes
     i = 0 if args.process_id is None else args.process_id
     return n, i
