@@ -49,8 +49,9 @@ class DataParallelEngine:
     the shards' sums; `shards` are the shards' engines.
     """
 
-    def __init__(self, model, *, mesh, prefix_cache=None, **kwargs):
-        from jaxkv.engine.scheduler import Engine
+    def __init__(self, model, *, mesh, engine: type, prefix_cache=None, **kwargs):
+        # engine: the class of each shard's engine, `jaxkv.Engine`, passed by `Engine.__new__` (this module sits
+        # beside the scheduler, not under it: importing it here would make a cycle)
         from jaxkv.cache.prefix import PrefixCache
 
         self.mesh = sharding.check_mesh(mesh)
@@ -63,7 +64,7 @@ class DataParallelEngine:
                                  f"shard's (jaxkv.engine.data_shards(mesh)[d])")
         else:
             caches = [None] * len(meshes)
-        self.shards = [Engine(model, mesh=m, prefix_cache=c, **kwargs) for m, c in zip(meshes, caches)]
+        self.shards = [engine(model, mesh=m, prefix_cache=c, **kwargs) for m, c in zip(meshes, caches)]
         first = self.shards[0]
         self.model, self.config, self.max_len, self.page_size = first.model, first.config, first.max_len, \
             first.page_size

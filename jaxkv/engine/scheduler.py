@@ -85,7 +85,7 @@ class Engine:
         if mesh is not None and sharding.data_size(sharding.check_mesh(mesh)) > 1:
             from jaxkv.engine.data_parallel import DataParallelEngine
 
-            return DataParallelEngine(model, *args, mesh=mesh, **kwargs)
+            return DataParallelEngine(model, *args, mesh=mesh, engine=cls, **kwargs)
         return super().__new__(cls)
 
     def __init__(self, model: Model, *, slots: int, max_len: int, page_size: int | None = None,
