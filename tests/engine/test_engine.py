@@ -398,7 +398,10 @@ def test_on_a_mesh_the_pools_split_over_kv_heads_and_tokens_are_unchanged(model_
     kv_heads = max(model.config.n_kv_heads, model_axis)
     assert pool.shape[1] == kv_heads and pool.addressable_shards[0].data.shape[1] == kv_heads // model_axis
     assert_all_free(engine)
-    for bad in (dict(mesh=jax.make_mesh((2, 2), ("data", "model"))),
+    # a data axis above 1 is the data-parallel engine (tests/engine/test_data_parallel.py): it takes one prefix
+    # cache per shard, so a single one is refused; a cache built for no mesh is refused on a mesh
+    for bad in (dict(mesh=jax.make_mesh((2, 2), ("data", "model")),
+                     prefix_cache=jaxkv.PrefixCache(model, num_pages=8, page_size=8)),
                 dict(mesh=mesh, prefix_cache=jaxkv.PrefixCache(model, num_pages=8, page_size=8))):
         with pytest.raises(ValueError):
             Engine(model, slots=2, max_len=64, page_size=8, **bad)
