@@ -167,9 +167,33 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+MALLOC_ARENAS = 2  # glibc malloc arenas for a server process (`_limit_malloc_arenas`)
+
+
+def _limit_malloc_arenas() -> None:
+    """Caps glibc's malloc arenas at MALLOC_ARENAS unless the environment sets MALLOC_ARENA_MAX (then that holds).
+
+    Why: glibc gives each thread that allocates concurrently an arena of its own, up to 8 per core, and memory
+    freed in one is reused only by the threads on it. A server's threads (the event loop, the engine thread,
+    asyncio.to_thread's tokenizer pool, XLA's) allocate and free host buffers of many sizes, and its resident
+    memory crept up ~1 MiB a minute under scripts/soak_serve.py (+5.6% in 30 minutes; the Python heap, by
+    tracemalloc, flat); with 2 arenas it stayed level (docs/design/server.md, "Soak"). A no-op off glibc. Must run
+    before the threads start, so before JAX is imported."""
+    if os.environ.get("MALLOC_ARENA_MAX"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(ctypes.c_int(-8), ctypes.c_int(MALLOC_ARENAS))  # -8: M_ARENA_MAX in glibc's malloc.h
+    except (OSError, AttributeError):  # not glibc (macOS, musl): its allocator's own behaviour stands
+        pass
+
+
 def build(args, warm: bool = True):
     """The model, engine and app state for checked `args` (imports JAX) -> (state, engine). `warm`: compile every
     program before returning (the server: no client waits on a compile); a batch job compiles what it uses."""
+    _limit_malloc_arenas()
     import jaxkv
     from jaxkv.chat_template import ChatTemplate
     from jaxkv.engine import data_shards
