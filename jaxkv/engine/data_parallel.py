@@ -20,6 +20,7 @@ engine's (its events and results carry it); each shard keeps its own.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 from collections.abc import Iterator, Sequence
 
@@ -165,7 +166,21 @@ class DataParallelEngine:
         if isinstance(requests, (str, dict)) or not isinstance(requests, Sequence) or not requests:
             raise ValueError("requests must be a non-empty list of prompts or of dicts of submit arguments")
         calls = [dict(defaults, **r) if isinstance(r, dict) else dict(defaults, prompt=r) for r in requests]
-        ids = [self.submit(call.pop("prompt"), **call) for call in calls]
+        for i, call in enumerate(calls):
+            if "prompt" not in call:
+                raise ValueError(f"request {i} has no prompt")
+        # one bad request submits none, as Engine.generate: every shard withdraws what it took, and our maps too
+        saved = (self._next_id, list(self._order), dict(self._where), [dict(ours) for ours in self._ours])
+        ids = []
+        try:
+            with contextlib.ExitStack() as stack:
+                for shard in self.shards:
+                    stack.enter_context(shard.submitting())
+                for call in calls:
+                    ids.append(self.submit(call.pop("prompt"), **call))
+        except BaseException:
+            self._next_id, self._order, self._where, self._ours = saved
+            raise
         for _ in self.run():
             pass
         self._order = [rid for rid in self._order if rid not in ids]

@@ -7,6 +7,7 @@ The package docstring (`jaxkv.engine`) says how the programs and the schedule fi
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
 
@@ -332,6 +333,18 @@ class Engine:
             self._order.remove(request_id)
         return result
 
+    @contextlib.contextmanager
+    def submitting(self):
+        """A block of `submit` calls that all stand or none does: if the block raises, the requests it submitted
+        are withdrawn (never run, no event, no callback, no id used) and the exception goes on. Only for submits:
+        nothing else may run the engine inside it."""
+        saved = (self._next_id, list(self._order), collections.deque(self._waiting), dict(self._requests))
+        try:
+            yield
+        except BaseException:
+            self._next_id, self._order, self._waiting, self._requests = saved
+            raise
+
     def generate(self, requests, **defaults) -> list[Result]:
         """Blocking: submits every request (all checked first: one bad request submits none), runs them to the
         end -> their `Result`s in order. A request is a prompt (token ids or text), or a dict of `submit`
@@ -342,14 +355,10 @@ class Engine:
         for i, call in enumerate(calls):
             if "prompt" not in call:
                 raise ValueError(f"request {i} has no prompt")
-        saved = (self._next_id, list(self._order), collections.deque(self._waiting), dict(self._requests))
         ids = []
-        try:
+        with self.submitting():
             for call in calls:
                 ids.append(self.submit(call.pop("prompt"), **call))
-        except Exception:
-            self._next_id, self._order, self._waiting, self._requests = saved
-            raise
         for _ in self.run():
             pass
         self._order = [rid for rid in self._order if rid not in ids]

@@ -98,3 +98,22 @@ def test_a_prompt_goes_to_the_shard_holding_its_prefix():
     assert engine.shards[1 - holder].stats.get("requests_admitted", 0) == 0
     with pytest.raises(ValueError, match="one per shard"):
         jaxkv.Engine(model, slots=2, max_len=64, mesh=mesh, prefix_cache=caches[0])
+
+
+def test_generate_with_one_bad_request_submits_none():
+    """As Engine.generate: the third request is refused after two were placed on shards; neither runs, no shard
+    keeps anything, and the next call's results and ids are those of an engine that never saw the bad call."""
+    model = model_for("gqa")
+    engine = jaxkv.Engine(model, slots=2, max_len=64, page_size=8, mesh=mesh_of(2, 1))
+    (p0, n0, _), (p1, n1, _) = requests(9, 2)
+    calls = [{"prompt": p0, "max_new_tokens": n0}, {"prompt": p1, "max_new_tokens": n1},
+             {"prompt": p1, "max_new_tokens": 1000}]  # past max_len: refused by its shard's submit
+    with pytest.raises(ValueError):
+        engine.generate(calls, stop_tokens=[])
+    assert engine.pending == 0 and engine.waiting == 0
+    assert all(shard.pending == 0 and shard.waiting == 0 for shard in engine.shards)
+    got = engine.generate(calls[:2], stop_tokens=[])
+    assert [r.id for r in got] == [0, 1]
+    assert [r.tokens for r in got] == [single_device(model, p, n, {}).tokens for p, n in ((p0, n0), (p1, n1))]
+    for shard in engine.shards:
+        assert_all_free(shard)
