@@ -31,7 +31,9 @@ def serve(argv):  # the server process: tracemalloc on, SIGUSR1 writes a snapsho
 
     def dump(*_):
         gc.collect()
-        tracemalloc.take_snapshot().dump(str(out / f"snap{count[0]}.bin"))
+        name = out / f"snap{count[0]}.bin"
+        tracemalloc.take_snapshot().dump(str(name) + ".part")
+        pathlib.Path(str(name) + ".part").replace(name)  # whole when it appears: the driver waits for the name
         count[0] += 1
 
     signal.signal(signal.SIGUSR1, dump)
@@ -71,7 +73,6 @@ def main():
             proc.send_signal(signal.SIGUSR1)
             while not (root / f"snap{k}.bin").exists():
                 time.sleep(1)
-            time.sleep(5)  # the snapshot file is written
             print(f"after {minutes:g} min ({done} requests): RSS {rss[-1]:.1f} MiB", flush=True)
     finally:
         proc.terminate()

@@ -22,13 +22,14 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import numpy as np
 from jax.sharding import Mesh
 
 from jaxkv import sharding
 from jaxkv.engine.outputs import Event, Result
+from jaxkv.engine.requests import generate_calls
 
 
 def data_shards(mesh: Mesh) -> list[Mesh]:
@@ -163,12 +164,7 @@ class DataParallelEngine:
 
     def generate(self, requests, **defaults) -> list[Result]:
         """As `Engine.generate`: every request checked by its shard as submitted; the results in order."""
-        if isinstance(requests, (str, dict)) or not isinstance(requests, Sequence) or not requests:
-            raise ValueError("requests must be a non-empty list of prompts or of dicts of submit arguments")
-        calls = [dict(defaults, **r) if isinstance(r, dict) else dict(defaults, prompt=r) for r in requests]
-        for i, call in enumerate(calls):
-            if "prompt" not in call:
-                raise ValueError(f"request {i} has no prompt")
+        calls = generate_calls(requests, defaults)
         # one bad request submits none, as Engine.generate: every shard withdraws what it took, and our maps too
         saved = (self._next_id, list(self._order), dict(self._where), [dict(ours) for ours in self._ours])
         ids = []

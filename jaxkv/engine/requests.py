@@ -4,7 +4,7 @@ and the padded page lists the device programs take."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -43,3 +43,15 @@ def padded(pages: list[int], size: int) -> np.ndarray:
     out = np.full((size,), -1, np.int32)
     out[:len(pages)] = pages
     return out
+
+
+def generate_calls(requests, defaults: dict) -> list[dict]:
+    """`generate`'s requests -> one dict of `submit` arguments each ("prompt" included), `defaults` under each;
+    a malformed list or a request without a prompt is a ValueError before anything is submitted."""
+    if isinstance(requests, (str, dict)) or not isinstance(requests, Sequence) or not requests:
+        raise ValueError("requests must be a non-empty list of prompts or of dicts of submit arguments")
+    calls = [dict(defaults, **r) if isinstance(r, dict) else dict(defaults, prompt=r) for r in requests]
+    for i, call in enumerate(calls):
+        if "prompt" not in call:
+            raise ValueError(f"request {i} has no prompt")
+    return calls

@@ -24,7 +24,7 @@ from jaxkv.decoding.speculation import Speculation
 from jaxkv.engine import outputs, programs
 from jaxkv.engine import speculative as speculative_program
 from jaxkv.engine.outputs import Event, Result
-from jaxkv.engine.requests import Request, padded
+from jaxkv.engine.requests import Request, generate_calls, padded
 from jaxkv.engine.programs import FINISH_REASONS, MAX_LOGPROBS, STOP_SLOTS
 from jaxkv.model import Model
 from jaxkv.sampling import Sampler
@@ -349,12 +349,7 @@ class Engine:
         """Blocking: submits every request (all checked first: one bad request submits none), runs them to the
         end -> their `Result`s in order. A request is a prompt (token ids or text), or a dict of `submit`
         arguments with a "prompt"; `defaults` are `submit` arguments for every request (max_new_tokens, ...)."""
-        if isinstance(requests, (str, dict)) or not isinstance(requests, Sequence) or not requests:
-            raise ValueError("requests must be a non-empty list of prompts or of dicts of submit arguments")
-        calls = [dict(defaults, **r) if isinstance(r, dict) else dict(defaults, prompt=r) for r in requests]
-        for i, call in enumerate(calls):
-            if "prompt" not in call:
-                raise ValueError(f"request {i} has no prompt")
+        calls = generate_calls(requests, defaults)
         ids = []
         with self.submitting():
             for call in calls:
