@@ -139,9 +139,13 @@ async def start(request: Request, state: ServerState, s: protocol.Sampling, prom
 
 
 async def collect(request, state, choices, queue) -> bool:
-    """Runs every choice to its end -> False if the client went away first."""
+    """Runs every choice to its end -> False if the client went away first. ApiError 503 if the server's shutdown
+    cancelled every choice before it made a token: nothing was made, and a 503 is retried where an empty
+    "cancelled" answer would be taken for the model's (the same answer as a request still waiting for room)."""
     async for _ in updates(request, state, choices, queue):
         pass
+    if state.worker.stopping and all(c.finish_reason == "cancelled" and not c.tokens for c in choices):
+        raise ApiError("the server is shutting down", status=503, type="server_error")
     return all(c.finish_reason is not None for c in choices)
 
 

@@ -121,6 +121,11 @@ class EngineWorker:
         return handles
 
     @property
+    def stopping(self) -> bool:
+        """True once `stop` was called (the server is shutting down)."""
+        return self._stopping
+
+    @property
     def held(self) -> int:
         """Sequences held now (engine sequences and prompts being scored), of `capacity`."""
         return self._held + self._scoring

@@ -346,23 +346,33 @@ def test_the_issue_flags_parse():
 
 def test_sigint_lets_the_stream_finish_then_cancels_the_rest_cleanly_and_exits_0():
     """SIGINT: a stream that can finish within --shutdown-timeout does; past it, every sequence still running or
-    queued (63 of a 64-sample stream on 2 slots, about 30 s of decoding) is cancelled: each choice's last chunk
-    has a finish_reason, then [DONE], before the connection closes."""
+    in the engine's queue (63 of a 64-sample stream on 2 slots, about 30 s of decoding) is cancelled: each
+    choice's last chunk has a finish_reason, then [DONE], before the connection closes. A non-streamed request
+    that made nothing (it waits in the server's queue, and may be given room during the grace period as samples
+    finish, then cancelled before a slot) is answered 503 "the server is shutting down", retryable, not a 200 with
+    an empty "cancelled" answer a harness would score (issue 50: before, it was either, by timing)."""
     import signal
 
     import httpx
 
     from helpers.server import start_server
 
-    proc, url = start_server(["--preset", "test-tiny", "--slots", "2", "--max-len", "512", "--shutdown-timeout", "2"])
+    # --max-waiting 56: the server holds 2 slots + 8 staging rows + 56 = 66 sequences, so the 3-sample request
+    # below waits in the server's queue behind the 64 or 65 held.
+    proc, url = start_server(["--preset", "test-tiny", "--slots", "2", "--max-len", "512", "--shutdown-timeout", "2",
+                              "--max-waiting", "56"])
     try:
-        lines, rest = [], []
+        lines, rest, waited = [], [], []
 
         def stream(out, **body):
             with httpx.stream("POST", url + "/v1/completions", timeout=60,
                               json={"model": "test-tiny", "prompt": [1, 2, 3], "stream": True, "ignore_eos": True,
                                     "temperature": 0, **body}) as r:
                 out.extend(line for line in r.iter_lines() if line)
+
+        def answer():
+            waited.append(httpx.post(url + "/v1/completions", timeout=60, json={
+                "model": "test-tiny", "prompt": [4, 5], "n": 3, "max_tokens": 50, "ignore_eos": True}))
 
         def metric(name):
             return httpx.get(url + "/metrics?format=json").json()[name]
@@ -378,10 +388,16 @@ def test_sigint_lets_the_stream_finish_then_cancels_the_rest_cleanly_and_exits_0
         # waiting for 65 then ran to the deadline while the 64 decoded to their end (nothing left to cancel).
         while metric("sequences_held") < 64 and time.time() < deadline:
             time.sleep(0.01)
+        queued = threading.Thread(target=answer)
+        queued.start()
+        while metric("sequences_queued") < 3 and time.time() < deadline:
+            time.sleep(0.01)
+        assert metric("sequences_queued") == 3
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
         t.join(60)
         cut.join(60)
+        queued.join(60)
         assert lines[-1] == "data: [DONE]"  # finished, not cut off
         tokens = [tok for line in lines[:-1] for tok in json.loads(line[6:])["choices"][0]["token_ids"]]
         assert len(tokens) == 400
@@ -393,6 +409,8 @@ def test_sigint_lets_the_stream_finish_then_cancels_the_rest_cleanly_and_exits_0
                     finish[choice["index"]] = choice["finish_reason"]
         assert sorted(finish) == list(range(64))
         assert set(finish.values()) <= {"length", "cancelled"} and "cancelled" in finish.values()
+        assert waited and waited[0].status_code == 503, waited[0].text
+        assert waited[0].json()["error"]["message"] == "the server is shutting down"
         assert "Traceback" not in proc.stderr.read()
     finally:
         if proc.poll() is None:
