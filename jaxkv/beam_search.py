@@ -387,7 +387,7 @@ def beam_search(model: Model, prompts, *, num_beams: int, max_new_tokens: int, l
 
 def _hypotheses(model: Model, state: _Beams, prompts: int, per_prompt: int, stop_ids) -> list[list[Hypothesis]]:
     """The best `per_prompt` finished hypotheses of each prompt, from the final state on the host: fewer where
-    fewer finished (the slots that hold none keep a -1e9 score and are not hypotheses)."""
+    fewer finished (a slot that holds none scores -1e9 or less and is no hypothesis)."""
     stop_set = {int(t) for t in stop_ids if t >= 0}
     hypotheses = []
     for b in range(prompts):
