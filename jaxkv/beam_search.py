@@ -24,6 +24,13 @@ The scoring is transformers' (`GenerationMixin._beam_search`, 4.50+), step for s
   the end     max_new_tokens, or every prompt final. A prompt that is final drops its beams' pages at once
               and its rows stop computing; its hypotheses are what transformers returns for it.
 
+Where jaxkv departs (issue 50): transformers keeps W beams whatever happens, so when too few real continuations
+exist (a constraint masks all but a few tokens to -inf; the first step's -1e9 copies of the prompt) the beam slots
+fill with continuations of those copies, of ended beams (their stop token then followed by more) or of refused
+tokens, and such fillers can finish with a -1e9 summed into their score. Here a beam is `real` only if it descends
+from the prompt by allowed tokens without ending; only a real beam's continuation may finish, and a prompt with no
+real beam left is final. Unconstrained (V >= C) every beam is real, so nothing changes there.
+
 num_beams=1 is greedy search, as transformers runs it (which does no beam search for one beam).
 
 Letters as in `jaxkv.shapes`: B prompts (padded to a power of two), W beams, C candidates, V vocabulary, S the
@@ -73,7 +80,8 @@ class Hypothesis:
 
 
 class BeamSearchResult(list):
-    """What `beam_search` returns: per prompt, its `num_return_sequences` best `Hypothesis`, best first.
+    """What `beam_search` returns: per prompt, its `num_return_sequences` best `Hypothesis`, best first (fewer
+    where fewer finished: a constraint that admits fewer completions than that).
 
     result[i][j].tokens / .score, or the same by attribute: result.tokens[i][j], result.scores[i][j],
     result.text[i][j] (None without a tokenizer). `stats`: measured figures of the call (seconds, pages)."""
@@ -92,7 +100,9 @@ class BeamSearchResult(list):
 
     @property
     def text(self) -> list[list[str]] | None:
-        return None if self and self[0][0].text is None else [[h.text for h in hyps] for hyps in self]
+        if any(h.text is None for hyps in self for h in hyps):
+            return None
+        return [[h.text for h in hyps] for hyps in self]
 
 
 @flax.struct.dataclass
@@ -102,6 +112,10 @@ class _Beams:
     cache:     the paged cache, row b * W + k: beam k of prompt b
     logits:    float32[B * W, V], what each beam continues from
     running:   float32[B, W], each beam's summed log-probabilities, best first (transformers' running scores)
+    real:      bool[B, W], the beam is a hypothesis in the making: it descends from the prompt by allowed tokens
+               and has not ended. False: one of transformers' fillers, a beam slot kept full with a -1e9 or
+               -inf score (the first step's copies of the prompt, an ended or refused continuation picked
+               because too few others remained); none of its continuations may become a hypothesis
     seqs:      int32[B, W, S], each beam's tokens so far (-1 after)
     scores:    float32[B, W], the finished hypotheses' scores, best first (-1e9: none yet)
     sums:      float32[B, W], their summed log-probabilities
@@ -120,6 +134,7 @@ class _Beams:
     cache: PagedKVCache
     logits: jax.Array
     running: jax.Array
+    real: jax.Array
     seqs: jax.Array
     scores: jax.Array
     sums: jax.Array
@@ -157,16 +172,20 @@ def _choose(state: _Beams, *, stop_ids, max_new_tokens, length_penalty, early_st
     values, index = lax.top_k(logp.reshape(B, W * V), candidates)  # [B, C], best first
     parent, token = index // V, index % V
     ends = step.matches_stop(token, stop_ids) | (length >= max_new_tokens)  # [B, C]
+    # A real beam continued by a token its constraint allows (a refused one scores -inf): only these can become
+    # hypotheses. Unconstrained with V >= C, every candidate is real (beam 0's alone fill the first step's C).
+    real = _take(state.real, parent) & jnp.isfinite(values)  # [B, C]
     extended = lax.dynamic_update_slice_in_dim(_take(state.seqs, parent), token[:, :, None], t, axis=2)  # [B, C, S]
 
     # The next beams: the best W candidates that do not end.
     running_values = values + _penalty(ends)
     running, pick = lax.top_k(running_values, num_beams)
     new_parent, new_token, seqs = _take(parent, pick), _take(token, pick), _take(extended, pick)
+    running_real = _take(real & ~ends, pick)  # an ended candidate picked here (-1e9 added) is a filler
 
     # The finished hypotheses: the best W candidates that end may replace the worst ones.
     top = jnp.arange(candidates) < num_beams
-    just = ends & top[None, :]
+    just = ends & top[None, :] & real  # a filler's continuation is never finished (its -1e9 score aside)
     score = values / jnp.power(length.astype(jnp.float32), length_penalty)
     if early_stopping is True:
         score = score + _penalty(jnp.all(state.finished, axis=1))[:, None]
@@ -187,11 +206,13 @@ def _choose(state: _Beams, *, stop_ids, max_new_tokens, length_penalty, early_st
     best = running[:, :1] / jnp.power(hypothetical.astype(jnp.float32), length_penalty)  # [B, 1]
     worst = jnp.where(finished, jnp.min(scores, axis=1, keepdims=True), jnp.float32(NEG))  # [B, W]
     is_open = state.open & jnp.any(best > worst, axis=1)
-    live = state.live & is_open & (length < max_new_tokens)
+    # A prompt with no real beam left (its constraint admits fewer completions than W) is done: its fillers
+    # could only add fillers.
+    live = state.live & is_open & (length < max_new_tokens) & jnp.any(running_real, axis=1)
     if early_stopping is True:
         live &= ~jnp.all(finished, axis=1)
-    state = state.replace(running=running, seqs=seqs, scores=scores, sums=sums, lengths=lengths, hyps=hyps,
-                          finished=finished, open=is_open, live=live, step=length)
+    state = state.replace(running=running, real=running_real, seqs=seqs, scores=scores, sums=sums, lengths=lengths,
+                          hyps=hyps, finished=finished, open=is_open, live=live, step=length)
     return state, new_parent, new_token
 
 
@@ -206,8 +227,9 @@ def _search(params, cache: PagedKVCache, logits, real, stop_ids, max_new_tokens,
     W = num_beams
     B = BW // W
     S = cache.capacity  # the static bound of the token buffers (max_new_tokens < S, checked on the host)
-    running = jnp.where(jnp.arange(W)[None, :] == 0, 0.0, jnp.float32(NEG)) * jnp.ones((B, 1), jnp.float32)
-    state = _Beams(cache=cache, logits=logits, running=running,
+    first = jnp.arange(W)[None, :] == 0  # [1, W]: beam 0 is the prompt; 1..W-1 are fillers until the first choice
+    running = jnp.where(first, 0.0, jnp.float32(NEG)) * jnp.ones((B, 1), jnp.float32)
+    state = _Beams(cache=cache, logits=logits, running=running, real=first & real[:, None],
                    seqs=jnp.full((B, W, S), -1, jnp.int32), scores=jnp.full((B, W), NEG, jnp.float32),
                    sums=jnp.zeros((B, W), jnp.float32), lengths=jnp.zeros((B, W), jnp.int32),
                    hyps=jnp.full((B, W, S), -1, jnp.int32), finished=jnp.zeros((B, W), bool),
@@ -283,11 +305,14 @@ def beam_search(model: Model, prompts, *, num_beams: int, max_new_tokens: int, l
       constraint: as in `jaxkv.generate` (one for every prompt, or one per prompt, None for none): each beam's
         continuations are scored under its own matcher's mask (a chosen beam's matcher is its parent's, fed the
         beam's token), so every hypothesis that ends at a stop token satisfies its constraint; one cut by
-        max_new_tokens ("length") may not. Needs a stop token.
+        max_new_tokens ("length") may not. A constraint that admits fewer completions than num_return_sequences
+        gives fewer hypotheses: the beam slots left over hold no hypothesis (transformers would return its -1e9
+        or -inf scored fillers there). Needs a stop token.
 
     Returns:
       A `BeamSearchResult`: per prompt, its best `num_return_sequences` `Hypothesis` (tokens, score, logprob,
-      finish_reason, text), best first; `.stats` with the pages used ("pages_in_use_peak" after any step,
+      finish_reason, text), best first, each ending at its first stop token (or at max_new_tokens); fewer only
+      as `constraint` says; `.stats` with the pages used ("pages_in_use_peak" after any step,
       "pages_needed" the planner's bound, "pages_in_use_end" after the search, 0) and the bytes W private caches
       per prompt would need ("kv_cache_bytes_unshared").
 
@@ -361,12 +386,13 @@ def beam_search(model: Model, prompts, *, num_beams: int, max_new_tokens: int, l
 
 
 def _hypotheses(model: Model, state: _Beams, prompts: int, per_prompt: int, stop_ids) -> list[list[Hypothesis]]:
-    """The best `per_prompt` finished hypotheses of each prompt, from the final state on the host."""
+    """The best `per_prompt` finished hypotheses of each prompt, from the final state on the host: fewer where
+    fewer finished (a slot that holds none scores -1e9 or less and is no hypothesis)."""
     stop_set = {int(t) for t in stop_ids if t >= 0}
     hypotheses = []
     for b in range(prompts):
         hyps = []
-        for j in range(per_prompt):
+        for j in np.flatnonzero(state.finished[b])[:per_prompt]:  # best first, as the scores are sorted
             row = state.hyps[b, j, :state.lengths[b, j]].tolist()
             text = model.tokenizer.decode(row, skip_special_tokens=True) if model.tokenizer is not None else None
             hyps.append(Hypothesis(tokens=row, score=float(state.scores[b, j]), logprob=float(state.sums[b, j]),

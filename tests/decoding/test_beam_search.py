@@ -258,3 +258,149 @@ def test_bad_input_is_refused_before_compute(kwargs, match, monkeypatch):
     args = dict(prompts=[[5, 9, 2, 77, 31, 8, 14, 60, 2, 5]], num_beams=4, max_new_tokens=8) | kwargs
     with pytest.raises(ValueError, match=match):
         jaxkv.beam_search(model_for("gqa"), args.pop("prompts"), **args)
+
+
+# --- constrained beams return only real hypotheses (issue 50) ---------------------------------------------------
+#
+# A random model over a byte-level tokenizer (257 ids: byte i, then the stop token 256), as the constraint tests
+# use. Each constraint below admits a few completions, fewer than the beams: the search then holds every real
+# prefix at every step (at most as many as the completions), so its hypotheses must be exactly the constraint's
+# language, which `_language` enumerates with llguidance's own matcher. transformers' search would fill the beam
+# slots left over with continuations of its -1e9 first-step copies, of ended beams (a stop token then more tokens)
+# or of refused tokens, and return them scored with a -1e9 summed in; jaxkv returns fewer hypotheses instead.
+
+STOP = 256
+BYTES = jaxkv.Config(vocab_size=257, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96,
+                     max_positions=256, eos_ids=(STOP,))
+_byte_model = []  # [the model, its llguidance tokenizer], built once
+
+
+def _bytes_model():
+    if not _byte_model:
+        from helpers.text import byte_level
+
+        _byte_model[:] = [jaxkv.Model(BYTES, jaxkv.Model.random(BYTES, seed=3).params, byte_level())]
+    return _byte_model[0]
+
+
+def _matcher(constraint):
+    llguidance = pytest.importorskip("llguidance")
+    if len(_byte_model) == 1:
+        _byte_model.append(llguidance.LLTokenizer(_bytes_model().tokenizer.to_str(), n_vocab=BYTES.vocab_size,
+                                                  eos_token=[STOP]))
+    return llguidance.LLMatcher(_byte_model[1], constraint.grammar, log_level=0)
+
+
+def _allowed(matcher):
+    """bool[V]: the tokens llguidance's matcher allows next (only the stop token once it can take nothing more,
+    as the beams' rows do)."""
+    if matcher.is_stopped():
+        return np.arange(BYTES.vocab_size) == STOP
+    import llguidance.numpy
+
+    bits = np.zeros((1, (BYTES.vocab_size + 31) // 32), np.int32)
+    llguidance.numpy.fill_next_token_bitmask(matcher, bits)
+    return np.unpackbits(bits.view(np.uint8), bitorder="little")[:BYTES.vocab_size] == 1
+
+
+def _language(constraint, longest=16):
+    """Every completion of `constraint` (token ids, the stop token last), by walking its matcher's masks."""
+    found = []
+
+    def walk(matcher, prefix):
+        assert len(prefix) <= longest, "not a small finite language"
+        for t in np.flatnonzero(_allowed(matcher)).tolist():
+            if t == STOP:
+                found.append(prefix + [STOP])
+            else:
+                child = matcher.deep_copy()
+                assert child.consume_token(t)
+                walk(child, prefix + [t])
+
+    walk(_matcher(constraint), [])
+    return found
+
+
+def _logprob(prompt, tokens, constraint):
+    """The summed log-probabilities of `tokens` after `prompt`: log_softmax of `jaxkv.logits` (no cache) over the
+    tokens the constraint allows at each step (every token for None). Asserts each token is allowed."""
+    logits = jaxkv.logits(_bytes_model(), [(prompt + tokens + [0] * 32)[:32]])[0]  # one compiled shape
+    matcher = None if constraint is None else _matcher(constraint)
+    total = 0.0
+    for i, token in enumerate(tokens):
+        row = np.asarray(logits[len(prompt) + i - 1], np.float64)
+        if matcher is not None:
+            allowed = _allowed(matcher)
+            assert allowed[token], (constraint, tokens, i)
+            row = np.where(allowed, row, -np.inf)
+            if token != STOP:
+                assert matcher.consume_token(token)
+        total += row[token] - np.logaddexp.reduce(row[np.isfinite(row)])
+    return total
+
+
+def _check_real(prompt, hyps, constraint, length_penalty):
+    """Each hypothesis is one the constraint allows, ends at its first stop token (included), is no duplicate, and
+    scores its own tokens' summed log-probabilities under the length penalty; best first."""
+    assert len({tuple(h.tokens) for h in hyps}) == len(hyps), [h.tokens for h in hyps]
+    for h in hyps:
+        assert h.finish_reason == "stop" and h.tokens.index(STOP) == len(h.tokens) - 1, h.tokens
+        assert math.isfinite(h.score) and h.logprob == pytest.approx(_logprob(prompt, h.tokens, constraint),
+                                                                    abs=atol("logprobs"))
+        assert h.score == pytest.approx(h.logprob / len(h.tokens) ** length_penalty, rel=1e-6)
+    assert [h.score for h in hyps] == sorted((h.score for h in hyps), reverse=True)
+
+
+def test_constraint_with_fewer_completions_than_beams():
+    """The issue's case: 6 beams, 6 asked for, a choice of 3 ("é" is two bytes): the 3, and the search ends with
+    the longest ("no way" and its stop token, 7 steps), not at max_new_tokens with beams of fillers."""
+    prompt = list(b"The KV cache")
+    choice = jaxkv.Choice(["yes", "no way", "é"])
+    got = jaxkv.beam_search(_bytes_model(), [prompt], num_beams=6, max_new_tokens=40, num_return_sequences=6,
+                            constraint=choice)
+    assert sorted(h.tokens for h in got[0]) == sorted(_language(choice))
+    assert sorted(got.text[0]) == sorted(choice.strings)
+    _check_real(prompt, got[0], choice, 1.0)
+    assert got.stats["steps"] == 7 and got.stats["pages_in_use_end"] == 0
+
+
+# One call, a prompt per constraint: completions 1, 2, 3 (a stop token chosen after "no", or forced after "no way"),
+# a JSON enum's 3, and one unconstrained prompt.
+MIXED = [jaxkv.Choice(["yes"]), jaxkv.Regex("a[bc]"), jaxkv.Choice(["no", "no way", "yes"]),
+         jaxkv.JsonSchema({"enum": ["red", "green", "blue"]}), None]
+MIXED_PROMPTS = [list(b"Say yes: "), list(b"code "), list(b"Is it? "), list(b"Colour: "), list(b"The cat")]
+
+
+@pytest.mark.parametrize("early_stopping", [True, False, "never"])
+def test_one_call_many_constraints(early_stopping):
+    """Each constrained prompt gets exactly its constraint's completions, each scored as its own tokens (with
+    early_stopping=True too, which would wait for W hypotheses); the unconstrained one gets what it gets alone."""
+    model = _bytes_model()
+    length_penalty = {True: 2.0, False: 1.0, "never": 0.5}[early_stopping]
+    kwargs = dict(num_beams=4, max_new_tokens=12, length_penalty=length_penalty, early_stopping=early_stopping)
+    got = jaxkv.beam_search(model, MIXED_PROMPTS, num_return_sequences=4, constraint=MIXED, **kwargs)
+    for prompt, constraint, hyps in zip(MIXED_PROMPTS, MIXED, got):
+        if constraint is not None:
+            assert sorted(h.tokens for h in hyps) == sorted(_language(constraint)), constraint
+            _check_real(prompt, hyps, constraint, length_penalty)
+    assert len(got[-1]) == 4
+    if early_stopping is False:  # (once: each batch size compiles a search)
+        alone = jaxkv.beam_search(model, MIXED_PROMPTS[-1:], num_return_sequences=4, **kwargs)
+        assert got.tokens[-1] == alone.tokens[0]
+        np.testing.assert_allclose(got.scores[-1], alone.scores[0], rtol=0, atol=atol("paged vs contiguous"))
+    assert got.stats["pages_in_use_end"] == 0
+
+
+def test_fewer_returned_than_beams_are_the_best_completions():
+    """num_return_sequences < num_beams: the best of the completions by their own scores; a small page size (the
+    beams' partly filled pages copied on write) chooses the same."""
+    model = _bytes_model()
+    for page_size in (memory.DEFAULT_PAGE_SIZE, 2):
+        got = jaxkv.beam_search(model, MIXED_PROMPTS, num_beams=4, max_new_tokens=12, num_return_sequences=2,
+                                constraint=MIXED, page_size=page_size)
+        for prompt, constraint, hyps in zip(MIXED_PROMPTS[:-1], MIXED, got):
+            language = _language(constraint)
+            best = sorted(language, key=lambda t: _logprob(prompt, t, constraint) / len(t), reverse=True)[:2]
+            assert [h.tokens for h in hyps] == best, (constraint, page_size)
+            _check_real(prompt, hyps, constraint, 1.0)
+        assert len(got[-1]) == 2 and got.stats["pages_in_use_end"] == 0
