@@ -3,21 +3,21 @@
 from what they produced.
 
 - `response_format`: {"type": "text"} (nothing), {"type": "json_object"} (any JSON object; with a "schema", as
-  instructor < 1.4's JSON_SCHEMA mode and Fireworks-style clients send it, that schema, its objects closed as
-  under strict below, as Fireworks' JSON mode holds them), {"type":
-  "json_schema", "json_schema": {"name", "description", "schema", "strict"}} (the schema, always enforced: a
-  keyword llguidance cannot enforce is a 400, never ignored; under `strict: true` an object schema without
-  `additionalProperties` is closed: the output carries only the keys it names, as OpenAI's strict mode
-  guarantees). Any other key is a 400.
+  instructor < 1.4's JSON_SCHEMA mode and Fireworks-style clients send it, that schema, closed as under strict:
+  Fireworks' JSON mode, where the form comes from, holds it so), {"type": "json_schema", "json_schema": {"name",
+  "description", "schema", "strict"}} (the schema, always enforced: a keyword llguidance cannot enforce is a 400,
+  never ignored; under `strict: true` an object schema without `additionalProperties` is closed, `closed`: the
+  output carries only the keys it names, as OpenAI's strict mode guarantees). Any other key is a 400.
 - `structured_outputs` (vLLM's extension): exactly one of "json" (a schema), "regex", "choice" (a list of
   strings), "grammar" (Lark or GBNF), "json_object": true; "disable_any_whitespace" is accepted (JSON here is
   always bounded: at most one space where JSON allows whitespace) and "whitespace_pattern" refused.
 - `tools` + `tool_choice` (chat only): "none" or unset with no tools (plain text); a named function
   ({"type": "function", "function": {"name"}}): the output is that function's arguments, held to its
   `parameters` schema (`_arguments_schema`: always a JSON object; no parameters, `{}` or an object schema naming
-  no keys is OpenAI's empty parameter list, the object `{}`; `strict: true` closes its objects as above); "required": the output is a JSON array of one or more {"name", "arguments"} calls, each
-  held to its function's schema (one with `parallel_tool_calls: false`); both come back as OpenAI `tool_calls`
-  with finish_reason "tool_calls".
+  no keys is OpenAI's empty parameter list, the object `{}`; `strict: true` closes its objects as above);
+  "required": the output is a JSON array of one or more {"name", "arguments"} calls, each held to its function's
+  schema (one with `parallel_tool_calls: false`); both come back as OpenAI `tool_calls` with finish_reason
+  "tool_calls".
   "auto" (the default with tools) where the chat template names a call format jaxkv reads back: Hermes-style
   `<tool_call>{"name", "arguments"}</tool_call>` blocks (Qwen's templates: the text is decoded freely and the
   blocks are parsed out), or Llama 3.1-3.3's JSON (the template asks for `{"name": function name, "parameters":
