@@ -20,6 +20,7 @@ chat_template_kwargs. `stop` may hold strings or token ids.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 MAX_N = 64  # samples per prompt (each takes an engine slot)
@@ -343,9 +344,37 @@ def chat_request(body) -> ChatRequest:
                        f"'{taken[0]}' field, or jaxkv serve for tools and documents)", param="chat_template_kwargs")
     if body.get("tools"):  # the template shows the model the tools (checked by `structured.constraint`)
         kwargs = {**kwargs, "tools": body["tools"]}
-    return ChatRequest(model=model, messages=messages, add_generation_prompt=_bool(body, "add_generation_prompt",
+    return ChatRequest(model=model, messages=template_messages(messages),
+                       add_generation_prompt=_bool(body, "add_generation_prompt",
                                                                                     True),
                        template_kwargs=kwargs, sampling=sampling, tool_calls=tool_calls)
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """OpenAI's messages as chat templates take them: an earlier tool call's `function.arguments`, a JSON string
+    on the wire, becomes the object it encodes, since templates write it with `tojson` (transformers documents
+    arguments as a dict; vLLM parses them too) and a string would reach the model double-encoded
+    (`"arguments": "{\\"city\\": ...}"`), not as the model wrote it. A string that is not a JSON object (not JSON,
+    or an array or number, which no call's arguments are) stays the string. The client's messages are not
+    changed: a message with calls is copied."""
+
+    def parsed(arguments):
+        if not isinstance(arguments, str):
+            return arguments
+        try:
+            value = json.loads(arguments)
+        except ValueError:
+            return arguments
+        return value if isinstance(value, dict) else arguments
+
+    def call(c):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or "arguments" not in fn:
+            return c
+        return {**c, "function": {**fn, "arguments": parsed(fn["arguments"])}}
+
+    return [{**m, "tool_calls": [call(c) for c in m["tool_calls"]]} if isinstance(m.get("tool_calls"), list) else m
+            for m in messages]
 
 
 # --- how long a text prompt can be --------------------------------------------------------------------------------

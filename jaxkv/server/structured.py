@@ -2,17 +2,22 @@
 `tool_choice`, as the `jaxkv.constraints` a request's sequences are decoded under, and the tool calls read back
 from what they produced.
 
-- `response_format`: {"type": "text"} (nothing), {"type": "json_object"} (any JSON object), {"type":
-  "json_schema", "json_schema": {"name", "schema", "strict"}} (the schema; `strict` changes nothing: the schema
-  is always enforced, and a keyword llguidance cannot enforce is a 400, never ignored).
+- `response_format`: {"type": "text"} (nothing), {"type": "json_object"} (any JSON object; with a "schema", as
+  instructor < 1.4's JSON_SCHEMA mode and Fireworks-style clients send it, that schema, closed as under strict:
+  Fireworks' JSON mode, where the form comes from, holds it so), {"type": "json_schema", "json_schema": {"name",
+  "description", "schema", "strict"}} (the schema, always enforced: a keyword llguidance cannot enforce is a 400,
+  never ignored; under `strict: true` an object schema without `additionalProperties` is closed, `closed`: the
+  output carries only the keys it names, as OpenAI's strict mode guarantees). Any other key is a 400.
 - `structured_outputs` (vLLM's extension): exactly one of "json" (a schema), "regex", "choice" (a list of
   strings), "grammar" (Lark or GBNF), "json_object": true; "disable_any_whitespace" is accepted (JSON here is
   always bounded: at most one space where JSON allows whitespace) and "whitespace_pattern" refused.
 - `tools` + `tool_choice` (chat only): "none" or unset with no tools (plain text); a named function
   ({"type": "function", "function": {"name"}}): the output is that function's arguments, held to its
-  `parameters` schema; "required": the output is a JSON array of one or more {"name", "arguments"} calls, each
-  held to its function's schema (one with `parallel_tool_calls: false`); both come back as OpenAI `tool_calls`
-  with finish_reason "tool_calls".
+  `parameters` schema (`_arguments_schema`: always a JSON object; no parameters, `{}` or an object schema naming
+  no keys is OpenAI's empty parameter list, the object `{}`; `strict: true` closes its objects as above);
+  "required": the output is a JSON array of one or more {"name", "arguments"} calls, each held to its function's
+  schema (one with `parallel_tool_calls: false`); both come back as OpenAI `tool_calls` with finish_reason
+  "tool_calls".
   "auto" (the default with tools) where the chat template names a call format jaxkv reads back: Hermes-style
   `<tool_call>{"name", "arguments"}</tool_call>` blocks (Qwen's templates: the text is decoded freely and the
   blocks are parsed out), or Llama 3.1-3.3's JSON (the template asks for `{"name": function name, "parameters":
@@ -75,24 +80,90 @@ def _made(make, param: str):
         raise FieldError(str(exc), param=param) from None
 
 
+# The keys each response_format type takes (OpenAI's, and json_object's "schema" as the clients above send it).
+_FORMAT_KEYS = {"text": {"type"}, "json_object": {"type", "schema"}, "json_schema": {"type", "json_schema"}}
+_JSON_SCHEMA_KEYS = {"name", "description", "schema", "strict"}
+
+
+def _unknown(value: dict, allowed: set, where: str):
+    unknown = sorted(set(value) - allowed)
+    if unknown:
+        raise FieldError(f"'{where}' does not take {unknown[0]!r} (it takes {', '.join(sorted(allowed))})",
+                         param=f"{where}.{unknown[0]}", code="unknown_parameter")
+
+
 def _response_format(value):
-    if value is None or value == {"type": "text"}:
+    if value is None:
         return None
     if not isinstance(value, dict) or not isinstance(value.get("type"), str):
         raise FieldError("'response_format' must be an object with a 'type': text, json_object or json_schema",
                        param="response_format")
-    c = _constraints()
     kind = value["type"]
+    if kind not in _FORMAT_KEYS:
+        raise FieldError(f"'response_format.type' must be text, json_object or json_schema, got {kind!r}",
+                         param="response_format.type")
+    _unknown(value, _FORMAT_KEYS[kind], "response_format")  # a key jaxkv would not honour is refused, not ignored
+    if kind == "text":
+        return None
+    c = _constraints()
     if kind == "json_object":
-        return _made(lambda: c.JsonSchema({"type": "object"}), "response_format")
-    if kind == "json_schema":
-        spec = value.get("json_schema")
-        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-            raise FieldError("'response_format.json_schema' must be an object with a 'schema' object",
-                           param="response_format.json_schema")
-        return _made(lambda: c.JsonSchema(spec.get("schema", {"type": "object"})), "response_format.json_schema")
-    raise FieldError(f"'response_format.type' must be text, json_object or json_schema, got {kind!r}",
-                   param="response_format.type")
+        schema = value.get("schema")
+        if schema is None:
+            return _made(lambda: c.JsonSchema({"type": "object"}), "response_format")
+        if not isinstance(schema, dict):
+            raise FieldError("'response_format.schema' must be a JSON schema object", param="response_format.schema")
+        # closed as Fireworks, whose JSON mode this form comes from, holds it: named keys only (`closed`)
+        return _made(lambda: c.JsonSchema(closed(schema)), "response_format.schema")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+        raise FieldError("'response_format.json_schema' must be an object with a 'schema' object",
+                       param="response_format.json_schema")
+    _unknown(spec, _JSON_SCHEMA_KEYS, "response_format.json_schema")
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise FieldError("'response_format.json_schema.strict' must be a boolean",
+                         param="response_format.json_schema.strict")
+    schema = spec.get("schema", {"type": "object"})
+    return _made(lambda: c.JsonSchema(closed(schema) if strict else schema), "response_format.json_schema")
+
+
+# Sub-schema places a strict schema's objects are closed in (allOf apart: `closed`).
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems", "items")
+_SCHEMA_ONE = ("items", "additionalProperties", "additionalItems", "contains")
+
+
+def closed(schema, *, close: bool = True):
+    """`schema` as OpenAI's strict mode holds it: every object schema without an explicit `additionalProperties`
+    takes none (`additionalProperties: false`), so the output carries only the keys the schema names (OpenAI
+    refuses such schemas; closing them keeps clients that send them working). A copy; the caller's is unchanged.
+
+    Not closed, since closing would refuse keys the schema does name: an object with `allOf`, `anyOf`, `oneOf`
+    or `$ref` beside it (its keys are named there; the branches and the target are closed themselves) or with
+    `unevaluatedProperties`, and `allOf`'s branches (each is checked against the whole object, so a closed
+    branch would refuse the keys its siblings name). An explicit `additionalProperties` (true, or a schema) is
+    kept: the client said the object is open."""
+    if not isinstance(schema, dict):  # a boolean schema
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(sub) for name, sub in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed(sub) for sub in out[key]]
+    for key in _SCHEMA_ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = closed(out[key])
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [closed(sub, close=False) for sub in out["allOf"]]
+    kinds = out.get("type")
+    is_object = kinds == "object" or (isinstance(kinds, list) and "object" in kinds) or (
+        kinds is None and "properties" in out)
+    names_elsewhere = {"allOf", "anyOf", "oneOf", "$ref", "unevaluatedProperties"} & set(out)
+    if close and is_object and "additionalProperties" not in out and not names_elsewhere:
+        out["additionalProperties"] = False
+    return out
 
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -126,8 +197,35 @@ def _structured_outputs(value):
     return _made(lambda: c.Grammar(spec), param)
 
 
+# A function without parameters: OpenAI's empty parameter list, whose arguments are the object {}.
+NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
+# Keywords that say nothing about which keys an object has.
+_ANNOTATIONS = {"type", "title", "description", "$schema", "$id", "$comment", "$defs", "definitions", "default",
+                "examples"}
+
+
+def _arguments_schema(params, where: str, *, strict: bool = False) -> dict:
+    """A function's `parameters` -> the schema its call's arguments are held to. The arguments are always a JSON
+    object (OpenAI's), so a schema of another type is a 400 and one without a type gets "object"; omitted
+    `parameters`, `{}` and an object schema naming no keys (no properties, no required, nothing that admits keys)
+    are OpenAI's empty parameter list: `NO_ARGUMENTS`, which admits only `{}` (an open object would let a model
+    write any keys, and `{}` any JSON value). `strict`: the function's own `strict: true` (`closed`)."""
+    if params is None:
+        return NO_ARGUMENTS
+    if not isinstance(params, dict):
+        raise FieldError(f"{where} must be a JSON schema object", param=where)
+    if params.get("type", "object") != "object":
+        raise FieldError(f"{where} must describe a JSON object (a call's arguments are one), got type "
+                         f"{params['type']!r}", param=where)
+    if not params.get("properties") and not params.get("required") and set(params) <= _ANNOTATIONS | {
+            "properties", "required"}:
+        return NO_ARGUMENTS
+    schema = {**params, "type": "object"}
+    return closed(schema) if strict else schema
+
+
 def _tools(body):
-    """The checked tools -> {name: parameters schema}."""
+    """The checked tools -> {name: the schema its arguments are held to}."""
     tools = body.get("tools")
     if not isinstance(tools, list):
         raise FieldError("'tools' must be a list of {type: function, function: {name, parameters}} objects",
@@ -138,11 +236,11 @@ def _tools(body):
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise FieldError(f"tools[{i}] must be {{type: function, function: {{name, parameters}}}}",
                            param=f"tools[{i}]")
-        params = fn.get("parameters", {"type": "object", "properties": {}})
-        if not isinstance(params, dict):
-            raise FieldError(f"tools[{i}].function.parameters must be a JSON schema object",
-                           param=f"tools[{i}].function.parameters")
-        out[fn["name"]] = params
+        strict = fn.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise FieldError(f"tools[{i}].function.strict must be a boolean", param=f"tools[{i}].function.strict")
+        out[fn["name"]] = _arguments_schema(fn.get("parameters"), f"tools[{i}].function.parameters",
+                                            strict=bool(strict))
     return out
 
 
@@ -173,7 +271,10 @@ def tool_plan(body):
                        param="tool_choice")
     if fn["name"] not in tools:
         raise FieldError(f"tool_choice names {fn['name']!r}, which is not in 'tools'", param="tool_choice")
-    return _made(lambda: c.JsonSchema(tools[fn["name"]]), "tools"), ToolCalls("named", fn["name"])
+    schema = tools[fn["name"]]
+    # no arguments: exactly "{}", the string OpenAI returns for such a call (there is nothing to space)
+    whitespace = "compact" if schema == NO_ARGUMENTS else "single"
+    return _made(lambda: c.JsonSchema(schema, whitespace=whitespace), "tools"), ToolCalls("named", fn["name"])
 
 
 def auto_format(template_source: str | None) -> str | None:

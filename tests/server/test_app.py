@@ -805,3 +805,30 @@ def test_tokenize_detokenize_and_tokenizer_info_answer_in_vllms_shapes(bos_clien
                                ("get", "/tokenizer_info", None)]:
         r = getattr(no_text, method)(path, **({"json": body} if body else {}))
         assert r.status_code == 400 and "no tokenizer" in r.json()["error"]["message"], path
+
+
+def test_an_earlier_tool_calls_arguments_reach_the_template_as_an_object(bos_client):
+    """Issue 50: a multi-turn conversation as clients send it (the earlier call's arguments a JSON string) renders,
+    in /tokenize and in chat alike, with the arguments as the object the model wrote, not a JSON string inside
+    the JSON (Qwen2.5 / Hermes templates write `arguments | tojson`)."""
+    from starlette.testclient import TestClient
+
+    from jaxkv.chat_template import ChatTemplate
+    from jaxkv.server.app import create_app
+
+    _, state = bos_client
+    # short: this app's max_len is 64 byte tokens
+    template = ChatTemplate("{% for m in messages %}{{ m.content or '' }}{% for c in m.tool_calls or [] %}"
+                            "<{{ c.function.name }} {{ c.function.arguments | tojson }}>{% endfor %}{% endfor %}")
+    messages = [{"role": "user", "content": "Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                    "name": "weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'}]
+    tool_state = dataclasses.replace(state, chat_template=template, http=collections.Counter())
+    with TestClient(create_app(tool_state)) as client:
+        r = client.post("/tokenize", json={"messages": messages}).json()
+        text = client.post("/detokenize", json={"tokens": r["tokens"]}).json()["prompt"]
+        assert text == 'Paris?<weather {"city": "Paris"}>{"temp": 21}', text
+        chat = client.post("/v1/chat/completions", json={"model": "test-tiny", "messages": messages, "max_tokens": 1})
+        assert chat.status_code == 200, chat.text
+        assert chat.json()["usage"]["prompt_tokens"] == r["count"]

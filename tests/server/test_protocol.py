@@ -1,5 +1,7 @@
 """Request parsing (`jaxkv.server.protocol`) without a server: the generation settings harnesses forward under
-transformers' names (issue 30, item 6d)."""
+transformers' names (issue 30, item 6d); messages as chat templates take them (issue 50)."""
+
+import json
 
 import pytest
 
@@ -86,3 +88,36 @@ def test_checkpoint_sampling_outside_the_request_ranges_is_refused_at_start():
     for fields, name in [(dict(temperature=3.0), "temperature"), (dict(repetition_penalty=12.0), "repetition_penalty")]:
         with pytest.raises(ValueError, match=f"'{name}'.*--generation-config ignore"):
             _sampling_defaults(auto, model(**fields))
+
+
+def _call(arguments):
+    return {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]}
+
+
+def test_earlier_tool_call_arguments_reach_the_template_as_objects():
+    """Issue 50: clients send an earlier call's `function.arguments` as a JSON string (OpenAI's wire format);
+    chat templates `tojson` it, so the request's messages carry the object it encodes (what the model wrote);
+    a string that is not a JSON object stays the string; the client's messages are not changed."""
+    from jaxkv.chat_template import ChatTemplate
+    from jaxkv.server.protocol import template_messages
+
+    sent = [{"role": "user", "content": "Weather in Paris?"}, _call('{"city": "Paris", "days": [1, 2]}'),
+            {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'}]
+    before = json.dumps(sent)
+    messages = chat_request({"model": "m", "messages": sent}).messages
+    assert json.dumps(sent) == before
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris", "days": [1, 2]}
+    assert messages[1]["tool_calls"][0]["id"] == "call_1" and messages[0] is sent[0] and messages[2] is sent[2]
+    assert messages[2]["content"] == '{"temp": 21}'  # a tool's result is content, not arguments: as sent
+    # Qwen2.5 / Hermes templates write `tool_call.arguments | tojson`
+    template = ChatTemplate("{% for m in messages %}{% for c in m.tool_calls or [] %}"
+                            "{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}"
+                            "{% endfor %}{% endfor %}")
+    assert template.render(messages) == '{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}'
+    for kept in ("not json", "", "[1, 2]", "42", '"{}"', "null", {"city": "Oslo"}, None):
+        out = template_messages([_call(kept)])[0]["tool_calls"][0]["function"]["arguments"]
+        assert out == kept, kept
+    assert template_messages([_call("{}")])[0]["tool_calls"][0]["function"]["arguments"] == {}
+    odd = [{"role": "assistant", "tool_calls": "x"}, {"role": "assistant", "tool_calls": [5, {"id": "c"}]}]
+    assert template_messages(odd) == odd  # nothing to parse: left for the template to judge

@@ -457,6 +457,45 @@ def test_structured_outputs_tools_and_bad_schemas(url, client):
     assert m["slots_free"] == SLOTS and m["pages_held"] == 0
 
 
+def test_a_call_without_parameters_and_json_object_with_a_schema(url, client):
+    """Issue 50. A function without parameters (omitted, or {}) is called with arguments "{}", forced, required or
+    streamed (before: junk keys until max_tokens, or an array). response_format json_object with a "schema" is
+    held to it (before: ignored, any object came back), and json_schema strict: true gives only the keys the
+    schema names although it does not say additionalProperties: false."""
+    jsonschema = pytest.importorskip("jsonschema")
+    messages = [{"role": "user", "content": "What time is it?"}]
+    tools = [{"type": "function", "function": {"name": "now"}},
+             {"type": "function", "function": {"name": "ping", "parameters": {}}}]
+    for tool_choice in [{"type": "function", "function": {"name": name}} for name in ("now", "ping")] + ["required"]:
+        for stream in (False, True):
+            out = client.chat.completions.create(model="tiny-chat", messages=messages, tools=tools, max_tokens=60,
+                                                 temperature=0, tool_choice=tool_choice, stream=stream,
+                                                 parallel_tool_calls=False)
+            if stream:
+                chunks = list(out)
+                finish, calls = chunks[-1].choices[0].finish_reason, [
+                    d.function for ch in chunks for d in (ch.choices[0].delta.tool_calls or [])]
+            else:
+                message = out.choices[0].message
+                finish, calls = out.choices[0].finish_reason, [c.function for c in message.tool_calls or []]
+            assert finish == "tool_calls" and len(calls) == 1, (tool_choice, stream, finish)
+            assert all(c.arguments == "{}" and c.name in ("now", "ping") for c in calls), (tool_choice, calls)
+
+    schema = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["answer"]}
+    for response_format in ({"type": "json_object", "schema": schema},
+                            {"type": "json_schema", "json_schema": {"name": "a", "strict": True, "schema": schema}}):
+        out = client.completions.create(model="tiny-chat", prompt="JSON: ", max_tokens=60, n=4, seed=1,
+                                        extra_body={"response_format": response_format})
+        for choice in out.choices:
+            assert choice.finish_reason == "stop", (response_format, choice.text)
+            value = json.loads(choice.text)
+            jsonschema.validate(value, schema)
+            assert set(value) == {"answer"}, (response_format, choice.text)
+    m = wait_idle(url)
+    assert m["slots_free"] == SLOTS and m["pages_held"] == 0
+
+
 def test_sigterm_finishes_in_flight_requests_and_exits_cleanly(server, url):
     """Last in the file: stops the shared server."""
     proc = server[0]
