@@ -211,8 +211,8 @@ class DataParallelEngine:
         while self.pending or self.queued_events:
             if not self._events:
                 events = self._round()
-                with self._lock:  # after those a callback queued during the round, as Engine.run
-                    self._events.extend(events)
+                with self._lock:  # before what the round's callbacks queued (their cancels came after), as Engine.run
+                    self._events.extendleft(reversed(events))
             while self._events:
                 yield self._events.popleft()
 

@@ -289,7 +289,9 @@ class Engine:
         reports them first, then continues."""
         while self._requests or self._events:
             if not self._events:
-                self._events.extend(self._round())
+                # the round's events before what its callbacks queued (a cancel comes after the events before it),
+                # the order `step` reports them in
+                self._events.extendleft(reversed(self._round()))
             while self._events:  # taken one at a time: a consumer that leaves keeps the rest queued
                 yield self._events.popleft()
 
