@@ -180,22 +180,27 @@ class DataParallelEngine:
         with self._lock:
             busy = [d for d, e in enumerate(self.shards) if e.pending or e.queued_events]
             self._stepping = frozenset(busy)
-        rounds = []
+        rounds, error = [], None
         try:
             if len(busy) == 1:
                 rounds = [(busy[0], self._step_shard(busy[0]))]
             else:
                 futures = [(d, self._pool.submit(self._step_shard, d)) for d in busy]
                 concurrent.futures.wait([f for _, f in futures])  # every shard done before the shards are free
-                rounds = [(d, f.result()) for d, f in futures]
+                rounds = [(d, f.result()) for d, f in futures if f.exception() is None]
+                error = next((f.exception() for _, f in futures if f.exception() is not None), None)
         finally:
             with self._lock:
                 self._stepping = frozenset()
                 events = [event for d, shard_events in rounds for event in self._report(d, shard_events)]
+                if error is not None:  # a shard raised (its requests wait, `Engine._round`): the others' events
+                    self._events.extend(events)  # stay queued for the next step, their results taken
                 deferred, self._deferred = self._deferred, []
                 for rid in deferred:  # their events go to the queue: the next step reports them
                     self.cancel(rid)
                 self._round_over.notify_all()
+        if error is not None:
+            raise error
         return events
 
     def _step_shard(self, d: int) -> list[Event]:

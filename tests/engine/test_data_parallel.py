@@ -333,3 +333,28 @@ def test_callbacks_submit_and_cancel_from_the_shards_threads():
     assert later.id == 6 and later.tokens == single_device(model, prompts[6], 3, {}).tokens
     assert not clashes
     assert_shards_free(engine)
+
+
+def test_a_shard_that_raises_loses_no_other_shards_events():
+    """A shard's step may raise and leave its requests waiting (its prefix cache's pool lent to another engine):
+    the shards that stepped keep their events queued for the next step and their results, and once the pool is
+    back every request finishes with its reference tokens."""
+    model = model_for("gqa")
+    mesh = mesh_of(2, 1)
+    caches = [jaxkv.PrefixCache(model, num_pages=32, page_size=8, mesh=m) for m in data_shards(mesh)]
+    engine = jaxkv.Engine(model, slots=2, max_len=64, mesh=mesh, prefix_cache=caches)
+    other = jaxkv.Engine(model, slots=1, max_len=64, mesh=data_shards(mesh)[0], prefix_cache=caches[0],
+                         steps_per_dispatch=2)
+    (p0, _, _), (p1, _, _), (p2, _, _) = requests(15, 3)
+    other.submit(p2, max_new_tokens=8, stop_tokens=[])
+    other.step()  # shard 0's pool is lent to `other` until its request finishes
+    ids = [engine.submit(p, max_new_tokens=3, stop_tokens=[]) for p in (p0, p1)]  # one on each shard
+    with pytest.raises(RuntimeError, match="in use by another"):
+        engine.step()
+    assert engine.queued_events > 0  # shard 1's request ran its round: its events wait here
+    other.results()
+    events = [view(e) for e in engine.run()]
+    assert {e[0] for e in events if e[2]} == set(ids)
+    results = engine.results()
+    assert [r.id for r in results] == ids
+    assert [r.tokens for r in results] == [single_device(model, p, 3, {}).tokens for p in (p0, p1)]
