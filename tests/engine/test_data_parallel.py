@@ -126,6 +126,10 @@ def test_generate_with_one_bad_request_submits_none():
 # --- Issue 50: one engine's events and results in every event path ---------------------------------------------
 
 LONG = [int(t) % 96 + 1 for t in range(7, 47)]  # 40 tokens: five prefill chunks of 8
+# One engine configuration for these tests (they share its compiled programs): 2 decode steps per dispatch, so a
+# few tokens reach mid-decode. The single engine gets 3 slots: a third request decodes beside two as it does
+# beside one of them on a shard of 2.
+KW = dict(max_len=64, page_size=8, prefill_chunk=8, steps_per_dispatch=2)
 
 
 def assert_shards_free(engine):
@@ -191,10 +195,8 @@ def test_cancels_report_as_one_engine_does(when):
     last request or not, alone or beside others: the same events (per request, from run() and from callbacks)
     and results as the single-device engine's, on one engine used for every case in turn."""
     model = model_for("gqa")
-    kwargs = dict(max_len=64, page_size=8, prefill_chunk=8, steps_per_dispatch=2)
-    # 3 slots: T decodes beside A and B on the single engine as it does beside one of them on a shard of 2
-    single = jaxkv.Engine(model, slots=3, **kwargs)
-    dp = jaxkv.Engine(model, slots=2, mesh=mesh_of(2, 1), **kwargs)
+    single = jaxkv.Engine(model, slots=3, **KW)
+    dp = jaxkv.Engine(model, slots=2, mesh=mesh_of(2, 1), **KW)
     for others in ["none", "cancelled", "running"]:
         if when == "prefill" and others == "none":
             continue  # alone, a prompt is prefilled whole in one step (nothing decodes to hold it up)
@@ -215,10 +217,8 @@ def test_take_and_run_left_early_as_one_engine():
     """A cancelled request's result can be taken at once (the server's worker does when a submit is refused),
     and a run() left early keeps the rest of its events queued for the next run, as the single engine's."""
     model = model_for("gqa")
-    kwargs = dict(max_len=64, page_size=8, steps_per_dispatch=2)
     outcomes = []
-    for engine in [jaxkv.Engine(model, slots=2, **kwargs), jaxkv.Engine(model, slots=1, mesh=mesh_of(2, 1),
-                                                                         **kwargs)]:
+    for engine in [jaxkv.Engine(model, slots=3, **KW), jaxkv.Engine(model, slots=2, mesh=mesh_of(2, 1), **KW)]:
         (pa, _, _), (pb, _, _) = requests(12, 2)
         a, b = (engine.submit(p, max_new_tokens=6, stop_tokens=[]) for p in (pa, pb))
         engine.step()
@@ -241,10 +241,8 @@ def test_a_callback_cancels_a_request_stepped_before_it(loop):
     that dispatch came out first: its "cancelled" event comes after them, last, from run() as from step()
     (Engine.run used to yield it first, before the round's events), on both engines alike."""
     model = model_for("gqa")
-    kwargs = dict(max_len=64, page_size=8, steps_per_dispatch=2)
     outcomes = []
-    for engine in [jaxkv.Engine(model, slots=3, **kwargs), jaxkv.Engine(model, slots=2, mesh=mesh_of(2, 1),
-                                                                         **kwargs)]:
+    for engine in [jaxkv.Engine(model, slots=3, **KW), jaxkv.Engine(model, slots=2, mesh=mesh_of(2, 1), **KW)]:
         prompts = [p for p, _, _ in requests(14, 3)]
         cancel_zero = lambda event: engine.cancel(0) if event.tokens else None  # noqa: E731
         ids = [engine.submit(p, max_new_tokens=6, stop_tokens=[], callback=cancel_zero if i == 2 else None)
@@ -271,7 +269,7 @@ def test_callbacks_submit_and_cancel_from_the_shards_threads():
     ends); a cancel of a request on another shard lands at the end of the round. Every request submitted from a
     callback runs to its reference tokens, ids stay unique and in order, and the engine serves on afterwards."""
     model = model_for("gqa")
-    engine = jaxkv.Engine(model, slots=2, max_len=64, page_size=8, steps_per_dispatch=2, mesh=mesh_of(2, 1))
+    engine = jaxkv.Engine(model, slots=2, mesh=mesh_of(2, 1), **KW)
     owner, clashes, lock = {}, [], threading.Lock()
 
     def guarded(d, shard):  # each shard records which thread steps it; a submit or cancel from another is a clash
@@ -342,9 +340,8 @@ def test_a_shard_that_raises_loses_no_other_shards_events():
     model = model_for("gqa")
     mesh = mesh_of(2, 1)
     caches = [jaxkv.PrefixCache(model, num_pages=32, page_size=8, mesh=m) for m in data_shards(mesh)]
-    engine = jaxkv.Engine(model, slots=2, max_len=64, mesh=mesh, prefix_cache=caches)
-    other = jaxkv.Engine(model, slots=1, max_len=64, mesh=data_shards(mesh)[0], prefix_cache=caches[0],
-                         steps_per_dispatch=2)
+    engine = jaxkv.Engine(model, slots=2, mesh=mesh, prefix_cache=caches, **KW)
+    other = jaxkv.Engine(model, slots=2, mesh=data_shards(mesh)[0], prefix_cache=caches[0], **KW)
     (p0, _, _), (p1, _, _), (p2, _, _) = requests(15, 3)
     other.submit(p2, max_new_tokens=8, stop_tokens=[])
     other.step()  # shard 0's pool is lent to `other` until its request finishes
