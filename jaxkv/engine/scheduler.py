@@ -289,16 +289,24 @@ class Engine:
         reports them first, then continues."""
         while self._requests or self._events:
             if not self._events:
-                self._events.extend(self._round())
+                # the round's events before what its callbacks queued (a cancel comes after the events before it),
+                # the order `step` reports them in
+                self._events.extendleft(reversed(self._round()))
             while self._events:  # taken one at a time: a consumer that leaves keeps the rest queued
                 yield self._events.popleft()
 
     def step(self) -> list[Event]:
         """One scheduling round: admit what fits, one prefill chunk, one decode dispatch -> the events (those
         queued before it first: cancellations, and what a `run` left early did not yield)."""
+        return self.take_events() + self._round()
+
+    def take_events(self) -> list[Event]:
+        """The events queued and not yet reported (`queued_events`), handed over now without a round: the
+        data-parallel engine takes a shard's cancellation as it happens, so that it reports it as one engine
+        does (before the next round)."""
         events = list(self._events)
         self._events.clear()
-        return events + self._round()
+        return events
 
     def _round(self) -> list[Event]:
         if self.prefix_cache is not None and self.prefix_cache.lent_to not in (None, self):
