@@ -224,7 +224,8 @@ class CachePlan:
     prompt_len:      T, the padded prompt length: prompts are left-padded to it, all writing at the same slot.
     capacity:        S, cache slots per row: max_len if given, else a power of two >= T + max_new_tokens
                      (+ lookahead; at least MIN_CAPACITY, at most the model's max positions); a sliding-window
-                     model's ring holds at most `window` (+ lookahead) slots. A model mixing layer kinds: the full layers' slots.
+                     model's ring holds at most `window` (+ lookahead) slots. A model mixing layer kinds: the
+                     full layers' slots.
     ring:            the cache is a ring buffer of `capacity` slots; a model mixing layer kinds: its sliding
                      layers are rings of min(window + lookahead, capacity) slots
                      (`jaxkv.cache.geometry.layer_slots`).

@@ -411,22 +411,24 @@ def test_max_len_equal_to_prompt_plus_max_new_tokens_is_enough():
     assert got.stats["kv_cache_bytes"] == plain.stats["kv_cache_bytes"]
 
 
-@pytest.mark.parametrize("proposer", ["short draft", "mtp"])
+@pytest.mark.parametrize("proposer", ["short draft", "mtp", "mtp paged"])
 def test_verifies_stop_exactly_where_the_lookahead_no_longer_fits(proposer):
     """Proposals that are always right with k = 3: a 53-token prompt and 11 new tokens fill 64 positions exactly.
     Verifies from lengths 53 and 57 emit 4 tokens each; from 61 the k + 1 writes would reach position 64, so the
     last two tokens are plain steps: 2 verifies, 4 target forwards (with positions to spare, a third verify from
     61 would emit the last two: the budget, not the positions, would end it). "short draft": a target of 4096
     positions, drafting for itself through a copy with 64 (the draft's own positions stop it); "mtp": the
-    bigram MTP module on a target (and module) of 64 positions."""
+    bigram MTP module on a target (and module) of 64 positions; "mtp paged": the same, 2 samples on pages of 4
+    slots (the module's pool and the target's counted as far as the positions reach)."""
     k, prompt, new = 3, 53, 11
-    if proposer == "mtp":
+    if proposer.startswith("mtp"):
         m, spec = mtp_near_end(), Speculation("mtp", k, adaptive=False)
     else:
         m, spec = model("gqa"), Speculation("draft", k, draft=near_end("gqa"), adaptive=False)
     ps = [repeating(m.config.vocab_size, prompt, seed=9)]
-    plain = jaxkv.generate(m, ps, max_new_tokens=new, stop_tokens=[])
-    got = jaxkv.generate(m, ps, max_new_tokens=new, stop_tokens=[], speculative=spec)
+    paged = dict(n=2, page_size=4) if proposer == "mtp paged" else {}
+    plain = jaxkv.generate(m, ps, max_new_tokens=new, stop_tokens=[], **paged)
+    got = jaxkv.generate(m, ps, max_new_tokens=new, stop_tokens=[], speculative=spec, **paged)
     assert got.tokens == plain.tokens and got.stats["spec_acceptance_rate"] == 1.0
     assert (got.stats["spec_verifies"], got.stats["target_forwards"]) == (2, 4)
 
