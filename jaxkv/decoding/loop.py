@@ -368,7 +368,8 @@ def speculative_loop(params, cache: KVCache, logits, key, sampler, stop_ids, don
     from jaxkv.decoding import speculation
 
     B, k = logits.shape[0], plan.num_tokens
-    max_positions = min(config.max_positions, draft_config.max_positions) if draft_config else config.max_positions
+    max_positions = config.max_positions if draft_config is None else min(config.max_positions,
+                                                                          draft_config.max_positions)
     paged = isinstance(cache, PagedKVCache)  # finished rows then store nothing (`programs.forward`'s `active`)
     # a verify writes k + 1 columns at the current step
     base = LoopState.start(cache, logits, key, done, width=max_steps + k + 1, top=logprobs, grammar=grammar)
