@@ -322,8 +322,10 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=None, to
         `top_logprobs` with the k most likely tokens at each step. Both are computed inside the compiled loop.
       speculative: a `jaxkv.Speculation`: a proposer guesses k tokens and one forward pass over k + 1 positions
         verifies them (`jaxkv.decoding.speculation`); the output is distributed exactly as without it (greedy:
-        the same tokens, up to float rounding of the wider pass). The cache gets k more slots (a sliding-window
-        model's rings window + k slots: a verify writes k + 1 tokens at once). `stats` adds "spec_proposed", "spec_accepted",
+        the same tokens, up to float rounding of the wider pass). A call is valid exactly when it is without
+        speculation: the cache gets up to k more slots where the model's positions (and max_len) allow (a
+        sliding-window model's rings window + k slots: a verify writes k + 1 tokens at once), and where a
+        verify's k + 1 writes would not fit, the loop takes plain steps. `stats` adds "spec_proposed", "spec_accepted",
         "spec_acceptance_rate", "spec_verifies", "target_forwards" and "tokens_per_target_forward". With the
         paged cache (n > 1, page_size, prefix_cache) each verify's rejected slots and the pages they took are
         given back; the prefix cache only ever indexes prompt pages. Every method ("ngram", "draft", "mtp") on
@@ -471,7 +473,7 @@ def _generate_speculative(model, prompts, spec, draft, *, max_new_tokens, temper
     draft_args, draft_kwargs = (), {}
     if draft is not None:
         draft_args = (draft.params, speculation.prefill_draft(draft, req.token_lists, rows=plan.padded_batch,
-                                                              new_tokens=req.max_new_tokens + k,
+                                                              max_new_tokens=req.max_new_tokens, lookahead=k,
                                                               attention=attention))
         draft_kwargs = {"draft_config": draft.config}
     # (a ring's capacity does not bound the sequence: the history holds the whole of it)

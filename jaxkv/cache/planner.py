@@ -222,9 +222,10 @@ class CachePlan:
     padded_batch:    rows computed: the batch padded to a power of two (then to a multiple of the devices it is
                      split over), so batch sizes 5..8 share one compiled shape; filler rows hold one token.
     prompt_len:      T, the padded prompt length: prompts are left-padded to it, all writing at the same slot.
-    capacity:        S, cache slots per row: max_len if given, else a power of two >= T + max_new_tokens (at
-                     least MIN_CAPACITY, at most the model's max positions); a sliding-window model's ring holds
-                     at most `window` slots. A model mixing layer kinds: the full layers' slots.
+    capacity:        S, cache slots per row: max_len if given, else a power of two >= T + max_new_tokens
+                     (+ lookahead; at least MIN_CAPACITY, at most the model's max positions); a sliding-window
+                     model's ring holds at most `window` (+ lookahead) slots. A model mixing layer kinds: the
+                     full layers' slots.
     ring:            the cache is a ring buffer of `capacity` slots; a model mixing layer kinds: its sliding
                      layers are rings of min(window + lookahead, capacity) slots
                      (`jaxkv.cache.geometry.layer_slots`).
@@ -261,24 +262,33 @@ def _check_request(planner: str, config, prompt_lengths, max_new_tokens):
     return lengths, max_new_tokens
 
 
+def _prompt_len(bucket: int, longest: int, room: int) -> int:
+    """The padded prompt length: the bucket, shrunk to `room` (the slots the new tokens and a verify's lookahead
+    leave; padding slots count against the capacity) but never below the longest prompt (the lookahead is then
+    partly out of room: the loop speculates less near the end)."""
+    return max(longest, min(bucket, room))
+
+
 def plan_cache(config: Config, prompt_lengths, max_new_tokens: int, *, max_len: int | None = None,
                cache_dtype=None, batch_multiple: int = 1, lookahead: int = 0) -> CachePlan:
     """The cache `jaxkv.generate` allocates for prompts of `prompt_lengths` tokens and `max_new_tokens` new ones
     (see `CachePlan`): the same function generate calls, so its figures are the allocation exactly.
 
-    `lookahead`: k, the positions a speculative verify writes past the last token (`jaxkv.Speculation`): they
-    count as k more new tokens for the slots and positions needed, and a sliding-window model's rings hold
-    window + k slots (a verify writes k + 1 tokens at once: `jaxkv.cache.contiguous`, "Ring buffers").
+    `lookahead`: k, the positions a speculative verify writes past the last token (`jaxkv.Speculation`). They are
+    room to speculate, not part of the request: the default capacity counts them as k more slots where the
+    model's positions allow (never past them), the padded prompt shrinks (never below the longest prompt) to
+    leave them under a given max_len, and a sliding-window model's rings hold window + k slots (a verify writes
+    k + 1 tokens at once: `jaxkv.cache.contiguous`, "Ring buffers"). What is valid does not change: where the k
+    slots do not fit, the speculative loop takes plain steps (`speculation.room`).
 
     Raises:
-      ValueError: a prompt plus max_new_tokens (plus lookahead) beyond the model's max positions, max_len beyond
-        them (slots that could never be used) or too small for the longest prompt plus max_new_tokens (plus
-        lookahead).
+      ValueError: a prompt plus max_new_tokens beyond the model's max positions, max_len beyond them (slots that
+        could never be used) or too small for the longest prompt plus max_new_tokens; each names the values
+        passed.
     """
     if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
         raise ValueError(f"lookahead must be a non-negative integer, got {lookahead!r}")
-    requested = _check_request("plan_cache", config, prompt_lengths, max_new_tokens)
-    lengths, max_new_tokens = _check_request("plan_cache", config, prompt_lengths, max_new_tokens + lookahead)
+    lengths, max_new_tokens = _check_request("plan_cache", config, prompt_lengths, max_new_tokens)
     batch_multiple = positive_int("batch_multiple", batch_multiple)
     cache_dtype = _cache_dtype(CacheGeometry.of(config), cache_dtype)
     longest, limit = max(lengths), config.max_positions
@@ -288,7 +298,7 @@ def plan_cache(config: Config, prompt_lengths, max_new_tokens: int, *, max_len: 
             raise ValueError(f"max_len={max_len} exceeds the model's max positions ({limit}): slots past them "
                              f"could never be used")
     bucket = max(MIN_PROMPT_BUCKET, next_pow2(longest))
-    default = min(max(MIN_CAPACITY, next_pow2(bucket + max_new_tokens)), limit)
+    default = min(max(MIN_CAPACITY, next_pow2(bucket + max_new_tokens + lookahead)), limit)
     spans = [w for w in config.layer_spans if w is not None]  # sliding windows, or Llama 4's chunks
     window = max(spans) if spans else None
     if window is not None and not config.every_layer_sliding:
@@ -298,7 +308,7 @@ def plan_cache(config: Config, prompt_lengths, max_new_tokens: int, *, max_len: 
             raise ValueError(f"the longest prompt has {longest} tokens; prompt_len + max_new_tokens = "
                              f"{longest} + {max_new_tokens} = {longest + max_new_tokens} exceeds max_len={max_len}")
         ring, capacity = True, default if max_len is None else max_len
-        prompt_len = min(bucket, capacity - max_new_tokens)
+        prompt_len = _prompt_len(bucket, longest, capacity - max_new_tokens - lookahead)
     elif window is not None and (max_len is None or max_len >= window + lookahead):
         # A ring of at most `window` (+ lookahead) slots: memory O(window), not O(sequence). A ring that never
         # wraps (capacity < window) is just a plain cache. The padded prompt may be longer than the ring.
@@ -309,14 +319,14 @@ def plan_cache(config: Config, prompt_lengths, max_new_tokens: int, *, max_len: 
                              f"{longest} + {max_new_tokens} = {longest + max_new_tokens} exceeds max_len={max_len}")
         ring, capacity = False, default if max_len is None else max_len
         # The padded prompt and the new tokens must fit: shrink the bucket (never below the longest prompt).
-        prompt_len = min(bucket, capacity - max_new_tokens)
+        prompt_len = _prompt_len(bucket, longest, capacity - max_new_tokens - lookahead)
     padded_batch = -(-next_pow2(len(lengths)) // batch_multiple) * batch_multiple
 
     per_slot = _layer_bytes_per_slot(CacheGeometry.of(config), cache_dtype)
     slot_bytes = sum(S * b for (S, _), b in zip(layer_slots(config, capacity, ring, lookahead), per_slot))
     return CachePlan(batch=len(lengths), padded_batch=padded_batch, prompt_len=prompt_len, capacity=capacity,
                      ring=ring, cache_dtype=cache_dtype,
-                     requested_bytes=kv_cache_bytes(config, tokens=longest + requested[1], batch=len(lengths),
+                     requested_bytes=kv_cache_bytes(config, tokens=longest + max_new_tokens, batch=len(lengths),
                                                     cache_dtype=cache_dtype),
                      allocated_bytes=padded_batch * slot_bytes, lookahead=lookahead)
 
@@ -388,15 +398,18 @@ def plan_pages(config: Config, prompt_lengths, max_new_tokens: int, *, n: int = 
     """The paged layout `jaxkv.generate(..., n=n)` allocates (see `PagePlan`); ValueError for what cannot fit.
     `max_len` bounds each sequence's slots (its page table holds ceil(max_len / page_size) pages). `lookahead`:
     k, the slots a speculative verify writes past a sequence's last token before it gives back what its rejected
-    tokens took (`PagedKVCache.rewind`): counted as k more new tokens per sequence, in slots and in pages."""
+    tokens took (`PagedKVCache.rewind`): room to speculate, not part of the request (what is valid does not
+    change, and errors name the values passed). The default table counts them as k more slots, and the pages
+    counted per sequence include them as far as its table and the model's positions allow (the speculative loop
+    verifies only where the k slots fit: `speculation.room`)."""
     if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
         raise ValueError(f"lookahead must be a non-negative integer, got {lookahead!r}")
-    lengths, max_new_tokens = _check_request("plan_pages", config, prompt_lengths, max_new_tokens + lookahead)
+    lengths, max_new_tokens = _check_request("plan_pages", config, prompt_lengths, max_new_tokens)
     n, page_size = positive_int("n", n), positive_int("page_size", page_size)
     cache_dtype = _cache_dtype(CacheGeometry.of(config), cache_dtype)
     limit = config.max_positions
     prompt_len = max(MIN_PROMPT_BUCKET, next_pow2(max(lengths)))
-    slots = min(next_pow2(max(lengths) + max_new_tokens), -(-limit // page_size) * page_size)
+    slots = min(next_pow2(max(lengths) + max_new_tokens + lookahead), -(-limit // page_size) * page_size)
     if max_len is not None:
         max_len = positive_int("max_len", max_len)
         if max_len > limit:
@@ -407,11 +420,15 @@ def plan_pages(config: Config, prompt_lengths, max_new_tokens: int, *, n: int = 
                              f"{max(lengths) + max_new_tokens} exceeds max_len={max_len}")
         slots = max_len
     max_pages = -(-slots // page_size)
-    needed = sum(pages_for(x, max_new_tokens, n, page_size) for x in lengths)
+    # A verify from length L writes slots L..L + k, only where L + k + 1 fits the table and the positions, and
+    # only with two tokens of budget left: at most min(x + max_new_tokens + k - 2, reach) slots, within the
+    # x + new - 1 that `pages_for` counts (a plain run's new = max_new_tokens).
+    reach = min(max_pages * page_size, limit)
+    needed = sum(pages_for(x, min(max_new_tokens + lookahead, reach - x + 1), n, page_size) for x in lengths)
     num_pages = next_pow2(needed)
     per_page = page_bytes(config, page_size, cache_dtype)
     rows, padded_rows, state = len(lengths) * n, next_pow2(len(lengths) * n), state_bytes_per_sequence(config)
-    unshared = (sum(n * (x + max_new_tokens - lookahead) for x in lengths) * kv_bytes_per_token(config, cache_dtype)
+    unshared = (sum(n * (x + max_new_tokens) for x in lengths) * kv_bytes_per_token(config, cache_dtype)
                 + rows * state)
     return PagePlan(batch=len(lengths), n=n, prefill_batch=next_pow2(len(lengths)),
                     padded_rows=padded_rows, prompt_len=prompt_len, page_size=page_size,

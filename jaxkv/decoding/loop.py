@@ -356,7 +356,8 @@ def speculative_loop(params, cache: KVCache, logits, key, sampler, stop_ids, don
     so a verify keeps, for every running row, the proposals all running rows kept (m, the least): every token
     still comes out as `speculation.verify` draws it, and the cache's length rewinds to the kept slots (the
     rejected slots' K/V lie past it, unseen, until overwritten; a paged row's length rewinds the same way and
-    gives back the pages past it, `PagedKVCache.rewind`). The cache needs k slots beyond the last token.
+    gives back the pages past it, `PagedKVCache.rewind`). A verify needs k slots beyond the last token, within
+    the model's positions (`speculation.room`): where they do not fit, the pass is a plain step.
     history int32[B, P] and length int32[B]: each row's prompt (`SpecState`). Method "draft": the draft model's
     params, config and its cache prefilled with the same prompts (same slots). Method "mtp": draft_params the
     MTP module's params, draft_cache its `MtpState` (`programs.prefill_mtp`'s cache, and the last prompt
@@ -367,6 +368,8 @@ def speculative_loop(params, cache: KVCache, logits, key, sampler, stop_ids, don
     from jaxkv.decoding import speculation
 
     B, k = logits.shape[0], plan.num_tokens
+    max_positions = config.max_positions if draft_config is None else min(config.max_positions,
+                                                                          draft_config.max_positions)
     paged = isinstance(cache, PagedKVCache)  # finished rows then store nothing (`programs.forward`'s `active`)
     # a verify writes k + 1 columns at the current step
     base = LoopState.start(cache, logits, key, done, width=max_steps + k + 1, top=logprobs, grammar=grammar)
@@ -501,8 +504,12 @@ def speculative_loop(params, cache: KVCache, logits, key, sampler, stop_ids, don
                 plain_steps = jnp.where(expected >= plan.verify_cost, 1, jnp.maximum(state.wait - state.idle, 1))
         else:
             speculate = jnp.bool_(True)
-        # A verify needs room for k more tokens than it may emit; near the budget's end, plain steps.
+        # A verify needs room for k more tokens than it may emit; near the budget's end, plain steps. Likewise
+        # near the end of the cache's slots or the positions (the draft's too): the request fits without them.
         speculate &= state.base.step + 1 < steps
+        speculate &= speculation.room(state.base.cache, running, k, max_positions)
+        if state.draft is not None and not mtp:
+            speculate &= speculation.room(state.draft, running, k, max_positions)
         return lax.cond(speculate, check, plain_run, state, (proposals, mtp_logits, mtp_h, plain_steps))
 
     def plain_run(state, proposed):

@@ -60,7 +60,8 @@ def generate_paged(model: Model, prompts, *, n, page_size, max_new_tokens, tempe
     draft_args, draft_kwargs = (), {}
     if draft is not None:  # (before the prefix cache's transaction: it checks the draft before any compute)
         draft_args = (draft.params, speculation.prefill_draft(draft, row_prompts, rows=pages.padded_rows,
-                                                              new_tokens=max_new_tokens + speculative.num_tokens,
+                                                              max_new_tokens=max_new_tokens,
+                                                              lookahead=speculative.num_tokens,
                                                               attention=attention))
         draft_kwargs = {"draft_config": draft.config}
     # A call that fails at any point (a refused make_room, a sampler or stream that raises half way) leaves the

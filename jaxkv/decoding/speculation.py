@@ -254,6 +254,25 @@ def append_history(history, length, tokens, count):
     return history.at[rows, at].set(tokens, mode="drop"), length + count
 
 
+def room(cache, running, k: int, max_positions: int):
+    """bool[]: a verify's k + 1 writes from each row's length fit `cache` (its slots, unless every layer is a ring)
+    and the positions below `max_positions` (the positions the model has: none past them is ever computed). The
+    request itself only has to fit without the lookahead (`plan_cache`, `plan_pages`), so near the end of the
+    slots or positions the loop takes plain steps instead, as the engine does per slot.
+
+    The contiguous cache's rows share the write slot and every row is computed, finished or not, so its longest
+    row (the least `start`) decides; a paged row that has finished stores nothing (`programs.forward`'s
+    `active`), so only the `running` rows count there."""
+    from jaxkv.cache.paged import PagedKVCache
+
+    if isinstance(cache, PagedKVCache):
+        end = cache.lengths + k + 1  # slots held after the verify; its last position is end - 1
+        return jnp.all(((end <= cache.capacity) & (end <= max_positions)) | ~running)
+    end = cache.length + k + 1
+    fits = end - jnp.min(cache.start) <= max_positions
+    return fits if cache.ring else fits & (end <= cache.capacity)
+
+
 def prompt_history(token_lists, rows: int, width: int):
     """The n-gram proposer's starting history: int32[rows, width] with row b's prompt in its first
     len(token_lists[b]) entries (rows past the list: empty), and int32[rows] those lengths."""
@@ -265,22 +284,26 @@ def prompt_history(token_lists, rows: int, width: int):
     return history, length
 
 
-def prefill_draft(draft, token_lists, *, rows: int, new_tokens: int, attention):
+def prefill_draft(draft, token_lists, *, rows: int, max_new_tokens: int, lookahead: int, attention):
     """The draft model's own contiguous cache with `token_lists` prefilled (left-padded; padded with empty rows to
-    `rows`), room for `new_tokens` more slots each (max_new_tokens + k) -> the cache. ValueError, before any
-    compute, where the draft cannot hold them."""
+    `rows`), room for max_new_tokens more slots each and the verify's `lookahead` (k) where the draft's positions
+    allow (`room` stops the verifies where they do not) -> the cache. ValueError, before any compute, where the
+    draft cannot follow the sequence itself (it is fed every token): the longest prompt plus max_new_tokens
+    beyond its positions (as the engine refuses a max_len beyond them)."""
     from jaxkv.cache import planner
     from jaxkv.decoding import programs, request
 
-    need = max(map(len, token_lists)) + new_tokens
-    if need > draft.config.max_positions:
-        raise ValueError(f"the draft model has {draft.config.max_positions} positions; the longest prompt, "
-                         f"max_new_tokens and the lookahead need {need}")
+    longest, limit = max(map(len, token_lists)), draft.config.max_positions
+    if longest + max_new_tokens > limit:
+        raise ValueError(f"the draft model has {limit} positions; the longest prompt has {longest} tokens, which "
+                         f"with max_new_tokens={max_new_tokens} need {longest + max_new_tokens}")
     request.check_config(draft.config)
-    bucket = max(planner.MIN_PROMPT_BUCKET, planner.next_pow2(max(map(len, token_lists))))
+    bucket = max(planner.MIN_PROMPT_BUCKET, planner.next_pow2(longest))
     tokens, start = request.left_pad(list(token_lists) + [[0]] * (rows - len(token_lists)), length=bucket)
+    # (slots past bucket - longest + limit are past the longest row's positions: never written)
+    capacity = min(planner.next_pow2(bucket + max_new_tokens + lookahead), bucket - longest + limit)
     _, cache = programs.prefill(draft.params, jax.device_put(tokens), jax.device_put(start), config=draft.config,
-                                capacity=planner.next_pow2(bucket + new_tokens),
+                                capacity=capacity,
                                 attention=request.attention(draft.config, attention),
                                 cache_dtype=request.cache_dtype(draft.config, None), ring=False, mesh=None)
     return cache

@@ -411,3 +411,38 @@ def test_sharing_and_fit_columns_line_up(capsys):
     (row,) = result["rows"]
     assert table_row(out, "int8")[-3:] == [f"{row['shared_bytes']:,}", f"{row['unshared_bytes']:,}",
                                            f"{row['sequences_fit']:,}"]
+
+
+def test_the_lookahead_is_room_not_part_of_the_request():
+    """Issue 50: `lookahead` (a speculative verify's k) never makes a request that fits fail, nor changes what an
+    error names. The default capacity counts the k slots as far as the positions allow (never past them), the
+    padded prompt shrinks to leave them under a given max_len (never below the longest prompt), and a paged plan
+    counts pages for them only as far as its table and the positions reach."""
+    config = CONFIGS["gqa"].replace(max_positions=2048)
+    # the repro's request: 2040 + 8 = 2048 positions
+    plan = memory.plan_cache(config, [2040], 8, lookahead=4)
+    assert (plan.capacity, plan.prompt_len) == (2048, 2040)
+    assert plan.requested_bytes == memory.plan_cache(config, [2040], 8).requested_bytes
+    # positions to spare: the k slots are planned (the bucket 128 + 125 = 253 fits 256; + 4 does not)
+    assert memory.plan_cache(config, [100], 125).capacity == 256
+    assert memory.plan_cache(config, [100], 125, lookahead=4).capacity == 512
+    # max_len = prompt + max_new_tokens: the bucket (64) shrinks to the prompt, not below it
+    plan = memory.plan_cache(config, [40, 9], 8, max_len=48, lookahead=4)
+    assert (plan.capacity, plan.prompt_len) == (48, 40)
+    assert memory.plan_cache(config, [40, 9], 8, max_len=56, lookahead=4).prompt_len == 44
+    for lookahead in (0, 4):
+        with pytest.raises(ValueError, match=r"^prompt 0 has 2045 tokens; with max_new_tokens=8 it needs 2053 "):
+            memory.plan_cache(config, [2045], 8, lookahead=lookahead)
+        with pytest.raises(ValueError, match=r"40 \+ 8 = 48 exceeds max_len=47$"):
+            memory.plan_cache(config, [40], 8, max_len=47, lookahead=lookahead)
+        with pytest.raises(ValueError, match=r"with max_new_tokens=8 it needs 2053 "):
+            memory.plan_pages(config, [2045], 8, page_size=4, lookahead=lookahead)
+        with pytest.raises(ValueError, match=r"= 48 exceeds max_len=47$"):
+            memory.plan_pages(config, [40], 8, page_size=4, max_len=47, lookahead=lookahead)
+    # pages: a verify from length L writes L..L + k only while L + k + 1 <= min(table, positions)
+    pages = memory.plan_pages(config, [2040], 8, n=2, page_size=4, lookahead=4)
+    assert pages.max_pages == 512 and pages.pages_needed == memory.pages_for(2040, 9, 2, 4)
+    roomy = memory.plan_pages(config, [100], 8, n=2, page_size=4, lookahead=4)
+    assert roomy.pages_needed == memory.pages_for(100, 12, 2, 4) > memory.plan_pages(config, [100], 8, n=2,
+                                                                                      page_size=4).pages_needed
+    assert roomy.unshared_bytes == memory.plan_pages(config, [100], 8, n=2, page_size=4).unshared_bytes

@@ -2,6 +2,8 @@
 to plain decoding, the acceptance rule's output distribution equal to the sampler's (chi-square), the cache left
 as plain decoding leaves it, and bad combinations refused before compute."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -315,6 +317,179 @@ def test_mtp_on_the_paged_cache_with_samples_pages_and_a_prefix_cache():
     assert got.stats["spec_accepted"] == got.stats["spec_proposed"] > 0
 
 
+# Issue 50: a request that fits without speculation fits with it. The k lookahead slots are room to speculate, not
+# part of the request: where a verify's k + 1 writes would pass the cache's slots or the model's positions (the
+# target's, a draft's), the loop takes plain steps (`speculation.room`), as the engine does per slot.
+NEAR = 64  # max positions of the models below: their prompts end a few tokens before the last position
+
+
+def near_end(name):
+    """`model(name)` with max positions NEAR (the same weights; "learned" keeps its 256-entry table)."""
+    if name == "learned":
+        return model(name)
+    key = f"{name}@{NEAR}"
+    if key not in _extra:
+        base = model(name)
+        _extra[key] = jaxkv.Model(base.config.replace(max_positions=NEAR), base.params)
+    return _extra[key]
+
+
+def mtp_near_end():
+    """`with_mtp(bigram=True)` (every proposal right) with max positions NEAR, its module too."""
+    from jaxkv.decoding.mtp import Mtp
+
+    if "mtp@near" not in _extra:
+        right = with_mtp(bigram=True)
+        m = jaxkv.Model(right.config.replace(max_positions=NEAR), right.params)
+        m.mtp = Mtp(right.mtp.config.replace(max_positions=NEAR), right.mtp.params)
+        _extra["mtp@near"] = m
+    return _extra["mtp@near"]
+
+
+def repeating(V, n, seed=0):
+    """n tokens repeating a 9-token passage (the n-gram proposer finds matches everywhere)."""
+    passage = np.random.default_rng(seed).integers(0, V, 9).tolist()
+    return (passage * (n // 9 + 1))[:n]
+
+
+@pytest.mark.parametrize("name", ["gqa", "learned", "sliding", "mixed"])
+def test_greedy_equals_plain_decoding_up_to_the_last_position(name):
+    """A prompt that ends max_new_tokens before the model's last position (the repro's request: refused before,
+    with a message naming max_new_tokens + k), beside a short one (only the long row hits the end), on RoPE and
+    learned positions (a table of 256), a sliding-window ring (window + k slots, wrapping) and mixed layer
+    kinds: the tokens and log-probabilities are plain decoding's, and verifies ran."""
+    m = near_end(name)
+    P, V, new = m.config.max_positions, m.config.vocab_size, 7
+    ps = [repeating(V, P - new, seed=1), np.random.default_rng(2).integers(0, V, 13).tolist()]
+    plain = jaxkv.generate(m, ps, max_new_tokens=new, stop_tokens=[])
+    got = jaxkv.generate(m, ps, max_new_tokens=new, stop_tokens=[],
+                         speculative=Speculation("ngram", 4, adaptive=False))
+    assert got.tokens == plain.tokens and all(len(t) == new for t in got.tokens)
+    assert got.stats["spec_verifies"] > 0
+    np.testing.assert_allclose(np.concatenate(got.logprobs), np.concatenate(plain.logprobs),
+                               **tolerance("logprobs", "float32"))
+
+
+def test_sampled_rows_up_to_the_last_position_are_reproducible_and_whole():
+    """Sampled, n = 2 samples on pages of 4 slots, rows of two lengths (the long one ends at the last position):
+    every row its full length of real tokens (a verify past the positions would give NaN logits: -1, a short
+    row), the same tokens for the same seed."""
+    m = near_end("gqa")
+    V, new = m.config.vocab_size, 9
+    ps = [repeating(V, NEAR - new, seed=3), repeating(V, 20, seed=4)]
+    a, b = (jaxkv.generate(m, ps, max_new_tokens=new, stop_tokens=[], temperature=0.9, seed=3, n=2, page_size=4,
+                           speculative=Speculation("ngram", 4, adaptive=False)) for _ in range(2))
+    assert a.tokens == b.tokens and all(len(t) == new and min(t) >= 0 for t in a.tokens)
+    assert a.stats["spec_verifies"] > 0
+
+
+def test_paged_greedy_equals_plain_decoding_up_to_the_last_position():
+    """n = 2 on pages of 4 slots, rows of two lengths, the long one ending at the model's last position, max_len
+    given as exactly the longest prompt + max_new_tokens: plain decoding's tokens and peak pages (the pool
+    counts the lookahead only as far as the table and positions allow; a pool too small raises RuntimeError)."""
+    m = near_end("gqa")
+    V, new = m.config.vocab_size, 7
+    ps = [repeating(V, NEAR - new, seed=5), repeating(V, 22, seed=6)]
+    plain = jaxkv.generate(m, ps, max_new_tokens=new, stop_tokens=[], n=2, page_size=4, max_len=NEAR)
+    got = jaxkv.generate(m, ps, max_new_tokens=new, stop_tokens=[], n=2, page_size=4, max_len=NEAR,
+                         speculative=Speculation("ngram", 4, adaptive=False))
+    assert got.tokens == plain.tokens and got.stats["spec_verifies"] > 0
+    assert got.stats["pages_in_use_peak"] == plain.stats["pages_in_use_peak"]
+
+
+def test_max_len_equal_to_prompt_plus_max_new_tokens_is_enough():
+    """max_len = the longest prompt + max_new_tokens exactly (no slot for the lookahead), on a model with
+    positions to spare: accepted, the cache max_len slots as asked, plain decoding's tokens (the slots, not the
+    positions, stop the verifies)."""
+    m = model("gqa")
+    V, new = m.config.vocab_size, 8
+    ps = [repeating(V, 30, seed=7), repeating(V, 17, seed=8)]
+    kwargs = dict(max_new_tokens=new, stop_tokens=[], max_len=30 + new)
+    plain = jaxkv.generate(m, ps, **kwargs)
+    got = jaxkv.generate(m, ps, **kwargs, speculative=Speculation("ngram", 4, adaptive=False))
+    assert got.tokens == plain.tokens and got.stats["spec_verifies"] > 0
+    assert got.stats["kv_cache_bytes"] == plain.stats["kv_cache_bytes"]
+
+
+@pytest.mark.parametrize("proposer", ["short draft", "mtp", "mtp paged"])
+def test_verifies_stop_exactly_where_the_lookahead_no_longer_fits(proposer):
+    """Proposals that are always right with k = 3: a 53-token prompt and 11 new tokens fill 64 positions exactly.
+    Verifies from lengths 53 and 57 emit 4 tokens each; from 61 the k + 1 writes would reach position 64, so the
+    last two tokens are plain steps: 2 verifies, 4 target forwards (with positions to spare, a third verify from
+    61 would emit the last two: the budget, not the positions, would end it). "short draft": a target of 4096
+    positions, drafting for itself through a copy with 64 (the draft's own positions stop it); "mtp": the
+    bigram MTP module on a target (and module) of 64 positions; "mtp paged": the same, 2 samples on pages of 4
+    slots (the module's pool and the target's counted as far as the positions reach)."""
+    k, prompt, new = 3, 53, 11
+    if proposer.startswith("mtp"):
+        m, spec = mtp_near_end(), Speculation("mtp", k, adaptive=False)
+    else:
+        m, spec = model("gqa"), Speculation("draft", k, draft=near_end("gqa"), adaptive=False)
+    ps = [repeating(m.config.vocab_size, prompt, seed=9)]
+    paged = dict(n=2, page_size=4) if proposer == "mtp paged" else {}
+    plain = jaxkv.generate(m, ps, max_new_tokens=new, stop_tokens=[], **paged)
+    got = jaxkv.generate(m, ps, max_new_tokens=new, stop_tokens=[], speculative=spec, **paged)
+    assert got.tokens == plain.tokens and got.stats["spec_acceptance_rate"] == 1.0
+    assert (got.stats["spec_verifies"], got.stats["target_forwards"]) == (2, 4)
+
+
+@pytest.mark.parametrize("prompt, new, kwargs", [
+    (60, 8, {}),  # the prompt and max_new_tokens past the positions
+    (70, 1, {}),  # the prompt alone
+    (18, 10, dict(max_len=27)),  # max_len too small
+    (18, 10, dict(max_len=27, n=2)),  # the paged cache's
+    (60, 8, dict(page_size=4)),
+    (18, 10, dict(max_len=NEAR + 1)),  # max_len past the positions
+])
+def test_errors_name_the_callers_values(prompt, new, kwargs):
+    """A request refused with speculation is refused without it, with the same message: the caller's
+    max_new_tokens and max_len, never theirs plus the lookahead."""
+    m = near_end("gqa")
+    ps = [repeating(m.config.vocab_size, prompt)]
+    with pytest.raises(ValueError) as plain:
+        jaxkv.generate(m, ps, max_new_tokens=new, **kwargs)
+    for spec in (Speculation("ngram", 8), Speculation("draft", 4, draft=m)):
+        with pytest.raises(ValueError) as got:
+            jaxkv.generate(m, ps, max_new_tokens=new, speculative=spec, **kwargs)
+        assert str(got.value) == str(plain.value)
+
+
+def test_a_draft_that_cannot_follow_the_sequence_is_refused_with_the_callers_values():
+    """The draft is fed every token, so it must hold the prompt and max_new_tokens (the engine likewise refuses a
+    max_len past the draft's positions); the lookahead it need not hold."""
+    m, short = model("gqa"), near_end("gqa")
+    ps = [repeating(m.config.vocab_size, 60)]
+    with pytest.raises(ValueError, match=r"^the draft model has 64 positions; the longest prompt has 60 tokens, "
+                                         r"which with max_new_tokens=5 need 65$"):
+        jaxkv.generate(m, ps, max_new_tokens=5, speculative=Speculation("draft", 4, draft=short))
+
+
+def test_room_for_a_verify():
+    """`speculation.room`: a verify's k + 1 writes within the slots (not a ring's) and the positions; the
+    contiguous cache's longest row (least start) decides, a paged cache's running rows."""
+    from jaxkv.cache.contiguous import KVCache
+    from jaxkv.cache.paged import PagedKVCache
+
+    cfg, k = CONFIGS["gqa"], 4
+    running = jnp.array([True, False])
+
+    def contiguous(length, capacity, start, ring=False):
+        cache = KVCache.allocate(CONFIGS["sliding"] if ring else cfg, 2, capacity,
+                                 start=jnp.array(start, jnp.int32), ring=ring, lookahead=k if ring else 0)
+        assert cache.ring == ring
+        return dataclasses.replace(cache, length=jnp.int32(length))
+
+    room = lambda cache, positions: bool(speculation.room(cache, running, k, positions))  # noqa: E731
+    assert room(contiguous(27, 32, [0, 5]), 100) and not room(contiguous(28, 32, [0, 5]), 100)  # slots
+    assert room(contiguous(20, 32, [8, 9]), 17) and not room(contiguous(20, 32, [8, 7]), 17)  # positions: any row
+    assert room(contiguous(100, 12, [0, 0], ring=True), 105) and not room(contiguous(101, 12, [0, 0], ring=True),
+                                                                          105)
+    paged = PagedKVCache.allocate(cfg, 2, num_pages=8, page_size=4, max_len=16)
+    at = lambda lengths: dataclasses.replace(paged, lengths=jnp.array(lengths, jnp.int32))  # noqa: E731
+    assert room(at([11, 14]), 100) and not room(at([12, 0]), 100)  # the table; a finished row does not count
+    assert room(at([9, 30]), 14) and not room(at([10, 0]), 14)
+
+
 def _oracle(monkeypatch, right):
     """Replaces the n-gram proposer by one that proposes the true greedy continuation (`right`: every proposal
     correct) or tokens it is not (every proposal wrong), read from a plain run's output."""
@@ -438,10 +613,10 @@ def test_bad_speculation_is_refused(make, message):
     (dict(speculative=Speculation("draft", draft=jaxkv.Model.random(CONFIGS["gqa"].replace(vocab_size=50)))),
      "vocabulary"),
     (dict(speculative=Speculation("ngram"), sampler=lambda logits, key: jnp.argmax(logits, -1)), "custom sampler"),
-    (dict(speculative=Speculation("ngram", 8), n=2, max_len=30), "exceeds max_len"),
+    (dict(speculative=Speculation("ngram", 8), n=2, max_len=27), "= 28 exceeds max_len=27"),
     (dict(speculative=Speculation("draft", draft="small")), "must be a jaxkv.Model"),
     (dict(speculative="ngram"), "must be a jaxkv.Speculation"),
-    (dict(speculative=Speculation("ngram", 8), max_len=30), "exceeds max_len"),
+    (dict(speculative=Speculation("ngram", 8), max_len=27), r"18 \+ 10 = 28 exceeds max_len=27"),
 ])
 def test_bad_generate_combinations_fail_before_compute(kwargs, message):
     m = kwargs.pop("model", lambda: model("gqa"))()
