@@ -1,6 +1,7 @@
 """The jaxkv command: streamed text, the figures line, --json, and one-line errors without tracebacks."""
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -386,3 +387,63 @@ def test_memory_refuses_lengths_past_the_models_positions(capsys, tmp_path):
     assert cli.main(["memory", "--layers", "2", "--kv-heads", "2", "--head-dim", "8", "--tokens", "1000000"]) == 0
     capsys.readouterr()
 
+
+# --- the streaming generate and the persistent compile cache (issue 50, item 11) -------------------------------
+
+
+def test_streamed_text_is_the_json_text(model_dir, capsys):
+    """The streaming path (the loop driven from the host, `jaxkv.decoding.loop.streamed_loop`) prints the tokens
+    --json returns (the compiled loop in one call), sampled with a seed and penalties."""
+    args = ["generate", "--model", model_dir, "--prompt", "Hi", "--max-new-tokens", "40", "--temperature", "1.0",
+            "--top-k", "50", "--seed", "11", "--repetition-penalty", "1.2", "--generation-config", "ignore"]
+    assert cli.main(args) == 0
+    streamed = capsys.readouterr().out.rstrip("\n").rsplit("\n", 1)[0]
+    assert cli.main([*args, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert streamed == "Hi" + result["text"] and result["new_tokens"] == 40
+
+
+# `jaxkv ARGV` in a fresh interpreter that records JAX's persistent-cache log (which programs it read, compiled,
+# or would not write) into the file named by $CACHE_LOG. Every program is written (no minimum compile time), so a
+# second run that compiles nothing again misses nothing.
+CLI_LOGGING_CACHE = """
+import json, logging, os, sys
+messages = []
+handler = logging.Handler()
+handler.emit = lambda record: messages.append(record.getMessage())
+logger = logging.getLogger("jax._src.compiler")
+logger.setLevel(logging.DEBUG)
+logger.addHandler(handler)
+from jaxkv import cli, compile_cache
+compile_cache.MIN_COMPILE_SECONDS = 0.0
+code = cli.main(sys.argv[1:])
+with open(os.environ["CACHE_LOG"], "w") as f:
+    json.dump([m for m in messages if "persistent" in m.lower()], f)
+sys.exit(code)
+"""
+
+
+def test_streaming_generate_reads_its_decode_loop_from_the_compile_cache(model_dir, tmp_path):
+    """Issue 50, item 11: the quickstart (streaming) stores its decode loop in the persistent compilation cache
+    on the first run and reads it back on the second, printing the same text. It never did: the loop streamed
+    through an io_callback, and JAX writes no program with a host callback to the cache."""
+    from jaxkv.decoding import loop
+
+    cache, log = tmp_path / "xla", tmp_path / "log.json"
+    env = {**os.environ, "JAXKV_COMPILE_CACHE": str(cache), "CACHE_LOG": str(log)}
+    argv = [sys.executable, "-c", CLI_LOGGING_CACHE, "generate", "--model", model_dir, "--prompt", "Hi",
+            "--max-new-tokens", "12", "--temperature", "1.0", "--seed", "3"]
+    runs = []
+    for _ in range(2):
+        run = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr
+        runs.append((run.stdout.rstrip("\n").rsplit("\n", 1)[0], json.loads(log.read_text()),
+                     sorted(p.name for p in cache.iterdir())))
+    (text, first_log, first_entries), (again, second_log, second_entries) = runs
+    assert not [m for m in first_log if "host callbacks" in m], first_log
+    loop_programs = [f"jit_{f.__name__}" for f in (loop._first_step, loop._next_steps)]
+    for name in loop_programs:
+        assert any(entry.startswith(name + "-") for entry in first_entries), (name, first_entries)
+    assert not [m for m in second_log if "MISS" in m], second_log  # nothing compiled again
+    assert all(any(name in m for m in second_log if "hit" in m) for name in loop_programs), second_log
+    assert second_entries == first_entries and again == text
