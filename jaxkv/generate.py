@@ -431,14 +431,14 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=None, to
     rows = processing.Fresh(req.penalties, processing.prompt_ids(req.token_lists, plan.padded_batch,
                                                                  max(plan.capacity, plan.prompt_len)))
     with Phase() as decode_time, constrained.carried(grammar_rows) as grammar:
-        out = loop.on_host_surfacing(on_step, lambda: loop.on_host(loop.decode_loop(
+        out = loop.on_host(loop.run(
             params, cache, logits, put(req.key, replicated), put(req.sampler, replicated),
             put(req.stop_ids, replicated), put(req.done, sharding.BATCH_SPEC),
             put(np.int32(req.max_new_tokens), replicated), put(rows, sharding.BATCH_SPEC), grammar=grammar,
             config=config,
             max_steps=loop.steps_bound(plan.capacity, plan.ring and config.every_layer_sliding, req.max_new_tokens),
             rows=req.rows, attention=req.attention,
-            stream=on_step, mesh=mesh, logprobs=logprobs), sharding.to_host))
+            stream=on_step, mesh=mesh, logprobs=logprobs), sharding.to_host)
     gen = result.generation(model, req, out, prefill_time, decode_time)
     constrained.report(grammar_rows, gen.stats, len(req.token_lists))
     return gen

@@ -10,10 +10,13 @@
                  [--cache-dtype D] [--json]
                  (beam search, jaxkv.beam_search: prints the best hypothesis at the end, or the R best; with
                  --json all R with their scores. Deterministic: no sampling flags, --n or --logprobs)
-  jaxkv memory (--model PATH|tiny | --config config.json | --layers L --kv-heads K --head-dim H [--dtype D])
+  jaxkv memory [--model PATH|tiny | --config config.json | --layers L --kv-heads K --head-dim H [--dtype D]]
                [--window W] [--tokens N] [--batch B] [--cache-dtype D] [--hbm-gib G [--weights-gib W]]
                [--plot FILE.png] [--json]
-  jaxkv bench [options]     (see jaxkv bench --help; the same as python scripts/bench.py)
+               (no model named: the bundled "tiny", as jaxkv generate; --tokens past a config's max positions
+               is an error, as jaxkv.generate refuses them)
+  jaxkv bench [options]     (the decode benchmark, the same as python scripts/bench.py; jaxkv bench --help lists
+                             every benchmark, a line each)
   jaxkv bench sharing [options]   (parallel samples and prompt caching: jaxkv.bench.sharing)
   jaxkv bench engine [options]    (continuous batching against static batches: jaxkv.bench.engine)
   jaxkv bench beam [options]      (beam search: jaxkv.bench.beam)

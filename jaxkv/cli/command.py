@@ -5,6 +5,7 @@ stderr and exit status 2.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -13,13 +14,25 @@ from jaxkv.cli import bench, generate, memory, serve
 from jaxkv.cli.arguments import EXIT_USAGE, Parser, UsageError, version
 
 
+class _Formatter(argparse.HelpFormatter):
+    """argparse measures the commands' names without the indent it prints them at, so the longest (run-batch)
+    would get a line of its own in `jaxkv --help`; this counts the indent."""
+
+    def add_argument(self, action):
+        super().add_argument(action)
+        indent = self._current_indent + self._indent_increment
+        for sub in getattr(action, "_get_subactions", list)():  # (the subparsers action has them)
+            self._action_max_length = max(self._action_max_length, len(self._format_action_invocation(sub)) + indent)
+
+
 def parser() -> Parser:
     parser = Parser(prog="jaxkv", description="KV-cached decoding for decoder-only transformers in JAX.",
-                    epilog="jaxkv COMMAND --help shows a command's options.")
+                    epilog="jaxkv COMMAND --help shows a command's options.", formatter_class=_Formatter)
     parser.add_argument("--version", action="version", version=f"jaxkv {version()}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser, metavar="COMMAND")
     generate.add_parser(commands)
     memory.add_parser(commands)
+    serve.add_parsers(commands)
     bench.add_parser(commands)
     return parser
 
@@ -37,8 +50,8 @@ def main(argv=None) -> int:
         args = parser().parse_args(argv)
         result = memory.run(args) if args.command == "memory" else generate.run(args, started)
     except UsageError as e:
-        command = "memory" if argv[:1] == ["memory"] else "generate"
-        print(f"jaxkv: error: {e} (see jaxkv {command} --help)", file=sys.stderr)
+        command = argv[0] if argv[:1] in (["generate"], ["memory"]) else None  # else the command itself is wrong
+        print(f"jaxkv: error: {e} (see jaxkv {command + ' ' if command else ''}--help)", file=sys.stderr)
         return EXIT_USAGE
     except (ValueError, FileNotFoundError, OSError) as e:
         print(f"jaxkv: error: {e}", file=sys.stderr)

@@ -22,7 +22,8 @@ def add_parser(commands):
     source = mem.add_mutually_exclusive_group()
     source.add_argument("--model", metavar="PATH",
                         help="checkpoint directory (Hugging Face or jaxkv) or 'tiny'; only its config is read, never "
-                             "the weights")
+                             "the weights (default: 'tiny', as jaxkv generate, unless --config or --layers ... "
+                             "describe the model)")
     source.add_argument("--config", metavar="FILE", help="a Hugging Face config.json (or a jaxkv_config.json) file")
     mem.add_argument("--layers", metavar="L", type=positive_int, help="describe the model by hand: L layers ...")
     mem.add_argument("--kv-heads", metavar="K", type=positive_int, help="... K key/value heads ...")
@@ -104,9 +105,9 @@ def _memory_model(args) -> Config | memory.CacheGeometry:
         config = _model_config(args.model) if args.model is not None else _read_config_file(pathlib.Path(args.config))
         changes = {"dtype": args.dtype, "sliding_window": args.window}
         return config.replace(**{k: v for k, v in changes.items() if v is not None})
-    if not given:
-        raise ValueError("no model: pass --model PATH|tiny, --config config.json, or --layers, --kv-heads and "
-                         "--head-dim")
+    if not given:  # no model named: the bundled one, as `jaxkv generate` takes
+        args.model = "tiny"
+        return _memory_model(args)
     missing = [flag for flag, value in shape_flags.items() if value is None]
     if missing:
         raise ValueError(f"a model described by hand needs --layers, --kv-heads and --head-dim; missing "
@@ -127,6 +128,7 @@ def run(args) -> dict:
     hbm, weights = _device_budget(args, model)
     if args.new_tokens is not None and args.n is None:
         raise ValueError("--new-tokens is only used with --n")
+    _check_positions(args, model)
     rows = [_row(args, model, geometry, cache_dtype, hbm, weights)
             for cache_dtype in ([args.cache_dtype] if args.cache_dtype else memory.CACHE_DTYPES)]
     result = {
@@ -159,6 +161,22 @@ def run(args) -> dict:
         _plot_memory(geometry, [row["cache_dtype"] for row in rows], result, args.plot)
         result["plot"] = args.plot
     return result
+
+
+def _check_positions(args, model):
+    """A model with a config has max positions: sequences past them are what `jaxkv.generate` refuses (ValueError,
+    as `plan_cache` says it), so their bytes are refused here too rather than printed as an allocation. A model
+    described by hand has no such bound."""
+    if not isinstance(model, Config):
+        return
+    limit = model.max_positions
+    if args.tokens > limit:
+        raise ValueError(f"--tokens {args.tokens:,} exceeds the model's max positions ({limit:,}): jaxkv generate "
+                         f"refuses max_len={args.tokens} for it")
+    if args.n is not None and args.tokens + (args.new_tokens or 0) > limit:
+        raise ValueError(f"--tokens {args.tokens:,} + --new-tokens {args.new_tokens:,} = "
+                         f"{args.tokens + args.new_tokens:,} positions, beyond the model's max positions ({limit:,}): "
+                         f"jaxkv generate refuses such a request")
 
 
 def _device_budget(args, model) -> tuple[int | None, int | None]:

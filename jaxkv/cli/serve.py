@@ -4,6 +4,14 @@
 from __future__ import annotations
 
 
+def add_parsers(commands):
+    """`serve` and `run-batch` listed for --help only: `main` hands them to `run` and `run_batch` before the parser
+    sees them (their options are the server's own parsers', which import nothing until they run)."""
+    commands.add_parser("serve", add_help=False, help="an OpenAI-compatible HTTP server on the engine")
+    commands.add_parser("run-batch", add_help=False,
+                        help="an OpenAI Batch API file (JSONL) through the server, resumable")
+
+
 def run(argv: list[str]) -> int:
     """`argv`: what follows `jaxkv serve`."""
     from jaxkv.server.main import main as serve

@@ -4,12 +4,16 @@ through the model and picks the next with the one decode step (`jaxkv.decoding.s
 A row that emitted a stop token is done (its later tokens are -1, fed back as padding); the loop ends when every
 row is done or the step budget is out. With a `stream`, each step's tokens reach the host through an ordered
 io_callback, and an exception the stream raises surfaces as itself (`on_host_surfacing`).
+
+`generate` streams through `run` instead: the same loop driven from the host a few steps at a time
+(`streamed_loop`), since JAX never writes a program with a host callback to its persistent compilation cache.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -168,12 +172,24 @@ def decode_loop(params, cache: KVCache, logits, key, sampler, stop_ids, done, st
     per token (static; 0 records only each token's own log-probability). `processing`: the rows'
     `Processing` state (`LoopState`), or the `processing.Fresh` it is built from here; None: none. `grammar`: the
     constrained rows' `Grammar` (None: none)."""
+    pick = functools.partial(emit, sampler=sampler, stop_ids=stop_ids, stream=stream, rows=rows)
+    # Pick, then (while a row runs and tokens are left) feed back and pick again: steps - 1 forward passes at
+    # most, the last token is never fed back, and a batch that stops at once runs none.
+    carry = pick(_start(cache, logits, key, done, processing, grammar, max_steps=max_steps, logprobs=logprobs))
+    state, _ = _continue(params, carry, steps, pick, config=config, attention=attention, mesh=mesh)
+    return _out(state, mesh)
+
+
+def _start(cache, logits, key, done, processing, grammar, *, max_steps: int, logprobs: int) -> LoopState:
     if isinstance(processing, Fresh):
         processing = processing.state(logits.shape[-1])
-    state = LoopState.start(cache, logits, key, done, width=max_steps, top=logprobs, processing=processing,
-                            grammar=grammar)
-    pick = functools.partial(emit, sampler=sampler, stop_ids=stop_ids, stream=stream, rows=rows)
-    paged = isinstance(cache, PagedKVCache)
+    return LoopState.start(cache, logits, key, done, width=max_steps, top=logprobs, processing=processing,
+                           grammar=grammar)
+
+
+def _continue(params, carry, steps, pick, *, config, attention, mesh):
+    """(state, the tokens to feed back) after the loop's picks up to step `steps` (or until every row is done)."""
+    paged = isinstance(carry[0].cache, PagedKVCache)
 
     def body(carry):
         state, feed = carry
@@ -181,9 +197,10 @@ def decode_loop(params, cache: KVCache, logits, key, sampler, stop_ids, done, st
                                          mesh=mesh, active=~state.done if paged else None)
         return pick(state.replace(cache=cache, logits=logits[:, 0]))
 
-    # Pick, then (while a row runs and tokens are left) feed back and pick again: steps - 1 forward passes at
-    # most, the last token is never fed back, and a batch that stops at once runs none.
-    state, _ = lax.while_loop(lambda c: (c[0].step < steps) & ~jnp.all(c[0].done), body, pick(state))
+    return lax.while_loop(lambda c: (c[0].step < steps) & ~jnp.all(c[0].done), body, carry)
+
+
+def _out(state: LoopState, mesh) -> LoopOut:
     out = LoopOut(tokens=state.tokens, num_new=state.num_new, done=state.done, forward_passes=state.step - 1,
                   cache=state.cache, logprobs=state.logprobs, top_ids=state.top_ids,
                   top_logprobs=state.top_logprobs)
@@ -191,6 +208,77 @@ def decode_loop(params, cache: KVCache, logits, key, sampler, stop_ids, done, st
         out = out._replace(**{name: sharding.replicated(getattr(out, name), mesh)
                               for name in out._fields if name != "cache"})
     return out
+
+
+# A streamed loop's calls (`streamed_loop`) grow to about STREAM_CALL_S each, STREAM_CHUNK steps at most: a fast
+# model shares one host round trip among several steps (on a loaded 2-core CPU a round trip costs more than a small
+# model's step), a slow one still hands its tokens over step by step, and the stream hears at least ~50 times a
+# second either way.
+STREAM_CHUNK = 16
+STREAM_CALL_S = 0.02
+
+
+def _report(state: LoopState, start):
+    """What a streamed loop's host reads after a call that began at step `start`: (steps so far, every row done,
+    offset, int32[B, W] the token columns from offset, W = min(STREAM_CHUNK, the buffer's width)), the window
+    holding every column the call wrote."""
+    width = min(STREAM_CHUNK, state.tokens.shape[1])
+    offset = jnp.clip(start, 0, state.tokens.shape[1] - width)
+    return state.step, jnp.all(state.done), offset, lax.dynamic_slice_in_dim(state.tokens, offset, width, axis=1)
+
+
+# `decode_loop` cut in two programs for a host that reads as it goes: the first pick, then the loop up to a bound.
+# The pick and the loop body are decode_loop's own (`_start`, `_continue`), so the tokens are the same.
+@functools.partial(jax.jit, static_argnames=("rows", "max_steps", "logprobs"), donate_argnames=("cache",))
+def _first_step(cache, logits, key, sampler, stop_ids, done, processing, grammar, *, rows, max_steps, logprobs):
+    pick = functools.partial(emit, sampler=sampler, stop_ids=stop_ids, stream=None, rows=rows)
+    carry = pick(_start(cache, logits, key, done, processing, grammar, max_steps=max_steps, logprobs=logprobs))
+    return carry, _report(carry[0], 0)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "rows", "attention", "mesh"), donate_argnames=("carry",))
+def _next_steps(params, carry, until, sampler, stop_ids, *, config, rows, attention, mesh):
+    """The loop on to step `until` (traced: any chunk, one program), or until every row is done."""
+    pick = functools.partial(emit, sampler=sampler, stop_ids=stop_ids, stream=None, rows=rows)
+    start = carry[0].step
+    carry = _continue(params, carry, until, pick, config=config, attention=attention, mesh=mesh)
+    return carry, _report(carry[0], start)
+
+
+def streamed_loop(stream, params, cache, logits, key, sampler, stop_ids, done, steps, processing=None,
+                  grammar: Grammar | None = None, *, config: Config, max_steps: int, rows: int | None,
+                  attention: str, mesh: Mesh | None, logprobs: int = 0) -> LoopOut:
+    """`decode_loop(..., stream=stream)` driven from the host: the first pick, then the loop in chunks, each
+    step's tokens handed to `stream` in order between calls (an exception it raises is simply raised here). JAX
+    never writes a program with a host callback (decode_loop's io_callback) to its persistent compilation cache,
+    so a streamed decode_loop compiled again in every process; these programs have none (unless a constrained
+    row's grammar brings its own) and are cached like the rest. Same picks in the same order: the same tokens."""
+    steps, vocab = int(steps), logits.shape[-1]
+    carry, report = _first_step(cache, logits, key, sampler, stop_ids, done, processing, grammar, rows=rows,
+                                max_steps=max_steps, logprobs=logprobs)
+    streamed, chunk, called = 0, 1, time.perf_counter()
+    while True:
+        step, finished, offset, window = map(np.asarray, report)
+        step, offset = int(step), int(offset)
+        if not finished and step < steps:  # the next chunk runs on the device while this one is streamed
+            per_step = max(time.perf_counter() - called, 1e-6) / max(step - streamed, 1)
+            chunk = max(1, min(2 * chunk, int(STREAM_CALL_S / per_step), STREAM_CHUNK))
+            called = time.perf_counter()
+            carry, report = _next_steps(params, carry, np.int32(min(step + chunk, steps)), sampler, stop_ids,
+                                        config=config, rows=rows, attention=attention, mesh=mesh)
+        for column in range(streamed, step):
+            tokens = window[:, column - offset]  # -1 where a row was not running
+            stream(tokens, (tokens >= 0) & (tokens < vocab))  # what `emit` streams: running & valid
+        streamed = step
+        if finished or step >= steps:
+            return _out(carry[0], None)  # (a stream runs in one process, `generate`: every array is addressable)
+
+
+def run(*args, stream: Callable | None, **kwargs) -> LoopOut:
+    """`decode_loop`, or with a `stream` `streamed_loop`: what `generate` calls."""
+    if stream is None:
+        return decode_loop(*args, stream=None, **kwargs)
+    return streamed_loop(stream, *args, **kwargs)
 
 
 def steps_bound(capacity: int, ring: bool, steps: int) -> int:

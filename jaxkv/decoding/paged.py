@@ -89,12 +89,12 @@ def generate_paged(model: Model, prompts, *, n, page_size, max_new_tokens, tempe
             if speculative is None:
                 state = processing.Fresh(row_penalties, processing.prompt_ids(row_prompts, pages.padded_rows,
                                                                               cache.capacity))
-                out = loop.on_host_surfacing(on_step, lambda: loop.on_host(loop.decode_loop(
+                out = loop.on_host(loop.run(
                     params, cache, logits, jax.device_put(key), sample_fn, jax.device_put(stop_ids),
                     jax.device_put(done), jax.device_put(np.int32(max_new_tokens)), state, grammar=grammar,
                     config=run_config,
                     max_steps=max_steps, rows=sampler_rows, attention=attention, stream=on_step, mesh=mesh,
-                    logprobs=logprobs)))
+                    logprobs=logprobs))
             else:
                 history, length = speculation.prompt_history(row_prompts, pages.padded_rows,
                                                              cache.capacity + speculative.num_tokens + 2)

@@ -6,6 +6,10 @@
 
 Input: one request per line, `{"custom_id": "...", "method": "POST", "url": "/v1/completions" or
 "/v1/chat/completions", "body": {...}}`; custom_ids are unique (a repeated one refuses the job before it starts).
+The file is read as bytes: lines end at LF only (a CR ends no line: between JSON tokens it is whitespace, so
+CRLF files read as they should), each line is decoded as UTF-8 on its own, a UTF-8 BOM at the start of the file is
+skipped, and a blank line (nothing but JSON whitespace) is no request and gets no record, though it counts for
+line numbers.
 Each body goes through the app `jaxkv serve` runs, in this process (an ASGI call, no socket), so it is validated,
 answered and refused exactly as the server would. Output: one line per request, in the order they finish,
 
@@ -13,8 +17,8 @@ answered and refused exactly as the server would. Output: one line per request, 
    "body": {... the server's answer ...}}, "error": null}
 
 with the server's status and error body for a request it refuses (4xx), and `"response": null, "error": {"code":
-"invalid_request", "message": ..., "line": n}` for a line that is no request (not JSON, no custom_id, another
-method or url, a streaming body): a bad line is a record, never a stopped job.
+"invalid_request", "message": ..., "line": n}` for a line that is no request (not UTF-8, not JSON, no custom_id,
+another method or url, a streaming body): a bad line is a record, never a stopped job.
 
 Durability: each record is one write of one whole line, at once (os.write on an O_APPEND descriptor), so a job
 killed at any moment (kill -9) loses no finished result. Restarted with the same output, a job first drops a
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import codecs
 import dataclasses
 import hashlib
 import json
@@ -49,6 +54,7 @@ from jaxkv.server import main as serve
 EXIT_USAGE = 2
 URLS = ("/v1/completions", "/v1/chat/completions")
 RETRY_STATUSES = (429, 503)  # the server is full for the moment: the request is retried, not recorded
+JSON_WHITESPACE = b" \t\r\n"  # RFC 8259's four: a line of nothing else is blank
 
 
 class _Parser(argparse.ArgumentParser):
@@ -93,14 +99,21 @@ class Line:
     error: str | None = None
 
 
-def request_id(index: int, raw: str) -> str:
-    return "batch_req_" + hashlib.sha256(f"{index}\n{raw}".encode()).hexdigest()[:24]
+def request_id(index: int, raw: bytes) -> str:
+    return "batch_req_" + hashlib.sha256(f"{index}\n".encode() + raw).hexdigest()[:24]
 
 
-def parse_line(index: int, raw: str) -> Line:
+def parse_line(index: int, raw: bytes | str) -> Line:
+    """Line `index` (0-based) of the input, its bytes without the line ending (a str is taken as its UTF-8)."""
+    raw = raw.encode() if isinstance(raw, str) else raw
     line = Line(index, request_id(index, raw))
     try:
-        item = json.loads(raw)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:  # JSON text is UTF-8 (RFC 8259): this line cannot be read, the others can
+        line.error = f"not UTF-8: byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line ({e.reason})"
+        return line
+    try:
+        item = json.loads(text)
     except json.JSONDecodeError as e:
         line.error = f"not valid JSON ({e})"
         return line
@@ -130,30 +143,38 @@ def parse_line(index: int, raw: str) -> Line:
 
 
 def read_lines(path: pathlib.Path):
-    """(index, text) of each line of the input, without its newline."""
-    with open(path, encoding="utf-8") as f:
+    """(index, bytes) of each line of the input that is not blank, without its line ending. Lines end at LF only:
+    a CR is JSON whitespace (a CRLF ending's CR is dropped, so a line's id does not depend on the ending; a CR
+    inside a line stays in it). A UTF-8 BOM at the start of the file is skipped (editors on Windows write one).
+    A blank line is skipped but counted: `index` is always the line's place in the file, so every process, a
+    rerun and --merge number lines alike."""
+    with open(path, "rb") as f:  # binary lines end at b"\n" only
         for index, raw in enumerate(f):
-            yield index, raw.rstrip("\n").rstrip("\r")
+            if index == 0 and raw.startswith(codecs.BOM_UTF8):
+                raw = raw[len(codecs.BOM_UTF8):]
+            if raw.strip(JSON_WHITESPACE):
+                yield index, raw.rstrip(b"\n").rstrip(b"\r")
 
 
 def part_path(output: pathlib.Path, process: int, processes: int) -> pathlib.Path:
     return output if processes == 1 else output.with_name(f"{output.name}.part-{process}-of-{processes}")
 
 
-def check_input(path: pathlib.Path) -> int:
-    """The input's line count; a custom_id on two lines is a ValueError (which result would be whose?)."""
+def check_input(path: pathlib.Path) -> list[int]:
+    """The indices of the input's lines that are not blank (`read_lines`); a custom_id on two lines is a
+    ValueError (which result would be whose?)."""
     if not path.is_file():
         raise ValueError(f"{path}: no such file")
-    seen, count = {}, 0
+    seen, indices = {}, []
     for index, raw in read_lines(path):
-        count = index + 1
+        indices.append(index)
         line = parse_line(index, raw)
         if line.custom_id is not None:
             if line.custom_id in seen:
                 raise ValueError(f"{path}: custom_id {line.custom_id!r} is on lines {seen[line.custom_id] + 1} and "
                                  f"{index + 1}; custom_ids must be unique")
             seen[line.custom_id] = index
-    return count
+    return indices
 
 
 def finished(path: pathlib.Path) -> tuple[set[str], set[str]]:
@@ -164,7 +185,7 @@ def finished(path: pathlib.Path) -> tuple[set[str], set[str]]:
     data = path.read_bytes()
     end = data.rfind(b"\n") + 1
     ids, custom_ids = set(), set()
-    for number, raw in enumerate(data[:end].splitlines(), 1):
+    for number, raw in enumerate(data[:end].split(b"\n")[:-1], 1):  # (records end at LF, as input lines do)
         try:
             record = json.loads(raw)
             ids.add(record["id"])
@@ -184,7 +205,10 @@ class Writer:
         self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def write(self, record: dict):
-        data = (json.dumps(record, ensure_ascii=False) + "\n").encode()
+        try:
+            data = (json.dumps(record, ensure_ascii=False) + "\n").encode()
+        except UnicodeEncodeError:  # a lone surrogate (a line's "\ud800" escape): no UTF-8, so written escaped
+            data = (json.dumps(record) + "\n").encode()
         while data:  # a regular file takes it in one write; the loop is for the rare short write
             data = data[os.write(self.fd, data):]
 
@@ -312,7 +336,7 @@ def merge(input_path: pathlib.Path, output: pathlib.Path, processes: int) -> int
         if not path.exists():
             raise ValueError(f"{path}: missing (process {i} has not run)")
         by_id, by_custom = {}, {}
-        for raw in path.read_bytes().splitlines():
+        for raw in path.read_bytes().split(b"\n"):
             try:
                 record = json.loads(raw)
                 by_id[record["id"]] = raw
@@ -384,7 +408,7 @@ def main(argv=None) -> int:
         args = parser().parse_args(argv)
         check(args)
         input_path, output = pathlib.Path(args.input), pathlib.Path(args.output)
-        total = check_input(input_path)
+        requests = check_input(input_path)
         if args.merge:
             count = merge(input_path, output, args.num_processes)
             print(f"jaxkv run-batch: {output}: {count:,} results merged from {args.num_processes} parts",
@@ -396,7 +420,7 @@ def main(argv=None) -> int:
     except (ValueError, OSError) as e:
         print(f"jaxkv run-batch: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    mine = [index for index in range(total) if index % processes == process]
+    mine = [index for index in requests if index % processes == process]
     todo = []
     for index, raw in read_lines(input_path):
         if index % processes != process:

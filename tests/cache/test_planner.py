@@ -243,7 +243,7 @@ def test_hugging_face_config(tmp_path, capsys):
 
 def test_hugging_face_sliding_window(tmp_path, capsys):
     mistral = {**LLAMA2_13B, "architectures": ["MistralForCausalLM"], "num_key_value_heads": 8,
-               "sliding_window": 4096, "torch_dtype": "bfloat16"}
+               "sliding_window": 4096, "max_position_embeddings": 32768, "torch_dtype": "bfloat16"}
     (tmp_path / "config.json").write_text(json.dumps(mistral))
     result = run_json(capsys, "--config", str(tmp_path / "config.json"), "--tokens", "32768")
     assert result["sliding_window"] == 4096 and result["slots"] == 4096
@@ -288,7 +288,6 @@ def test_plot_without_matplotlib_is_one_clear_line(tmp_path, capsys, monkeypatch
 
 
 @pytest.mark.parametrize("args, match", [
-    ([], "no model: pass --model"),
     (["--layers", "40"], "missing --kv-heads, --head-dim"),
     (["--model", "tiny", "--layers", "4"], "cannot be combined with --model"),
     (["--model", "tiny", "--config", "x.json"], "not allowed with argument"),

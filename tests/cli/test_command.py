@@ -1,6 +1,7 @@
 """The jaxkv command: streamed text, the figures line, --json, and one-line errors without tracebacks."""
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -199,13 +200,49 @@ def run_cli_fresh(*argv):
 FAST_S = 3.0
 
 
+COMMANDS = ("generate", "memory", "serve", "run-batch", "bench")
+
+
 def test_help_is_fast_lists_every_command_and_imports_no_jax():
+    """Issue 50, item 10: serve and run-batch (dispatched before the parser) are listed too, each command with a
+    one-line summary, and listing them imports neither JAX nor the server."""
     run, seconds = run_cli_fresh("--help")
     assert run.returncode == 0, run.stderr
     assert run.stdout.endswith("jax imported: False\n")
-    for command in ("generate", "memory", "bench"):
-        assert f"    {command} " in run.stdout
+    lines = run.stdout.splitlines()
+    for command in COMMANDS:
+        line = next((line for line in lines if line.startswith(f"    {command} ")), None)
+        assert line is not None and len(line.split()) > 2, (command, run.stdout)  # the name, then its summary
     assert seconds < FAST_S
+
+
+def test_a_mistyped_command_names_every_command(capsys):
+    err = usage_error(capsys, ["serv"], "invalid choice: 'serv'")
+    assert all(f"'{command}'" in err for command in COMMANDS) and "(see jaxkv --help)" in err
+
+
+def test_bench_help_lists_every_benchmark(capsys):
+    """Issue 50, item 10: `jaxkv bench --help` names every benchmark in jaxkv/bench/ with a line saying what it
+    measures, then the decode benchmark's own options (the one without a name)."""
+    import importlib.util
+    import pathlib
+
+    from jaxkv.bench import __path__ as bench_path
+    from jaxkv.cli.bench import BENCH_SCENARIOS
+
+    with pytest.raises(SystemExit) as exit_:  # argparse's --help, of the decode benchmark
+        cli.main(["bench", "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    modules = {f"jaxkv.bench.{p.stem}" for p in pathlib.Path(bench_path[0]).glob("*.py")} - {
+        "jaxkv.bench.__init__", "jaxkv.bench.decode"}
+    assert {module for module, _ in BENCH_SCENARIOS.values()} == modules  # a new benchmark is listed
+    lines = out.splitlines()
+    for name, (module, _) in BENCH_SCENARIOS.items():
+        assert importlib.util.find_spec(module) is not None
+        line = next((line for line in lines if line.startswith(f"  {name} ")), None)
+        assert line is not None and len(line.split()) > 3, (name, out)
+    assert "--configs" in out  # the decode benchmark's options follow
 
 
 def test_bad_flag_fails_fast_with_one_line_before_jax_and_before_any_output():
@@ -310,3 +347,103 @@ def test_bench_beam_is_handed_to_jaxkv_bench_beam(monkeypatch):
     monkeypatch.setitem(vars(jaxkv.bench), "beam", fake)
     assert cli.main(["bench", "beam", "--quick"]) == 0
     assert seen == [["--quick"]]
+
+
+# --- jaxkv memory: the README's line, and lengths generate would refuse (issue 50, item 10) ----------------------
+
+
+def test_memory_without_a_model_plans_for_the_bundled_one(capsys):
+    """The README's `jaxkv memory --tokens 1024 --n 16 --new-tokens 128` runs as written: with no model named,
+    the bundled "tiny" one, as `jaxkv generate` takes."""
+    readme = ["memory", "--tokens", "1024", "--n", "16", "--new-tokens", "128"]
+    assert cli.main(readme) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("tiny: ") and "with sharing" in out
+    assert cli.main([*readme, "--json"]) == 0
+    default = json.loads(capsys.readouterr().out)
+    assert cli.main([*readme, "--json", "--model", "tiny"]) == 0
+    assert default == json.loads(capsys.readouterr().out) and default["model"] == "tiny"
+
+
+def test_memory_refuses_lengths_past_the_models_positions(capsys, tmp_path):
+    """What `jaxkv.generate` refuses (a sequence past the model's max positions) is an error naming both
+    numbers, not an allocation printed without a word; at the limit it plans as before, and a model described by
+    hand (no max positions) has no bound."""
+    err = usage_error(capsys, ["memory", "--model", "tiny", "--tokens", "4096"], "--tokens 4,096")
+    assert "max positions (2,048)" in err
+    with pytest.raises(ValueError, match="max positions"):  # the refusal it stands for
+        jaxkv.plan_cache(jaxkv.load("tiny").config, [1], 1, max_len=4096)
+    err = usage_error(capsys, ["memory", "--tokens", "2000", "--n", "2", "--new-tokens", "49"], "2,049 positions")
+    assert "max positions (2,048)" in err
+    assert cli.main(["memory", "--tokens", "2000", "--n", "2", "--new-tokens", "48", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == 2000
+    config = tmp_path / "config.json"  # a Hugging Face config of 512 positions
+    config.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+                                  "intermediate_size": 128, "num_attention_heads": 4, "num_hidden_layers": 2,
+                                  "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 512}))
+    usage_error(capsys, ["memory", "--config", str(config), "--tokens", "513"], "max positions (512)")
+    assert cli.main(["memory", "--config", str(config), "--tokens", "512", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["rows"][0]["allocated_bytes"] > 0
+    assert cli.main(["memory", "--layers", "2", "--kv-heads", "2", "--head-dim", "8", "--tokens", "1000000"]) == 0
+    capsys.readouterr()
+
+
+# --- the streaming generate and the persistent compile cache (issue 50, item 11) -------------------------------
+
+
+def test_streamed_text_is_the_json_text(model_dir, capsys):
+    """The streaming path (the loop driven from the host, `jaxkv.decoding.loop.streamed_loop`) prints the tokens
+    --json returns (the compiled loop in one call), sampled with a seed and penalties."""
+    args = ["generate", "--model", model_dir, "--prompt", "Hi", "--max-new-tokens", "40", "--temperature", "1.0",
+            "--top-k", "50", "--seed", "11", "--repetition-penalty", "1.2", "--generation-config", "ignore"]
+    assert cli.main(args) == 0
+    streamed = capsys.readouterr().out.rstrip("\n").rsplit("\n", 1)[0]
+    assert cli.main([*args, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert streamed == "Hi" + result["text"] and result["new_tokens"] == 40
+
+
+# `jaxkv ARGV` in a fresh interpreter that records JAX's persistent-cache log (which programs it read, compiled,
+# or would not write) into the file named by $CACHE_LOG. Every program is written (no minimum compile time), so a
+# second run that compiles nothing again misses nothing.
+CLI_LOGGING_CACHE = """
+import json, logging, os, sys
+messages = []
+handler = logging.Handler()
+handler.emit = lambda record: messages.append(record.getMessage())
+logger = logging.getLogger("jax._src.compiler")
+logger.setLevel(logging.DEBUG)
+logger.addHandler(handler)
+from jaxkv import cli, compile_cache
+compile_cache.MIN_COMPILE_SECONDS = 0.0
+code = cli.main(sys.argv[1:])
+with open(os.environ["CACHE_LOG"], "w") as f:
+    json.dump([m for m in messages if "persistent" in m.lower()], f)
+sys.exit(code)
+"""
+
+
+def test_streaming_generate_reads_its_decode_loop_from_the_compile_cache(model_dir, tmp_path):
+    """Issue 50, item 11: the quickstart (streaming) stores its decode loop in the persistent compilation cache
+    on the first run and reads it back on the second, printing the same text. It never did: the loop streamed
+    through an io_callback, and JAX writes no program with a host callback to the cache."""
+    from jaxkv.decoding import loop
+
+    cache, log = tmp_path / "xla", tmp_path / "log.json"
+    env = {**os.environ, "JAXKV_COMPILE_CACHE": str(cache), "CACHE_LOG": str(log)}
+    argv = [sys.executable, "-c", CLI_LOGGING_CACHE, "generate", "--model", model_dir, "--prompt", "Hi",
+            "--max-new-tokens", "12", "--temperature", "1.0", "--seed", "3"]
+    runs = []
+    for _ in range(2):
+        run = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr
+        runs.append((run.stdout.rstrip("\n").rsplit("\n", 1)[0], json.loads(log.read_text()),
+                     sorted(p.name for p in cache.iterdir())))
+    (text, first_log, first_entries), (again, second_log, second_entries) = runs
+    assert not [m for m in first_log if "host callbacks" in m], first_log
+    loop_programs = [f"jit_{f.__name__}" for f in (loop._first_step, loop._next_steps)]
+    for name in loop_programs:
+        assert any(entry.startswith(name + "-") for entry in first_entries), (name, first_entries)
+    assert not [m for m in second_log if "MISS" in m], second_log  # nothing compiled again
+    assert all(any(name in m for m in second_log if "hit" in m) for name in loop_programs), second_log
+    assert second_entries == first_entries and again == text

@@ -2,6 +2,7 @@
 the same bodies; killed (SIGKILL) at random moments and resumed, it ends with exactly one result per request,
 equal to an uninterrupted run's; two processes and --merge equal one; bad lines are error records."""
 
+import codecs
 import json
 import os
 import pathlib
@@ -197,3 +198,59 @@ def test_data_parallel_engines_give_the_same_answers(job):
     run_batch("-i", inputs, "-o", dp, "--model", model, *ENGINE, "--data-parallel-size", "2", "--no-progress",
               env=env)
     assert {r["id"]: answer(r) for r in records(dp)} == {r["id"]: answer(r) for r in records(out)}
+
+
+def test_bytes_that_are_not_utf8_cr_bom_and_blank_lines(job, tmp_path):
+    """Issue 50, item 6: the input is read as bytes and lines end at LF only. A line that is not UTF-8 (a stray
+    0xFF, a multi-byte character cut short) is an error record naming its line, and the job goes on; a bare CR
+    is JSON whitespace, inside a line or before its LF; a UTF-8 BOM at the file's start is skipped; blank lines
+    get no record but count for line numbers; a custom_id that is a lone surrogate (legal JSON, no UTF-8) is
+    written escaped. Rerun, and split over two processes then merged, every line keeps its number."""
+    _, model, _, env, _ = job
+
+    def line(custom_id, prompt=b'"Hi"', sep=b", "):
+        body = {"model": "tiny-chat", "prompt": "PROMPT", "max_tokens": 2, "temperature": 0}
+        item = {"custom_id": custom_id, "method": "POST", "url": "/v1/completions", "body": body}
+        return json.dumps(item).encode().replace(b'"PROMPT"', prompt).replace(b", ", sep)  # (ASCII: escapes)
+
+    inputs = tmp_path / "odd.jsonl"
+    inputs.write_bytes(b"\n".join([
+        codecs.BOM_UTF8 + line("a") + b"\r",  # 1: the BOM, a CRLF ending
+        b" \t\r",  # 2: blank
+        line("bad", prompt=b'"\xffHi"'),  # 3: not UTF-8
+        line("b", sep=b",\r "),  # 4: bare CRs between JSON tokens
+        b"",  # 5: blank
+        line("cut", prompt=b'"\xe2\x82"'),  # 6: a 3-byte character cut short
+        line("\ud800"),  # 7: the custom_id "\ud800" (a lone surrogate, escaped)
+        line("c"),  # 8: the last line, without an LF
+    ]))
+    out = tmp_path / "odd-out.jsonl"
+    run_batch("-i", inputs, "-o", out, "--model", model, *ENGINE, "--no-progress", env=env)
+    got = records(out)
+    assert len(got) == 6, got
+    by_custom = {r["custom_id"]: r for r in got if r["custom_id"] is not None}
+    assert set(by_custom) == {"a", "b", "c", "\ud800"}
+    assert {r["response"]["status_code"] for r in by_custom.values()} == {200}
+    assert len({answer(r)[1]["choices"][0]["text"] for r in by_custom.values()}) == 1  # the same request
+    errors = sorted((r for r in got if r["custom_id"] is None), key=lambda r: r["error"]["line"])
+    assert [r["error"]["line"] for r in errors] == [3, 6]
+    assert "not UTF-8: byte 0xff at byte" in errors[0]["error"]["message"]
+    assert "not UTF-8: byte 0xe2 at byte" in errors[1]["error"]["message"]
+    assert b'"custom_id": "\\ud800"' in out.read_bytes()  # escaped: the output stays UTF-8
+    written = out.read_bytes()
+    run_batch("-i", inputs, "-o", out, "--model", model, *ENGINE, "--no-progress", env=env)
+    assert out.read_bytes() == written  # a rerun finds every line done, bad ones included
+
+    # Two processes: lines 1, 3, 5, 7 and 2, 4, 6, 8 (blank lines included in the count). Parts holding exactly
+    # those records are already done for each process (nothing rerun); --merge orders them by line.
+    number = {"a": 1, "b": 4, "\ud800": 7, "c": 8}
+    parts = tmp_path / "odd-split.jsonl"
+    for i in range(2):
+        mine = [r for r in got if (number.get(r["custom_id"]) or r["error"]["line"]) % 2 == (i + 1) % 2]
+        part = parts.with_name(f"{parts.name}.part-{i}-of-2")
+        part.write_text("".join(json.dumps(r) + "\n" for r in mine))
+        before = part.read_bytes()
+        run_batch("-i", inputs, "-o", parts, "--num-processes", "2", "--process-id", i, "--no-progress", env=env)
+        assert part.read_bytes() == before
+    run_batch("--merge", "-i", inputs, "-o", parts, "--num-processes", "2")
+    assert [r["custom_id"] or r["error"]["line"] for r in records(parts)] == ["a", 3, "b", 6, "\ud800", "c"]
