@@ -438,7 +438,7 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=None, to
             rows=req.rows, attention=req.attention,
             stream=on_step, mesh=mesh, logprobs=logprobs), sharding.to_host))
     gen = result.generation(model, req, out, prefill_time, decode_time)
-    constrained.report(grammar_rows, gen.stats, len(req.token_lists))
+    constrained.report(grammar_rows, gen, len(req.token_lists))
     return gen
 
 
@@ -498,7 +498,7 @@ def _generate_speculative(model, prompts, spec, draft, *, max_new_tokens, temper
                                        req.max_new_tokens), attention=req.attention,
             stream=on_step, logprobs=logprobs, plan=spec, **draft_kwargs)))
     gen = result.generation(model, req, out, prefill_time, decode_time)
-    constrained.report(grammar_rows, gen.stats, len(req.token_lists))
+    constrained.report(grammar_rows, gen, len(req.token_lists))
     return gen
 
 

@@ -697,6 +697,8 @@ class Engine:
             error = "the model's logits became NaN" if code == 3 else None
             if code and self._grammar is not None and slot in self._grammar.errors:  # (a bug if ever)
                 code, error = FINISH_REASONS.index("error"), self._grammar.errors.pop(slot)
+            elif code == FINISH_REASONS.index("length") and self._grammar is not None and self._grammar.finished[slot]:
+                code = FINISH_REASONS.index("stop")  # its constraint complete, no room left for the stop token
             if code:
                 self._finish(req, FINISH_REASONS[code], error, release=False)
             if new or code:
