@@ -446,6 +446,32 @@ WEATHER = {"type": "object", "additionalProperties": False, "required": ["city",
            "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["C", "F"]}}}
 
 
+def test_structured_logprobs_are_the_models_and_the_stop_token_is_counted(client, model):
+    """Issue 50: a constrained answer's logprobs (and top_logprobs) are the model's (jaxkv.logits, before the
+    mask; they were 0.0 for every forced token), whole and streamed; the stop token that ends a complete
+    constraint is emitted: counted in usage and listed at the text's end, not part of the text."""
+    regex = "[A-Z]{2}-[0-9]{3}"
+    gen = jaxkv.generate(model, ["Code:"], max_new_tokens=20, constraint=jaxkv.Regex(regex), logprobs=2)
+    tokens = gen.tokens[0]
+    assert tokens[-1] in model.config.eos_ids and gen.finish_reasons == ["stop"]
+    prompt = model.tokenizer.encode("Code:").ids
+    logp = np.asarray(jax.nn.log_softmax(jaxkv.logits(model, [prompt + tokens[:-1]])[0], axis=-1))[len(prompt) - 1:]
+    want = logp[np.arange(len(tokens)), tokens]
+    assert np.any(want < -1e-2)  # some token the model did not find certain: a masked distribution says 0
+    body = dict(model="tiny-chat", prompt="Code:", max_tokens=20, temperature=0, logprobs=2,
+                extra_body={"structured_outputs": {"regex": regex}})
+    out = client.completions.create(**body)
+    choice = out.choices[0]
+    assert re.fullmatch(regex, choice.text) and choice.finish_reason == "stop"
+    assert out.usage.completion_tokens == len(tokens)
+    np.testing.assert_allclose(choice.logprobs.token_logprobs, want, atol=1e-4)
+    np.testing.assert_allclose([max(t.values()) for t in choice.logprobs.top_logprobs], logp.max(-1), atol=1e-4)
+    streamed = [c.choices[0] for c in client.completions.create(**body, stream=True) if c.choices]
+    assert "".join(c.text for c in streamed) == choice.text
+    np.testing.assert_allclose([v for c in streamed if c.logprobs for v in c.logprobs.token_logprobs], want,
+                               atol=1e-4)
+
+
 def test_structured_outputs_tools_and_bad_schemas(url, client):
     """response_format json_schema (parsed by the client), json_object, vLLM's structured_outputs, tools with
     tool_choice required or named (tool_calls whose arguments validate); a bad schema or regex, or tool_choice
