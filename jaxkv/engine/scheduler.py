@@ -206,8 +206,9 @@ class Engine:
         (scalars; logit_bias one dict); traced per slot, so they never recompile (not with speculation yet).
         constraint: a `jaxkv.JsonSchema`, `Regex`, `Choice` or `Grammar` (a model with a tokenizer; with
         speculation too), compiled here: the request's tokens follow it as in `jaxkv.generate`, and a complete
-        constraint finishes it with "stop". Constrained and unconstrained requests share the compiled step; a
-        dispatch with no constrained request decoding pays nothing for them.
+        constraint finishes it with "stop" (its stop token emitted, where max_new_tokens leaves room for it).
+        Constrained and unconstrained requests share the compiled step; a dispatch with no constrained request
+        decoding pays nothing for them.
         """
         config = self.config
         with checks.about("prompt"):  # each refusal names its argument (`checks.ArgumentError`)
