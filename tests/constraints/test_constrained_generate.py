@@ -284,6 +284,9 @@ def assert_models_logprobs(prompts, outs, logprobs, tops, constraints):
     assert forced > 0
 
 
+_engines = {}
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_constrained_logprobs_are_the_models(temperature):
     """generate (contiguous, paged n = 2, speculative n-gram) and the engine (plain and speculative n-gram), for
@@ -303,8 +306,10 @@ def test_constrained_logprobs_are_the_models(temperature):
     if temperature == 0:
         assert spec.tokens == gen.tokens
     for speculative in (None, ngram):
-        engine = jaxkv.Engine(model(), slots=4, max_len=128, steps_per_dispatch=4, speculative=speculative)
-        results = engine.generate([dict(prompt=p, constraint=c, seed=5 + i, logprobs=2)
+        if speculative not in _engines:  # one per kind for both temperatures (an engine compiles its programs)
+            _engines[speculative] = jaxkv.Engine(model(), slots=4, max_len=128, steps_per_dispatch=4,
+                                                 speculative=speculative)
+        results = _engines[speculative].generate([dict(prompt=p, constraint=c, seed=5 + i, logprobs=2)
                                    for i, (p, c) in enumerate(zip(LP_PROMPTS, LP_CONSTRAINTS))],
                                   max_new_tokens=40, temperature=temperature)
         assert [r.finish_reason for r in results] == ["stop"] * 3
