@@ -318,7 +318,8 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=None, to
         With the paged cache (n > 1, page_size, prefix_cache): a mesh with data 1, in one process; the pools
         split over KV heads (a prefix_cache built with `PrefixCache(..., mesh=mesh)`).
       logprobs: k in [0, request.MAX_TOP_LOGPROBS]. Every call fills `Generation.logprobs` (each new token's
-        log-probability under the model's own distribution: temperature 1, no filter); k > 0 also fills
+        log-probability under the model's own distribution: temperature 1, before the penalties, bias,
+        min_tokens, a constraint and the filters; `jaxkv.decoding.step`); k > 0 also fills
         `top_logprobs` with the k most likely tokens at each step. Both are computed inside the compiled loop.
       speculative: a `jaxkv.Speculation`: a proposer guesses k tokens and one forward pass over k + 1 positions
         verifies them (`jaxkv.decoding.speculation`); the output is distributed exactly as without it (greedy:
@@ -340,16 +341,18 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=None, to
         (<= max_new_tokens); 0 or None: off.
         Each of these five is one value for every prompt or a list with one per prompt (logit_bias: a dict, or
         a list of dicts or None). They change the logits before temperature and the filters (bias, then the
-        penalties, then min_tokens, as vLLM orders them; `jaxkv.decoding.processing`), and the reported
-        log-probabilities are those of the changed logits. They are traced: new values never recompile.
+        penalties, then min_tokens, as vLLM orders them; `jaxkv.decoding.processing`); the reported
+        log-probabilities stay the model's (`logprobs`). They are traced: new values never recompile.
       constraint: a `jaxkv.JsonSchema`, `Regex`, `Choice` or `Grammar` for every prompt, or a list with one per
         prompt (None: that prompt is unconstrained); needs a model with a tokenizer. At each step a packed mask
         of the tokens the constraint allows (filled on the host by llguidance, `jaxkv.constraints`) is applied
         to the logits in the compiled step: disallowed tokens get -inf, so greedy picks the argmax among the
-        allowed ones and `logprobs` are those of the constrained distribution. Stop tokens are allowed only where
-        the constraint may end; a row whose constraint is complete (nothing but a stop token could follow) ends
-        there with reason "stop", no stop token emitted. A row that runs out of max_new_tokens first ends with
-        "length" and is listed in `stats["constraint_incomplete"]`. With n > 1 each sample has its own matcher.
+        allowed ones (`logprobs` stay the model's, before the mask). Stop tokens are allowed only where the
+        constraint may end; a row whose constraint is complete (nothing but a stop token could follow) emits a
+        stop token next (even before min_tokens) and ends "stop", the token included as a chosen one is; one
+        completed by its last allowed token (no room for the stop token) ends "stop" without it. A row that runs
+        out of max_new_tokens before its constraint is complete ends with "length" and is listed in
+        `stats["constraint_incomplete"]`. With n > 1 each sample has its own matcher.
         With `speculative`, each verify applies the masks at its k + 1 positions (a proposal the constraint
         refuses is rejected before it could be kept). Not yet: a mesh.
 
@@ -440,7 +443,7 @@ def generate(model: Model, prompts, *, max_new_tokens: int, temperature=None, to
             rows=req.rows, attention=req.attention,
             stream=on_step, mesh=mesh, logprobs=logprobs), sharding.to_host)
     gen = result.generation(model, req, out, prefill_time, decode_time)
-    constrained.report(grammar_rows, gen.stats, len(req.token_lists))
+    constrained.report(grammar_rows, gen, len(req.token_lists))
     return gen
 
 
@@ -500,7 +503,7 @@ def _generate_speculative(model, prompts, spec, draft, *, max_new_tokens, temper
                                        req.max_new_tokens), attention=req.attention,
             stream=on_step, logprobs=logprobs, plan=spec, **draft_kwargs)))
     gen = result.generation(model, req, out, prefill_time, decode_time)
-    constrained.report(grammar_rows, gen.stats, len(req.token_lists))
+    constrained.report(grammar_rows, gen, len(req.token_lists))
     return gen
 
 

@@ -2,7 +2,8 @@
 
 The host fills int32[B, W] words, W = ceil(V / 32), as llguidance writes them: token i is bit i % 32 (least
 significant first) of word i // 32. Unpacking is a shift and an AND per token; a disallowed token's logit becomes
--inf, so sampling, the log-probabilities and beam scores all see only what the constraint allows. A row whose
+-inf, so sampling and beam scores see only what the constraint allows (the reported log-probabilities are the
+model's, read before the mask: `jaxkv.decoding.step`). A row whose
 words are all ones (-1) is unchanged: rows without a constraint in a constrained batch.
 """
 

@@ -6,11 +6,14 @@ they fill.
 - `compiled(constraint, lltok)`: a fresh matcher for a constraint, copied from one compiled per (grammar,
   tokenizer) and kept (LRU), so n samples, beams and repeated requests compile once.
 - `Rows`: one call's rows. `first()` fills the mask of the first token; `advance(tokens, emitted)` feeds each
-  constrained row its new token and fills the next mask, returning which rows the constraint has just ended
-  (nothing but a stop token could follow: the row finishes there, "stop"). A row that runs out of tokens first
-  is `incomplete()` ("length"). A token a matcher refuses (a custom sampler ignoring the mask) ends the row and
-  is reported by `check()` after the loop: nothing raises inside a host callback, where XLA would turn it into
-  an opaque runtime error.
+  constrained row its new token and fills the next mask, returning which rows end there. A row whose constraint
+  is complete (nothing but a stop token could follow) is `finished`: its next mask allows only its stop ids, so
+  it emits one (with the model's log-probability) and ends "stop" as a row that chose a stop token does (issue
+  50: one rule, the stop token included); with no stop id to emit (`stop_tokens=[]`) it ends at once. One that
+  completes with no room left for the stop token ends "stop" too (its caller reads `finished`). A row that runs
+  out of tokens before its constraint is complete is `incomplete()` ("length"). A token a matcher refuses (a
+  custom sampler ignoring the mask) ends the row and is reported by `check()` after the loop: nothing raises
+  inside a host callback, where XLA would turn it into an opaque runtime error.
 
 Stop tokens: llguidance allows its eos ids where the grammar may end. The rows' own stop ids replace them there
 (a call's stop_tokens may differ from the model's eos), and are allowed only where the grammar may end.
@@ -110,7 +113,7 @@ class Rows:
         for b in range(rows):
             self.set_stops(b, stop_ids if np.ndim(stop_ids) == 1 else stop_ids[b])
         self.over = np.array([m is None for m in self.matchers])  # no more masks to fill for the row
-        self.finished = np.zeros((rows,), bool)  # the constraint ended the row
+        self.finished = np.zeros((rows,), bool)  # the row's constraint is complete (its stop token may follow)
         self.errors: dict[int, str] = {}
         self.mask_seconds = 0.0
         self.masks_filled = 0
@@ -171,10 +174,10 @@ class Rows:
             from llguidance.numpy import fill_next_token_bitmask_par
 
             fill_next_token_bitmask_par(executor(), [(self.matchers[b], b) for b in rows], self.mask)
-            for b in rows:
-                self.mask[b] &= ~self._clear[b]
-                if self.matchers[b].is_accepting():
-                    self.mask[b] |= self._stop[b]
+        for b in rows:  # (both ways: the row's own stop ids where the constraint may end, not llguidance's eos)
+            self.mask[b] &= ~self._clear[b]
+            if self.matchers[b].is_accepting():
+                self.mask[b] |= self._stop[b]
         self.mask_seconds += time.perf_counter() - start
         self.masks_filled += len(rows)
 
@@ -183,9 +186,26 @@ class Rows:
         self._fill([b for b in range(len(self.matchers)) if not self.over[b]])
         return self.mask.copy()
 
+    def _consume(self, b: int, token: int) -> bool:
+        """Row b's matcher takes `token` -> whether the row ends there: the constraint refused it (an error,
+        `check`), or completed with it and the row has no stop id to emit. A row the token completes is
+        `finished`, its mask the stop ids alone (the stop token comes next)."""
+        m = self.matchers[b]
+        if self.finished[b] or not m.consume_token(token):
+            error = "the constraint is complete" if self.finished[b] else m.get_error()
+            self.errors[b] = f"token {token} is not allowed by the constraint: {error}"
+            self.over[b] = True
+            return True
+        if m.is_stopped():
+            self.finished[b] = True
+            self.mask[b] = self._stop[b]
+            self.over[b] = not self._stop[b].any()
+            return bool(self.over[b])
+        return False
+
     def advance(self, tokens, emitted) -> tuple[np.ndarray, np.ndarray]:
         """Feeds each live constrained row that `emitted` its token (int32[B], bool[B]; a row that did not emit is
-        over: it stopped) -> (int32[B, W] the next masks, bool[B] the rows the constraint ended just now)."""
+        over: it stopped) -> (int32[B, W] the next masks, bool[B] the rows that end here, `_consume`)."""
         tokens, emitted = np.asarray(tokens), np.asarray(emitted)
         self.steps += 1
         ended = np.zeros_like(self.finished)
@@ -193,14 +213,9 @@ class Rows:
         for b in np.flatnonzero(~self.over):
             if not emitted[b]:
                 self.over[b] = True
-                continue
-            m = self.matchers[b]
-            if not m.consume_token(int(tokens[b])):
-                self.errors[b] = f"token {int(tokens[b])} is not allowed by the constraint: {m.get_error()}"
-                self.over[b] = ended[b] = True
-            elif m.is_stopped():
-                self.over[b] = ended[b] = self.finished[b] = True
-            else:
+            elif self._consume(b, int(tokens[b])):
+                ended[b] = True
+            elif not self.finished[b]:
                 live.append(b)
         self._fill(live)
         return self.mask.copy(), ended
@@ -220,6 +235,9 @@ class Rows:
         masks = np.full((B * (k + 1), self.mask.shape[1]), -1, np.int32)
         work = []
         for b in np.flatnonzero(~self.over):
+            if self.finished[b]:  # complete: its stop token next (what follows it is never kept)
+                masks[b * (k + 1): (b + 1) * (k + 1)] = self._stop[b]
+                continue
             draft = [int(t) for t in proposals[b]]
             work.append((self.matchers[b], b * (k + 1), draft[:self.matchers[b].validate_tokens(draft)]))
         with_draft = [w for w in work if w[2]]
@@ -243,29 +261,25 @@ class Rows:
 
     def advance_verified(self, tokens, last) -> tuple[np.ndarray, np.ndarray]:
         """Speculative decoding: feeds each live constrained row a verify's tokens int32[B, k + 1] at positions
-        0..last (int32[] for every row, or int32[B]; -1: none), up to a stop id (not fed: the row ends there) or
-        to the token that completes its constraint -> (int32[B, W] the next masks, int32[B] the position where
-        the constraint was completed, -1 where it was not)."""
+        0..last (int32[] for every row, or int32[B]; -1: none), up to a stop id (not fed: the row ends there)
+        -> (int32[B, W] the next masks, int32[B] the position where the row ends without a stop token
+        (`_consume`: a refused token, or a completed constraint with no stop id), -1 where it does not). A
+        constraint completed at position i (`finished`) takes the stop token at i + 1, in this verify or the
+        next."""
         tokens = np.asarray(tokens)
         last = np.broadcast_to(np.asarray(last), tokens.shape[:1])
         ended_at = np.full((tokens.shape[0],), -1, np.int32)
         live = []
         for b in np.flatnonzero(~self.over):
-            m = self.matchers[b]
             for i in range(int(last[b]) + 1):
                 t = int(tokens[b, i])
                 if t < 0 or (self._stop[b][t // 32] >> (t % 32)) & 1:
                     self.over[b] = True  # a stop token (or NaN logits) ends the row
                     break
-                if not m.consume_token(t):
-                    self.errors[b] = f"token {t} is not allowed by the constraint: {m.get_error()}"
-                    self.over[b], ended_at[b] = True, i
-                    break
-                if m.is_stopped():
-                    self.over[b] = self.finished[b] = True
+                if self._consume(b, t):
                     ended_at[b] = i
                     break
-            if not self.over[b]:
+            if not self.over[b] and not self.finished[b]:
                 live.append(b)
         self._fill(live)
         return self.mask.copy(), ended_at

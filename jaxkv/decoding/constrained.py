@@ -106,13 +106,18 @@ def carried(rows):
         yield Grammar(handle=jax.device_put(np.int32(handle)), allowed=jax.device_put(rows.first()))
 
 
-def report(rows, stats: dict, num_rows: int, what: str = "prompt"):
-    """After the loop: ValueError for a row whose matcher refused a token; else the constraint figures in `stats`:
-    "constraint_incomplete" (the rows whose constraint was not complete when they ran out of tokens: finish
-    reason "length"), the host's mask time."""
+def report(rows, gen, num_rows: int, what: str = "prompt"):
+    """After the loop, on its `Generation`: ValueError for a row whose matcher refused a token; else the
+    constraint figures in `gen.stats`: "constraint_incomplete" (the rows whose constraint was not complete when
+    they ran out of tokens: finish reason "length"), the host's mask time. A row whose constraint was completed
+    by its last allowed token, with no room left for the stop token, finishes "stop" (its answer is whole)."""
     if rows is None:
         return
     rows.check(what)
+    for b in range(num_rows):
+        if rows.finished[b]:
+            gen.finish_reasons[b] = "stop"
+    stats = gen.stats
     stats["constraint_incomplete"] = rows.incomplete(num_rows)
     stats["constraint_masks"] = rows.masks_filled
     stats["constraint_mask_s"] = rows.mask_seconds

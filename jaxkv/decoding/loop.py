@@ -31,7 +31,6 @@ from jaxkv.cache.contiguous import KVCache
 from jaxkv.cache.paged import PagedKVCache
 from jaxkv.config import Config
 from jaxkv.decoding import programs, step
-from jaxkv.constraints import mask as constraint_mask
 from jaxkv.decoding.constrained import Grammar
 from jaxkv.decoding.processing import Fresh, Processing
 
@@ -512,9 +511,9 @@ def speculative_loop(params, cache: KVCache, logits, key, sampler, stop_ids, don
                                                   active=running if paged else None, return_hidden=mtp,
                                                   step_states=hybrid)
         after_each = hidden.pop() if hybrid else None
-        if s.grammar is not None:  # each position's logits under its constraint's mask, proposals included
-            logits = constraint_mask.apply(logits, s.grammar.draft_masks(proposals))
-        out = speculation.verify(logits, proposals, verify_key, sampler, q=q, top=logprobs)
+        # each position's draw under its constraint's mask, proposals included (the log-probabilities: the model's)
+        masks = None if s.grammar is None else s.grammar.draft_masks(proposals)
+        out = speculation.verify(logits, proposals, verify_key, sampler, q=q, top=logprobs, allowed=masks)
         # Keep what every running row kept, and no more tokens than the budget allows.
         m = jnp.min(jnp.where(running, out.accepted, k))
         m = jnp.clip(jnp.minimum(m, steps - s.step - 1), 0, k)

@@ -116,7 +116,7 @@ def generate_paged(model: Model, prompts, *, n, page_size, max_new_tokens, tempe
                          sampler=sample_fn, rows=sampler_rows, stop_ids=stop_ids, key=key, attention=attention,
                          plan=plan, tokens=tokens, start=np.zeros((pages.prefill_batch,), np.int32), done=done)
     gen = result.generation(model, req, out, prefill_time, decode_time)
-    constrained.report(grammar_rows, gen.stats, rows, "row")
+    constrained.report(grammar_rows, gen, rows, "row")
     gen.stats.update(_pool_stats(config, token_lists, n, page_size, cache_dtype, pages, prefix_cache, peak, hit))
     return gen
 

@@ -21,11 +21,14 @@ from jaxkv.model import Model
 class Generation:
     """Result of `generate`.
 
-    tokens: per prompt, the new token ids; a stop token that ended the sequence is included, nothing after it.
-    finish_reasons: per prompt, "stop" (a stop token was emitted) or "length" (max_new_tokens reached).
+    tokens: per prompt, the new token ids; a stop token that ended the sequence is included, nothing after it
+      (the one after a complete constraint too).
+    finish_reasons: per prompt, "stop" (a stop token was emitted, or a constraint was completed by the last
+      allowed token) or "length" (max_new_tokens reached).
     stats: measured figures of this call (seconds, tokens/s, cache bytes).
-    logprobs: per prompt, the log-probability of each new token under the model's distribution before any
-      sampling filter, at temperature 1 (log_softmax of the raw logits): one float per entry of tokens[i].
+    logprobs: per prompt, the log-probability of each new token under the model's distribution, at temperature
+      1 (log_softmax of the model's logits, before penalties, logit bias, min_tokens, a constraint and the
+      sampling filters: `jaxkv.decoding.step`): one float per entry of tokens[i].
     top_logprobs: with `generate(logprobs=k)`, k > 0: per prompt, per new token, the k most likely
       (token id, log-probability) pairs under that same distribution, best first (ties: lower id first); else None.
     """

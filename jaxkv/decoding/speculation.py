@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jaxkv.decoding import step
 from jaxkv.sampling import Sampler, token_logprobs
@@ -176,7 +177,7 @@ class Verified(NamedTuple):
     tokens:   int32[B, k + 1], position i's outcome: proposal i where kept (i < accepted), at i == accepted the
               residual or bonus draw (-1 where that position's logits were NaN), -1 after.
     accepted: int32[B], the leading proposals kept (0..k).
-    logprob:  float32[B, k + 1], log p(token) at temperature 1 under the processed logits (`step.Selected`).
+    logprob:  float32[B, k + 1], log p(token) at temperature 1 under the model's logits (`step.Selected`).
     top_ids, top_logprobs: int32 and float32[B, k + 1, t], the t most likely tokens at each position.
     """
 
@@ -187,17 +188,29 @@ class Verified(NamedTuple):
     top_logprobs: jax.Array
 
 
-def verify(logits, proposals, key, sampler: Sampler, *, q=None, top: int = 0) -> Verified:
+def verify(logits, proposals, key, sampler: Sampler, *, q=None, top: int = 0, allowed=None,
+           constrained=None) -> Verified:
     """The acceptance rule (module docstring) for B rows: logits float32[B, k + 1, V] (position i: the target's
     logits for the token after input i, where the inputs are the last emitted token and the k proposals),
     proposals int32[B, k], q float32[B, k, V] the proposer's distributions (None: one-hot at the proposals).
     key: one PRNG key for the batch, or one per row ([B, 2] raw keys, the engine's): then row b's draws depend on
-    key[b] alone, whatever shares the batch."""
+    key[b] alone, whatever shares the batch. allowed: None, or int32[B, k + 1, ceil(V / 32)] the constraint's
+    masks at the k + 1 positions (`Grammar.draft_masks`): p is drawn from the masked logits (a proposal the mask
+    refuses has p = 0: rejected), the log-probabilities are still the model's (`step`); constrained: None, or a
+    traced bool, apply them only when true."""
     B, T, V = logits.shape
     k = T - 1
     flat = logits.reshape(B * T, V)
     nan = step.nan_rows(flat).reshape(B, T)
+    model_logits = logits.astype(jnp.float32)
     processed = step.process_logits(flat).astype(jnp.float32).reshape(B, T, V)
+    if allowed is not None:
+        def masked(x):
+            return step.constrain(x.reshape(B * T, V), model_logits.reshape(B * T, V),
+                                  allowed.reshape(B * T, -1)).reshape(B, T, V)
+
+        processed = masked(processed) if constrained is None else lax.cond(constrained, masked, lambda x: x,
+                                                                            processed)
     p = jax.vmap(sampler.distribution, in_axes=1, out_axes=1)(processed)  # [B, T, V]
     per_row = key.ndim == 2 and key.shape[0] == B and key.dtype == jnp.uint32
     if per_row:
@@ -234,7 +247,7 @@ def verify(logits, proposals, key, sampler: Sampler, *, q=None, top: int = 0) ->
     padded = jnp.concatenate([proposals, jnp.full((B, 1), -1, jnp.int32)], axis=1)
     tokens = jnp.where(i < accepted[:, None], padded, jnp.where(i == accepted[:, None], drawn[:, None], -1))
     logprob, top_ids, top_logprobs = jax.vmap(lambda lg, t: token_logprobs(lg, t, top), in_axes=1,
-                                              out_axes=1)(processed, tokens)
+                                              out_axes=1)(model_logits, tokens)
     return Verified(tokens=tokens.astype(jnp.int32), accepted=accepted, logprob=logprob, top_ids=top_ids,
                     top_logprobs=top_logprobs)
 

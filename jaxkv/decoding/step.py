@@ -1,11 +1,17 @@
 """The one decode step: what every decoding path does with a row's logits once the model has produced them.
 
 `select` is where a sampled token is checked: the logits go through `process_logits` (the one hook a strategy
-plugs into: a constraint mask, a speculative verifier's target distribution), the sampler picks a token per
-row, a row whose logits are NaN gets -1 and stops, stop ids are matched, and the token's log-probability (and
-the k most likely alternatives, when asked for) are read from the processed logits. `generate`, `decode` and
-the engine call `select`; beam search picks its tokens itself (top-k over beams) but through the same
+plugs into: penalties, logit bias, min_tokens) and a constraint's mask, the sampler picks a token per row, a row
+whose logits are NaN gets -1 and stops, stop ids are matched, and the token's log-probability (and the k most
+likely alternatives, when asked for) are read from the model's own logits, before any of that. `generate`,
+`decode` and the engine call `select`; beam search picks its tokens itself (top-k over beams) but through the same
 `log_probs` and `matches_stop`, so the hook and the stop rule are the same for every path.
+
+The log-probabilities every path reports (README "Log-probabilities", docs/design/decoding.md, issue 50): the
+log_softmax of the logits the model produced, at temperature 1, before anything jaxkv does to them (logit_bias,
+penalties, min_tokens, a constraint's mask, temperature and the sampling filters). That is vLLM's default
+(`logprobs_mode="raw_logprobs"`) and what `jaxkv.score` gives: a token a constraint forces reports the model's
+log-probability of it (not 0), and the top alternatives are the model's most likely tokens, allowed or not.
 
 Letters as in `jaxkv.shapes`: B rows, V vocabulary, k alternatives, n stop-id slots (padded with -1).
 """
@@ -23,10 +29,11 @@ from jaxkv.sampling import token_logprobs
 
 
 def process_logits(logits, processing=None, stop_ids=None):
-    """float32[B, V] -> float32[B, V]: the logits a token is picked from and its log-probability read from.
+    """float32[B, V] -> float32[B, V]: the logits a token is picked from (its log-probability is read from the
+    model's logits before this, the module docstring).
 
     It is the seam for what changes the distribution itself rather than how it is sampled (penalties, a
-    grammar's mask, a verifier's target): every decode path (`generate`, `decode`, the engine, beam search)
+    verifier's target): every decode path (`generate`, `decode`, the engine, beam search)
     looks it up here when it is traced, so replacing it (and clearing JAX's compile caches) changes them all.
     processing: a path's per-row state (`jaxkv.decoding.processing.Processing`: logit bias, penalties,
     min_tokens; None: none, the identity), with the rows' stop ids (what min_tokens holds back).
@@ -40,6 +47,17 @@ def log_probs(logits, allowed=None):
     if allowed is not None:
         logits = constraint_mask.apply(logits, allowed)
     return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+
+
+def constrain(logits, model_logits, allowed):
+    """float32[B, V] processed logits under int32[B, ceil(V / 32)] packed masks (the tokens left out: -inf).
+
+    A row the processing left no allowed token keeps the allowed ones at the model's logits instead: min_tokens
+    holds the stop ids back, and a complete constraint allows nothing else. The constraint wins (it can produce
+    no more text), so the stop token is emitted and the row ends "stop" before min_tokens."""
+    masked = constraint_mask.apply(logits, allowed)
+    stuck = jnp.all(masked == -jnp.inf, axis=-1, keepdims=True)
+    return jnp.where(stuck, constraint_mask.apply(model_logits.astype(masked.dtype), allowed), masked)
 
 
 def nan_rows(logits):
@@ -64,8 +82,8 @@ class Selected(NamedTuple):
     nan:      bool[B], the row's logits were NaN.
     valid:    bool[B], the token is in [0, V) (a custom sampler may return anything; -1 is not valid).
     stopped:  bool[B], the row ends here: a stop id, or an invalid token (a NaN row included).
-    logprob:  float32[B], log p(token) under the processed logits at temperature 1, before the sampler's
-              filters (NaN where the token is not valid).
+    logprob:  float32[B], log p(token) under the model's logits at temperature 1 (the module docstring:
+              before `process_logits`, the constraint and the sampler's filters; NaN where the token is not valid).
     top_ids, top_logprobs: int32 and float32[B, k], the k most likely tokens under the same distribution, best
               first (k = 0: none).
     """
@@ -92,18 +110,19 @@ def select(logits, key, sampler, stop_ids, *, top: int = 0, top_wanted=None, row
     processing: the rows' `Processing` state for `process_logits` (None: none); the caller advances it with the
       tokens it keeps (`Processing.advance`).
     allowed: None, or int32[B, ceil(V / 32)], a constraint's packed token mask (`jaxkv.constraints.mask`): the
-      tokens it leaves out get -inf after `process_logits`, so they are never picked and the log-probabilities
-      are those of the constrained distribution.
+      tokens it leaves out get -inf after `process_logits`, so they are never picked (`constrain`); the
+      log-probabilities are still the model's.
     constrained: None, or a traced bool: apply `allowed` only when it is true (a batch with no constrained row
       skips the unpacking).
     """
     B, V = logits.shape
+    model_logits = logits
     nan = nan_rows(logits)
     logits = process_logits(logits, processing, stop_ids)
     if allowed is not None and constrained is not None:
-        logits = lax.cond(constrained, constraint_mask.apply, lambda logits, _: logits, logits, allowed)
+        logits = lax.cond(constrained, constrain, lambda logits, *_: logits, logits, model_logits, allowed)
     elif allowed is not None:
-        logits = constraint_mask.apply(logits, allowed)
+        logits = constrain(logits, model_logits, allowed)
     tokens = sampler(logits if rows is None else logits[:rows], key)
     want = (B if rows is None else rows,)
     if getattr(tokens, "shape", None) != want or not jnp.issubdtype(tokens.dtype, jnp.integer):
@@ -121,12 +140,12 @@ def select(logits, key, sampler, stop_ids, *, top: int = 0, top_wanted=None, row
         return token_logprobs(logits, tokens, top)
 
     if top_wanted is None or top == 0:
-        logprob, top_ids, top_logprobs = alternatives(logits)
+        logprob, top_ids, top_logprobs = alternatives(model_logits)
     else:
         def chosen_only(logits):
             return (token_logprobs(logits, tokens)[0], jnp.zeros((B, top), jnp.int32),
                     jnp.zeros((B, top), jnp.float32))
 
-        logprob, top_ids, top_logprobs = lax.cond(top_wanted, alternatives, chosen_only, logits)
+        logprob, top_ids, top_logprobs = lax.cond(top_wanted, alternatives, chosen_only, model_logits)
     return Selected(tokens=tokens, nan=nan, valid=valid, stopped=stopped, logprob=logprob, top_ids=top_ids,
                     top_logprobs=top_logprobs)

@@ -13,8 +13,9 @@ class Event(NamedTuple):
     """Tokens a request produced in one dispatch (one event per request per dispatch that touched it).
 
     id: the request id `submit` returned. tokens: the new token ids (a stop token that ended it included).
-    logprobs: each new token's log-probability (temperature 1, before sampling filters). finished: the request
-    ended with this event; finish_reason: "stop", "length", "cancelled" or "error" then, else None.
+    logprobs: each new token's log-probability under the model's distribution (temperature 1, before penalties,
+    a constraint and sampling filters: `jaxkv.decoding.step`). finished: the request ended with this event;
+    finish_reason: "stop", "length", "cancelled" or "error" then, else None.
     top_logprobs: with `submit(logprobs=k)`, per new token its k most likely (id, log-probability), best first;
     else None.
     """
@@ -32,8 +33,9 @@ class Result:
     """A finished request.
 
     tokens: the generated ids (the stop token that ended it included). logprobs: the log-probability of each
-    under the model's distribution before sampling filters (temperature 1). top_logprobs: with `logprobs=k`,
-    per token the k most likely (id, log-probability), best first; else None. finish_reason: "stop" (a stop
+    under the model's distribution (temperature 1, before penalties, a constraint and sampling filters:
+    `jaxkv.decoding.step`). top_logprobs: with `logprobs=k`, per token the k most likely (id, log-probability),
+    best first; else None. finish_reason: "stop" (a stop token, or a constraint completed by the last allowed
     token), "length" (max_new_tokens), "cancelled" (`Engine.cancel`) or "error" (`error` says what: a callback
     raised, or the model's logits became NaN). prompt_tokens / cached_tokens: the prompt's length and how much of
     it came from the prefix cache. text: the decoded tokens, when the model has a tokenizer.

@@ -206,8 +206,9 @@ class Engine:
         (scalars; logit_bias one dict); traced per slot, so they never recompile (not with speculation yet).
         constraint: a `jaxkv.JsonSchema`, `Regex`, `Choice` or `Grammar` (a model with a tokenizer; with
         speculation too), compiled here: the request's tokens follow it as in `jaxkv.generate`, and a complete
-        constraint finishes it with "stop". Constrained and unconstrained requests share the compiled step; a
-        dispatch with no constrained request decoding pays nothing for them.
+        constraint finishes it with "stop" (its stop token emitted, where max_new_tokens leaves room for it).
+        Constrained and unconstrained requests share the compiled step; a dispatch with no constrained request
+        decoding pays nothing for them.
         """
         config = self.config
         with checks.about("prompt"):  # each refusal names its argument (`checks.ArgumentError`)
@@ -705,6 +706,8 @@ class Engine:
             error = "the model's logits became NaN" if code == 3 else None
             if code and self._grammar is not None and slot in self._grammar.errors:  # (a bug if ever)
                 code, error = FINISH_REASONS.index("error"), self._grammar.errors.pop(slot)
+            elif code == FINISH_REASONS.index("length") and self._grammar is not None and self._grammar.finished[slot]:
+                code = FINISH_REASONS.index("stop")  # its constraint complete, no room left for the stop token
             if code:
                 self._finish(req, FINISH_REASONS[code], error, release=False)
             if new or code:

@@ -30,7 +30,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxkv.attention.pallas import MAX_DECODE_QUERIES
-from jaxkv.constraints import mask as constraint_mask
 from jaxkv.decoding import speculation, step
 from jaxkv.decoding.programs import apply as decoder_apply
 from jaxkv.decoding.mtp import mtp_forward
@@ -329,22 +328,25 @@ def decode(params, state: State, shifts, moves, keys, sampler, stop_ids, budget,
         real = run[:, None] & ((jnp.arange(k + 1) == 0)[None, :] | wants[:, None])
         logits, cache, *hidden = forward(state, inputs, real, steps=hybrid)
         after_each = hidden.pop() if hybrid else None  # a hybrid model's states after each position
-        if state.grammar is not None:  # each position under its slot's constraint, the proposals checked first
-            def masked(logits):
-                masks = state.grammar.draft_masks(jnp.zeros((S, k), jnp.int32).at[:W].set(props))[:W]
-                return constraint_mask.apply(logits, masks)
+        masks = None
+        if state.grammar is not None:  # each position's draw under its slot's constraint, the proposals checked first
+            def draft_masks():
+                return state.grammar.draft_masks(jnp.zeros((S, k), jnp.int32).at[:W].set(props))[:W]
 
-            logits = lax.cond(constrained_now(state), masked, lambda logits: logits, logits)
+            words = state.grammar.allowed.shape[-1]
+            masks = lax.cond(constrained_now(state), draft_masks,
+                             lambda: jnp.full((W, k + 1, words), -1, jnp.int32))
 
         def per_slot(top):  # each slot's draws from its own key (`verify`'s per-row keys)
-            return speculation.verify(logits, props, pass_keys, sampler_w, q=q, top=top)
+            return speculation.verify(logits, props, pass_keys, sampler_w, q=q, top=top, allowed=masks,
+                                      constrained=constrained_now(state))
 
         out = lax.cond(top_wanted, lambda: per_slot(MAX_LOGPROBS), lambda: per_slot(0)._replace(
             top_ids=jnp.zeros((W, k + 1, MAX_LOGPROBS), jnp.int32),
             top_logprobs=jnp.zeros((W, k + 1, MAX_LOGPROBS), jnp.float32)))
         # A slot that does not speculate draws from its first position as a plain pass would.
         picked = step.select(logits[:, 0], pass_keys, sampler_w, w(state.stop_ids), top=MAX_LOGPROBS,
-                             top_wanted=top_wanted)
+                             top_wanted=top_wanted, allowed=allowed(state), constrained=constrained_now(state))
         m = jnp.where(wants, jnp.minimum(out.accepted, w(state.budget) - 1), 0)
         tokens = jnp.where(wants[:, None], out.tokens, jnp.concatenate(
             [picked.tokens[:, None], jnp.full((W, k), -1, jnp.int32)], axis=1))

@@ -133,7 +133,7 @@ async def start(request: Request, state: ServerState, s: protocol.Sampling, prom
     handles = await unless_gone(request, state.worker.submit(calls, queue, wait=not s.stream))
     choices = []
     for i, (call, handle) in enumerate(zip(calls, handles)):
-        choices.append(Choice(index=i, prompt=call["prompt"], text=TextStream(state.tokenizer, stop_text),
+        choices.append(Choice(index=i, prompt=call["prompt"], text=TextStream(state.tokenizer, stop_text, s.min_tokens),
                               stop_ids=stop_ids, handle=handle))
     return choices, queue
 

@@ -16,8 +16,13 @@ counted in it (stop strings, `text_offset`) is in characters of the text as retu
 Stop strings are searched in that text token by token, so the stop ends the output at the exact token that
 completed it (`TextStream.tokens_used`): the tokens after it in the same dispatch are dropped, and the usage counts
 and log-probabilities cover only the tokens that made the text. Each search starts where the final text ended
-before the token (less a stop's length), so a stop string whose last character arrived over several tokens is
+before the token (less that stop's length), so a stop string whose last character arrived over several tokens is
 found once that character is complete.
+
+With `min_tokens` m (issue 50, vLLM's rule: its detokenizer's stop_check_offset, PR 22014), the text of the first m
+tokens is never searched on its own: a stop string must end in text that token m + 1 or a later one added (so the
+answer has at least m tokens, as stop token ids wait for m). One that begins in the first m tokens' text and ends
+after it does stop the output, as in vLLM (the search starts a stop's length back, as above).
 """
 
 from __future__ import annotations
@@ -306,11 +311,13 @@ class TextStream:
     finish() -> whatever was held back (an incomplete character, a possible stop prefix) at the end of the sequence.
     `text` is everything released so far; `decoded` is the `Detokenizer` of the tokens added (their pieces, for
     log-probability listings). Without a tokenizer (None) there is no text: every call releases "".
+    min_tokens: the request's; no stop string ends in the text of its first min_tokens tokens (module docstring).
     """
 
-    def __init__(self, tokenizer, stop: Sequence[str] = ()):
+    def __init__(self, tokenizer, stop: Sequence[str] = (), min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
+        self.min_tokens = min_tokens
         self.decoded = Detokenizer(tokenizer)
         self.text = ""
         self.stopped = False
@@ -324,13 +331,14 @@ class TextStream:
     def add(self, tokens: Sequence[int]) -> str:
         if self.stopped or not tokens:
             return ""
-        longest = max(map(len, self.stop), default=0)
         for token in tokens:  # one at a time: the stop must end at the token that completed it
             if not self.decoded.add(token) or not self.stop:
                 continue
             final = self.decoded.text
-            start = max(0, self._searched - longest + 1)
-            hits = [p for p in (final.find(s, start) for s in self.stop) if p >= 0]
+            if len(self.tokens) <= self.min_tokens:  # (min_tokens: its text is searched only as a stop's start)
+                self._searched = len(final)
+                continue
+            hits = [p for p in (final.find(s, max(0, self._searched - len(s) + 1)) for s in self.stop) if p >= 0]
             self._searched = len(final)
             if hits:
                 self.stopped, self.tokens_used = True, len(self.tokens)

@@ -8,6 +8,7 @@ text is likely and every structure comes from the constraint."""
 import json
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -188,7 +189,7 @@ def test_length_stop_tokens_and_refused_tokens():
 
 def test_beam_search_hypotheses_satisfy():
     """Beams: every hypothesis that ends at eos satisfies its constraint; one beam is greedy search, so it gives
-    generate's greedy tokens (then the eos that beam search needs to end a hypothesis)."""
+    generate's greedy tokens, the eos that ends a complete constraint included (issue 50: generate emits it)."""
     prompts, constraints, gen = greedy_run()
     picked = [0, 3, 4, 5]
     result = jaxkv.beam_search(model(), [prompts[i] for i in picked], num_beams=3, num_return_sequences=3,
@@ -203,7 +204,7 @@ def test_beam_search_hypotheses_satisfy():
                 assert satisfies(c, s), (c, s)
     one = jaxkv.beam_search(model(), [prompts[i] for i in picked], num_beams=1, max_new_tokens=121,
                             constraint=[constraints[i] for i in picked])
-    assert [hyps[0].tokens for hyps in one] == [gen.tokens[i] + [256] for i in picked]
+    assert [hyps[0].tokens for hyps in one] == [gen.tokens[i] for i in picked]
 
 
 def test_engine_requests_decode_as_generate():
@@ -250,3 +251,108 @@ def test_speculative_engine_requests_decode_as_generate():
     assert [r.tokens for r in results] == gen.tokens
     assert [r.finish_reason for r in results] == gen.finish_reasons
     assert 0 < engine.stats["spec_accepted"] < engine.stats["spec_proposed"]
+
+
+# Issue 50: the log-probabilities of a constrained row are the model's (before the mask), and a complete
+# constraint ends its row with the stop token, as a row that chose one.
+LP_PROMPTS = ["Is it? ", "code: ", "{"]
+LP_CONSTRAINTS = [jaxkv.Choice(["yes", "maybe not"]), jaxkv.Regex("[a-c]{2,5}x"),
+                  jaxkv.JsonSchema({"type": "object", "additionalProperties": False, "required": ["ok"],
+                                    "properties": {"ok": {"type": "boolean"}}})]
+LP_TOL = dict(atol=1e-4, rtol=0)  # (helpers.tolerances "logprobs": a cached program against the no-cache pass)
+
+
+def assert_models_logprobs(prompts, outs, logprobs, tops, constraints):
+    """Each token's log-probability and its top alternatives are log_softmax of the model's own logits
+    (`jaxkv.logits`, no cache, no mask); each row ends with the stop token (256) after a whole answer; the mask
+    forced some tokens the model did not prefer (so a masked distribution would report other numbers)."""
+    tok = model().tokenizer
+    rows = [tok.encode(p).ids + out for p, out in zip(prompts, outs)]
+    forced = 0
+    for row, out, lp, top, c in zip(rows, outs, logprobs, tops, constraints):
+        start = len(row) - len(out)
+        logp = np.asarray(jax.nn.log_softmax(recompute(model(), [row])[0][start - 1: len(row) - 1], axis=-1))
+        np.testing.assert_allclose(lp, logp[np.arange(len(out)), out], **LP_TOL)
+        k = len(top[0])
+        np.testing.assert_allclose([[v for _, v in step] for step in top], -np.sort(-logp, axis=-1)[:, :k], **LP_TOL)
+        assert [step[0][0] for step in top] == [int(np.argmax(x)) for x in logp]  # the model's best, allowed or not
+        forced += sum(int(np.argmax(x)) != t for x, t in zip(logp, out))
+        assert out[-1] == 256, text(out)
+        s = text(out)
+        assert satisfies(c, s) if not isinstance(c, jaxkv.JsonSchema) else jsonschema.validate(json.loads(s),
+                                                                                               c.schema) is None
+    assert forced > 0
+
+
+_engines = {}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_constrained_logprobs_are_the_models(temperature):
+    """generate (contiguous, paged n = 2, speculative n-gram) and the engine (plain and speculative n-gram), for
+    Choice, Regex and JsonSchema rows: logprobs and top_logprobs are the model's (before this fix, 0.0 for every
+    forced token: the masked distribution's)."""
+    kw = dict(max_new_tokens=40, temperature=temperature, seed=5, logprobs=2, constraint=LP_CONSTRAINTS)
+    gen = jaxkv.generate(model(), LP_PROMPTS, **kw)
+    assert gen.finish_reasons == ["stop"] * 3 and gen.stats["constraint_incomplete"] == []
+    assert_models_logprobs(LP_PROMPTS, gen.tokens, gen.logprobs, gen.top_logprobs, LP_CONSTRAINTS)
+    paged = jaxkv.generate(model(), LP_PROMPTS, n=2, **kw)
+    assert_models_logprobs([p for p in LP_PROMPTS for _ in range(2)], paged.tokens, paged.logprobs,
+                           paged.top_logprobs, [c for c in LP_CONSTRAINTS for _ in range(2)])
+    ngram = jaxkv.Speculation("ngram", num_tokens=3, adaptive=False)
+    spec = jaxkv.generate(model(), LP_PROMPTS, speculative=ngram, **kw)
+    assert spec.stats["spec_proposed"] > 0
+    assert_models_logprobs(LP_PROMPTS, spec.tokens, spec.logprobs, spec.top_logprobs, LP_CONSTRAINTS)
+    if temperature == 0:
+        assert spec.tokens == gen.tokens
+    for speculative in (None, ngram):
+        if speculative not in _engines:  # one per kind for both temperatures (an engine compiles its programs)
+            _engines[speculative] = jaxkv.Engine(model(), slots=4, max_len=128, steps_per_dispatch=4,
+                                                 speculative=speculative)
+        results = _engines[speculative].generate([dict(prompt=p, constraint=c, seed=5 + i, logprobs=2)
+                                   for i, (p, c) in enumerate(zip(LP_PROMPTS, LP_CONSTRAINTS))],
+                                  max_new_tokens=40, temperature=temperature)
+        assert [r.finish_reason for r in results] == ["stop"] * 3
+        assert_models_logprobs(LP_PROMPTS, [r.tokens for r in results], [r.logprobs for r in results],
+                               [r.top_logprobs for r in results], LP_CONSTRAINTS)
+        if temperature == 0:
+            assert [r.tokens for r in results] == gen.tokens
+
+
+def test_complete_constraint_emits_its_stop_token():
+    """"yes" is 3 tokens: with room, the stop token follows it (counted, with the model's log-probability), on
+    every path; with exactly 3 tokens of budget there is no room for it and the row still ends "stop" (the
+    constraint is complete: its answer is whole, and it is not listed as incomplete). With min_tokens past the
+    answer the constraint wins (nothing else is allowed): the stop token is emitted before min_tokens. A call's
+    own stop token (not the eos) is the one emitted, whether the masks are filled by one thread or the pool."""
+    yes = jaxkv.Choice(["yes"])
+    ngram = jaxkv.Speculation("ngram", num_tokens=2, adaptive=False)
+    for speculative in (None, ngram):
+        for new, want in ((4, [121, 101, 115, 256]), (3, [121, 101, 115])):
+            gen = jaxkv.generate(model(), ["Is it? "], max_new_tokens=new, constraint=yes, speculative=speculative)
+            assert (gen.tokens, gen.finish_reasons, gen.stats["constraint_incomplete"]) == ([want], ["stop"], [])
+            assert len(gen.logprobs[0]) == len(want)
+            engine = jaxkv.Engine(model(), slots=2, max_len=64, speculative=speculative)
+            r = engine.generate([dict(prompt="Is it? ", constraint=yes)], max_new_tokens=new)[0]
+            assert (r.tokens, r.finish_reason) == (want, "stop")
+    paged = jaxkv.generate(model(), ["Is it? "], n=2, max_new_tokens=3, constraint=yes)
+    assert paged.finish_reasons == ["stop", "stop"] and paged.tokens == [[121, 101, 115]] * 2
+    held = jaxkv.generate(model(), ["Is it? "], max_new_tokens=10, min_tokens=8, constraint=yes)
+    assert (held.tokens, held.finish_reasons) == ([[121, 101, 115, 256]], ["stop"])
+    engine = jaxkv.Engine(model(), slots=2, max_len=64)
+    r = engine.generate([dict(prompt="Is it? ", constraint=yes, min_tokens=8)], max_new_tokens=10)[0]
+    assert (r.tokens, r.finish_reason) == ([121, 101, 115, 256], "stop")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_own_stop_token_after_a_complete_constraint(monkeypatch, threads):
+    """stop_tokens=[ord("!")]: the row's stop id replaces the eos where the constraint may end, with one filling
+    thread too (before issue 50 the one-thread fill left llguidance's eos there)."""
+    from jaxkv.constraints import matcher
+
+    monkeypatch.setattr(matcher, "threads", lambda: threads)
+    for c, want in ((jaxkv.Choice(["yes"]), "yes!"), (jaxkv.Regex("[a-c]{1,9}"), None)):
+        gen = jaxkv.generate(model(), ["Is it? "], max_new_tokens=12, constraint=c, stop_tokens=[33])
+        out = gen.tokens[0]
+        assert gen.finish_reasons == ["stop"] and out[-1] == 33 and 256 not in out, out
+        assert text(out) == want if want else re.fullmatch("[a-c]{1,9}!", text(out))

@@ -74,6 +74,27 @@ def test_sampled_logprobs_are_the_unfiltered_distribution():
     check_generation(model, PROMPTS, out, 2)
 
 
+def test_processed_rows_report_the_models_logprobs():
+    """logit_bias, penalties and min_tokens change which token is drawn, never what is reported (issue 50: the
+    one definition, vLLM's raw logprobs): generate (contiguous and paged) and the engine. A bias of 100 on a
+    token the model finds unlikely forces it: a processed distribution would report about 0 for it."""
+    model = model_for("gqa")
+    plain = jaxkv.generate(model, PROMPTS, max_new_tokens=NEW, stop_tokens=[], logprobs=2)
+    forced = int(np.argmin(reference(model, PROMPTS, plain.tokens)[0][0]))  # the least likely first token
+    kw = dict(max_new_tokens=NEW, logprobs=2, logit_bias={forced: 100.0}, repetition_penalty=1.3,
+              presence_penalty=0.5, min_tokens=4)
+    out = jaxkv.generate(model, PROMPTS, stop_tokens=[forced], **kw)
+    assert out.tokens[0][:4] != [forced] * 4 and out.tokens[0][4] == forced  # min_tokens held it, then the bias
+    check_generation(model, PROMPTS, out, 2)
+    samples = jaxkv.generate(model, PROMPTS[:2], n=2, stop_tokens=[], seed=2, temperature=1.0, **kw)
+    check_generation(model, [p for p in PROMPTS[:2] for _ in range(2)], samples, 2)
+    engine = jaxkv.Engine(model, slots=2, max_len=64)
+    results = engine.generate([dict(prompt=p, stop_tokens=[forced], **kw) for p in PROMPTS])
+    assert [r.tokens for r in results] == out.tokens
+    for r, ref in zip(results, reference(model, PROMPTS, out.tokens)):
+        np.testing.assert_allclose(r.logprobs, ref[np.arange(len(r.tokens)), r.tokens], atol=ATOL)
+
+
 def test_stop_token_keeps_its_logprob():
     model = model_for("gqa")
     free = jaxkv.generate(model, PROMPTS, max_new_tokens=NEW, stop_tokens=[], logprobs=3)

@@ -13,7 +13,8 @@ import pytest
 import jaxkv
 from jaxkv.decoding import step
 from jaxkv.sampling import greedy
-from helpers.models import model_for
+from helpers.models import model_for, recompute
+from helpers.tolerances import tolerance
 
 FORCED = 7  # the token the patched hook forces; not a stop id below (stop_tokens=[] everywhere)
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6]]
@@ -22,7 +23,8 @@ NEW = 4
 
 def forcing(logits, processing=None, stop_ids=None):
     """A hook that leaves only FORCED possible (whatever the path's processing state): every path must then emit
-    FORCED at every step, with log-probability 0 (probability 1 under the processed logits)."""
+    FORCED at every step, with the model's log-probability of it (issue 50: what the hook does to the
+    distribution is not what is reported)."""
     return jnp.where(jnp.arange(logits.shape[-1]) == FORCED, logits, -jnp.inf)
 
 
@@ -66,7 +68,11 @@ def test_patching_the_hook_once_changes_every_decoding_path(monkeypatch, fresh_c
     forced = every_path(model)
     for path in ("generate", "generate n=2", "decode", "engine", "beam_search"):
         assert all(row == [FORCED] * NEW for row in forced[path]), (path, forced[path])
-    np.testing.assert_allclose(np.array(forced["generate logprobs"]), 0.0, atol=1e-6)
+    rows = [p + [FORCED] * (NEW - 1) for p in PROMPTS]
+    logp = [jax.nn.log_softmax(logits, axis=-1) for logits in recompute(model, rows)]
+    want = [[float(lp[len(p) - 1 + i, FORCED]) for i in range(NEW)] for p, lp in zip(PROMPTS, logp)]
+    np.testing.assert_allclose(np.array(forced["generate logprobs"]), want, **tolerance("logprobs", "float32"))
+    assert np.all(np.array(want) < -1e-3)  # not the forced distribution's 0
 
 
 def test_nan_rows_get_minus_one_and_stop_and_stop_ids_match_per_row():

@@ -208,6 +208,64 @@ def test_stop_strings_and_stop_ids(client, model):
     assert out.usage.completion_tokens == k + 1
 
 
+def stop_text(tokenizer, ids, stop, min_tokens):
+    """vLLM's rule, as a reference, for greedy tokens `ids`: (the text before the first occurrence of `stop` that
+    ends past the text of the first min_tokens tokens, the tokens that made the text up to its end, True), or
+    (the whole text, every token, False) without one."""
+    decode = lambda k: tokenizer.decode(ids[:k], skip_special_tokens=True)  # noqa: E731
+    boundary = len(decode(min_tokens))
+    for k in range(min_tokens + 1, len(ids) + 1):
+        text = decode(k)
+        ends = [p for p in range(len(text)) if text.startswith(stop, p) and p + len(stop) > boundary]
+        if ends:
+            return text[:ends[0]], k, True
+    return decode(len(ids)), len(ids), False
+
+
+def test_stop_strings_wait_for_min_tokens(client, model, model_dir):
+    """Issue 50: with min_tokens m, no stop string ends in the first m tokens' text (vLLM's rule; stop token ids
+    already waited): a stop string that appears early and again later stops at the later one, one straddling the
+    m-th token stops, and without min_tokens the early one stops. Completions and chat, whole and streamed, n = 2,
+    logprobs and usage cut at the stop."""
+    from jaxkv.chat_template import ChatTemplate
+
+    tok, new = model.tokenizer, 24
+    messages = [{"role": "user", "content": "Hello there"}]
+    rendered = ChatTemplate.from_directory(model_dir).render(messages, add_generation_prompt=True)
+    prompts = {"completions": PROMPT, "chat": tok.encode(rendered, add_special_tokens=False).ids}
+    greedy = {(kind, m): jaxkv.generate(model, [p], max_new_tokens=new, min_tokens=m).tokens[0]
+              for kind, p in prompts.items() for m in (0, 5, 8)}
+    text = tok.decode(greedy["completions", 0], skip_special_tokens=True)
+    early = text[2]  # a character of the first tokens that comes again later
+    assert early in text[6:12]
+    straddle = text[4:7]  # (one token per character here) tokens 5..7: straddles m = 5, inside the first 8
+    cases = [(early, 0), (early, 5), (straddle, 5), (straddle, 8)]
+    assert stop_text(tok, greedy["completions", 0], early, 0)[1] <= 5 < stop_text(tok, greedy["completions", 5],
+                                                                                   early, 5)[1]
+    for stop, m in cases:
+        want, used, found = stop_text(tok, greedy["completions", m], stop, m)
+        assert found or m == 8
+        body = dict(model="tiny-chat", prompt=PROMPT, max_tokens=new, temperature=0, stop=[stop],
+                    extra_body={"min_tokens": m})
+        out = client.completions.create(**body, n=2, logprobs=1)
+        for choice in out.choices:
+            assert (choice.text, choice.finish_reason) == (want, "stop" if found else "length"), (stop, m)
+            assert len(choice.logprobs.tokens) == len(choice.logprobs.token_logprobs) == used
+        assert out.usage.completion_tokens == 2 * used
+        streamed = client.completions.create(**body, stream=True)
+        assert "".join(c.choices[0].text for c in streamed) == want
+    text = tok.decode(greedy["chat", 0], skip_special_tokens=True)  # (the chat's own stops: "*" repeated, here)
+    for stop, m in [(text[0], 0), (text[0], 5), (text[4:7], 5), (text[4:7], 8)]:
+        want, used, found = stop_text(tok, greedy["chat", m], stop, m)
+        assert found and used > m
+        body = dict(model="tiny-chat", messages=messages, max_tokens=new, temperature=0, stop=[stop],
+                    extra_body={"min_tokens": m})
+        out = client.chat.completions.create(**body)
+        assert (out.choices[0].message.content, out.usage.completion_tokens) == (want, used), (stop, m)
+        chunks = client.chat.completions.create(**body, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
+
+
 def test_a_stop_string_counts_as_stop_in_metrics(url, client, model):
     """A sequence ended by a stop string finished with "stop", as its client was told, not "cancelled" (the server
     ends it in the engine when the string appears)."""
@@ -386,6 +444,32 @@ ORDER = {"type": "object", "additionalProperties": False, "required": ["item", "
                         "note": {"type": "string", "pattern": "^[a-z]{1,6}$"}}}
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
            "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["C", "F"]}}}
+
+
+def test_structured_logprobs_are_the_models_and_the_stop_token_is_counted(client, model):
+    """Issue 50: a constrained answer's logprobs (and top_logprobs) are the model's (jaxkv.logits, before the
+    mask; they were 0.0 for every forced token), whole and streamed; the stop token that ends a complete
+    constraint is emitted: counted in usage and listed at the text's end, not part of the text."""
+    regex = "[A-Z]{2}-[0-9]{3}"
+    gen = jaxkv.generate(model, ["Code:"], max_new_tokens=20, constraint=jaxkv.Regex(regex), logprobs=2)
+    tokens = gen.tokens[0]
+    assert tokens[-1] in model.config.eos_ids and gen.finish_reasons == ["stop"]
+    prompt = model.tokenizer.encode("Code:").ids
+    logp = np.asarray(jax.nn.log_softmax(jaxkv.logits(model, [prompt + tokens[:-1]])[0], axis=-1))[len(prompt) - 1:]
+    want = logp[np.arange(len(tokens)), tokens]
+    assert np.any(want < -1e-2)  # some token the model did not find certain: a masked distribution says 0
+    body = dict(model="tiny-chat", prompt="Code:", max_tokens=20, temperature=0, logprobs=2,
+                extra_body={"structured_outputs": {"regex": regex}})
+    out = client.completions.create(**body)
+    choice = out.choices[0]
+    assert re.fullmatch(regex, choice.text) and choice.finish_reason == "stop"
+    assert out.usage.completion_tokens == len(tokens)
+    np.testing.assert_allclose(choice.logprobs.token_logprobs, want, atol=1e-4)
+    np.testing.assert_allclose([max(t.values()) for t in choice.logprobs.top_logprobs], logp.max(-1), atol=1e-4)
+    streamed = [c.choices[0] for c in client.completions.create(**body, stream=True) if c.choices]
+    assert "".join(c.text for c in streamed) == choice.text
+    np.testing.assert_allclose([v for c in streamed if c.logprobs for v in c.logprobs.token_logprobs], want,
+                               atol=1e-4)
 
 
 def test_structured_outputs_tools_and_bad_schemas(url, client):

@@ -79,6 +79,39 @@ def test_a_stop_string_ending_in_a_multibyte_character_matches(tokenizer, stop):
         assert stream.stopped and stream.tokens_used == used
 
 
+@pytest.mark.parametrize("stops, min_tokens, want, used", [
+    ([" "], 0, "ab", 3),
+    ([" "], 2, "ab", 3),  # the space is token 3: past min_tokens
+    ([" "], 3, "ab cd", 6),  # token 3's space is inside the first 3: the next one stops
+    (["b c"], 2, "a", 4),  # begins in token 2, ends in token 4: straddles min_tokens, stops (vLLM)
+    (["b c"], 4, "ab cd a", 10),  # the first ends in token 4, inside the first 4: the second stops
+    (["cd a", "b"], 2, "ab ", 7),  # "b" (token 2) is no stop on its own, nor found later from a longer stop's start
+    (["b"], 14, "ab cd ab cd ab", None),  # every occurrence inside the first 14 tokens: no stop
+])
+def test_stop_strings_wait_for_min_tokens(stops, min_tokens, want, used):
+    """Issue 50: a stop string must end in the text of token min_tokens + 1 or later (byte-level: one token per
+    character here), in dispatches of any size; what it may still start is held back as without min_tokens."""
+    tokenizer = byte_level()
+    tokens = ids(tokenizer, "ab cd ab cd ab")
+    for size in (1, 3, len(tokens)):
+        stream = TextStream(tokenizer, stop=stops, min_tokens=min_tokens)
+        released = [stream.add(tokens[i:i + size]) for i in range(0, len(tokens), size)] + [stream.finish()]
+        assert "".join(released) == want, (size, released)
+        assert stream.stopped == (used is not None) and stream.tokens_used == used
+
+
+@pytest.mark.parametrize("stop", ["é", "😀", "。"])  # (each once in TEXT)
+def test_min_tokens_counts_tokens_not_characters(tokenizer, stop):
+    """A multi-byte character whose tokens straddle min_tokens belongs to the token that completes it (vLLM's
+    convention): min_tokens = that token - 1 lets it stop the text, min_tokens = that token does not."""
+    tokens = ids(tokenizer, TEXT)
+    completing = min(k for k in range(len(tokens) + 1) if stop in tokenizer.decode(tokens[:k]))
+    for min_tokens, stops in ((completing - 1, True), (completing, False)):
+        stream = TextStream(tokenizer, stop=[stop], min_tokens=min_tokens)
+        text = stream.add(tokens) + stream.finish()
+        assert stream.stopped == stops and text == (TEXT[:TEXT.index(stop)] if stops else TEXT), (min_tokens, text)
+
+
 def test_pieces_join_to_the_text_a_character_at_the_token_that_completes_it(tokenizer):
     """Issue 27, item 4: each token's text is what it adds to the text ("" inside a character, the character at
     the token completing it, vLLM's convention), so offsets counted from the pieces index the text."""
