@@ -42,11 +42,13 @@ def process_logits(logits, processing=None, stop_ids=None):
 
 
 def log_probs(logits, allowed=None):
-    """float32[B, V]: log_softmax of the processed logits (beam search's scores); `allowed` as in `select`."""
-    logits = process_logits(logits)
-    if allowed is not None:
-        logits = constraint_mask.apply(logits, allowed)
-    return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    """float32[B, V]: log_softmax of the processed logits (beam search's scores), then -inf where `allowed` (as in
+    `select`) leaves a token out. The mask comes after the log_softmax, not before: the allowed tokens keep the
+    model's log-probabilities (not renormalized over the allowed set), as transformers' beam search applies its
+    prefix_allowed_tokens_fn to log_softmax'ed scores, and as every other path reports them (the module
+    docstring; issue 50)."""
+    logp = jax.nn.log_softmax(process_logits(logits).astype(jnp.float32), axis=-1)
+    return logp if allowed is None else constraint_mask.apply(logp, allowed)
 
 
 def constrain(logits, model_logits, allowed):

@@ -322,8 +322,9 @@ def _language(constraint, longest=16):
 
 
 def _logprob(prompt, tokens, constraint):
-    """The summed log-probabilities of `tokens` after `prompt`: log_softmax of `jaxkv.logits` (no cache) over the
-    tokens the constraint allows at each step (every token for None). Asserts each token is allowed."""
+    """The summed log-probabilities of `tokens` after `prompt`: the model's, log_softmax of `jaxkv.logits` (no
+    cache) over the whole vocabulary, not renormalized over the tokens the constraint allows (transformers' beam
+    scores, and what generate reports). Asserts each token is allowed."""
     logits = jaxkv.logits(_bytes_model(), [(prompt + tokens + [0] * 32)[:32]])[0]  # one compiled shape
     matcher = None if constraint is None else _matcher(constraint)
     total = 0.0
@@ -332,10 +333,9 @@ def _logprob(prompt, tokens, constraint):
         if matcher is not None:
             allowed = _allowed(matcher)
             assert allowed[token], (constraint, tokens, i)
-            row = np.where(allowed, row, -np.inf)
             if token != STOP:
                 assert matcher.consume_token(token)
-        total += row[token] - np.logaddexp.reduce(row[np.isfinite(row)])
+        total += row[token] - np.logaddexp.reduce(row)
     return total
 
 
