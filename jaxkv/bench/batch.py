@@ -72,7 +72,7 @@ def run_engine(engine, requests) -> tuple[float, int]:
 def run_batch(app, state, requests, directory: pathlib.Path, rep: int) -> tuple[float, int]:
     from jaxkv.server import batch
 
-    lines = [batch.Line(i, batch.request_id(i, str(i)), custom_id=f"r{i}", url="/v1/completions",
+    lines = [batch.Line(i, batch.request_id(i, str(i).encode()), custom_id=f"r{i}", url="/v1/completions",
                         body={"model": state.model_name, "prompt": r["prompt"], "max_tokens": r["max_tokens"],
                               "temperature": 0, "ignore_eos": True}) for i, r in enumerate(requests)]
     path = directory / f"results-{rep}.jsonl"
