@@ -93,9 +93,7 @@ import types
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas import triton as pltriton
+from jaxkv.attention.pallas_namespace import pl, pltpu, pltriton, require_triton
 
 from jaxkv.attention.reference import (MASKED, check_chunk, check_sinks, check_softcap, dot_precision, grouped_sinks,
                                       soft_cap)
@@ -557,6 +555,7 @@ def _decode_gpu(q, k, v, k_scale, v_scale, lo, hi, *, scale: float, block_k: int
     or None; lo, hi int32[B]; ring_slots: the ring's real S (<= S, the rest padding) or None; rows: None or the
     per-row (lo, hi) int32[B, R, 1] (`row_bounds`) -> per-split (acc f32[B, K, P, R, H], m, l
     f32[B, K, P, R, 1])."""
+    require_triton()
     B, K, R, H = q.shape
     S = k.shape[2]
     block_k = gpu_block(S, block_k)

@@ -49,9 +49,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas import triton as pltriton
+from jaxkv.attention.pallas_namespace import pl, pltpu, pltriton, require_triton
 
 from jaxkv.attention.decode_kernel import next_pow2, pad_axis
 from jaxkv.attention.pallas import PLATFORMS, default_platform
@@ -87,6 +85,7 @@ def _compiler_params(platform: str, Dk: int, Dv: int):
     # The [Dk, Dv] float32 state lives in registers: at 128 x 128 that is 128 floats per thread over 4 warps, so
     # large states get 8 warps (64 per thread). Not measured on a device. Explicit Triton parameters also keep JAX
     # 0.10 from lowering a GPU pallas_call with Mosaic GPU.
+    require_triton()
     return pltriton.CompilerParams(num_warps=8 if Dk * Dv > 64 * 64 else 4, num_stages=1)
 
 

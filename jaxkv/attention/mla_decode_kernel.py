@@ -49,9 +49,7 @@ import types
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas import triton as pltriton
+from jaxkv.attention.pallas_namespace import pl, pltpu, pltriton, require_triton
 
 from jaxkv.attention.decode_kernel import (NN_DIMS, NT_DIMS, GPU_MIN_DIM, MASKED, TPU_ROW_MULTIPLE, dot_precision,
                                            tpu_step_block, block_range, cdiv, combine_splits, decode_masks,
@@ -231,6 +229,7 @@ def _mla_gpu(q, latent, latent_scale, lo, hi, *, scale: float, latent_dim: int, 
     """q [B, M, C] (M a power of two >= 16, a multiple of heads_per_program); latent [B, Sp, C] with Sp >= 16;
     latent_scale f32[B, 1, Sp] or None; lo, hi int32[B]; ring_slots: the ring's real S (<= Sp) or None
     -> per-split (acc f32[B, P, M, R], m, l f32[B, P, M, 1])."""
+    require_triton()
     B, M, C = q.shape
     Mh = heads_per_program
     S, R = latent.shape[1], latent_dim

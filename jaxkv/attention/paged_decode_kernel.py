@@ -55,9 +55,7 @@ import types
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas import triton as pltriton
+from jaxkv.attention.pallas_namespace import pl, pltpu, pltriton, require_triton
 
 from jaxkv.attention.decode_kernel import (GPU_MIN_DIM, MASKED, TPU_ROW_MULTIPLE, tpu_step_block, block_range,
                                            cdiv, combine_splits, decode_masks, default_splits, live_bounds, load_rows,
@@ -285,6 +283,7 @@ def _paged_gpu(q, k_pages, v_pages, k_scale, v_scale, page_table, lo, hi, *, sca
     page_table int32[B, M]; lo, hi int32[B]; block: slots per loop iteration; splits: programs per (row, KV head),
     each taking an even share of the row's live blocks; rows, values, sinks: as `_paged_tpu`'s -> f32[B, K, R, H].
     The sinks join the splits' combine (`combine_splits`), not the kernel."""
+    require_triton()
     B, K, R, H = q.shape
     P, _, page_size, _ = k_pages.shape
     if H & (H - 1):

@@ -58,9 +58,7 @@ import types
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas import triton as pltriton
+from jaxkv.attention.pallas_namespace import pl, pltpu, pltriton, require_triton
 
 from jaxkv.attention.decode_kernel import (GPU_MIN_DIM, MASKED, block_range, cdiv, check_scales, gpu_block,
                                            load_scale, matmul_dtype, next_pow2, normalize, online_softmax_step,
@@ -249,6 +247,7 @@ def _prefill_gpu(q, k, v, k_scale, v_scale, start, q_offset, *, scale: float, bl
     """q [B, N, Tp, H]; k, v [B, K, Sp, H] (Sp >= 16; H, block_q powers of two >= 16), of which the first
     `num_slots` slots are real; k_scale, v_scale f32[B, K, 1, Sp] or None; start int32[B]; q_offset int32[1];
     sinks f32[N, 1, 1] or None -> [B, N, Tp, H] in out_dtype."""
+    require_triton()
     B, N, Tp, H = q.shape
     K, Sp = k.shape[1], k.shape[2]
     G = N // K
