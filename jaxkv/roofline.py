@@ -23,15 +23,15 @@ from jaxkv.layers import quantized
 def weight_bytes_per_step(config: Config, batch: int, bytes_per_element: int, params=None) -> int:
     """Weights a decode step reads: all of them, except that an untied token embedding is read only for the
     `batch` looked-up rows (and a learned position table for `batch` rows). With `params` (a parameter tree,
-    quantized or not), their bytes at each dtype's width (`quantized.packed_bytes`: int4 at half a byte, the
-    scales included) instead of parameter count x `bytes_per_element`."""
+    quantized or not), their bytes at each dtype's width (`quantized.packed_bytes`: int4 as the device holds
+    it, `quantized.int4_bits`; the scales included) instead of parameter count x `bytes_per_element`."""
     if params is not None:
-        total, skipped = quantized.packed_bytes(params), 0.0
+        total, skipped = quantized.packed_bytes(params, quantized.int4_bits()), 0.0
         tables = [("embedding", config.vocab_size)] if not config.tie_embeddings else []
         if config.positions == "learned":
             tables.append(("pos_embedding", config.max_positions))
         for name, rows in tables:
-            skipped += quantized.packed_bytes(params[name]) * (rows - batch) / rows
+            skipped += quantized.packed_bytes(params[name], quantized.int4_bits()) * (rows - batch) / rows
         return int(total - skipped)
     total = config.param_count()
     skipped = 0

@@ -165,9 +165,10 @@ def weight_bytes(config: Config, dtype: str | None = None, weights=None) -> int:
     """Bytes of the model's parameters: parameter count x bytes per element of `dtype` (None: config.dtype).
 
     weights: weight-only quantization ("int8", "fp8", "int4" or a `jaxkv.WeightQuant`; `jaxkv.layers.quantized`):
-    the quantized weights at their width (int4 at half a byte, as GPUs and TPUs hold them; XLA:CPU holds one per
-    byte) plus their float32 scales, the other parameters in `dtype`. Counted from the parameter shapes
-    `jaxkv.load(..., weights=)` makes (this imports JAX)."""
+    the quantized weights at their width as the default backend's devices hold them (int4 at half a byte on GPU,
+    TPU and jax >= 0.11's XLA:CPU, one byte on jax 0.10's XLA:CPU: `quantized.int4_bits`) plus their float32
+    scales, the other parameters in `dtype`. Counted from the parameter shapes `jaxkv.load(..., weights=)` makes
+    (this imports JAX)."""
     if not isinstance(config, Config):
         raise TypeError(f"weight bytes need a full jaxkv.Config (for its parameter count), got "
                         f"{type(config).__name__}")
@@ -184,7 +185,7 @@ def weight_bytes(config: Config, dtype: str | None = None, weights=None) -> int:
         quant = quantized.WeightQuant.of(weights)
         shapes = jax.eval_shape(lambda p: quantized.quantize_params(p, quant, *weight_layout(config)),
                                 param_shapes(config))
-        return quantized.packed_bytes(shapes)
+        return quantized.packed_bytes(shapes, quantized.int4_bits())
     return config.param_count() * BYTES_PER_ELEMENT[dtype]
 
 

@@ -26,8 +26,11 @@ and multiplied as the float weight would be. This is what qwix's own `qwix.einsu
 operand is a float array (their "slow" path: weight-only quantization); calling `qwix.dequantize` directly lets
 the product run in the activations' dtype, as the float model's does. Under jit, XLA fuses the dequantization
 into the matmul's operand where the backend can (GPU, TPU), so a step reads the quantized bytes; on XLA:CPU the
-fused loop converts in registers too, but int4 values are held one per byte (measured: `Generation.stats`
-"weight_bytes"), so int4 saves no memory over int8 there.
+fused loop converts in registers too. How int4 values are held depends on the backend and the jax release: GPU and
+TPU pack two per byte; XLA:CPU holds one per byte up to jax 0.10 (so int4 saves no memory over int8 there) and
+packs them from jax 0.11 (measured: `Generation.stats` "weight_bytes" of "tiny", 3,668,992 bytes on jax 0.10.2
+and 2,194,432 on jax 0.12.1, int8's 3,523,584 on both). `int4_bits` asks the device, so the planner, `jaxkv
+memory` and the stats agree with what it holds on every supported jax.
 """
 
 from __future__ import annotations
@@ -232,12 +235,25 @@ def held_bytes(params) -> int:
     return total
 
 
-def packed_bytes(params) -> int:
-    """Bytes of a parameter tree (arrays or jax.ShapeDtypeStructs) at each dtype's width, int4 at half a byte:
-    what a backend that packs int4 (GPU, TPU) holds, and what the planner reports."""
+@functools.cache
+def int4_bits(backend: str | None = None) -> int:
+    """Bits one int4 value takes on `backend`'s devices (None: the default backend): 4 where XLA packs two per
+    byte (GPU, TPU; XLA:CPU from jax 0.11), 8 where it holds one per byte (XLA:CPU up to jax 0.10). Read once per
+    backend off a small int4 array's allocation, not from a version table."""
+    n = 4096
+    x = jax.device_put(jnp.zeros((n,), jnp.int4), jax.local_devices(backend=backend)[0])
+    return 4 if x.addressable_data(0).on_device_size_in_bytes() * 8 < n * 6 else 8
+
+
+def packed_bytes(params, int4_bits: int = 4) -> int:
+    """Bytes of a parameter tree (arrays or jax.ShapeDtypeStructs) at each dtype's width, an int4 value at
+    `int4_bits` bits (4: packed, as GPUs and TPUs hold them; the planner passes what the device holds,
+    `int4_bits()`)."""
+    if int4_bits not in (4, 8):
+        raise ValueError(f"int4_bits must be 4 (packed) or 8 (one per byte), got {int4_bits!r}")
     total = 0
     for leaf in jax.tree.leaves(params):
-        bits = 4 if jnp.dtype(leaf.dtype) in (jnp.dtype(jnp.int4), jnp.dtype(jnp.uint4)) else \
+        bits = int4_bits if jnp.dtype(leaf.dtype) in (jnp.dtype(jnp.int4), jnp.dtype(jnp.uint4)) else \
             8 * jnp.dtype(leaf.dtype).itemsize
         total += -(-math.prod(leaf.shape) * bits // 8)
     return total

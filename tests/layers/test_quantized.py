@@ -204,12 +204,27 @@ def test_bad_quantization_refused_before_anything_changes(weights, match):
 def test_planner_counts_the_bytes_load_makes(quant):
     model = tiny(jaxkv.WeightQuant.of(quant))
     counted = planner.weight_bytes(model.config, weights=quant)
-    assert counted == quantized.packed_bytes(model.params)
+    # what the device holds, on every jax: int4 one per byte on jax 0.10's XLA:CPU, packed from 0.11 (int4_bits)
+    assert counted == quantized.held_bytes(model.params)
+    assert counted == quantized.packed_bytes(model.params, quantized.int4_bits())
     float_bytes = planner.weight_bytes(model.config)
     if quant in ("int8", "fp8"):  # a quarter of float32's, plus a float32 scale per output channel
         assert float_bytes / 4 < counted < float_bytes / 4 * 1.1 + 257 * 256 * 4 * 0.75
     # bfloat16's count: the float weights in 2 bytes, the quantized ones as before
     assert planner.weight_bytes(model.config, "bfloat16", weights=quant) <= counted
+
+
+def test_int4_bits_is_what_the_device_allocates():
+    held = jax.device_put(jnp.zeros((3, 1000), jnp.int4)).addressable_data(0).on_device_size_in_bytes()
+    assert held == 3 * 1000 * quantized.int4_bits() // 8
+    # XLA:CPU packs int4 from jax 0.11 (one per byte on 0.10.2): int4 weights then hold well under int8's
+    packs = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 11)
+    assert quantized.int4_bits() == (4 if packs or jax.default_backend() != "cpu" else 8)
+    if quantized.int4_bits() == 4:
+        int8, int4 = (quantized.held_bytes(tiny(jaxkv.WeightQuant.of(q)).params) for q in ("int8", "int4"))
+        assert int4 < 0.65 * int8  # half the values' bytes; the float32 group scales and float norms stay
+    with pytest.raises(ValueError, match="int4_bits"):
+        quantized.packed_bytes({}, int4_bits=2)
 
 
 def test_generation_stats_report_the_bytes_held():
