@@ -26,7 +26,8 @@ from jaxkv.layers import delta_rule
 from jaxkv.layers.gated_delta import GatedDeltaNet
 
 from helpers import kernels
-from helpers.kernels import INTERPRET, PLATFORMS  # the interpreter on CPU; compiled with JAXKV_PALLAS_COMPILED=1
+# the interpreter on CPU; compiled with JAXKV_PALLAS_COMPILED=1
+from helpers.kernels import INTERPRET, PLATFORMS, lowered_text
 
 # Kernel against reference, keyed by the inputs' dtype. The state is float32 on both sides whatever the inputs,
 # computed from the same (rounded) inputs with the same float32 products; only the order of the two Dk-long sums
@@ -191,7 +192,7 @@ def test_lowers_for_device(platform, lowering_platform, custom_call, dtype):
               ((B, 1, Hv), dtype), ((B, Hv, Dk, Dv), jnp.float32)]
     args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
     f = jax.jit(functools.partial(delta_rule_kernel.recurrent_step, platform=platform, interpret=False))
-    text = f.trace(*args).lower(lowering_platforms=(lowering_platform,)).as_text()
+    text = lowered_text(f, args, lowering_platform)
     assert f"stablehlo.custom_call @{custom_call}" in text
     call = next(line for line in text.splitlines() if f"custom_call @{custom_call}" in line)
     alias = ("output_operand_aliases = [#stablehlo.output_operand_alias<output_tuple_indices = [1], "

@@ -19,7 +19,8 @@ from jaxkv.attention import mla, mla_decode_kernel, reference
 from jaxkv.cache import quantize
 
 from helpers import kernels
-from helpers.kernels import INTERPRET, PLATFORMS  # the interpreter on CPU; compiled with JAXKV_PALLAS_COMPILED=1
+# the interpreter on CPU; compiled with JAXKV_PALLAS_COMPILED=1
+from helpers.kernels import INTERPRET, PLATFORMS, lowered_text
 from helpers.tolerances import by_dtype
 
 # Kernel vs reference, keyed by the query's dtype (their reasons: helpers.tolerances, "kernel").
@@ -319,5 +320,5 @@ def test_lowers_for_device(platform, lowering_platform, custom_call, cache):
                                             latent_scale=latent_scale, sliding_window=256, ring=quantized,
                                             splits=None if quantized else 2, platform=platform, interpret=False)
 
-    text = jax.jit(target).trace(*args).lower(lowering_platforms=(lowering_platform,)).as_text()
+    text = lowered_text(jax.jit(target), args, lowering_platform)
     assert f"stablehlo.custom_call @{custom_call}" in text

@@ -20,7 +20,8 @@ from jaxkv.attention import paged_decode_kernel as pk
 # their reasons in helpers.tolerances (the paged kernel shares the contiguous kernel's math; quantized pools give both
 # sides the same stored numbers and scales).
 from helpers import kernels
-from helpers.kernels import INTERPRET, PLATFORMS, TOLERANCES  # the interpreter on CPU; compiled with JAXKV_PALLAS_COMPILED=1
+# the interpreter on CPU; compiled with JAXKV_PALLAS_COMPILED=1
+from helpers.kernels import INTERPRET, PLATFORMS, TOLERANCES, lowered_text
 
 HEADS = {"mha": (2, 2), "gqa": (8, 2), "mqa": (4, 1)}  # (N, K)
 H = kernels.PAGED_HEAD_DIM
@@ -296,7 +297,7 @@ def test_lowers_for_device(platform, lowering_platform, custom_call, pool, page_
         shapes += [((P, K, page_size), jnp.float32)] * 2
     args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
     f = jax.jit(functools.partial(_lowering_target, platform=platform))
-    text = f.trace(*args).lower(lowering_platforms=(lowering_platform,)).as_text()
+    text = lowered_text(f, args, lowering_platform)
     assert f"stablehlo.custom_call @{custom_call}" in text
 
 

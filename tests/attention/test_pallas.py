@@ -22,7 +22,7 @@ from jaxkv.attention import decode_kernel, pallas, prefill_kernel, reference
 from jaxkv.attention import paged_decode_kernel as pk
 
 from helpers import kernels
-from helpers.kernels import BLOCKS, INTERPRET, PLATFORMS, S, TOLERANCES
+from helpers.kernels import BLOCKS, INTERPRET, PLATFORMS, S, TOLERANCES, lowered_text
 
 
 @functools.lru_cache(maxsize=None)
@@ -485,7 +485,7 @@ def test_lowers_for_device(platform, lowering_platform, custom_call, T, cache):
         shapes += [((B, K, num_slots), jnp.float32)] * 2
     args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
     f = jax.jit(functools.partial(_lowering_target, platform=platform, ring=quantized and decode))
-    text = f.trace(*args).lower(lowering_platforms=(lowering_platform,)).as_text()
+    text = lowered_text(f, args, lowering_platform)
     assert f"stablehlo.custom_call @{custom_call}" in text
 
 

@@ -31,7 +31,7 @@ from jaxkv.cache import quantize
 # TOLERANCES keyed by q's dtype, with their reasons in helpers.tolerances (a sink adds one float32 term to each
 # row's denominator: it does not widen them).
 from helpers import kernels
-from helpers.kernels import BLOCKS, INTERPRET, PLATFORMS, TOLERANCES
+from helpers.kernels import BLOCKS, INTERPRET, PLATFORMS, TOLERANCES, lowered_text
 
 # The references against the float64 loop: float32 sums of at most ~40 O(1) terms in another order, ~1e-6; 1e-5
 # leaves margin and is three orders below what a sink moves here (asserted in `_sinks_matter`).
@@ -569,5 +569,5 @@ def test_lowers_for_device_with_sinks(platform, lowering_platform, custom_call, 
             return pk.paged_decode_attention(q, k, v, table, lengths, scale=0.3, sliding_window=48, k_scale=k_scale,
                                              v_scale=v_scale, platform=platform, interpret=False, sinks=sinks)
     args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
-    text = jax.jit(target).trace(*args).lower(lowering_platforms=(lowering_platform,)).as_text()
+    text = lowered_text(jax.jit(target), args, lowering_platform)
     assert f"stablehlo.custom_call @{custom_call}" in text

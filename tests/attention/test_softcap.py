@@ -25,7 +25,7 @@ from jaxkv.attention import pallas, paged_reference, reference
 # read marked; page_pool: float or quantized pools of head dim 32; poison: NaN in those slots; edge_lengths: 0, 1,
 # page - 1, page, page + 1, the whole table.
 from helpers import kernels
-from helpers.kernels import BLOCKS, INTERPRET, PLATFORMS, TOLERANCES
+from helpers.kernels import BLOCKS, INTERPRET, PLATFORMS, TOLERANCES, lowered_text
 
 SCALE = 0.125  # with head dim 64 and unit normals the scores are O(1): a cap of 2.0 bends the larger ones a lot
 
@@ -331,5 +331,5 @@ def test_capped_kernels_lower_for_device(platform, lowering_platform, custom_cal
           spec((B,), i32), spec((B, 1), i32)]),
     ]
     for fn, args in targets:
-        text = jax.jit(fn).trace(*args).lower(lowering_platforms=(lowering_platform,)).as_text()
+        text = lowered_text(jax.jit(fn), args, lowering_platform)
         assert f"stablehlo.custom_call @{custom_call}" in text

@@ -7,6 +7,7 @@ JAXKV_PALLAS_COMPILED=1 (set by scripts/device_check.py on a GPU or TPU machine)
 body only. Tolerances: helpers.tolerances ("kernel", keyed by the query's dtype).
 """
 
+import contextlib
 import functools
 import os
 
@@ -30,6 +31,20 @@ S = 300  # cache slots: not a multiple of any block size
 PAGES_PER_SEQUENCE = 5  # the paged layouts' page-table width: the groups of 2 or 4 pages the tests use do not divide it
 PAGED_HEAD_DIM = 32  # the paged pools' head dim
 TOLERANCES = by_dtype("kernel")  # kernel vs reference, keyed by the query's dtype (the reasons: helpers.tolerances)
+
+
+def lowered_text(jitted, args, lowering_platform: str) -> str:
+    """StableHLO text of `jitted` (a jax.jit function) traced on `args` and lowered for `lowering_platform` ("tpu",
+    "cuda") from this host, without the device. A Triton body's lowering needs the GPU's compute capability:
+    jax 0.10 took a default when no GPU was present; from jax 0.11 it comes from an abstract device, here an
+    H100's (`jax.sharding.use_abstract_mesh`)."""
+    target = contextlib.nullcontext()
+    if lowering_platform in ("cuda", "rocm") and hasattr(jax.sharding, "AbstractDevice") and \
+            jax.default_backend() != "gpu":
+        device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=None, platform="gpu")
+        target = jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device))
+    with target:
+        return jitted.trace(*args).lower(lowering_platforms=(lowering_platform,)).as_text()
 
 
 # The interpreted kernels are big XLA programs and compiling them is most of this file's run time; XLA:CPU's backend
