@@ -226,7 +226,7 @@ def test_engine_prefix_cache_with_snapshots(model):
     back with the prefix cache (only its cached pages held) and the snapshots stay for later requests."""
     prompts = shared_prompts(2)
     pc = jaxkv.PrefixCache(model, num_pages=96, page_size=4, snapshot_interval=8)
-    engine = jaxkv.Engine(model, slots=3, max_len=64, prefix_cache=pc, prefill_chunk=8, prefill_rows=2)
+    engine = jaxkv.Engine(model, slots=2, max_len=64, prefix_cache=pc, prefill_chunk=12, prefill_rows=2)
     first = engine.generate(prompts[:1], max_new_tokens=6, stop_tokens=[])
     assert engine.stats["prefix_hit_tokens"] == 0 and pc.cached_snapshots >= 2
     rest = engine.generate(prompts[1:], max_new_tokens=6, stop_tokens=[])
