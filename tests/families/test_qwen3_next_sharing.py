@@ -3,6 +3,11 @@ beside the pages (`PagedKVCache.conv_states` / `recurrent_states`), gathered by 
 The paged path against the contiguous one (right-padded prompts: the conv window must end at each row's last real
 token), n > 1 forks each continuing its own copy of the prompt's state, beam search against transformers' (whose
 beams reorder their cache's states), and the planner's bytes against what is allocated.
+
+The model here is helpers.hybrid's dense one cut to three layers (two Gated DeltaNet layers, then the full one):
+two linear layers still tell one layer's state rows from another's, and every program compiles about a quarter
+faster (its transformers parity on four layers is tests/families/test_qwen3_next.py's). The tests share shapes
+so that their programs compile once: every plain `generate` records logprobs, the engines take one geometry.
 """
 
 import jax.numpy as jnp
@@ -15,8 +20,19 @@ pytest.importorskip("safetensors.torch")
 
 import jaxkv  # noqa: E402
 from helpers.hf import ATOL, BEAM_NEW, RAGGED, SINGLE, check_beam_search  # noqa: E402
-from helpers.hybrid import loaded  # noqa: E402
+from helpers.hf import build_hf, saved_and_loaded  # noqa: E402
+from helpers.hybrid import FIELDS  # noqa: E402
 from jaxkv.cache.paged import PagedKVCache  # noqa: E402
+
+LAYER_TYPES = ["linear_attention", "linear_attention", "full_attention"]
+loaded = saved_and_loaded(lambda: build_hf("Qwen3NextConfig", dict(FIELDS, num_experts=0, num_hidden_layers=3,
+                                                                   layer_types=LAYER_TYPES)), {"dense": ()})
+# The engines' one geometry (random arrivals, cancel): 3 slots of 64, pages of 4, prompt chunks of 8, 2 rows.
+ENGINE = dict(slots=3, max_len=64, page_size=4, prefill_chunk=8, prefill_rows=2)
+# The ragged batch the paged, speculative and plain runs share (lengths 15, 18, 13: right-padded to 32, crossing
+# page boundaries; the repeats give the n-gram proposer matches).
+PROMPTS = [RAGGED[0] * 3, RAGGED[2] * 2, RAGGED[1]]
+NEW = 24
 
 
 @pytest.fixture(scope="module")
@@ -24,18 +40,25 @@ def model(tmp_path_factory):
     return loaded("dense", tmp_path_factory)[1]
 
 
-def log_softmax(x):
-    x = x - x.max(-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+@pytest.fixture(scope="module")
+def plain(model):
+    """The contiguous path's tokens and log-probabilities for PROMPTS."""
+    return jaxkv.generate(model, PROMPTS, max_new_tokens=NEW, stop_tokens=[], logprobs=1)
 
 
-def test_paged_equals_contiguous(model):
-    """A ragged batch over pages of 4 (prompts of 5, 9 and 13 tokens right-padded to 16, so the conv window of the
+def alone(model, prompt, new):
+    """`generate` of one prompt alone (helpers.engine.alone), with logprobs as every plain run here."""
+    from helpers.engine import alone
+
+    return alone(model, prompt, new, logprobs=1)
+
+
+def test_paged_equals_contiguous(model, plain):
+    """A ragged batch over pages of 4 (prompts of 15, 18 and 13 tokens right-padded to 32, so the conv window of the
     short rows must end before their padding, and each row's state crosses page boundaries): the contiguous
     path's tokens and log-probabilities."""
-    prompts = [RAGGED[0], RAGGED[2], RAGGED[1]]
-    contiguous = jaxkv.generate(model, prompts, max_new_tokens=24, stop_tokens=[], logprobs=1)
-    paged = jaxkv.generate(model, prompts, max_new_tokens=24, stop_tokens=[], logprobs=1, page_size=4)
+    contiguous = plain
+    paged = jaxkv.generate(model, PROMPTS, max_new_tokens=NEW, stop_tokens=[], logprobs=1, page_size=4)
     assert paged.tokens == contiguous.tokens
     np.testing.assert_allclose(np.array(paged.logprobs), np.array(contiguous.logprobs), atol=ATOL, rtol=0)
 
@@ -44,21 +67,22 @@ def test_forks_continue_their_own_state(model):
     """n = 4 sampled continuations of two prompts (forked from each prompt's one prefill): every sample's
     log-probabilities equal the no-cache forward pass over its prompt + its own tokens, so each fork carried its
     own copy of the prompt's state and its own updates after the samples diverged."""
+    from helpers.engine import recomputed_logprobs
+
     prompts = [RAGGED[0], RAGGED[1]]
     out = jaxkv.generate(model, prompts, n=4, max_new_tokens=16, stop_tokens=[], temperature=1.0, seed=3,
                          logprobs=1, page_size=4)
     rows = out.tokens
     assert len({tuple(r) for r in rows[:4]}) > 1 and len({tuple(r) for r in rows[4:]}) > 1  # they diverged
     for i, (row, lps) in enumerate(zip(rows, out.logprobs)):
-        p = prompts[i // 4]
-        want = log_softmax(jaxkv.logits(model, [p + row])[0][len(p) - 1:-1])
-        np.testing.assert_allclose(lps, want[np.arange(len(row)), row], atol=ATOL, rtol=0, err_msg=f"row {i}")
+        _, want = recomputed_logprobs(model, prompts[i // 4], row)  # one padded forward program for every row
+        np.testing.assert_allclose(lps, want, atol=ATOL, rtol=0, err_msg=f"row {i}")
 
 
 def test_greedy_forks_equal_one_sample(model):
     """Greedy n = 3: every sample is the single greedy continuation."""
-    one = jaxkv.generate(model, SINGLE, max_new_tokens=20, stop_tokens=[]).tokens[0]
-    three = jaxkv.generate(model, SINGLE, n=3, max_new_tokens=20, stop_tokens=[]).tokens
+    one = alone(model, SINGLE[0], 20).tokens[0]
+    three = jaxkv.generate(model, SINGLE, n=3, max_new_tokens=20, stop_tokens=[], logprobs=1).tokens
     assert three == [one] * 3
 
 
@@ -67,7 +91,7 @@ def test_beam_search_matches_transformers(tmp_path_factory):
     transformers' tokens and scores (its beams reorder its cache's linear states; jaxkv's fork gathers them)."""
     hf, model, _ = loaded("dense", tmp_path_factory)
     prompts = SINGLE + RAGGED[:2]
-    greedy = jaxkv.generate(model, prompts, max_new_tokens=BEAM_NEW, stop_tokens=[]).tokens
+    greedy = jaxkv.generate(model, prompts, max_new_tokens=BEAM_NEW, stop_tokens=[], logprobs=1).tokens
     stops = sorted({greedy[0][3], greedy[1][6]})
     check_beam_search(hf, model, prompts, stops)
 
@@ -94,7 +118,7 @@ def test_fork_gathers_and_release_zeroes_states(model):
             before, after = np.asarray(before), np.asarray(after)
             assert not after[0].any() and not after[3].any()
             np.testing.assert_array_equal(after[1:3], before[1:3])
-    assert [k.shape[0] for k in cache.keys] == [0, 0, 0, 8]  # the linear layers' pools are empty placeholders
+    assert [k.shape[0] for k in cache.keys] == [0, 0, 8]  # the linear layers' pools are empty placeholders
     assert cache.nbytes() == jaxkv.memory.pool_bytes(c, num_pages=8, page_size=4, rows=3)
     assert forked.nbytes() == jaxkv.memory.pool_bytes(c, num_pages=8, page_size=4, rows=4)
     assert cache.state_nbytes() == 3 * c.state_bytes_per_sequence() > 0
@@ -105,7 +129,7 @@ def test_planner_counts_the_state_rows(model):
     counts one state per sample; without sharing, one state per sample too."""
     c = model.config
     prompts = [RAGGED[0], RAGGED[1], RAGGED[2]]
-    out = jaxkv.generate(model, prompts, n=2, max_new_tokens=8, stop_tokens=[], page_size=4)
+    out = jaxkv.generate(model, prompts, n=2, max_new_tokens=8, stop_tokens=[], page_size=4, logprobs=1)
     plan = jaxkv.memory.plan_pages(c, [len(p) for p in prompts], 8, n=2, page_size=4)
     state = c.state_bytes_per_sequence()
     s = out.stats
@@ -122,12 +146,12 @@ def test_engine_with_random_arrivals_equals_generate_alone(model):
     of 8 (each chunk continues the staging row's state; right-padded chunks), rows moving from staging into slots
     and down to lower slots: each request's tokens are generate's of it alone, its log-probabilities the no-cache
     recomputation's, and afterwards every slot, page and state row is free (zeroed)."""
-    from helpers.engine import alone, assert_all_free, drain, recomputed_logprobs
+    from helpers.engine import assert_all_free, drain, recomputed_logprobs
 
     rng = np.random.default_rng(5)
     arrivals = [(rng.integers(3, 160, int(rng.integers(1, 30))).tolist(), int(rng.integers(1, 20)),
                  {"stop_tokens": []}) for _ in range(8)]
-    engine = jaxkv.Engine(model, slots=3, max_len=64, page_size=4, prefill_chunk=8, prefill_rows=2)
+    engine = jaxkv.Engine(model, **ENGINE)
     ids = drain(engine, arrivals, rng)
     assert_all_free(engine)
     for r in engine.results():
@@ -139,10 +163,11 @@ def test_engine_with_random_arrivals_equals_generate_alone(model):
 
 def test_engine_cancel_frees_the_state_row(model):
     """A request cancelled mid-decode gives its slot's state row back zeroed; the next request in that slot
-    decodes as it would alone."""
-    from helpers.engine import alone, assert_all_free
+    decodes as it would alone (the random-arrivals test's engine geometry: its programs, compiled once; the other
+    slots stay empty, so the next request takes the cancelled one's slot 0)."""
+    from helpers.engine import assert_all_free
 
-    engine = jaxkv.Engine(model, slots=1, max_len=64, page_size=4, prefill_chunk=8, steps_per_dispatch=2)
+    engine = jaxkv.Engine(model, **ENGINE)
     first = engine.submit(RAGGED[1], max_new_tokens=30, stop_tokens=[])
     engine.step()
     engine.step()
@@ -166,7 +191,7 @@ def test_prefix_hits_resume_from_state_snapshots(model):
     shared part: a hit between page boundaries falls back to it), the same prompt again at 24 (a hit at a boundary,
     its last token left to prefill), and every call's tokens and logprobs equal generate without a cache."""
     p1, p2, p3 = shared_prompts(0)
-    pc = jaxkv.PrefixCache(model, num_pages=64, page_size=4, snapshot_interval=8)
+    pc = jaxkv.PrefixCache(model, num_pages=96, page_size=4, snapshot_interval=8)
     first = jaxkv.generate(model, [p1], max_new_tokens=10, stop_tokens=[], logprobs=1, prefix_cache=pc)
     assert first.stats["prefix_hit_tokens"] == 0 and pc.cached_snapshots == 3  # at 8, 16, 24 of 28 tokens
     calls = [[p2, p1], [p3]]
@@ -184,9 +209,10 @@ def test_a_prefix_without_a_snapshot_is_not_a_hit(model):
     prompt's boundary took the slot) the first prompt's cached pages give no hit, and the call is still exact."""
     p1, p2, _ = shared_prompts(1)
     other = list(reversed(p1))
-    pc = jaxkv.PrefixCache(model, num_pages=64, page_size=4, snapshot_interval=24, max_snapshots=1)
-    jaxkv.generate(model, [p1], max_new_tokens=4, stop_tokens=[], prefix_cache=pc)
-    jaxkv.generate(model, [other], max_new_tokens=4, stop_tokens=[], prefix_cache=pc)  # evicts p1's snapshot
+    pc = jaxkv.PrefixCache(model, num_pages=96, page_size=4, snapshot_interval=24, max_snapshots=1)
+    jaxkv.generate(model, [p1], max_new_tokens=4, stop_tokens=[], logprobs=1, prefix_cache=pc)
+    # evicts p1's snapshot
+    jaxkv.generate(model, [other], max_new_tokens=4, stop_tokens=[], logprobs=1, prefix_cache=pc)
     assert pc.cached_snapshots == 1 and pc.cached_pages >= 12
     out = jaxkv.generate(model, [p1], max_new_tokens=8, stop_tokens=[], logprobs=1, prefix_cache=pc)
     assert out.stats["prefix_hit_tokens"] == 0
@@ -198,8 +224,6 @@ def test_engine_prefix_cache_with_snapshots(model):
     """The engine in a snapshotting prefix cache (chunks of 8 = the interval): requests sharing a head hit the
     snapshot boundary and resume from its state; every request equals generate alone; afterwards the pool is
     back with the prefix cache (only its cached pages held) and the snapshots stay for later requests."""
-    from helpers.engine import alone
-
     prompts = shared_prompts(2)
     pc = jaxkv.PrefixCache(model, num_pages=96, page_size=4, snapshot_interval=8)
     engine = jaxkv.Engine(model, slots=2, max_len=64, prefix_cache=pc, prefill_chunk=12, prefill_rows=2)
@@ -227,8 +251,8 @@ def test_a_call_that_fails_half_way_leaves_the_snapshots_as_they_were(model):
     """A stream callback that raises mid-decode (after the prefill took its snapshots): the prefix cache's index,
     snapshots and pool are as before the call, and the next call hits exactly what was cached before."""
     p1, p2, _ = shared_prompts(3)
-    pc = jaxkv.PrefixCache(model, num_pages=64, page_size=4, snapshot_interval=8)
-    jaxkv.generate(model, [p1], max_new_tokens=4, stop_tokens=[], prefix_cache=pc)
+    pc = jaxkv.PrefixCache(model, num_pages=96, page_size=4, snapshot_interval=8)
+    jaxkv.generate(model, [p1], max_new_tokens=4, stop_tokens=[], logprobs=1, prefix_cache=pc)
     before = (pc.pages(), list(pc._snapshot_index.items()), pc.free_pages())
 
     def fails(i, token):
@@ -240,24 +264,23 @@ def test_a_call_that_fails_half_way_leaves_the_snapshots_as_they_were(model):
     assert (pc.pages(), list(pc._snapshot_index.items()), pc.free_pages()) == before
     out = jaxkv.generate(model, [longer], max_new_tokens=6, stop_tokens=[], logprobs=1, prefix_cache=pc)
     assert out.stats["prefix_hit_tokens"] == 16
-    assert out.tokens == jaxkv.generate(model, [longer], max_new_tokens=6, stop_tokens=[]).tokens
+    assert out.tokens == alone(model, longer, 6).tokens
 
 
 @pytest.mark.parametrize("where", ["contiguous", "paged", "engine"])
-def test_greedy_speculation_equals_plain(model, where):
+def test_greedy_speculation_equals_plain(model, plain, where):
     """n-gram speculation (k = 4, always verifying) over a hybrid model: nearly every proposal is rejected on this
     random model, so each verify writes 5 tokens and keeps 1, and a state that kept the rejected ones would change
     every later token: greedy tokens and logprobs equal plain decoding's (contiguous and paged loops, the engine)."""
-    prompts = [RAGGED[0] * 3, RAGGED[2] * 2]
+    prompts = PROMPTS
     spec = jaxkv.Speculation("ngram", num_tokens=4, adaptive=False)
-    plain = jaxkv.generate(model, prompts, max_new_tokens=24, stop_tokens=[], logprobs=1)
     if where == "engine":
         engine = jaxkv.Engine(model, slots=2, max_len=96, page_size=4, speculative=spec)
-        results = engine.generate(prompts, max_new_tokens=24, stop_tokens=[])
+        results = engine.generate(prompts, max_new_tokens=NEW, stop_tokens=[])
         assert engine.stats["spec_verifies"] > 0
         tokens, logprobs = [r.tokens for r in results], [r.logprobs for r in results]
     else:
-        out = jaxkv.generate(model, prompts, max_new_tokens=24, stop_tokens=[], logprobs=1, speculative=spec,
+        out = jaxkv.generate(model, prompts, max_new_tokens=NEW, stop_tokens=[], logprobs=1, speculative=spec,
                              page_size=4 if where == "paged" else None)
         assert out.stats["spec_verifies"] > 0
         tokens, logprobs = out.tokens, out.logprobs
