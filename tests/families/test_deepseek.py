@@ -146,12 +146,17 @@ def test_absorbed_decode_equals_the_expanded_recompute(model, window):
         logits, cache = jaxkv.decode_step(model.params, jnp.asarray(fed[-1]), cache, config=config)
         cached.append(np.asarray(logits))
     cached, fed = np.stack(cached, axis=1), np.stack(fed, axis=1)  # [B, steps + 1, V], [B, steps]
+    # Each row's recompute alone, in one call: right-padded to one length (causal: the padding after a row's tokens
+    # changes none of their logits).
+    rows = [prompt + fed[b].tolist() for b, prompt in enumerate(prompts)]
+    padded = [row + [0] * (len(rows[-1]) - len(row)) for row in rows]
+    recompute = jaxkv.logits(model, padded)
     for b, prompt in enumerate(prompts):
-        full = jaxkv.logits(model, [prompt + fed[b].tolist()])[0]  # [len + steps, V]
+        full = recompute[b, :len(rows[b])]  # [len + steps, V]
         np.testing.assert_allclose(cached[b], full[len(prompt) - 1:], atol=ATOL_ABSORBED, rtol=0, err_msg=f"row {b}")
     assert len(set(fed[1].tolist())) >= 8  # varied tokens: the positions really differ
     if window is not None:  # the window matters: without it the same tokens give other logits
-        unwindowed = jaxkv.logits(jaxkv.Model(CONFIG, model.params), [prompts[1] + fed[1].tolist()])[0]
+        unwindowed = jaxkv.logits(jaxkv.Model(CONFIG, model.params), padded)[1]  # row 1 has no padding
         assert np.abs(unwindowed - full).max() > 0.1
 
 
