@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 import jaxkv  # noqa: E402
-from helpers.hf import (ATOL, BOS, EOS, PAD, VOCAB, check_moe_path, check_moe_routing,  # noqa: E402
+from helpers.hf import (ATOL, BOS, EOS, PAD, RAGGED, VOCAB, check_moe_path, check_moe_routing,  # noqa: E402
                         check_mtp_speculation, hf_greedy_cases, hf_logits, saved_and_loaded)
 from helpers.hf import build_hf as hf_model  # noqa: E402
 from jaxkv.io.hf import config_from_hf  # noqa: E402
@@ -177,13 +177,15 @@ def test_mtp_layer_loads_and_matches_its_torch_composition(pair, with_mtp):
 
 
 @pytest.mark.parametrize("where", ["contiguous", "paged", "engine"])
-def test_mtp_speculation_equals_plain(with_mtp, where):
-    """Speculation("mtp") with GLM's MTP layer proposing: greedy tokens equal plain decoding's."""
-    check_mtp_speculation(with_mtp[2], where)
+def test_mtp_speculation_equals_plain(pair, with_mtp, where):
+    """Speculation("mtp") with GLM's MTP layer proposing: greedy tokens equal plain decoding's (transformers' greedy
+    tokens of the ragged prompts, which plain decoding gives: test_decoding_paths_equal_transformers[greedy])."""
+    check_mtp_speculation(with_mtp[2], where, RAGGED, [row[:16] for row in pair[2][len(RAGGED)]])
 
 
 @pytest.mark.parametrize("path", ["greedy", "n=2", "engine", "beams", "routing", "speculative"])
 def test_decoding_paths_equal_transformers(pair, path):
     """Each decoding path against transformers' tokens (beams: and scores), and every token's experts."""
     hf, model, greedy = pair
-    check_moe_path(path, hf, model, greedy, "glm4-moe", routing=lambda: check_moe_routing(hf, model, MOE_LAYERS))
+    check_moe_path(path, hf, model, greedy, "glm4-moe", routing=lambda: check_moe_routing(hf, model, MOE_LAYERS),
+                   decode_widths=[2])  # one engine decode dispatch compiled (tests/engine: the widths)

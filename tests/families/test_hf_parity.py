@@ -23,7 +23,7 @@ from jaxkv.checkpoint_hf import config_from_hf, load_hf  # noqa: E402
 # families' files run on their own models too.
 from helpers.hf import (ATOL, BOS, EOS, LLAMA_LIKE, MIN_MARGIN, NEW_TOKENS, PAD, RAGGED, SINGLE, VOCAB,  # noqa: E402
                         assert_clear_margins, build_hf, check_greedy_generation_is_token_identical, check_logits_match,
-                        check_speculative_greedy, hf_greedy, hf_logits)
+                        check_speculative_greedy, hf_greedy, hf_logits, saved_and_loaded)
 from helpers.models import left_pad  # noqa: E402
 
 # name -> (config class, config kwargs). Each covers one mapping feature the others do not.
@@ -45,13 +45,14 @@ CASES = {
 }
 
 
+# Each case built, saved and loaded once per module (the Mistral ring tests reuse the parity tests' model).
+loaded = saved_and_loaded(build_hf, CASES)
+
+
 @pytest.fixture(scope="module", params=sorted(CASES))
 def pair(request, tmp_path_factory):
     """(name, HF model, jaxkv model loaded from its save_pretrained directory, that directory)."""
-    hf = build_hf(*CASES[request.param])
-    directory = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(directory, safe_serialization=True)
-    return request.param, hf, load_hf(directory), directory
+    return (request.param, *loaded(request.param, tmp_path_factory))
 
 
 def test_logits_match(pair):
@@ -62,6 +63,12 @@ def test_greedy_generation_is_token_identical(pair):
     check_greedy_generation_is_token_identical(pair)
 
 
+# The paged cache for each family here: Llama (untied head, biases, head_dim 24, llama3 rope), Mistral (the window)
+# and GPT-2 (learned positions). Left out as covered: llama-tied (the same Llama layers as llama-untied-llama3; the
+# tied head is the contiguous greedy test's), qwen2-bias (Qwen2's paged run is
+# test_qwen2_sliding_layers_after_max_window_layers, biases are llama-untied-llama3's) and llama-wide-mixed-layout
+# (its [out, in] weights are read by the same projections in every cache: its logits and greedy tests).
+@pytest.mark.parametrize("pair", ["gpt2", "llama-untied-llama3", "mistral-window8"], indirect=True)
 def test_paged_samples_are_token_identical_to_transformers(pair):
     """The paged cache (issue 13) for every family: 2 greedy samples of each ragged prompt, prefilled once and
     forked, equal transformers' greedy output; page size 5 divides none of the prompt lengths."""
@@ -95,14 +102,14 @@ def test_sliding_window_matters():
     assert np.abs(hf_logits(hf, tokens) - ref)[:, 8:].max() > 1e-2
 
 
-@pytest.mark.parametrize("prompts", [SINGLE, RAGGED], ids=["single", "ragged"])
-def test_mistral_ring_cache_matches_transformers_past_the_window(prompts, tmp_path):
+# The single prompt runs as 3 copies (no row padded): the batch of the ragged case, so that both share the compiled
+# decode step (and generate's program with the parity tests' batches of 4).
+@pytest.mark.parametrize("prompts", [SINGLE * 3, RAGGED], ids=["single", "ragged"])
+def test_mistral_ring_cache_matches_transformers_past_the_window(prompts, tmp_path_factory):
     """Mistral's cache is a ring of `window` (8) slots: positions wrap and old entries are overwritten. 64 greedy
     tokens equal transformers' (the sequence outgrows the window 8 times over), and every cached decode step's
     logits equal transformers' full forward pass over the sequence so far."""
-    hf = build_hf(*CASES["mistral-window8"])
-    hf.save_pretrained(tmp_path, safe_serialization=True)
-    model = load_hf(tmp_path)
+    hf, model, _ = loaded("mistral-window8", tmp_path_factory)
     new = 64
     gen = jaxkv.generate(model, prompts, max_new_tokens=new, stop_tokens=[])
     assert gen.stats["cache_ring"] and gen.stats["cache_capacity"] == 8  # memory O(window), not O(sequence)

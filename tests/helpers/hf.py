@@ -235,11 +235,13 @@ def check_speculative_greedy(model, expected, name="", prompts=RAGGED):
     assert got.stats["spec_acceptance_rate"] > 0.8 and got.stats["target_forwards"] < NEW_TOKENS // 2, name
 
 
-def check_mtp_speculation(model, where):
+def check_mtp_speculation(model, where, prompts=None, plain=None):
     """Speculation("mtp") with the model's MTP module proposing ("contiguous", "paged" or "engine"): greedy tokens
-    equal plain decoding's, with verifies run."""
-    prompts = [RAGGED[0], RAGGED[2]]
-    plain = jaxkv.generate(model, prompts, max_new_tokens=16, stop_tokens=[])
+    equal plain decoding's, with verifies run. `prompts` (default: two of the ragged prompts) and `plain`: their
+    16 plain greedy tokens where the caller has them already (transformers'); by default a plain jaxkv run."""
+    prompts = [RAGGED[0], RAGGED[2]] if prompts is None else prompts
+    if plain is None:
+        plain = jaxkv.generate(model, prompts, max_new_tokens=16, stop_tokens=[]).tokens
     spec = jaxkv.Speculation("mtp", num_tokens=2, adaptive=False)
     if where == "engine":
         engine = jaxkv.Engine(model, slots=2, max_len=64, page_size=4, speculative=spec)
@@ -249,7 +251,7 @@ def check_mtp_speculation(model, where):
         out = jaxkv.generate(model, prompts, max_new_tokens=16, stop_tokens=[], speculative=spec,
                              page_size=4 if where == "paged" else None)
         tokens, verifies = out.tokens, out.stats["spec_verifies"]
-    assert verifies > 0 and tokens == plain.tokens
+    assert verifies > 0 and tokens == plain
 
 
 # --- the parity checks every MoE family's test runs (Qwen3-MoE, Mixtral): each test file keeps thin tests of these
@@ -273,9 +275,11 @@ def check_moe_parallel_greedy_samples(model, greedy):
     assert got == [row for row in expected for _ in range(2)]
 
 
-def check_moe_engine(model, greedy):
-    """The engine's requests (2 slots for 3 prompts, prefill chunks of 8), greedy: transformers' tokens."""
-    engine = jaxkv.Engine(model, slots=2, max_len=64, page_size=8, prefill_chunk=8)
+def check_moe_engine(model, greedy, decode_widths=None):
+    """The engine's requests (2 slots for 3 prompts, prefill chunks of 8), greedy: transformers' tokens.
+    `decode_widths`: the engine's (default: its own, 1 and 2); [2] compiles one decode dispatch instead of two (the
+    last request then decodes beside an idle slot)."""
+    engine = jaxkv.Engine(model, slots=2, max_len=64, page_size=8, prefill_chunk=8, decode_widths=decode_widths)
     results = engine.generate(RAGGED, max_new_tokens=NEW_TOKENS, stop_tokens=[])
     assert [r.tokens for r in results] == greedy[len(RAGGED)]
 
@@ -332,13 +336,13 @@ def check_moe_routing(hf, model, moe_layers, router=lambda layer: layer.mlp.gate
         assert len({tuple(sorted(row)) for row in ours}) > 2  # different tokens pick different experts
 
 
-def check_moe_path(path, hf, model, greedy, name, routing, beams=None):
+def check_moe_path(path, hf, model, greedy, name, routing, beams=None, decode_widths=None):
     """One of the decoding paths every MoE family's test checks against transformers ("greedy", "n=2", "engine",
     "beams", "routing", "speculative"); `routing` runs the family's routing check, `beams` replaces the default
-    beam check."""
+    beam check, `decode_widths` goes to the engine (`check_moe_engine`)."""
     {"greedy": lambda: check_moe_greedy_generation(model, greedy),
      "n=2": lambda: check_moe_parallel_greedy_samples(model, greedy),
-     "engine": lambda: check_moe_engine(model, greedy),
+     "engine": lambda: check_moe_engine(model, greedy, decode_widths),
      "beams": beams or (lambda: check_moe_beam_search(hf, model, greedy)),
      "routing": routing,
      "speculative": lambda: check_speculative_greedy(model, greedy[len(RAGGED)], name)}[path]()
