@@ -59,17 +59,20 @@ def fresh_compiles():
 
 def test_patching_the_hook_once_changes_every_decoding_path(monkeypatch, fresh_compiles):
     model = model_for("gqa")
-    plain = every_path(model)
-    # Without the hook, greedy decoding of random weights does not emit FORCED everywhere: the check can fail.
-    assert any(t != FORCED for rows in (plain["generate"], plain["decode"], plain["engine"], plain["beam_search"])
-               for row in rows for t in row)
+    # The no-cache logits of each prompt and the forced continuation (causal: position len(p) - 1 sees the prompt
+    # alone).
+    rows = [p + [FORCED] * (NEW - 1) for p in PROMPTS]
+    logp = [jax.nn.log_softmax(logits, axis=-1) for logits in recompute(model, rows)]
+    # Without the hook, greedy decoding of random weights does not emit FORCED everywhere: the check can fail. The
+    # model's own argmax after each prompt is the first token of generate's, decode's and the engine's greedy
+    # rows (one compiled forward instead of the five paths compiled a second time without the hook).
+    first = [int(np.argmax(lp[len(p) - 1])) for p, lp in zip(PROMPTS, logp)]
+    assert any(t != FORCED for t in first), first
     monkeypatch.setattr(step, "process_logits", forcing)
     jax.clear_caches()
     forced = every_path(model)
     for path in ("generate", "generate n=2", "decode", "engine", "beam_search"):
         assert all(row == [FORCED] * NEW for row in forced[path]), (path, forced[path])
-    rows = [p + [FORCED] * (NEW - 1) for p in PROMPTS]
-    logp = [jax.nn.log_softmax(logits, axis=-1) for logits in recompute(model, rows)]
     want = [[float(lp[len(p) - 1 + i, FORCED]) for i in range(NEW)] for p, lp in zip(PROMPTS, logp)]
     np.testing.assert_allclose(np.array(forced["generate logprobs"]), want, **tolerance("logprobs", "float32"))
     assert np.all(np.array(want) < -1e-3)  # not the forced distribution's 0
