@@ -10,6 +10,10 @@ import pytest
 from jaxkv.attention import paged_reference as paged
 from jaxkv.attention import reference
 
+# kernels.call: each (function, keywords, shapes) compiled once; the loops below over query slots reuse it (eager
+# calls re-traced every `lax.switch` of the live-prefix paths at every slot).
+from helpers import kernels
+
 B, N, K, H, S = 2, 4, 2, 8, 32
 SCALE = H ** -0.5
 
@@ -63,15 +67,15 @@ def test_contiguous_prefill_and_decode_follow_the_rule(qkv, chunk, window):
     queries at once, then each later slot's decode query (the live-prefix switch at its smallest prefix)."""
     q, k, v = qkv
     start = np.array([0, 3])
-    got = reference.attention(jnp.asarray(q[:, :20]), k, v, jnp.asarray(start, jnp.int32), jnp.int32(0),
-                              scale=SCALE, chunk=chunk, sliding_window=window)
+    got = kernels.call(reference.attention, jnp.asarray(q[:, :20]), k, v, jnp.asarray(start, jnp.int32),
+                       jnp.int32(0), scale=SCALE, chunk=chunk, sliding_window=window)
     close(got, naive(q[:, :20], k, v, start, 0, chunk, window))
-    unchunked = reference.attention(jnp.asarray(q[:, :20]), k, v, jnp.asarray(start, jnp.int32), jnp.int32(0),
-                                    scale=SCALE, sliding_window=window)
+    unchunked = kernels.call(reference.attention, jnp.asarray(q[:, :20]), k, v, jnp.asarray(start, jnp.int32),
+                             jnp.int32(0), scale=SCALE, sliding_window=window)
     assert np.abs(np.asarray(got) - np.asarray(unchunked)).max() > 1e-2  # the chunk moved it
     for t in range(20, S):
-        got = reference.attention(jnp.asarray(q[:, t:t + 1]), k, v, jnp.asarray(start, jnp.int32), jnp.int32(t),
-                                  scale=SCALE, chunk=chunk, sliding_window=window, min_prefix=8)
+        got = kernels.call(reference.attention, jnp.asarray(q[:, t:t + 1]), k, v, jnp.asarray(start, jnp.int32),
+                           jnp.int32(t), scale=SCALE, chunk=chunk, sliding_window=window, min_prefix=8)
         close(got, naive(q[:, t:t + 1], k, v, start, t, chunk, window))
 
 
@@ -83,8 +87,8 @@ def test_a_ring_of_the_chunk_serves_decode(qkv):
         ring_k, ring_v = np.zeros((B, K, C, H), np.float32), np.zeros((B, K, C, H), np.float32)
         for s in range(t - C + 1, t + 1):
             ring_k[:, :, s % C], ring_v[:, :, s % C] = k[:, :, s], v[:, :, s]
-        got = reference.attention(jnp.asarray(q[:, t:t + 1]), ring_k, ring_v, jnp.asarray(start, jnp.int32),
-                                  jnp.int32(t), scale=SCALE, chunk=C, ring=True)
+        got = kernels.call(reference.attention, jnp.asarray(q[:, t:t + 1]), ring_k, ring_v,
+                           jnp.asarray(start, jnp.int32), jnp.int32(t), scale=SCALE, chunk=C, ring=True)
         close(got, naive(q[:, t:t + 1], k, v, start, t, C))
 
 
@@ -104,15 +108,15 @@ def test_paged_references_follow_the_rule(qkv):
     slots = jnp.broadcast_to(offset + jnp.arange(T, dtype=jnp.int32), (B, T))
     args = (jnp.asarray(q[:, offset:offset + T]), pool_k, pool_v, table, lengths, slots)
     for fn in (paged.paged_attention, paged.pool_attention, paged.live_paged_attention, paged.xla_attention):
-        np.testing.assert_allclose(fn(*args, scale=SCALE, chunk=C, sinks=sinks), want, atol=1e-5, rtol=0,
-                                   err_msg=fn.__name__)
+        np.testing.assert_allclose(kernels.call(fn, *args, scale=SCALE, chunk=C, arrays=dict(sinks=sinks)), want,
+                                   atol=1e-5, rtol=0, err_msg=fn.__name__)
     fresh = (jnp.asarray(k[:, :, offset:offset + T]), jnp.asarray(v[:, :, offset:offset + T]), jnp.ones((B, T), bool))
-    np.testing.assert_allclose(paged.xla_attention(*args, scale=SCALE, chunk=C, sinks=sinks, fresh=fresh), want,
-                               atol=1e-5, rtol=0)
+    np.testing.assert_allclose(kernels.call(paged.xla_attention, *args, scale=SCALE, chunk=C,
+                                            arrays=dict(sinks=sinks, fresh=fresh)), want, atol=1e-5, rtol=0)
     for t in range(T):
-        got = paged.ragged_paged_attention(jnp.asarray(q[:, offset + t:offset + t + 1]), pool_k, pool_v, table,
-                                           jnp.full((B,), offset + t + 1, jnp.int32), slots[:, t:t + 1],
-                                           scale=SCALE, chunk=C, sinks=sinks, min_prefix=4)
+        got = kernels.call(paged.ragged_paged_attention, jnp.asarray(q[:, offset + t:offset + t + 1]), pool_k,
+                           pool_v, table, jnp.full((B,), offset + t + 1, jnp.int32), slots[:, t:t + 1],
+                           scale=SCALE, chunk=C, min_prefix=4, arrays=dict(sinks=sinks))
         np.testing.assert_allclose(got[:, 0], want[:, t], atol=1e-5, rtol=0)
 
 
@@ -145,8 +149,9 @@ def test_decode_kernel_takes_the_chunk(qkv, platform, T, ring):
             for s in range(t + T - S_ring, t + T):
                 kk[:, :, s % S_ring], vv[:, :, s % S_ring] = k[:, :, s], v[:, :, s]
         args = (jnp.asarray(q[:, t:t + T]), kk, vv, jnp.asarray(start, jnp.int32), jnp.int32(t))
-        want = reference.attention(*args, scale=SCALE, chunk=C, ring=ring)
-        got = pallas.attention(*args, scale=SCALE, chunk=C, ring=ring, platform=platform, interpret=INTERPRET)
+        want = kernels.call(reference.attention, *args, scale=SCALE, chunk=C, ring=ring)
+        got = kernels.call(pallas.attention, *args, scale=SCALE, chunk=C, ring=ring, platform=platform,
+                           interpret=INTERPRET)
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=0, err_msg=f"query slot {t}")
 
 
@@ -164,8 +169,9 @@ def test_paged_kernel_takes_the_chunk(qkv, platform):
         slots = jnp.broadcast_to(offset + jnp.arange(T, dtype=jnp.int32), (B, T))
         args = (jnp.asarray(q[:, offset:offset + T]), pool_k, pool_v, table, jnp.full((B,), offset + T, jnp.int32),
                 slots)
-        want = paged.paged_attention(*args, scale=SCALE, chunk=C)
-        got = pallas.paged_attention(*args, scale=SCALE, chunk=C, platform=platform, interpret=INTERPRET)
+        want = kernels.call(paged.paged_attention, *args, scale=SCALE, chunk=C)
+        got = kernels.call(pallas.paged_attention, *args, scale=SCALE, chunk=C, platform=platform,
+                           interpret=INTERPRET)
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=0, err_msg=f"T={T}, offset {offset}")
 
 

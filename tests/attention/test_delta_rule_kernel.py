@@ -146,16 +146,18 @@ def test_layer_decode_step_calls_the_kernel_for_pallas_only(monkeypatch):
 
     monkeypatch.setattr(delta_rule_kernel, "recurrent_step", recording)
     layer = GatedDeltaNet(HYBRID, 0)
+    # jitted (the kernel is recorded as it is traced): eagerly, each of the layer's ops compiled on its own
+    apply = jax.jit(layer.apply, static_argnums=4)
     B, D = 3, HYBRID.d_model
     rng = np.random.default_rng(0)
     cache = KVCache.allocate(HYBRID, B, 16)
     prompt = jnp.asarray(rng.standard_normal((B, 5, D)), jnp.float32)
-    params = layer.init(jax.random.PRNGKey(0), prompt, cache, jnp.ones((B, 5), bool))
-    _, cache = layer.apply(params, prompt, cache, jnp.ones((B, 5), bool), "pallas")
+    params = jax.jit(layer.init)(jax.random.PRNGKey(0), prompt, cache, jnp.ones((B, 5), bool))
+    _, cache = apply(params, prompt, cache, jnp.ones((B, 5), bool), "pallas")
     assert calls == []  # the prompt's chunked form has no kernel
     x = jnp.asarray(rng.standard_normal((B, 1, D)), jnp.float32)
     real = jnp.asarray([[True], [False], [True]])
-    outs = {name: layer.apply(params, x, cache, real, name) for name in ("pallas", "xla", "auto")}
+    outs = {name: apply(params, x, cache, real, name) for name in ("pallas", "xla", "auto")}
     assert calls == [(B, 1, 2, 8)]  # once, for "pallas"
     (want, want_cache), (got, got_cache) = outs["xla"], outs["pallas"]
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL["float32"])
@@ -172,8 +174,8 @@ def test_layer_defaults_to_the_reference(monkeypatch):
     layer = GatedDeltaNet(HYBRID, 0)
     cache = KVCache.allocate(HYBRID, 2, 8)
     x, real = jnp.ones((2, 1, HYBRID.d_model), jnp.float32), jnp.ones((2, 1), bool)
-    params = layer.init(jax.random.PRNGKey(0), x, cache, real)
-    layer.apply(params, x, cache, real)
+    params = jax.jit(layer.init)(jax.random.PRNGKey(0), x, cache, real)
+    jax.jit(layer.apply)(params, x, cache, real)  # traced as the decoder runs it (eagerly: an op compile each)
 
 
 # --- lowering for real hardware without the hardware ---------------------------------------------------------

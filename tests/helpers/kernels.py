@@ -59,8 +59,31 @@ def compiled(fn, *arg_types):
 
 
 def run(fn, *args):
-    """fn(*args), compiled once per (fn, argument shapes and dtypes); start and q_offset stay traced."""
-    return compiled(fn, *(jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) for a in args))(*args)
+    """fn(*args), compiled once per (fn, argument shapes and dtypes); start and q_offset stay traced. An argument
+    may be a tuple of arrays (a pytree)."""
+    types = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), args)
+    return compiled(fn, *types)(*args)
+
+
+@functools.lru_cache(maxsize=None)
+def _bound(fn, static, array_names):
+    static = dict(static)
+
+    def bound(*args):
+        positional, named = args[:len(args) - len(array_names)], args[len(args) - len(array_names):]
+        return fn(*positional, **static, **dict(zip(array_names, named)))
+
+    return bound
+
+
+def call(fn, *args, arrays=None, **static):
+    """fn(*args, **arrays, **static) through `run`: compiled once per (fn, static keyword values, shapes), so that a
+    loop over live lengths or query slots (traced arrays) reuses one program instead of dispatching op by op (an
+    eager `lax.switch` re-traces and compiles its branches at every call). `static`: hashable keywords (scale,
+    window, chunk, platform, ...); `arrays`: keyword arguments that are arrays (sinks, scales, fresh K/V)."""
+    arrays = arrays or {}
+    names = tuple(sorted(arrays))
+    return run(_bound(fn, tuple(sorted(static.items())), names), *args, *(arrays[n] for n in names))
 
 
 def inputs(B, T, heads, H, dtype, num_slots=S, seed=0, cache_dtype=None):
