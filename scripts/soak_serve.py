@@ -1,14 +1,15 @@
 """A soak test of `jaxkv serve`: mixed load for --minutes, then idle; checks that nothing leaks or fails.
 
     python scripts/soak_serve.py [--minutes 30] [--clients 12] [--slots 4] [--json FILE] [--seed 0]
+                                 [--malformed 0.1]
 
 Starts `jaxkv serve` (the bundled model with a chat template added, --slots, max_len 256) as a subprocess and runs
 --clients concurrent clients (raw HTTP, httpx) for --minutes. Each client loops over requests drawn at random:
 
   completions, streamed or not; n = 1-3; logprobs; echo; short (3-20 token) or long (130-190 token) prompts
   chat completions, streamed or not
-  malformed (about 10%): not JSON, an unknown field, a wrong type, max_tokens past the context, an unknown model:
-    each must get its own 4xx (400, or 404 for the model)
+  malformed (about 10%, --malformed): not JSON, an unknown field, a wrong type, max_tokens past the context, an
+    unknown model: each must get its own 4xx (400, or 404 for the model)
   streams the client drops after a few chunks (a disconnect), and non-streamed requests it gives up on before the
     answer (a cancel: the server must free their slots)
 
@@ -89,10 +90,11 @@ def text(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
-def draw(rng: random.Random) -> dict:
-    """One request: (kind, url, body or raw bytes, stream, expected status, drop after n chunks / give up)."""
+def draw(rng: random.Random, malformed: float = 0.10) -> dict:
+    """One request: (kind, url, body or raw bytes, stream, expected status, drop after n chunks / give up);
+    `malformed`: the share of malformed requests (the well-formed ones keep their mix whatever it is)."""
     r = rng.random()
-    if r < 0.10:  # malformed
+    if r < malformed:
         kind = rng.choice(["json", "field", "type", "context", "model"])
         body = {"model": "soak", "prompt": "hello", "max_tokens": 4}
         if kind == "json":
@@ -107,6 +109,7 @@ def draw(rng: random.Random) -> dict:
             body["model"] = "not-served"
         return {"kind": f"bad-{kind}", "url": "/v1/completions", "body": body,
                 "expect": 404 if kind == "model" else 400}
+    r = 0.10 + 0.90 * (r - malformed) / (1 - malformed)  # in [0.10, 1): r itself at the default share
     long = rng.random() < 0.3
     prompt = text(rng, rng.randint(22, 30) if long else rng.randint(1, 3))  # byte-level: ~130-190 / 3-20 tokens
     stream = rng.random() < 0.5
@@ -153,11 +156,11 @@ class Tally:
             self.unexpected.append((req["kind"], status, req["expect"], detail[:200]))
 
 
-async def client(http, rng: random.Random, tally: Tally, start: float, until: float):
+async def client(http, rng: random.Random, tally: Tally, start: float, until: float, malformed: float = 0.10):
     import httpx
 
     while time.monotonic() < until:
-        req = draw(rng)
+        req = draw(rng, malformed)
         minute = int((time.monotonic() - start) // 60)
         t0 = time.monotonic()
         try:
@@ -213,7 +216,7 @@ async def soak(url: str, args, pid: int) -> dict:
     limits = httpx.Limits(max_connections=args.clients + 4)
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as http:
         rngs = [random.Random(args.seed * 1000 + i) for i in range(args.clients)]
-        tasks = [asyncio.create_task(client(http, rng, tally, start, until)) for rng in rngs]
+        tasks = [asyncio.create_task(client(http, rng, tally, start, until, args.malformed)) for rng in rngs]
         while any(not t.done() for t in tasks):
             await asyncio.sleep(min(5.0, max(0.1, until - time.monotonic())))
             rss.append((time.monotonic() - start, rss_bytes(pid)))
@@ -231,8 +234,12 @@ def main(argv=None) -> int:
     p.add_argument("--slots", type=int, default=4)
     p.add_argument("--idle-s", type=float, default=5.0, help="idle seconds after the load, before the last checks")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--malformed", type=float, default=0.10, metavar="SHARE",
+                   help="the share of malformed requests, in [0, 1) (a short run: more, so that each kind comes)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    if not 0 <= args.malformed < 1:
+        p.error(f"--malformed must be in [0, 1), got {args.malformed}")
     root = pathlib.Path(tempfile.mkdtemp(prefix="soak-"))
     proc, url = start_server(model_dir(root), args.slots)
     try:
@@ -285,7 +292,8 @@ def main(argv=None) -> int:
         print(f"{'PASS' if ok else 'FAIL'}: {name}")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps({
-            "minutes": args.minutes, "clients": args.clients, "slots": args.slots, "per_minute": per_minute,
+            "minutes": args.minutes, "clients": args.clients, "slots": args.slots, "malformed": args.malformed,
+            "per_minute": per_minute,
             "statuses": {str(k): v for k, v in tally.total.items()}, "unexpected": tally.unexpected,
             "rss_after_warmup": warm, "rss_end": rss[-1][1], "rss_growth": growth, "idle_metrics": metrics,
             "checks": checks}, indent=1, default=str))

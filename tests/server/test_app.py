@@ -517,7 +517,9 @@ def test_a_speculating_server_answers_as_generate_and_counts_its_proposals():
     from jaxkv.server import main as server_main
     from jaxkv.server.app import create_app
 
-    args = server_main.parser().parse_args(["--preset", "test-tiny", "--slots", "2", "--max-len", "96",
+    # --slots 1: one request, and one decode width to compile (2 slots compiled a width-2 program nothing ran here;
+    # speculating slots side by side are tests/engine/test_engine_speculation.py's, at 3 and 4 slots)
+    args = server_main.parser().parse_args(["--preset", "test-tiny", "--slots", "1", "--max-len", "96",
                                             "--speculative-method", "ngram", "--num-speculative-tokens", "3"])
     server_main.check(args)
     state, engine = server_main.build(args)
@@ -551,7 +553,8 @@ def test_a_server_speculating_with_a_draft_model_answers_as_generate():
     from jaxkv.server import main as server_main
     from jaxkv.server.app import create_app
 
-    args = server_main.parser().parse_args(["--model", "tiny", "--slots", "2", "--max-len", "128",
+    # --slots 1: as the ngram test above (draft models in slots side by side: tests/engine/test_engine_speculation.py)
+    args = server_main.parser().parse_args(["--model", "tiny", "--slots", "1", "--max-len", "128",
                                             "--speculative-method", "draft", "--draft-model", "tiny",
                                             "--num-speculative-tokens", "3", "--steps-per-dispatch", "4"])
     server_main.check(args)

@@ -36,9 +36,10 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(model_dir):
+def server(model_dir, serve_compile_cache):
     proc, url = start_server(["--model", str(model_dir), "--slots", str(SLOTS), "--max-len", str(MAX_LEN),
-                              "--api-key", KEY, "--max-waiting", str(MAX_WAITING), "--served-model-name", "tiny-chat"])
+                              "--api-key", KEY, "--max-waiting", str(MAX_WAITING), "--served-model-name", "tiny-chat"],
+                             env=serve_compile_cache)  # (tests/server/conftest.py: shared with test_soak.py's)
     yield proc, url
     if proc.poll() is None:
         proc.kill()
