@@ -55,6 +55,8 @@ def parse_args(argv=None):
     p.add_argument("--snapshot-interval", type=int, default=128, help="the prefix cache's snapshot interval")
     p.add_argument("--verify", type=int, default=4, help="K, the proposals of the verify-cost part (0: skip it)")
     p.add_argument("--out", default=None, help="write the figures as JSON to this file")
+    p.add_argument("--layers", type=int, default=None, help="layers of each model, a multiple of 4 (default 8; "
+                   "fewer only for a smoke test of the benchmark itself, e.g. in the test suite)")
     p.add_argument("--quick", action="store_true",
                    help="a small run, as if given " + ", ".join(f"--{k} {v}" for k, v in QUICK.items()))
     first = argparse.ArgumentParser(add_help=False)
@@ -73,17 +75,21 @@ def parse_args(argv=None):
         p.error(f"--prefix must be HEAD,TAIL, got {args.prefix}")
     if args.snapshot_interval < 1 or args.snapshot_interval % 16:
         p.error(f"--snapshot-interval must be a positive multiple of 16 (the page size), got {args.snapshot_interval}")
+    if args.layers is not None and (args.layers < 4 or args.layers % 4):
+        p.error(f"--layers must be a positive multiple of 4 (3 linear-attention layers : 1 full), got {args.layers}")
     for name in ("steps", "reps"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be positive, got {getattr(args, name)}")
     return args
 
 
-def twins():
-    """(hybrid, twin) configs with the same parameter count (to 0.1%)."""
+def twins(layers: int | None = None):
+    """(hybrid, twin) configs with the same parameter count (to 0.1%); `layers`: fewer than the preset's 8
+    (--layers, a smoke test's size)."""
     from jaxkv.config import PRESETS, LinearAttention
 
-    base = PRESETS["small"].replace(max_positions=32768, norm_kind="gemma_rmsnorm", qk_norm=True,
+    base = PRESETS["small"].replace(n_layers=layers or PRESETS["small"].n_layers, max_positions=32768,
+                                    norm_kind="gemma_rmsnorm", qk_norm=True,
                                     attn_output_gate=True, rotary_dim=16)
     types = tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(base.n_layers))
     hybrid = base.replace(layer_types=types, linear_attention=LinearAttention(
@@ -101,7 +107,7 @@ def run(args) -> dict:
     from jaxkv.cache import planner as memory
     from jaxkv.cache.contiguous import KVCache
 
-    hybrid, twin = twins()
+    hybrid, twin = twins(args.layers)
     models = {"hybrid": jaxkv.Model.random(hybrid, seed=0), "twin": jaxkv.Model.random(twin, seed=0)}
     result = {"jax": jax.__version__, "steps": args.steps, "reps": args.reps,
               "configs": {name: {"params": m.config.param_count(),

@@ -34,17 +34,19 @@ def parse_args(argv=None):
 
     p, args = context_parser(argv, prog="jaxkv bench layers", description=__doc__.split("\n\n")[0],
                              contexts="4096,16384", quick=QUICK)
+    if args.layers is not None and args.layers % 6:
+        p.error(f"--layers must be a multiple of 6 (5 local layers : 1 global), got {args.layers}")
     if max(args.contexts) + args.steps > config().max_positions:
         p.error(f"--contexts: at most {config().max_positions - args.steps} tokens with --steps {args.steps}")
     return args
 
 
-def config():
-    """The Gemma-3-shaped model (module docstring)."""
+def config(layers: int = 12):
+    """The Gemma-3-shaped model (module docstring); `layers`: fewer than 12 (--layers, a smoke test's size)."""
     from jaxkv.config import Config
 
-    types = tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(12))
-    return Config(vocab_size=32000, d_model=512, n_layers=12, n_heads=8, n_kv_heads=4, head_dim=64, ffn_dim=1408,
+    types = tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers))
+    return Config(vocab_size=32000, d_model=512, n_layers=layers, n_heads=8, n_kv_heads=4, head_dim=64, ffn_dim=1408,
                   ffn_kind="geglu", norm_kind="gemma_rmsnorm", norm_eps=1e-6, qk_norm=True, post_norms=True,
                   embed_scale=512 ** 0.5, query_pre_attn_scalar=64.0, sliding_window=WINDOW, layer_types=types,
                   rope_theta=1_000_000.0, rope_local_theta=10_000.0, tie_embeddings=True, max_positions=32768)
@@ -63,11 +65,13 @@ def run(args) -> dict:
     from jaxkv.cache import planner as memory
     from jaxkv.bench.mla import alternating_medians, step_seconds
 
-    model = jaxkv.Model.random(config(), seed=0)
+    model = jaxkv.Model.random(config(args.layers or 12), seed=0)
     cfg = model.config
     caches = {"rings": True, "full": False}
     result = {"jax": jax.__version__, "batch": args.batch, "steps": args.steps, "reps": args.reps,
               "params": cfg.param_count(), "config": repr(cfg), "contexts": []}
+    if cfg.n_layers != 12:  # --layers (the default run's JSON as it was)
+        result["layers"] = cfg.n_layers
     for context in args.contexts:
         capacity = context + args.steps
         row = {"context": context, "capacity": capacity}
@@ -92,8 +96,9 @@ def run(args) -> dict:
 
 
 def report(result: dict):
-    print(f"Gemma-3-shaped model: {result['params']:,} parameters, 12 layers (10 local with a window of {WINDOW}, "
-          f"2 global)")
+    layers = result.get("layers", 12)
+    print(f"Gemma-3-shaped model: {result['params']:,} parameters, {layers} layers ({layers - layers // 6} local with "
+          f"a window of {WINDOW}, {layers // 6} global)")
     print(f"batch {result['batch']}, float32, XLA attention, {result['steps']} steps per call, median of "
           f"{result['reps']}")
     print(f"{'context':>8} {'rings ms':>9} {'full ms':>8} {'rings/full speed':>16} {'rings cache B':>14} "

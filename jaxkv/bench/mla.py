@@ -45,6 +45,8 @@ def context_parser(argv, *, prog: str, description: str, contexts: str, quick: d
     p.add_argument("--steps", type=int, default=steps, help=f"decode steps per timed call (default {steps})")
     p.add_argument("--reps", type=int, default=5, help="timed calls per variant and context (default 5)")
     p.add_argument("--out", default=None, help="write the figures as JSON to this file")
+    p.add_argument("--layers", type=int, default=None, help="layers of each model (default: the benchmark's own; "
+                   "fewer only for a smoke test of the benchmark itself, e.g. in the test suite)")
     if add_options is not None:
         add_options(p)
     as_if = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in quick.items())
@@ -59,7 +61,7 @@ def context_parser(argv, *, prog: str, description: str, contexts: str, quick: d
     except ValueError:
         p.error(f"--contexts must be comma-separated integers, got {args.contexts!r}")
     for name, value in (("--batch", args.batch), ("--steps", args.steps), ("--reps", args.reps),
-                        ("--contexts", min(args.contexts))):
+                        ("--contexts", min(args.contexts)), ("--layers", 1 if args.layers is None else args.layers)):
         if value < 1:
             p.error(f"{name} must be positive, got {value}")
     return p, args
@@ -70,12 +72,14 @@ def parse_args(argv=None):
                           contexts="1024,4096", quick=QUICK)[1]
 
 
-def twins():
-    """(gqa, mla) configs with the same parameter count (to 0.1%)."""
+def twins(layers: int | None = None):
+    """(gqa, mla) configs with the same parameter count (to 0.1%); `layers`: fewer than the preset's (--layers, a
+    smoke test's size)."""
     from jaxkv.config import Mla
     from jaxkv.config import PRESETS
 
-    gqa = PRESETS["small"].replace(max_positions=16384)  # rotary positions: room for long contexts, no table
+    # rotary positions: room for long contexts, no table
+    gqa = PRESETS["small"].replace(max_positions=16384, n_layers=layers or PRESETS["small"].n_layers)
     mla = Mla(kv_lora_rank=96, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64)
     base = dataclasses.replace(gqa, n_kv_heads=None, head_dim=None, mla=mla)
     # The FFN width that brings the MLA model's parameter count closest to the twin's.
@@ -136,7 +140,7 @@ def run(args) -> dict:
     import jaxkv
     from jaxkv.cache import planner as memory
 
-    gqa, mla = twins()
+    gqa, mla = twins(args.layers)
     models = {"gqa": jaxkv.Model.random(gqa, seed=0), "mla": jaxkv.Model.random(mla, seed=0)}
     result = {"jax": jax.__version__, "batch": args.batch, "steps": args.steps, "reps": args.reps,
               "configs": {name: {"params": m.config.param_count(),

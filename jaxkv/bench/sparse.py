@@ -57,23 +57,24 @@ def parse_args(argv=None):
 MAX_POSITIONS = 1 << 17
 
 
-def sparse_twins(topk: int = TOPK):
+def sparse_twins(topk: int = TOPK, layers: int | None = None):
     """(sparse, dense) DeepSeek-V3.2-shaped configs (module docstring): the same model with and without the
-    indexer."""
+    indexer; `layers`: fewer than the preset's (--layers, a smoke test's size)."""
     from jaxkv.config import PRESETS, Mla, SparseIndexer
 
-    small = PRESETS["small"]
+    small = PRESETS["small"].replace(n_layers=layers or PRESETS["small"].n_layers)
     mla = Mla(kv_lora_rank=96, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, q_lora_rank=192)
     dense = dataclasses.replace(small, n_kv_heads=None, head_dim=None, mla=mla, max_positions=MAX_POSITIONS)
     sparse = dense.replace(mla=dataclasses.replace(mla, indexer=SparseIndexer(n_heads=4, head_dim=32, topk=topk)))
     return sparse, dense
 
 
-def window_twins():
-    """(windows, full) gpt-oss-shaped configs (module docstring)."""
+def window_twins(layers: int | None = None):
+    """(windows, full) gpt-oss-shaped configs (module docstring); `layers`: as `sparse_twins`."""
     from jaxkv.config import PRESETS
 
-    base = PRESETS["small"].replace(attention_sinks=True, max_positions=MAX_POSITIONS)
+    base = PRESETS["small"].replace(attention_sinks=True, max_positions=MAX_POSITIONS,
+                                    n_layers=layers or PRESETS["small"].n_layers)
     types = tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(base.n_layers))
     return base.replace(sliding_window=WINDOW, layer_types=types), base
 
@@ -123,7 +124,7 @@ def run(args) -> dict:
         return {name: {"params": m.config.param_count(), "kv_bytes_per_token": memory.kv_bytes_per_token(m.config),
                        "config": repr(m.config)} for name, m in models.items()}
 
-    sparse, dense = sparse_twins(args.topk)
+    sparse, dense = sparse_twins(args.topk, args.layers)
     sparse_model = jaxkv.Model.random(sparse, seed=0)
     params = dict(sparse_model.params)
     dense_params = {name: ({**layer, "attn": {k: v for k, v in layer["attn"].items() if k != "indexer"}}
@@ -147,7 +148,7 @@ def run(args) -> dict:
                                                                          args.reps).items()}
         result["sparse"]["rows"].append(row)
 
-    windows, full = window_twins()
+    windows, full = window_twins(args.layers)
     wmodels = {"windows": jaxkv.Model.random(windows, seed=0), "full": jaxkv.Model.random(full, seed=0)}
     context, capacity = args.window_context, args.window_context + args.steps
     seconds = alternating_medians({name: functools.partial(step_seconds, model, args.batch, context, capacity,

@@ -8,7 +8,6 @@ text is likely and every structure comes from the constraint."""
 import json
 import re
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -57,6 +56,19 @@ def text(tokens):
     return bytes(t for t in tokens if t < 256).decode("utf-8")
 
 
+RECOMPUTE_SHAPE = (8, 160)  # rows, tokens: every row this file checks fits (the longest is 16 + 120 tokens)
+
+
+def recompute_padded(rows):
+    """`recompute` (the no-cache logits of each row) with the rows padded to one shape for the whole file: causal,
+    so neither the padding after a row nor the padding rows change its logits, and one compiled forward serves
+    every check (a shape per row length was a compile per check)."""
+    B, T = RECOMPUTE_SHAPE
+    assert len(rows) <= B and max(map(len, rows)) <= T, (len(rows), max(map(len, rows)))
+    padded = [row + [0] * (T - len(row)) for row in rows] + [[0] * T] * (B - len(rows))
+    return [logits[:len(row)] for logits, row in zip(recompute(model(), padded), rows)]
+
+
 def test_json_schemas_validate():
     prompts = ["Answer in JSON: ", "{", "x"]
     for temperature in (0.0, 1.0):
@@ -101,6 +113,21 @@ def satisfies(constraint, s):
 
 
 _greedy = {}
+_engines = {}
+NGRAM = jaxkv.Speculation("ngram", num_tokens=3, adaptive=False)
+
+
+def shared_engine(speculative=None):
+    """The file's engine without speculation or with NGRAM, one of each for every test that runs one (an engine
+    compiles its programs: one shape, slots 4, max_len 256, 4 steps per dispatch, widths 2 and 4, serves all);
+    stats reset, no request in flight."""
+    if speculative not in _engines:
+        _engines[speculative] = jaxkv.Engine(model(), slots=4, max_len=256, steps_per_dispatch=4, decode_widths=[2, 4],
+                                             speculative=speculative)
+    e = _engines[speculative]
+    assert not e.pending
+    e.reset_stats()
+    return e
 
 
 def greedy_run():
@@ -128,7 +155,7 @@ def test_greedy_is_the_argmax_of_what_llguidance_allows():
     tok = model().tokenizer
     lltok = llguidance.LLTokenizer(tok.to_str(), n_vocab=CONFIG.vocab_size, eos_token=[256])
     rows = [tok.encode(p).ids + out for p, out in zip(prompts, gen.tokens)]
-    logits = recompute(model(), rows)
+    logits = recompute_padded(rows)
     changed = 0
     for b, (c, out) in enumerate(zip(constraints, gen.tokens)):
         if c is None:
@@ -211,7 +238,7 @@ def test_engine_requests_decode_as_generate():
     """Engine.submit(constraint=): constrained and unconstrained requests in one engine, slots reused and
     compacted, give generate's greedy tokens (the unconstrained one too); a bad constraint is refused at submit."""
     prompts, constraints, gen = greedy_run()
-    engine = jaxkv.Engine(model(), slots=4, max_len=256, steps_per_dispatch=4, decode_widths=[2, 4])
+    engine = shared_engine()
     # two one-token requests in slots 0 and 1, two JSON ones in 2 and 3 that move down once those end
     order = [5, 6, 0, 1, 7, 2, 3, 4]
     results = engine.generate([dict(prompt=prompts[i], constraint=constraints[i]) for i in order],
@@ -269,9 +296,11 @@ def assert_models_logprobs(prompts, outs, logprobs, tops, constraints):
     tok = model().tokenizer
     rows = [tok.encode(p).ids + out for p, out in zip(prompts, outs)]
     forced = 0
-    for row, out, lp, top, c in zip(rows, outs, logprobs, tops, constraints):
+    for row, out, lp, top, c, logits in zip(rows, outs, logprobs, tops, constraints, recompute_padded(rows)):
         start = len(row) - len(out)
-        logp = np.asarray(jax.nn.log_softmax(recompute(model(), [row])[0][start - 1: len(row) - 1], axis=-1))
+        x = np.asarray(logits[start - 1: len(row) - 1], np.float64)  # (numpy: no compile per row length)
+        logp = x - x.max(-1, keepdims=True)
+        logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
         np.testing.assert_allclose(lp, logp[np.arange(len(out)), out], **LP_TOL)
         k = len(top[0])
         np.testing.assert_allclose([[v for _, v in step] for step in top], -np.sort(-logp, axis=-1)[:, :k], **LP_TOL)
@@ -282,9 +311,6 @@ def assert_models_logprobs(prompts, outs, logprobs, tops, constraints):
         assert satisfies(c, s) if not isinstance(c, jaxkv.JsonSchema) else jsonschema.validate(json.loads(s),
                                                                                                c.schema) is None
     assert forced > 0
-
-
-_engines = {}
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -299,17 +325,13 @@ def test_constrained_logprobs_are_the_models(temperature):
     paged = jaxkv.generate(model(), LP_PROMPTS, n=2, **kw)
     assert_models_logprobs([p for p in LP_PROMPTS for _ in range(2)], paged.tokens, paged.logprobs,
                            paged.top_logprobs, [c for c in LP_CONSTRAINTS for _ in range(2)])
-    ngram = jaxkv.Speculation("ngram", num_tokens=3, adaptive=False)
-    spec = jaxkv.generate(model(), LP_PROMPTS, speculative=ngram, **kw)
+    spec = jaxkv.generate(model(), LP_PROMPTS, speculative=NGRAM, **kw)
     assert spec.stats["spec_proposed"] > 0
     assert_models_logprobs(LP_PROMPTS, spec.tokens, spec.logprobs, spec.top_logprobs, LP_CONSTRAINTS)
     if temperature == 0:
         assert spec.tokens == gen.tokens
-    for speculative in (None, ngram):
-        if speculative not in _engines:  # one per kind for both temperatures (an engine compiles its programs)
-            _engines[speculative] = jaxkv.Engine(model(), slots=4, max_len=128, steps_per_dispatch=4,
-                                                 speculative=speculative)
-        results = _engines[speculative].generate([dict(prompt=p, constraint=c, seed=5 + i, logprobs=2)
+    for speculative in (None, NGRAM):
+        results = shared_engine(speculative).generate([dict(prompt=p, constraint=c, seed=5 + i, logprobs=2)
                                    for i, (p, c) in enumerate(zip(LP_PROMPTS, LP_CONSTRAINTS))],
                                   max_new_tokens=40, temperature=temperature)
         assert [r.finish_reason for r in results] == ["stop"] * 3
@@ -332,15 +354,15 @@ def test_complete_constraint_emits_its_stop_token():
             gen = jaxkv.generate(model(), ["Is it? "], max_new_tokens=new, constraint=yes, speculative=speculative)
             assert (gen.tokens, gen.finish_reasons, gen.stats["constraint_incomplete"]) == ([want], ["stop"], [])
             assert len(gen.logprobs[0]) == len(want)
-            engine = jaxkv.Engine(model(), slots=2, max_len=64, speculative=speculative)
-            r = engine.generate([dict(prompt="Is it? ", constraint=yes)], max_new_tokens=new)[0]
+            # the file's engines (the speculative one proposing NGRAM's 3 tokens, not 2: more than the budget of 3)
+            r = shared_engine(None if speculative is None else NGRAM).generate(
+                [dict(prompt="Is it? ", constraint=yes)], max_new_tokens=new)[0]
             assert (r.tokens, r.finish_reason) == (want, "stop")
     paged = jaxkv.generate(model(), ["Is it? "], n=2, max_new_tokens=3, constraint=yes)
     assert paged.finish_reasons == ["stop", "stop"] and paged.tokens == [[121, 101, 115]] * 2
     held = jaxkv.generate(model(), ["Is it? "], max_new_tokens=10, min_tokens=8, constraint=yes)
     assert (held.tokens, held.finish_reasons) == ([[121, 101, 115, 256]], ["stop"])
-    engine = jaxkv.Engine(model(), slots=2, max_len=64)
-    r = engine.generate([dict(prompt="Is it? ", constraint=yes, min_tokens=8)], max_new_tokens=10)[0]
+    r = shared_engine().generate([dict(prompt="Is it? ", constraint=yes, min_tokens=8)], max_new_tokens=10)[0]
     assert (r.tokens, r.finish_reason) == ([121, 101, 115, 256], "stop")
 
 
