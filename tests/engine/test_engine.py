@@ -19,9 +19,11 @@ LOGPROB_TOL = atol("logprobs")  # the same logits' log-softmax through a differe
 RNG = np.random.default_rng(0)
 
 
-# Engine configurations several tests share (so they share its compiled programs): the greedy test's, at 3 or 8
-# slots, and the event tests' (2 slots, 2 decode steps per dispatch).
-GREEDY = dict(max_len=96, page_size=8, prefill_chunk=16, prefill_rows=2)
+# Engine configurations several tests share (so they share its compiled programs): the greedy test's, at 3 slots
+# (2 prefill rows) or 8 (4 prefill rows: the occupied-width test's first six requests are admitted together), and
+# the event tests' (2 slots, 2 decode steps per dispatch).
+GREEDY = {3: dict(slots=3, max_len=96, page_size=8, prefill_chunk=16, prefill_rows=2),
+          8: dict(slots=8, max_len=96, page_size=8, prefill_chunk=16, prefill_rows=4)}
 EVENTS = dict(slots=2, max_len=64, page_size=8, steps_per_dispatch=2, decode_widths=[2])
 
 
@@ -34,7 +36,7 @@ def random_requests(n, rng, longest=40, most_new=24):
 def test_greedy_tokens_and_logprobs_equal_each_request_alone(slots):
     model = model_for("gqa")
     rng = np.random.default_rng(slots)
-    engine = Engine(model, slots=slots, **GREEDY)
+    engine = Engine(model, **GREEDY[slots])
     arrivals = [(p, n, {}) for p, n in random_requests(10, rng)]
     rng.shuffle(arrivals)
     ids = drain(engine, arrivals, rng)
@@ -56,7 +58,7 @@ def test_mixed_sampling_settings_draw_what_each_request_draws_alone():
                 dict(temperature=0.7, top_p=0.8, seed=3), dict(temperature=1.0, min_p=0.05, seed=2**40 + 5),
                 dict(temperature=1.0, top_k=5, top_p=0.9, seed=4)]
     arrivals = [(p, n, s) for (p, n), s in zip(random_requests(len(settings), rng, most_new=16), settings)]
-    engine = Engine(model, slots=3, **GREEDY)
+    engine = Engine(model, **GREEDY[3])
     ids = drain(engine, arrivals, rng)
     for r in engine.results():
         prompt, new, kwargs = ids[r.id]
@@ -104,7 +106,7 @@ def test_events_stream_every_token_once_and_stop_tokens_end_requests():
 def test_no_recompiles_after_warm_up_over_200_requests():
     model = model_for("gqa")
     rng = np.random.default_rng(3)
-    engine = Engine(model, slots=3, **GREEDY)  # the greedy test's programs, warmed by it or here
+    engine = Engine(model, **GREEDY[3])  # the greedy test's programs, warmed by it or here
     engine.warm_up()  # every decode width (1, 2, 3)
     warm = [dict(max_new_tokens=3, temperature=0.8, top_k=5, seed=1, logprobs=2), dict(max_new_tokens=2)]
     for kwargs in warm:
@@ -127,7 +129,7 @@ def test_decode_computes_only_the_occupied_width():
     (its page-table row and per-slot state, PRNG key and sampling settings included), so the width drops; requests
     that join meanwhile, and the moved one, still get exactly their own tokens."""
     model = model_for("gqa")
-    engine = Engine(model, slots=8, **GREEDY)  # the greedy test's programs at 8 slots
+    engine = Engine(model, **GREEDY[8])  # the greedy test's programs at 8 slots
     assert engine.decode_widths == [1, 2, 4, 8]
     assert Engine(model, slots=6, max_len=64, decode_widths=[6, 2, 2]).decode_widths == [2, 6]
     for bad in ([2, 4], [0, 6], [7], 6):
