@@ -1,6 +1,6 @@
 """`jaxkv.Engine(mesh=)` with a "data" axis above 1 (issue 33, item 3): an engine per data shard, requests placed
 on the least loaded (with prefix caches, on the one holding the longest cached prefix). Outputs equal the
-single-device engine's on the 8 host devices for meshes (2, 1), (4, 1), (2, 2), (4, 2), with mixed settings,
+single-device engine's on the 8 host devices for meshes (2, 1) and (4, 2), with mixed settings,
 random arrivals and cancels; every shard's slots and pages are free afterwards."""
 
 import collections
@@ -21,6 +21,10 @@ from helpers.models import model_for
 SETTINGS = [dict(), dict(temperature=0.9, seed=1), dict(temperature=1.2, top_k=10, seed=2), dict(logprobs=2),
             dict(temperature=0.7, top_p=0.8, seed=3), dict(repetition_penalty=1.3)]
 _reference = {}
+# One engine configuration for every test here (they share its compiled programs: one set per mesh): 2 decode steps
+# per dispatch, so a few tokens reach mid-decode, and prompts of up to 30 tokens prefill in several chunks. The
+# single engine gets 3 slots: a third request decodes beside two as it does beside one of them on a shard of 2.
+KW = dict(max_len=64, page_size=8, prefill_chunk=8, steps_per_dispatch=2)
 
 
 def mesh_of(data: int, model: int) -> Mesh:
@@ -36,15 +40,18 @@ def requests(seed: int, count: int = 10):
 def single_device(model, prompt, new, kwargs):
     key = (tuple(prompt), new, tuple(sorted(kwargs.items())))
     if key not in _reference:
-        engine = jaxkv.Engine(model, slots=2, max_len=64, page_size=8, prefill_chunk=16)
+        engine = jaxkv.Engine(model, slots=3, **KW)  # the cancel tests' single engine: its programs
         (_reference[key],) = engine.generate([{"prompt": prompt, "max_new_tokens": new, **kwargs}], stop_tokens=[])
     return _reference[key]
 
 
-@pytest.mark.parametrize("shape", [(2, 1), (4, 1), (2, 2), (4, 2)])
+# (2, 1): data shards alone (the mesh every other test here runs on, so its programs are theirs); (4, 2): more than
+# two shards, each split over a model axis. (4, 1) and (2, 2) are these two's axes apart: each mesh compiles every
+# engine program once more.
+@pytest.mark.parametrize("shape", [(2, 1), (4, 2)])
 def test_outputs_equal_the_single_device_engine(shape):
     model = model_for("gqa")  # 2 KV heads: split over a model axis of 2
-    engine = jaxkv.Engine(model, slots=2, max_len=64, page_size=8, prefill_chunk=16, mesh=mesh_of(*shape))
+    engine = jaxkv.Engine(model, slots=2, mesh=mesh_of(*shape), **KW)
     assert isinstance(engine, DataParallelEngine) and len(engine.shards) == shape[0]
     assert engine.slots == 2 * shape[0]
     rng = np.random.default_rng(sum(shape))
@@ -65,7 +72,7 @@ def test_outputs_equal_the_single_device_engine(shape):
 
 def test_cancels_free_their_shards():
     model = model_for("gqa")
-    engine = jaxkv.Engine(model, slots=2, max_len=64, page_size=8, mesh=mesh_of(2, 1))
+    engine = jaxkv.Engine(model, slots=2, mesh=mesh_of(2, 1), **KW)
     ids = [engine.submit(p, max_new_tokens=20, stop_tokens=[]) for p, _, _ in requests(5, 6)]
     engine.step()
     assert engine.cancel(ids[0]) and engine.cancel(ids[3]) and not engine.cancel(12345)
@@ -78,7 +85,7 @@ def test_cancels_free_their_shards():
 
 def test_callbacks_and_events_carry_the_engines_ids():
     model = model_for("gqa")
-    engine = jaxkv.Engine(model, slots=1, max_len=64, page_size=8, mesh=mesh_of(2, 1))
+    engine = jaxkv.Engine(model, slots=2, mesh=mesh_of(2, 1), **KW)
     seen = []
     ids = [engine.submit(p, max_new_tokens=3, stop_tokens=[], callback=lambda e: seen.append(e.id))
            for p, _, _ in requests(6, 4)]
@@ -91,7 +98,7 @@ def test_a_prompt_goes_to_the_shard_holding_its_prefix():
     model = model_for("gqa")
     mesh = mesh_of(2, 1)
     caches = [jaxkv.PrefixCache(model, num_pages=32, page_size=8, mesh=m) for m in data_shards(mesh)]
-    engine = jaxkv.Engine(model, slots=2, max_len=64, mesh=mesh, prefix_cache=caches)
+    engine = jaxkv.Engine(model, slots=2, mesh=mesh, prefix_cache=caches, **KW)  # the raising shard test's
     header = list(range(1, 33))  # 4 pages
     (first,) = engine.generate([header + [40, 41]], max_new_tokens=3, stop_tokens=[])
     holder = next(d for d, c in enumerate(caches) if c.cached_pages)
@@ -101,14 +108,14 @@ def test_a_prompt_goes_to_the_shard_holding_its_prefix():
     assert engine.shards[holder].stats["requests_admitted"] == 4
     assert engine.shards[1 - holder].stats.get("requests_admitted", 0) == 0
     with pytest.raises(ValueError, match="one per shard"):
-        jaxkv.Engine(model, slots=2, max_len=64, mesh=mesh, prefix_cache=caches[0])
+        jaxkv.Engine(model, slots=2, mesh=mesh, prefix_cache=caches[0], **KW)
 
 
 def test_generate_with_one_bad_request_submits_none():
     """As Engine.generate: the third request is refused after two were placed on shards; neither runs, no shard
     keeps anything, and the next call's results and ids are those of an engine that never saw the bad call."""
     model = model_for("gqa")
-    engine = jaxkv.Engine(model, slots=2, max_len=64, page_size=8, mesh=mesh_of(2, 1))
+    engine = jaxkv.Engine(model, slots=2, mesh=mesh_of(2, 1), **KW)
     (p0, n0, _), (p1, n1, _) = requests(9, 2)
     calls = [{"prompt": p0, "max_new_tokens": n0}, {"prompt": p1, "max_new_tokens": n1},
              {"prompt": p1, "max_new_tokens": 1000}]  # past max_len: refused by its shard's submit
@@ -126,10 +133,6 @@ def test_generate_with_one_bad_request_submits_none():
 # --- Issue 50: one engine's events and results in every event path ---------------------------------------------
 
 LONG = [int(t) % 96 + 1 for t in range(7, 47)]  # 40 tokens: five prefill chunks of 8
-# One engine configuration for these tests (they share its compiled programs): 2 decode steps per dispatch, so a
-# few tokens reach mid-decode. The single engine gets 3 slots: a third request decodes beside two as it does
-# beside one of them on a shard of 2.
-KW = dict(max_len=64, page_size=8, prefill_chunk=8, steps_per_dispatch=2)
 
 
 def assert_shards_free(engine):

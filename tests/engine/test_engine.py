@@ -19,6 +19,14 @@ LOGPROB_TOL = atol("logprobs")  # the same logits' log-softmax through a differe
 RNG = np.random.default_rng(0)
 
 
+# Engine configurations several tests share (so they share its compiled programs): the greedy test's, at 3 slots
+# (2 prefill rows) or 8 (4 prefill rows: the occupied-width test's first six requests are admitted together), and
+# the event tests' (2 slots, 2 decode steps per dispatch).
+GREEDY = {3: dict(slots=3, max_len=96, page_size=8, prefill_chunk=16, prefill_rows=2),
+          8: dict(slots=8, max_len=96, page_size=8, prefill_chunk=16, prefill_rows=4)}
+EVENTS = dict(slots=2, max_len=64, page_size=8, steps_per_dispatch=2, decode_widths=[2])
+
+
 def random_requests(n, rng, longest=40, most_new=24):
     return [(rng.integers(1, 97, int(rng.integers(1, longest))).tolist(), int(rng.integers(1, most_new)))
             for _ in range(n)]
@@ -28,7 +36,7 @@ def random_requests(n, rng, longest=40, most_new=24):
 def test_greedy_tokens_and_logprobs_equal_each_request_alone(slots):
     model = model_for("gqa")
     rng = np.random.default_rng(slots)
-    engine = Engine(model, slots=slots, max_len=96, page_size=8, prefill_chunk=16, prefill_rows=2)
+    engine = Engine(model, **GREEDY[slots])
     arrivals = [(p, n, {}) for p, n in random_requests(10, rng)]
     rng.shuffle(arrivals)
     ids = drain(engine, arrivals, rng)
@@ -44,13 +52,13 @@ def test_greedy_tokens_and_logprobs_equal_each_request_alone(slots):
 
 
 def test_mixed_sampling_settings_draw_what_each_request_draws_alone():
-    model = model_for("mha")
+    model = model_for("gqa")
     rng = np.random.default_rng(7)
     settings = [dict(temperature=0.9, seed=1), dict(), dict(temperature=1.3, top_k=10, seed=2),
                 dict(temperature=0.7, top_p=0.8, seed=3), dict(temperature=1.0, min_p=0.05, seed=2**40 + 5),
                 dict(temperature=1.0, top_k=5, top_p=0.9, seed=4)]
     arrivals = [(p, n, s) for (p, n), s in zip(random_requests(len(settings), rng, most_new=16), settings)]
-    engine = Engine(model, slots=3, max_len=64, page_size=4, prefill_chunk=8)
+    engine = Engine(model, **GREEDY[3])
     ids = drain(engine, arrivals, rng)
     for r in engine.results():
         prompt, new, kwargs = ids[r.id]
@@ -60,7 +68,7 @@ def test_mixed_sampling_settings_draw_what_each_request_draws_alone():
 def test_top_logprobs_are_the_recomputed_top_k():
     model = model_for("gqa")
     prompt = RNG.integers(1, 97, 11).tolist()
-    engine = Engine(model, slots=2, max_len=64, page_size=8)
+    engine = Engine(model, **EVENTS)
     r = engine.generate([prompt], max_new_tokens=6, logprobs=5, stop_tokens=[], temperature=1.0, seed=9)[0]
     logp, want = recomputed_logprobs(model, prompt, r.tokens)
     np.testing.assert_allclose(r.logprobs, want, atol=LOGPROB_TOL)
@@ -79,7 +87,7 @@ def test_events_stream_every_token_once_and_stop_tokens_end_requests():
     prompts = [RNG.integers(1, 97, n).tolist() for n in (3, 17, 9)]
     # Stop at the third token each would emit greedily.
     stops = [alone(model, p, 6).tokens[0][2] for p in prompts]
-    engine = Engine(model, slots=2, max_len=64, page_size=8, steps_per_dispatch=2, decode_widths=[2])
+    engine = Engine(model, **EVENTS)
     ids = [engine.submit(p, max_new_tokens=6, stop_tokens=[s]) for p, s in zip(prompts, stops)]
     streamed = {i: [] for i in ids}
     finished = []
@@ -96,17 +104,17 @@ def test_events_stream_every_token_once_and_stop_tokens_end_requests():
 
 
 def test_no_recompiles_after_warm_up_over_200_requests():
-    model = model_for("mqa")
+    model = model_for("gqa")
     rng = np.random.default_rng(3)
-    engine = Engine(model, slots=4, max_len=128, page_size=8, prefill_chunk=16)
-    engine.warm_up()  # every decode width (1, 2, 4)
+    engine = Engine(model, **GREEDY[3])  # the greedy test's programs, warmed by it or here
+    engine.warm_up()  # every decode width (1, 2, 3)
     warm = [dict(max_new_tokens=3, temperature=0.8, top_k=5, seed=1, logprobs=2), dict(max_new_tokens=2)]
     for kwargs in warm:
         engine.generate([rng.integers(1, 97, 40).tolist()], stop_tokens=[], **kwargs)
     engine.cancel(engine.submit([1, 2, 3], max_new_tokens=4))  # a cancel, warm too
     settings = [dict(), dict(temperature=1.0, seed=5), dict(temperature=0.5, top_p=0.9, seed=6),
                 dict(temperature=1.2, top_k=3, min_p=0.1, logprobs=3), dict(stop_tokens=[1, 2, 3, 4, 5, 6, 7, 8, 9])]
-    requests = [dict(prompt=rng.integers(1, 97, int(rng.integers(1, 100))).tolist(),
+    requests = [dict(prompt=rng.integers(1, 97, int(rng.integers(1, 68))).tolist(),
                      max_new_tokens=int(rng.integers(1, 28)), **settings[i % len(settings)]) for i in range(200)]
     with count_compiles() as c:
         results = engine.generate(requests)
@@ -121,7 +129,7 @@ def test_decode_computes_only_the_occupied_width():
     (its page-table row and per-slot state, PRNG key and sampling settings included), so the width drops; requests
     that join meanwhile, and the moved one, still get exactly their own tokens."""
     model = model_for("gqa")
-    engine = Engine(model, slots=8, max_len=64, page_size=8, prefill_chunk=16, prefill_rows=4)
+    engine = Engine(model, **GREEDY[8])  # the greedy test's programs at 8 slots
     assert engine.decode_widths == [1, 2, 4, 8]
     assert Engine(model, slots=6, max_len=64, decode_widths=[6, 2, 2]).decode_widths == [2, 6]
     for bad in ([2, 4], [0, 6], [7], 6):
@@ -153,7 +161,7 @@ def test_leaving_run_early_loses_no_event_and_callbacks_see_cancels():
     every token and every finish once, from later `run` calls; a request's callback gets its "cancelled" event."""
     model = model_for("gqa")
     prompts = [RNG.integers(1, 97, n).tolist() for n in (3, 17, 9)]
-    engine = Engine(model, slots=2, max_len=64, page_size=8, steps_per_dispatch=2, decode_widths=[2])
+    engine = Engine(model, **EVENTS)
     ids = [engine.submit(p, max_new_tokens=6, stop_tokens=[]) for p in prompts]
     streamed, finished = {i: [] for i in ids}, []
     while (event := next(engine.run(), None)) is not None:  # a fresh run each time, left after one event

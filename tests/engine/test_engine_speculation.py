@@ -54,15 +54,10 @@ def test_sampled_and_plain_requests_draw_what_each_draws_alone_in_the_engine():
     settings = [dict(temperature=0.8, seed=1), dict(), dict(temperature=1.0, top_k=8, seed=2),
                 dict(temperature=0.7, top_p=0.9, seed=3), dict(temperature=1.2, min_p=0.05, seed=4), dict()]
     arrivals = [(repeating(rng), int(rng.integers(4, 20)), s) for s in settings]
-    spec = Speculation("ngram", 4)
-
-    def engine():
-        return Engine(model, slots=3, max_len=96, page_size=4, prefill_chunk=16, speculative=spec)
-
-    ids = drain(together := engine(), arrivals, rng)
+    ids = drain(together := adaptive_ngram_engine(), arrivals, rng)
     results = together.results()
     assert together.stats["spec_verifies"] > 0
-    single = engine()
+    single = adaptive_ngram_engine()
     for r in results:
         prompt, new, kwargs = ids[r.id]
         kwargs = dict(kwargs, stop_tokens=[])
@@ -71,11 +66,15 @@ def test_sampled_and_plain_requests_draw_what_each_draws_alone_in_the_engine():
     assert_all_free(together)
 
 
+def adaptive_ngram_engine():
+    """The adaptive n-gram engine of the two tests below (one configuration: they share its compiled programs)."""
+    return Engine(model_for("gqa"), slots=3, max_len=96, page_size=4, prefill_chunk=16,
+                  speculative=Speculation("ngram", 4))
+
+
 def test_no_recompiles_after_warm_up_as_acceptance_varies():
-    model = model_for("mqa")
     rng = np.random.default_rng(3)
-    engine = Engine(model, slots=4, max_len=96, page_size=8, prefill_chunk=16,
-                    speculative=Speculation("ngram", 4))
+    engine = adaptive_ngram_engine()  # the sampled test's configuration: warm_up still compiles every width
     engine.warm_up()
     engine.generate([repeating(rng)], max_new_tokens=3, temperature=0.8, top_k=5, seed=1, logprobs=2,
                     stop_tokens=[])
@@ -105,14 +104,20 @@ def test_draft_model_in_the_engine_equals_plain_decoding_also_after_prefix_hits(
                                 keeps_all=draft is model, first_block=0)
 
 
+def prefix_engine(model, speculative):
+    """The draft and MTP tests' engine: 3 slots, a fresh prefix cache of 48 pages of 8 (one configuration per
+    proposer, so the greedy, sampled and page-sharing tests of each share its compiled programs)."""
+    return Engine(model, slots=3, max_len=96, prefill_chunk=16, prefill_rows=2,
+                  prefix_cache=jaxkv.PrefixCache(model, num_pages=48, page_size=8), speculative=speculative)
+
+
 def greedy_with_prefix_hits(model, speculative, prompts, rng, *, keeps_all: bool, first_block: int = 1):
     """Greedy requests with random arrivals through an engine (3 slots, a prefix cache of pages of 8) speculating
     with `speculative`: each equals plain decoding, prefixes were hit, every page comes back; every proposal
     kept (`keeps_all`) or most rejected. Budgets of 1 + 4j or 2 + 4j tokens (j >= first_block): the last verify
     is never cut short by the budget (which would count its proposals past the budget as not accepted)."""
-    pc = jaxkv.PrefixCache(model, num_pages=48, page_size=8)
-    engine = Engine(model, slots=3, max_len=96, prefill_chunk=16, prefill_rows=2, prefix_cache=pc,
-                    speculative=speculative)
+    engine = prefix_engine(model, speculative)
+    pc = engine.prefix_cache
     arrivals = [(p, int(4 * rng.integers(first_block, 6) + rng.integers(1, 3)), {}) for p in prompts]
     ids = drain(engine, arrivals, rng)
     assert engine.pending == 0 and pc.lent_to is None and pc.free_pages() == 48 - pc.cached_pages
@@ -137,23 +142,22 @@ def test_sampled_draft_requests_draw_what_each_draws_alone_in_the_engine():
 
 def sampled_draw_alone(model, speculative, rng, vocab: int) -> dict:
     """Sampled requests (two settings) beside greedy ones, with random arrivals, in an engine speculating with
-    `speculative` (3 slots, pages of 4): each draws what it draws alone in such an engine, its full budget, and
-    every page comes back -> the shared engine's stats."""
+    `speculative` (`prefix_engine`'s, as the greedy tests': their compiled programs; random prompts, so hardly a
+    prefix hit): each draws what it draws alone in such an engine, its full budget, and every page comes back
+    -> the shared engine's stats."""
     settings = [dict(temperature=0.8, seed=1), dict(), dict(temperature=1.0, top_k=8, seed=2), dict()]
     arrivals = [(rng.integers(1, vocab, int(rng.integers(2, 20))).tolist(), int(rng.integers(4, 16)), s)
                 for s in settings]
 
-    def engine():
-        return Engine(model, slots=3, max_len=96, page_size=4, prefill_chunk=16, speculative=speculative)
-
-    ids = drain(together := engine(), arrivals, rng)
-    single = engine()
+    ids = drain(together := prefix_engine(model, speculative), arrivals, rng)
+    single = prefix_engine(model, speculative)
     for r in together.results():
         prompt, new, kwargs = ids[r.id]
         kwargs = dict(kwargs, stop_tokens=[])
         assert r.tokens == single.generate([prompt], max_new_tokens=new, **kwargs)[0].tokens, kwargs
         assert len(r.tokens) == new
-    assert_all_free(together)
+    pc = together.prefix_cache  # every page back: the pool went back to the cache, holding only cached prefixes
+    assert together.pending == 0 and pc.lent_to is None and pc.free_pages() == 48 - pc.cached_pages
     return together.stats
 
 
@@ -172,9 +176,9 @@ def test_mtp_in_the_engine_equals_plain_decoding_and_a_right_module_keeps_every_
     # A noisy module's proposals depend on every pair it attends over, at its positions (the right module's
     # ignore them): one request alone in the engine keeps what `generate` keeps (the module over a contiguous
     # cache, checked against its definition in tests/families/test_deepseek_mtp.py), verify for verify.
+    # (The shared MTP engine, a fresh prefix cache: nothing to hit.)
     model, prompt = with_mtp(True, noisy=True), prompts[0]
-    engine = Engine(model, slots=1, max_len=96, page_size=8, prefill_chunk=16,
-                    speculative=Speculation("mtp", 3, adaptive=False))
+    engine = prefix_engine(model, Speculation("mtp", 3, adaptive=False))
     engine.generate([prompt], max_new_tokens=21, stop_tokens=[])
     plain = jaxkv.generate(model, [prompt], max_new_tokens=21, stop_tokens=[],
                            speculative=Speculation("mtp", 3, adaptive=False))
@@ -193,9 +197,7 @@ def test_mtp_never_writes_into_a_page_the_prefix_cache_shares(monkeypatch):
     model = with_mtp(True, noisy=True)
     rng = np.random.default_rng(9)
     first = rng.integers(1, 80, 16).tolist()
-    pc = jaxkv.PrefixCache(model, num_pages=48, page_size=8)
-    engine = Engine(model, slots=2, max_len=64, prefill_chunk=8, prefix_cache=pc,
-                    speculative=Speculation("mtp", 3, adaptive=False))
+    engine = prefix_engine(model, Speculation("mtp", 3, adaptive=False))  # the MTP tests' programs
     indexed = {}  # page -> the module's K/V bytes when indexed
     real_refs = programs.refs
 
@@ -237,13 +239,14 @@ def test_greedy_slots_speculate_together_only_while_it_pays_at_their_width():
     model = model_for("gqa")
     rng = np.random.default_rng(2)
     prompts = [rng.integers(1, 97, int(rng.integers(4, 20))).tolist() for _ in range(8)]
+    want = [alone(model, p, 40).tokens[0] for p in prompts]
     for spec, most in ((Speculation("ngram", 3), 2), (Speculation("draft", 3, draft=model_for("mqa")), 2),
                        (Speculation("draft", 3, draft=model), None)):
         engine = Engine(model, slots=8, max_len=96, page_size=8, prefill_chunk=32, decode_widths=[8],
                         speculative=spec)
         engine.speculation = engine.speculation._replace(verify_cost=2.75, width_cost=0.1)
         results = engine.generate(prompts, max_new_tokens=40, stop_tokens=[])
-        assert [r.tokens for r in results] == [alone(model, p, 40).tokens[0] for p in prompts]
+        assert [r.tokens for r in results] == want
         stats = engine.stats
         if most is not None:  # nothing kept: the probes only
             assert 1 <= stats["spec_verifies"] <= most and stats["spec_acceptance_rate"] < 0.5, stats
