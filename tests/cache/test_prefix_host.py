@@ -89,9 +89,7 @@ def test_random_request_sequences_keep_both_tiers_consistent(requests, host_page
     """Prompts share random prefixes (prompt i cut at a random length); every call's tokens equal a run without
     the cache; tiers stay consistent; pages are never leaked (free + cached == all when idle)."""
     model = model_for("gqa")
-    # 8 pages, as the tests above: the pool's programs (its page count is in their shapes) are compiled once for
-    # the file; a call needs at most 7 (47 prompt tokens + 6 new), so every call evicts down to what it needs.
-    pc = jaxkv.PrefixCache(model, num_pages=8, page_size=8, host_pages=host_pages)
+    pc = jaxkv.PrefixCache(model, num_pages=9, page_size=8, host_pages=host_pages)
     for i, cut in requests:
         prompt = PROMPTS[i][:max(2, len(PROMPTS[i]) - cut)]
         assert call(model, prompt, pc).tokens[0] == alone(model, prompt)
