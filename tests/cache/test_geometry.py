@@ -63,8 +63,8 @@ def test_cache_leaves_are_rings_on_local_layers_and_full_on_global_ones():
     assert plain.nbytes() == memory.full_length_cache_bytes(config, tokens=64, batch=3, cache_dtype="int8")
 
 
-# The generate calls on the mixed model below decode NEW tokens from PROMPTS: one compiled prefill and decode loop
-# for all of them (a loop's step count is part of its program; 40 steps of this model run in milliseconds).
+# The planner and recompute tests decode NEW tokens from PROMPTS: one compiled prefill and decode loop for both (a
+# loop's step count is part of its program; 40 steps of this model run in milliseconds).
 NEW = 40
 
 
@@ -153,8 +153,8 @@ def test_a_ring_with_a_lookahead_takes_a_verify_block():
 def test_paged_cache_and_parallel_samples_decode_the_mixed_model():
     """The paged cache keeps every token on every layer and masks each layer's window: the same tokens."""
     model = random_model(mixed_config())
-    contiguous = jaxkv.generate(model, PROMPTS, max_new_tokens=NEW, stop_tokens=[])
-    paged = jaxkv.generate(model, PROMPTS, max_new_tokens=NEW, stop_tokens=[], page_size=4)
+    contiguous = jaxkv.generate(model, PROMPTS, max_new_tokens=12, stop_tokens=[])
+    paged = jaxkv.generate(model, PROMPTS, max_new_tokens=12, stop_tokens=[], page_size=4)
     assert paged.tokens == contiguous.tokens
 
 
