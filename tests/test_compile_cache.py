@@ -39,11 +39,23 @@ def test_a_second_process_reads_the_first_ones_programs(tmp_path):
     assert second["tokens"] == first["tokens"]
 
 
+def cli(env: dict, *flags: str) -> dict:
+    """`jaxkv generate --json` in a fresh process under `env` (JAXKV_COMPILE_CACHE from the test's own environment
+    dropped) -> its JSON line."""
+    env = {k: v for k, v in os.environ.items() if k != compile_cache.ENV} | env
+    command = [sys.executable, "-m", "jaxkv.cli", "generate", "--prompt-ids", "5,9,2", "--max-new-tokens", "2",
+               "--json", *flags]
+    out = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def test_default_directory_and_opt_out(tmp_path):
-    default = child({"XDG_CACHE_HOME": str(tmp_path)})
-    assert default["dir"] == str(tmp_path / "jaxkv" / "xla") and any((tmp_path / "jaxkv" / "xla").iterdir())
-    off = child({"XDG_CACHE_HOME": str(tmp_path / "other"), compile_cache.ENV: "0"})
-    assert off["dir"] is None and not (tmp_path / "other").exists()
+    """Through the CLI, which turns the cache on the way the library does (importing jaxkv.model runs
+    `compile_cache.setup`), so one process checks both: the default directory fills, the opt-out leaves none."""
+    default = cli({"XDG_CACHE_HOME": str(tmp_path)})
+    assert any((tmp_path / "jaxkv" / "xla").iterdir())
+    off = cli({"XDG_CACHE_HOME": str(tmp_path / "other"), compile_cache.ENV: "0"})
+    assert not (tmp_path / "other").exists()
     assert off["tokens"] == default["tokens"]
 
 
@@ -54,10 +66,7 @@ def test_directory_from_the_environment(value, expected, monkeypatch):
 
 
 def test_cli_no_compile_cache(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != compile_cache.ENV} | {"XDG_CACHE_HOME": str(tmp_path)}
-    command = [sys.executable, "-m", "jaxkv.cli", "generate", "--prompt-ids", "5,9,2", "--max-new-tokens", "2",
-               "--json"]
-    subprocess.run(command + ["--no-compile-cache"], env=env, check=True, capture_output=True)
-    assert not (tmp_path / "jaxkv").exists()
-    subprocess.run(command, env=env, check=True, capture_output=True)
-    assert any((tmp_path / "jaxkv" / "xla").iterdir())
+    """The flag alone keeps the cache off: without it the same environment fills $XDG_CACHE_HOME/jaxkv/xla
+    (test_default_directory_and_opt_out's first process)."""
+    got = cli({"XDG_CACHE_HOME": str(tmp_path)}, "--no-compile-cache")
+    assert not (tmp_path / "jaxkv").exists() and len(got["tokens"]) == 2

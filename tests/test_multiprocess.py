@@ -25,12 +25,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_processes(data: int, model: int, num_processes: int = 2) -> list[dict]:
+SHAPES = [(2, 4), (1, 8)]  # data split across the two processes; the model axis split across them
+
+
+def _run_processes(shapes, num_processes: int = 2) -> list[list[dict]]:
+    """Per process, its JSON line for each shape (in order)."""
     port = _free_port()
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count=4 {FAST_COMPILE}",
            "JAX_PLATFORMS": "cpu"}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(port), str(i), str(num_processes), str(data),
-                               str(model)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(port), str(i), str(num_processes),
+                               *(f"{d}x{m}" for d, m in shapes)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(num_processes)]
     outputs = []
     try:
@@ -44,13 +48,22 @@ def _run_processes(data: int, model: int, num_processes: int = 2) -> list[dict]:
                 proc.communicate()
     failed = [(rc, err[-3000:]) for rc, _, err in outputs if rc != 0]
     assert not failed, f"a worker process failed: {failed}"
-    # Gloo prints its own connection lines to stdout, possibly after the worker's JSON line: take the JSON one.
-    return [json.loads(next(ln for ln in reversed(out.splitlines()) if ln.startswith("{"))) for _, out, _ in outputs]
+    # Gloo prints its own connection lines to stdout, possibly between the worker's JSON lines: take the JSON ones.
+    return [[json.loads(ln) for ln in out.splitlines() if ln.startswith("{")] for _, out, _ in outputs]
 
 
-@pytest.mark.parametrize("shape", [(2, 4), (1, 8)])
-def test_two_processes_generate_what_one_process_does(shape):
-    results = _run_processes(*shape)
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    """One pair of processes generates on every mesh shape in turn (the process starts and the distributed
+    handshake, most of a run, are paid once): shape -> each process's result."""
+    per_process = _run_processes(SHAPES)
+    assert all([r["shape"] for r in lines] == [f"{d}x{m}" for d, m in SHAPES] for lines in per_process)
+    return {shape: [lines[i] for lines in per_process] for i, shape in enumerate(SHAPES)}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_two_processes_generate_what_one_process_does(shape, runs):
+    results = runs[shape]
     want = jaxkv.generate(jaxkv.Model.random(CONFIG, seed=SEED), PROMPTS, max_new_tokens=NEW_TOKENS,
                           stop_tokens=[]).tokens
     assert sorted(r["process"] for r in results) == [0, 1]

@@ -42,12 +42,14 @@ def _aliased_params(compiled_text: str) -> str:
     return line
 
 
+# The in-place tests use test_compiled_decode_never_copies_the_cache[3-float32]'s shapes (batch 3, 4 prompt tokens,
+# capacity 48, 5 steps): one set of compiled programs serves them all.
 def test_decode_step_updates_the_donated_cache_in_place():
     model = model_for("gqa")
     cfg = model.config
-    _, cache = jaxkv.prefill(model.params, jnp.ones((2, 4), jnp.int32), jnp.zeros(2, jnp.int32), config=cfg,
-                             capacity=32, attention="xla")
-    tokens = jnp.ones((2,), jnp.int32)
+    _, cache = jaxkv.prefill(model.params, jnp.ones((3, 4), jnp.int32), jnp.zeros(3, jnp.int32), config=cfg,
+                             capacity=48, attention="xla")
+    tokens = jnp.ones((3,), jnp.int32)
     compiled = jaxkv.decode_step.lower(model.params, tokens, cache, config=cfg).compile()
     alias = _aliased_params(compiled.as_text())
     # Every key and value buffer (2 per layer) must be aliased input -> output.
@@ -61,8 +63,8 @@ def test_decode_step_updates_the_donated_cache_in_place():
 def test_decode_loop_updates_the_donated_cache_in_place():
     model = model_for("gqa")
     cfg = model.config
-    logits, cache = jaxkv.prefill(model.params, jnp.ones((2, 4), jnp.int32), jnp.zeros(2, jnp.int32), config=cfg,
-                                  capacity=32, attention="xla")
+    logits, cache = jaxkv.prefill(model.params, jnp.ones((3, 4), jnp.int32), jnp.zeros(3, jnp.int32), config=cfg,
+                                  capacity=48, attention="xla")
     args = (model.params, cache, logits, jax.random.PRNGKey(0), jaxkv.Sampler.make(), jnp.full((8,), -1))
     compiled = jaxkv.decode.lower(*args, config=cfg, steps=5, attention="xla").compile()
     alias = _aliased_params(compiled.as_text())

@@ -63,10 +63,15 @@ def test_cache_leaves_are_rings_on_local_layers_and_full_on_global_ones():
     assert plain.nbytes() == memory.full_length_cache_bytes(config, tokens=64, batch=3, cache_dtype="int8")
 
 
+# The planner and recompute tests decode NEW tokens from PROMPTS: one compiled prefill and decode loop for both (a
+# loop's step count is part of its program; 40 steps of this model run in milliseconds).
+NEW = 40
+
+
 def test_generate_allocates_what_the_planner_says():
     model = random_model(mixed_config())
-    out = jaxkv.generate(model, PROMPTS, max_new_tokens=8, stop_tokens=[])
-    plan = memory.plan_cache(model.config, [len(p) for p in PROMPTS], 8)
+    out = jaxkv.generate(model, PROMPTS, max_new_tokens=NEW, stop_tokens=[])
+    plan = memory.plan_cache(model.config, [len(p) for p in PROMPTS], NEW)
     assert plan.ring and plan.capacity == 256
     assert out.stats["kv_cache_bytes"] == plan.allocated_bytes
     per_slot = 2 * 2 * 8 * 4
@@ -78,10 +83,10 @@ def test_cached_decoding_equals_recompute_past_many_ring_wraps():
     greedy token is the argmax of the no-cache forward pass over everything before it (one pass over the
     sequences, right-padded)."""
     model = random_model(mixed_config())
-    out = jaxkv.generate(model, PROMPTS, max_new_tokens=40, stop_tokens=[])
+    out = jaxkv.generate(model, PROMPTS, max_new_tokens=NEW, stop_tokens=[])
     fulls = recompute(model, [prompt + list(tokens) for prompt, tokens in zip(PROMPTS, out.tokens)])
     for prompt, tokens, logits in zip(PROMPTS, out.tokens, fulls):
-        assert list(tokens) == [int(np.argmax(logits[len(prompt) - 1 + j])) for j in range(40)]
+        assert list(tokens) == [int(np.argmax(logits[len(prompt) - 1 + j])) for j in range(NEW)]
 
 
 def test_logits_of_every_decode_step_equal_recompute():
