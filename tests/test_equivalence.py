@@ -61,3 +61,42 @@ def test_sliding_window_actually_limits_attention():
     window = CONFIGS["sliding"].sliding_window
     np.testing.assert_allclose(a[:window], b[:window], atol=ATOL["float32"])  # inside the window: identical
     assert np.abs(a[window:] - b[window:]).max() > 1e-3
+
+
+# A model whose FFN reaches OUT_IN_ELEMENTS (1,024 x 2,048 = 2**21) stores it [out, in], and a batch-1 decode step
+# multiplies it as a matrix-vector product (`jaxkv.layers.linear.linear`) while prefill uses the einsum.
+WIDE = jaxkv.Config(vocab_size=64, d_model=1024, n_layers=1, n_heads=8, n_kv_heads=2, ffn_dim=2048,
+                    max_positions=128)
+
+
+def test_batch_one_steps_of_an_out_in_model_equal_recompute():
+    from jaxkv.layers.linear import in_out_names
+    assert "w_down" not in in_out_names(WIDE) and "w_up" not in in_out_names(WIDE)  # [out, in]: the matvec path
+    model = jaxkv.Model.random(WIDE, seed=3)
+    prompt = [5, 17, 3, 40, 9]
+    toks, step_logits = cached_step_logits(model, [prompt], 8, capacity=32)
+    full = jaxkv.logits(model, [prompt + toks[0].tolist()])[0]
+    np.testing.assert_allclose(step_logits[0], full[len(prompt) - 1: len(prompt) - 1 + 8],
+                               atol=ATOL["float32"], rtol=0)
+
+
+def test_the_matvec_form_is_the_einsum():
+    """`linear` for one token and an [out, in] weight is w @ x (a dot_general with a vector operand), and gives the
+    einsum's values; a batch of two, an [in, out] weight and a quantized weight keep the einsum."""
+    import jax
+
+    from jaxkv.layers.linear import linear
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((96, 80), np.float32))  # [out, in]
+    x = jnp.asarray(rng.standard_normal((1, 1, 80), np.float32))
+    ref = np.einsum("bti,oi->bto", np.asarray(x, np.float64), np.asarray(w, np.float64))
+    np.testing.assert_allclose(linear(x, w, out_in=True), ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(linear(x, w.T, out_in=False), ref, rtol=1e-5, atol=1e-5)
+
+    def vector_dots(x, w, out_in):
+        jaxpr = jax.make_jaxpr(lambda x, w: linear(x, w, out_in))(x, w)
+        return [e for e in jaxpr.eqns if e.primitive.name == "dot_general" and min(v.aval.ndim for v in e.invars) == 1]
+
+    assert len(vector_dots(x, w, True)) == 1
+    assert not vector_dots(x, w.T, False)
+    assert not vector_dots(jnp.concatenate([x, x]), w, True)
