@@ -75,12 +75,14 @@ def linear(x, w, out_in: bool = False):
     Accumulates in float32 and rounds the result to x's dtype, as PyTorch's bfloat16 matmul does. A quantized w
     (`jaxkv.layers.quantized`) is dequantized to x's dtype first.
 
-    One token of one sequence (B = T = 1, a batch-1 decode step) times a float [out, in] weight is written as the
-    matrix-vector product w @ x rather than the einsum: the same sums, but XLA:CPU from jax 0.11 (its YNNPACK dot)
-    repacks an [out, in] weight on every call of the einsum form (`ynn::transpose_x32`, 28% of a "medium" step),
-    and reads it once as a matrix-vector product: 13 -> 27 GB/s for a 1,024 x 2,816 weight, "medium" decoding
-    20.0 -> 30.9 tok/s on jax 0.12.1, unchanged on 0.10.2 (docs/design/overview.md, "Versions")."""
-    if out_in and x.shape[0] * x.shape[1] == 1 and not isinstance(w, quantized.QArray):
+    One token of one sequence (B = T = 1, a batch-1 decode step) times a float [out, in] weight of at least
+    OUT_IN_ELEMENTS is written as the matrix-vector product w @ x rather than the einsum: the same sums, but
+    XLA:CPU from jax 0.11 (its YNNPACK dot) repacks such a weight on every call of the einsum form
+    (`ynn::transpose_x32`, 28% of a "medium" step) and reads it once as a matrix-vector product: 13 -> 27 GB/s for
+    a 1,024 x 2,816 weight, "medium" decoding 20.0 -> 30.9 tok/s on jax 0.12.1, unchanged on 0.10.2. Smaller
+    weights keep the einsum: there neither form is faster (docs/design/overview.md, "Versions")."""
+    if (out_in and x.shape[0] * x.shape[1] == 1 and not isinstance(w, quantized.QArray)
+            and w.size >= OUT_IN_ELEMENTS):
         y = jnp.dot(w, x.reshape(-1), preferred_element_type=jnp.float32)
         return y.reshape(x.shape[:2] + w.shape[:1]).astype(x.dtype)
     y = quantized.einsum("bti,oi->bto" if out_in else "bti,io->bto", x, w)
