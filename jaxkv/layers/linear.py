@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 from jaxkv.config import Config
@@ -69,6 +71,14 @@ def in_out_names(config: Config) -> frozenset[str]:
     return frozenset(names)
 
 
+@functools.cache
+def einsum_repacks_out_in() -> bool:
+    """Whether the default backend repacks an [out, in] weight on every one-row einsum: XLA:CPU from jax 0.11
+    (its YNNPACK dot; `ynn::transpose_x32` took 28% of a "medium" decode step on jax 0.12.1, 0% on 0.10.2).
+    GPU and TPU are not measured, so they keep the einsum."""
+    return jax.default_backend() == "cpu" and jax.__version_info__[:2] >= (0, 11)
+
+
 def linear(x, w, out_in: bool = False):
     """x [B, T, in] times w -> [B, T, out]; w is [in, out], or [out, in] with `out_in` (`stored_out_in`).
 
@@ -76,13 +86,12 @@ def linear(x, w, out_in: bool = False):
     (`jaxkv.layers.quantized`) is dequantized to x's dtype first.
 
     One token of one sequence (B = T = 1, a batch-1 decode step) times a float [out, in] weight of at least
-    OUT_IN_ELEMENTS is written as the matrix-vector product w @ x rather than the einsum: the same sums, but
-    XLA:CPU from jax 0.11 (its YNNPACK dot) repacks such a weight on every call of the einsum form
-    (`ynn::transpose_x32`, 28% of a "medium" step) and reads it once as a matrix-vector product: 13 -> 27 GB/s for
-    a 1,024 x 2,816 weight, "medium" decoding 20.0 -> 30.9 tok/s on jax 0.12.1, unchanged on 0.10.2. Smaller
-    weights keep the einsum: there neither form is faster (docs/design/overview.md, "Versions")."""
+    OUT_IN_ELEMENTS is written as the matrix-vector product w @ x where the einsum would repack the weight
+    (`einsum_repacks_out_in`): the same sums, the weight read once ("medium" decoding 22.9 -> 29.3 tok/s on jax
+    0.12.1; `scripts/matvec_forms.py` per shape). On jax 0.10.2 the einsum was as fast or faster, and smaller weights
+    gain nothing, so they keep it (docs/design/overview.md, "Versions")."""
     if (out_in and x.shape[0] * x.shape[1] == 1 and not isinstance(w, quantized.QArray)
-            and w.size >= OUT_IN_ELEMENTS):
+            and w.size >= OUT_IN_ELEMENTS and einsum_repacks_out_in()):
         y = jnp.dot(w, x.reshape(-1), preferred_element_type=jnp.float32)
         return y.reshape(x.shape[:2] + w.shape[:1]).astype(x.dtype)
     y = quantized.einsum("bti,oi->bto" if out_in else "bti,io->bto", x, w)
