@@ -6,6 +6,9 @@ output column is consumed (a sum over the whole product feeds the next input), s
 the columns a slice would keep.
 
   f32 [in,out] / f32 [out,in]     float32 weights in either layout
+  f32 [out,in] w @ x              the [out, in] weight times one row written as a matrix-vector product, as
+                                  `jaxkv.layers.linear` does where XLA:CPU (jax >= 0.11) repacks the einsum's weight
+                                  (more rows: the product above)
   bf16 -> f32 / bf16 -> bf16      bfloat16 weights and activations, the product asked for a float32 or a bfloat16
                                   result (the second is what `x @ w` gives on bfloat16 operands)
   bf16 [out,in] -> f32            the same in the other layout
@@ -60,6 +63,8 @@ def main(argv=None) -> int:
     variants = {  # name: (store, product of x [rows, in] float32 -> [rows, out] float32)
         "f32 [in,out]": ("f32 [in,out]", lambda x, w: x @ w),
         "f32 [out,in]": ("f32 [out,in]", lambda x, w: x @ w.T),
+        "f32 [out,in] w @ x": ("f32 [out,in]",
+                               lambda x, w: (w @ x[0])[None] if x.shape[0] == 1 else x @ w.T),
         "bf16 -> f32": ("bf16 [in,out]", lambda x, w: jnp.dot(x.astype(bf16), w, preferred_element_type=f32)),
         "bf16 -> bf16": ("bf16 [in,out]", lambda x, w: jnp.dot(x.astype(bf16), w).astype(f32)),
         "bf16 [out,in] -> f32": ("bf16 [out,in]",

@@ -88,8 +88,8 @@ def linear(x, w, out_in: bool = False):
     One token of one sequence (B = T = 1, a batch-1 decode step) times a float [out, in] weight of at least
     OUT_IN_ELEMENTS is written as the matrix-vector product w @ x where the einsum would repack the weight
     (`einsum_repacks_out_in`): the same sums, the weight read once ("medium" decoding 22.9 -> 29.3 tok/s on jax
-    0.12.1; `scripts/matvec_forms.py` per shape). On jax 0.10.2 the einsum was as fast or faster, and smaller weights
-    gain nothing, so they keep it (docs/design/overview.md, "Versions")."""
+    0.12.1; `scripts/product_variants.py`, "f32 [out,in] w @ x"). On jax 0.10.2 the einsum was as fast or faster,
+    and smaller weights gain nothing, so they keep it (docs/design/overview.md, "Versions")."""
     if (out_in and x.shape[0] * x.shape[1] == 1 and not isinstance(w, quantized.QArray)
             and w.size >= OUT_IN_ELEMENTS and einsum_repacks_out_in()):
         y = jnp.dot(w, x.reshape(-1), preferred_element_type=jnp.float32)
