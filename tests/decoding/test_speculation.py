@@ -127,18 +127,21 @@ def test_sampled_output_is_reproducible_and_streams_what_it_returns():
 
 
 def test_stops_where_plain_decoding_stops_and_never_exceeds_the_budget():
+    # The ragged pair with k = 4 (not adaptive): test_greedy_equals_plain_decoding[gqa]'s compiled plain and
+    # speculative loops (a capacity of 256 slots for any budget here; max_new_tokens and the stop ids are traced).
+    # Row 0 stops at a token of its own continuation; row 1 stops where that token comes, if it does.
     m = model("gqa")
     ps = prompts(m.config.vocab_size, seed=3)
-    free = jaxkv.generate(m, ps[:1], max_new_tokens=30, stop_tokens=[]).tokens[0]
+    free = jaxkv.generate(m, ps, max_new_tokens=30, stop_tokens=[]).tokens[0]
     stop = free[len(free) // 2]
-    plain = jaxkv.generate(m, ps[:1], max_new_tokens=30, stop_tokens=[stop])
+    plain = jaxkv.generate(m, ps, max_new_tokens=30, stop_tokens=[stop])
     for budget in (30, 7, 2, 1):
-        spec = jaxkv.generate(m, ps[:1], max_new_tokens=budget, stop_tokens=[stop],
+        spec = jaxkv.generate(m, ps, max_new_tokens=budget, stop_tokens=[stop],
                               speculative=Speculation("ngram", adaptive=False))
-        want = jaxkv.generate(m, ps[:1], max_new_tokens=budget, stop_tokens=[stop])
+        want = jaxkv.generate(m, ps, max_new_tokens=budget, stop_tokens=[stop])
         assert spec.tokens == want.tokens and spec.finish_reasons == want.finish_reasons
-        assert len(spec.tokens[0]) <= budget
-    assert plain.finish_reasons == ["stop"] and plain.tokens[0][-1] == stop
+        assert all(len(t) <= budget for t in spec.tokens)
+    assert plain.finish_reasons[0] == "stop" and plain.tokens[0][-1] == stop
 
 
 def _plain_and_speculative(m, prefill, history, length, *, max_steps: int, k: int = 4):
@@ -254,22 +257,25 @@ def test_paged_greedy_equals_plain_decoding_with_samples_pages_and_a_prefix_cach
     """n = 2 samples per prompt, pages of 4 slots (prompts and outputs cross page boundaries), and a prefix cache
     (a miss, then a hit): the tokens are plain decoding's; the pool ends with the free pages and cached prefixes
     a run without speculation leaves."""
-    m = model("gqa")
+    # near_end("gqa") and 16 new tokens: a pool of 32 pages, 16 per row, for plain decoding and with the lookahead,
+    # so test_sampled_rows_up_to_the_last_position_... and test_paged_greedy_equals_plain_decoding_up_to_the_last_
+    # position share the compiled paged loops (the prompts and outputs stay far from the 64th position)
+    m = near_end("gqa")
     ps = prompts(m.config.vocab_size, seed=3)
     spec = Speculation("ngram", 4, adaptive=False)
-    plain = jaxkv.generate(m, ps, max_new_tokens=20, stop_tokens=[], n=2, page_size=4)
-    got = jaxkv.generate(m, ps, max_new_tokens=20, stop_tokens=[], n=2, page_size=4, speculative=spec)
+    plain = jaxkv.generate(m, ps, max_new_tokens=16, stop_tokens=[], n=2, page_size=4)
+    got = jaxkv.generate(m, ps, max_new_tokens=16, stop_tokens=[], n=2, page_size=4, speculative=spec)
     assert got.tokens == plain.tokens and got.stats["spec_verifies"] > 0
     assert got.stats["pages_in_use_peak"] == plain.stats["pages_in_use_peak"]
     # the draft model over forked rows: its own contiguous cache of each row's prompt
-    drafted = jaxkv.generate(m, ps, max_new_tokens=20, stop_tokens=[], n=2, page_size=4,
+    drafted = jaxkv.generate(m, ps, max_new_tokens=16, stop_tokens=[], n=2, page_size=4,
                              speculative=Speculation("draft", 3, draft=m, adaptive=False))
     assert drafted.tokens == plain.tokens and drafted.stats["spec_acceptance_rate"] > 0.9
     pools = []
     for speculative in (None, spec):
         pc = jaxkv.PrefixCache(m, num_pages=64, page_size=4)
         for _ in range(2):
-            out = jaxkv.generate(m, ps, max_new_tokens=20, stop_tokens=[], prefix_cache=pc, speculative=speculative)
+            out = jaxkv.generate(m, ps, max_new_tokens=16, stop_tokens=[], prefix_cache=pc, speculative=speculative)
             assert out.tokens == plain.tokens[::2]
         assert out.stats["prefix_hit_tokens"] > 0
         pools.append((pc.free_pages(), pc.cached_pages))
@@ -416,9 +422,11 @@ def test_max_len_equal_to_prompt_plus_max_new_tokens_is_enough():
     positions to spare: accepted, the cache max_len slots as asked, plain decoding's tokens (the slots, not the
     positions, stop the verifies)."""
     m = model("gqa")
+    # max_len 256: the default capacity of the ragged pair of test_greedy_equals_plain_decoding[gqa], whose
+    # compiled plain and speculative loops (2 rows, 256 slots, k = 4) serve this test too
     V, new = m.config.vocab_size, 8
-    ps = [repeating(V, 30, seed=7), repeating(V, 17, seed=8)]
-    kwargs = dict(max_new_tokens=new, stop_tokens=[], max_len=30 + new)
+    ps = [repeating(V, 248, seed=7), repeating(V, 17, seed=8)]
+    kwargs = dict(max_new_tokens=new, stop_tokens=[], max_len=248 + new)
     plain = jaxkv.generate(m, ps, **kwargs)
     got = jaxkv.generate(m, ps, **kwargs, speculative=Speculation("ngram", 4, adaptive=False))
     assert got.tokens == plain.tokens and got.stats["spec_verifies"] > 0
@@ -526,8 +534,8 @@ def _oracle(monkeypatch):
 
 
 def test_all_or_none_accepted(monkeypatch):
-    """Every proposal right, then every one wrong: one plain reference for both (the single-row shape of
-    test_stops_where_plain_decoding_stops_and_never_exceeds_the_budget: its compiled programs). After every test
+    """Every proposal right, then every one wrong: one plain reference for both (one row: the oracle reads one
+    continuation). After every test
     that shares compiled programs: swapping the proposer clears JAX's caches."""
     m = model("gqa")
     prompt = prompts(m.config.vocab_size, seed=4)[0]
