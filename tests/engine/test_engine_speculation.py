@@ -106,8 +106,12 @@ def test_draft_model_in_the_engine_equals_plain_decoding_also_after_prefix_hits(
 
 def prefix_engine(model, speculative):
     """The draft and MTP tests' engine: 3 slots, a fresh prefix cache of 48 pages of 8 (one configuration per
-    proposer, so the greedy, sampled and page-sharing tests of each share its compiled programs)."""
-    return Engine(model, slots=3, max_len=96, prefill_chunk=16, prefill_rows=2,
+    proposer, so the greedy, sampled and page-sharing tests of each share its compiled programs). Decode widths 1
+    and 3, not also 2: each width compiles the whole speculative decode (~17 s here); a dispatch narrower than the
+    slots (the proposer's cache or pools sliced with the target's) runs at width 1, and every width of the
+    speculative engine's decode runs in the n-gram tests (test_no_recompiles_after_warm_up_as_acceptance_varies
+    warms up 1, 2 and 3)."""
+    return Engine(model, slots=3, max_len=96, prefill_chunk=16, prefill_rows=2, decode_widths=[1, 3],
                   prefix_cache=jaxkv.PrefixCache(model, num_pages=48, page_size=8), speculative=speculative)
 
 
