@@ -117,13 +117,19 @@ _engines = {}
 NGRAM = jaxkv.Speculation("ngram", num_tokens=3, adaptive=False)
 
 
-def shared_engine(speculative=None):
-    """The file's engine without speculation or with NGRAM, one of each for every test that runs one (an engine
-    compiles its programs: one shape, slots 4, max_len 256, 4 steps per dispatch, widths 2 and 4, serves all);
-    stats reset, no request in flight."""
+def shared_engine(speculative: bool = False):
+    """The file's engine without speculation or with the model drafting for itself (k = 3), one of each for every
+    test that runs one (an engine compiles its programs: one shape, slots 4, max_len 256, 4 steps per dispatch,
+    serves all); stats reset, no request in flight. The plain engine has widths 2 and 4 (slots compacted into a
+    narrower dispatch, the constrained rows' masks with them); the speculative one only 4 (each width compiles the
+    whole speculative decode, ~16 s): its verifies check proposals against the masks whatever the proposer (the
+    n-gram proposer in the engine: tests/engine/test_engine_speculation.py), and the draft's proposals are both
+    kept and refused (test_speculative_engine_requests_decode_as_generate)."""
     if speculative not in _engines:
-        _engines[speculative] = jaxkv.Engine(model(), slots=4, max_len=256, steps_per_dispatch=4, decode_widths=[2, 4],
-                                             speculative=speculative)
+        _engines[speculative] = jaxkv.Engine(
+            model(), slots=4, max_len=256, steps_per_dispatch=4, decode_widths=[4] if speculative else [2, 4],
+            speculative=jaxkv.Speculation("draft", num_tokens=3, draft=model(), adaptive=False) if speculative
+            else None)
     e = _engines[speculative]
     assert not e.pending
     e.reset_stats()
@@ -271,8 +277,7 @@ def test_speculative_engine_requests_decode_as_generate():
     """Engine(speculative=) with constrained requests: the model drafting for itself, each verify's proposals
     checked against the slots' masks, gives generate's plain greedy tokens."""
     prompts, constraints, gen = greedy_run()
-    spec = jaxkv.Speculation("draft", num_tokens=3, draft=model(), adaptive=False)
-    engine = jaxkv.Engine(model(), slots=4, max_len=256, steps_per_dispatch=4, decode_widths=[4], speculative=spec)
+    engine = shared_engine(speculative=True)
     results = engine.generate([dict(prompt=p, constraint=c) for p, c in zip(prompts, constraints)],
                               max_new_tokens=120)
     assert [r.tokens for r in results] == gen.tokens
@@ -315,7 +320,7 @@ def assert_models_logprobs(prompts, outs, logprobs, tops, constraints):
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_constrained_logprobs_are_the_models(temperature):
-    """generate (contiguous, paged n = 2, speculative n-gram) and the engine (plain and speculative n-gram), for
+    """generate (contiguous, paged n = 2, speculative n-gram) and the engine (plain and speculative), for
     Choice, Regex and JsonSchema rows: logprobs and top_logprobs are the model's (before this fix, 0.0 for every
     forced token: the masked distribution's)."""
     kw = dict(max_new_tokens=40, temperature=temperature, seed=5, logprobs=2, constraint=LP_CONSTRAINTS)
@@ -330,7 +335,7 @@ def test_constrained_logprobs_are_the_models(temperature):
     assert_models_logprobs(LP_PROMPTS, spec.tokens, spec.logprobs, spec.top_logprobs, LP_CONSTRAINTS)
     if temperature == 0:
         assert spec.tokens == gen.tokens
-    for speculative in (None, NGRAM):
+    for speculative in (False, True):
         results = shared_engine(speculative).generate([dict(prompt=p, constraint=c, seed=5 + i, logprobs=2)
                                    for i, (p, c) in enumerate(zip(LP_PROMPTS, LP_CONSTRAINTS))],
                                   max_new_tokens=40, temperature=temperature)
@@ -354,8 +359,8 @@ def test_complete_constraint_emits_its_stop_token():
             gen = jaxkv.generate(model(), ["Is it? "], max_new_tokens=new, constraint=yes, speculative=speculative)
             assert (gen.tokens, gen.finish_reasons, gen.stats["constraint_incomplete"]) == ([want], ["stop"], [])
             assert len(gen.logprobs[0]) == len(want)
-            # the file's engines (the speculative one proposing NGRAM's 3 tokens, not 2: more than the budget of 3)
-            r = shared_engine(None if speculative is None else NGRAM).generate(
+            # the file's engines (the speculative one proposing 3 tokens, not 2: more than the budget of 3)
+            r = shared_engine(speculative is not None).generate(
                 [dict(prompt="Is it? ", constraint=yes)], max_new_tokens=new)[0]
             assert (r.tokens, r.finish_reason) == (want, "stop")
     paged = jaxkv.generate(model(), ["Is it? "], n=2, max_new_tokens=3, constraint=yes)
