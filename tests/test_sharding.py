@@ -61,7 +61,11 @@ def test_mesh_generation_equals_single_device(shape):
     mesh = mesh_of(*shape)
     model = model_for(GQA)
     ref = reference(GQA)
-    got = jaxkv.generate(model, PROMPTS, max_new_tokens=NEW, stop_tokens=[], mesh=mesh)
+    # On (2, 4) with a stream: the program test_stream_on_a_mesh_reports_every_token runs (the stream is a static
+    # argument), so that test and test_sampled_tokens_equal_single_device compile nothing of their own; the loop without
+    # a stream on a mesh is every other test's.
+    stream = {"stream": lambda b, token: None} if shape == (2, 4) else {}
+    got = jaxkv.generate(model, PROMPTS, max_new_tokens=NEW, stop_tokens=[], mesh=mesh, **stream)
     assert got.tokens == ref.tokens
 
     # Batch padded to a multiple of the data axis; KV heads replicated to lcm(K, M) when M does not divide K.
@@ -92,10 +96,13 @@ def test_mesh_generation_equals_single_device(shape):
 
 def test_batch_that_does_not_divide_the_data_axis():
     """5 prompts -> a power-of-two batch of 8 -> 9 rows on a data axis of 3 (6 of the 8 devices)."""
-    prompts = [[1, 2], [3], [4, 5, 6], [7, 8, 9, 10], [11]]
+    rest = [[7, 8, 9, 10], [11]]
+    prompts = PROMPTS + rest
     got = jaxkv.generate(model_for(GQA), prompts, max_new_tokens=NEW, stop_tokens=[], mesh=mesh_of(3, 2))
     assert got.stats["padded_batch"] == 9
-    assert got.tokens == reference(GQA, prompts).tokens
+    # Greedy rows are independent: the one-device tokens from two batches of 3 (padded to 4), the shapes the
+    # other tests' reference already compiled, not a batch of 8 compiled for this test alone.
+    assert got.tokens == reference(GQA).tokens + reference(GQA, rest + [[9]]).tokens[:2]
 
 
 def test_replicated_kv_heads_compute_the_same_attention():
@@ -253,7 +260,9 @@ def test_sampled_tokens_equal_single_device():
     replicated and JAX's partitionable threefry gives the same bits however the [B, V] draw is split."""
     kwargs = dict(max_new_tokens=NEW, stop_tokens=[], temperature=1.0, top_k=20, top_p=0.9, seed=3)
     want = jaxkv.generate(model_for(GQA), PROMPTS, **kwargs)
-    got = jaxkv.generate(model_for(GQA), PROMPTS, mesh=mesh_of(2, 4), **kwargs)
+    # With a stream (ignored): the sampler is traced, so this runs the (2, 4) program with a stream that
+    # test_mesh_generation_equals_single_device[shape1] and the stream test run, instead of compiling its own.
+    got = jaxkv.generate(model_for(GQA), PROMPTS, mesh=mesh_of(2, 4), stream=lambda b, token: None, **kwargs)
     assert got.tokens == want.tokens
 
 
@@ -303,7 +312,9 @@ def test_prefix_cache_on_a_mesh_equals_single_device():
     first = jaxkv.generate(model, [header + [3]], max_new_tokens=NEW, stop_tokens=[], prefix_cache=pc, mesh=mesh)
     second = jaxkv.generate(model, [header + [5, 6]], max_new_tokens=NEW, stop_tokens=[], prefix_cache=pc, mesh=mesh)
     assert second.stats["prefix_hit_tokens"] == 12
-    want = reference(GQA, [header + [3], header + [5, 6]], n=1, page_size=4).tokens
+    # One device's contiguous cache (paged greedy equals it: tests/cache/test_paged.py and the paged tests above),
+    # with a third prompt: a padded batch of 4 in the 16-token prompt bucket, the programs reference(GQA) compiled.
+    want = reference(GQA, [header + [3], header + [5, 6], [9]]).tokens[:2]
     assert [first.tokens[0], second.tokens[0]] == want
     with pytest.raises(ValueError, match="laid out for one device"):
         jaxkv.generate(model, [header], max_new_tokens=2, prefix_cache=jaxkv.PrefixCache(model, num_pages=8,
@@ -328,8 +339,13 @@ LLAMA4_LIKE = jaxkv.Config(
                         scoring="topk_sigmoid", scale_expert_input=True, dense_layers=(0,)))
 
 
-@pytest.mark.parametrize("config", [GPT_OSS_LIKE, LLAMA4_LIKE], ids=["gpt-oss", "llama4"])
-@pytest.mark.parametrize("shape, paged", [((2, 2), False), ((1, 2), True)], ids=["2x2", "1x2-paged"])
+# A diagonal: each family once, each layout once (each case compiles its own prefill and decode loop, on the mesh
+# and on one device). Left: gpt-oss's pieces paged on a mesh and Llama 4's contiguous on a mesh; the paged pools'
+# split over a mesh is test_paged_samples_on_a_mesh_equal_single_device's and the prefix cache's, both families paged
+# (n = 2 forks) on one device tests/families/test_gpt_oss.py's and test_llama4.py's
+# test_decoding_paths_equal_transformers[n=2], and the contiguous mesh layout every other test here.
+@pytest.mark.parametrize("config, shape, paged", [(GPT_OSS_LIKE, (2, 2), False), (LLAMA4_LIKE, (1, 2), True)],
+                         ids=["2x2-gpt-oss", "1x2-paged-llama4"])
 def test_issue_32_families_on_a_mesh_equal_single_device(config, shape, paged):
     """Prompts of 1-5 tokens and 8 new ones cross the window / chunk of 4 (the rings wrap); the same tokens as
     one device, contiguous and paged (n = 2 forks)."""

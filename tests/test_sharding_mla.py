@@ -71,11 +71,14 @@ def latent_bytes(config: jaxkv.Config, batch: int, slots: int, cache_dtype: str 
     return config.n_layers * batch * slots * row
 
 
-# The dense MLA model split over both axes; the MoE model with its experts split over a 4-way model axis beside
-# data (a data-only mesh, (8, 1), is plain data parallelism: tests/test_sharding.py). A model-only mesh (1, 8) is
-# test_sampled_tokens_equal_single_device[mla-moe-shape1]'s: the dense layer 0 there is this dense model's layer
-# on the same 8-way model axis (the (1, 8) greedy case of the dense model compiled ~8 s for no other path).
-@pytest.mark.parametrize("name, shape", [("mla", (2, 4)), ("mla-moe", (2, 4)), ("mla-indexed", (2, 4))])
+# The dense MLA model split over both axes; the indexed model (DeepSeek-V3.2: the MoE model plus an indexer) with
+# its experts split over a 4-way model axis beside data (a data-only mesh, (8, 1), is plain data parallelism:
+# tests/test_sharding.py). The MoE model without the indexer: its experts on the same (2, 4) mesh are the indexed
+# model's (the greedy case of its own compiled ~8 s for no other path), its layers over a model-only mesh (1, 8)
+# test_sampled_tokens_equal_single_device[mla-moe-shape1]'s: the dense layer 0 there is this dense model's layer on
+# the same 8-way model axis (the (1, 8) greedy case of the dense model compiled ~8 s for no other path).
+@pytest.mark.parametrize("name, shape", [("mla", (2, 4)), ("mla-indexed", (2, 4))],
+                         ids=["mla-shape0", "mla-indexed-shape2"])
 def test_greedy_generation_equals_single_device(name, shape):
     """Greedy tokens identical to one device's for a ragged batch, log-probabilities within LOGPROB_ATOL, and the
     per-device cache = the whole latent cache / data (replicated over "model", never split by it)."""
@@ -124,7 +127,10 @@ def test_ring_latent_cache_on_a_mesh():
     assert got.stats["kv_cache_bytes_per_device"] == got.stats["kv_cache_bytes"] // 2
 
 
-@pytest.mark.parametrize("name, shape", [("mla-moe", (2, 4)), ("mla-indexed", (2, 4))])
+# On the indexed model only: its rows and their scales are laid out, counted and read as the MoE model's (the same
+# latent rows; the experts read no cache), with its indexer keys beside them. An int8 latent cache without an
+# indexer on a mesh compiled its own mesh and one-device programs (~20% of this file) for nothing else.
+@pytest.mark.parametrize("name, shape", [("mla-indexed", (2, 4))], ids=["mla-indexed-shape1"])
 def test_int8_latent_cache(name, shape):
     """An int8 latent cache on a mesh: the cache leaves (rows and their scales) carry the latent layout, hold
     total / data bytes on each device, and generation equals single-device int8 generation."""
@@ -167,7 +173,9 @@ def test_decode_loop_reads_the_latent_in_place():
     whole per device ([B/2, 1, S, R + E]) and every latent buffer updated in place."""
     mesh = sharding.check_mesh(mesh_of(2, 4))
     params, config = sharding.shard_params(model_for("mla").params, MLA, mesh)
-    B, S, C = 4, 256, MLA.mla.row_dim
+    # S = 64, the capacity greedy generation of PROMPTS allocates: this prefill is the one
+    # test_greedy_generation_equals_single_device[mla-shape0] compiled (S = 256 compiled another for this test)
+    B, S, C = 4, 64, MLA.mla.row_dim
     batch = NamedSharding(mesh, sharding.BATCH_SPEC)
     logits, cache = jaxkv.prefill(params, sharding.global_array(np.ones((B, 16), np.int32), batch),
                                   sharding.global_array(np.zeros((B,), np.int32), batch), config=config, capacity=S,
@@ -195,8 +203,9 @@ def test_pallas_latent_kernel_runs_per_shard():
     params, config = sharding.shard_params(model_for("mla").params, MLA, mesh)
     batch = NamedSharding(mesh, sharding.BATCH_SPEC)
     rows = lambda x: sharding.global_array(x, batch)  # noqa: E731
-    _, cache = jaxkv.prefill(params, rows(np.ones((4, 8), np.int32)), rows(np.zeros((4,), np.int32)),
-                             config=config, capacity=16, attention="xla", mesh=mesh)
+    # generate's prefill for PROMPTS on this mesh ([4, 16] tokens, 64 slots): compiled by the greedy test already
+    _, cache = jaxkv.prefill(params, rows(np.ones((4, 16), np.int32)), rows(np.zeros((4,), np.int32)),
+                             config=config, capacity=64, attention="xla", mesh=mesh)
     for attention, per_shard in (("pallas", True), ("xla", False)):
         step = jax.make_jaxpr(lambda p, t, c: jaxkv.decode_step(p, t, c, config=config, attention=attention,
                                                                 mesh=mesh))

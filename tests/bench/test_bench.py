@@ -35,6 +35,19 @@ def small_roofline(monkeypatch):
     monkeypatch.setattr(roofline, "matmul_flops", functools.partial(roofline.matmul_flops, 256))
 
 
+@pytest.fixture
+def scoring_warm_ups(monkeypatch):
+    """`jaxkv bench run-batch` builds its engines as `jaxkv run-batch` builds them, warm: that also compiles prompt
+    scoring's programs (echo + logprobs, one per continuation bucket: 5 at max_len 256, ~20 s of this file's run),
+    which the benchmark's completions never run. Here the warm-ups are counted, not compiled
+    (tests/server/test_app.py runs `warm_up_scoring` and the programs it compiles)."""
+    from jaxkv.server import worker
+
+    calls = []
+    monkeypatch.setattr(worker, "warm_up_scoring", lambda model, max_len: calls.append(max_len))
+    return calls
+
+
 def test_to_hf_llama_gives_the_same_logits():
     from jaxkv.bench.decode import to_hf_llama
 
@@ -436,7 +449,7 @@ def test_bench_speculative_quick(tmp_path, capsys):
     assert "measured/analytic" in capsys.readouterr().out
 
 
-def test_bench_run_batch_quick(tmp_path, capsys):
+def test_bench_run_batch_quick(tmp_path, capsys, scoring_warm_ups):
     """`jaxkv bench run-batch`: both paths generate every token asked for (ignore_eos: the same count), the ratio
     is theirs."""
     from jaxkv import cli
@@ -450,6 +463,7 @@ def test_bench_run_batch_quick(tmp_path, capsys):
     rates = result["tokens_per_s"]
     assert result["ratio"] == pytest.approx(rates["run-batch"] / rates["engine"])
     assert "of the engine's" in capsys.readouterr().out
+    assert scoring_warm_ups == [256, 256]  # both engines built warm, as `jaxkv run-batch --max-len 256` builds one
 
 
 def test_bench_host_cache_quick(tmp_path, capsys):

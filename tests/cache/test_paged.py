@@ -100,9 +100,10 @@ def test_quantized_paged_equals_quantized_contiguous(cache_dtype):
 
 def test_nan_in_free_pages_changes_nothing():
     model = model_for("gqa")
-    logits, cache = paged_prefill(model, PROMPTS, page_size=4)
+    # pages of 5: test_paged_equals_contiguous[gqa-5]'s compiled prefill and step (the pages' size is not the point)
+    logits, cache = paged_prefill(model, PROMPTS, page_size=5)
     clean_tokens, clean_logits, _ = greedy_run(functools.partial(paged_step, model), logits, cache, 8)
-    logits, cache = paged_prefill(model, PROMPTS, page_size=4)
+    logits, cache = paged_prefill(model, PROMPTS, page_size=5)
     free = np.asarray(cache.refcounts) == 0
     poison = lambda pool: jnp.where(jnp.asarray(free)[:, None, None, None], jnp.nan, pool)  # noqa: E731
     cache = cache.__class__(**{**cache.__dict__, "keys": tuple(map(poison, cache.keys)),
@@ -139,9 +140,10 @@ def test_a_childs_writes_never_change_what_others_read():
     """Fork mid-page into a child sampled differently (forced tokens) and a greedy child: the greedy child and the
     parent's continuation equal un-forked runs, whatever the other child wrote."""
     model = model_for("mha")
-    prompt = PROMPTS[2]  # 8 tokens: with page size 3 the fork happens mid-page
+    prompt = PROMPTS[2]  # 8 tokens: with page size 5 the fork happens mid-page
     alone, alone_logits, _ = contiguous_run(model, [prompt], 6)
-    logits, cache = paged_prefill(model, [prompt], page_size=3)
+    # pages of 5 and 3 rows: test_paged_equals_contiguous[mha-5]'s compiled step
+    logits, cache = paged_prefill(model, [prompt], page_size=5)
     cache = cache.fork(jnp.asarray([0, 0, 0], jnp.int32))
     logits = jnp.repeat(logits, 3, 0)
     seen = []
@@ -158,9 +160,10 @@ def test_a_childs_writes_never_change_what_others_read():
 
 def test_sampled_forks_differ():
     model = model_for("gqa")
-    logits, cache = paged_prefill(model, [PROMPTS[0]], page_size=4)
-    cache = cache.fork(jnp.zeros((3,), jnp.int32))
-    logits = jnp.repeat(logits, 3, 0)
+    # the greedy fork test's prompt, pages and 4 children: its compiled prefill and step
+    logits, cache = paged_prefill(model, [PROMPTS[1]], page_size=4)
+    cache = cache.fork(jnp.zeros((4,), jnp.int32))
+    logits = jnp.repeat(logits, 4, 0)
     key = jax.random.PRNGKey(0)
     rows = []
     for _ in range(8):
@@ -169,7 +172,7 @@ def test_sampled_forks_differ():
         rows.append(np.asarray(t))
         logits, cache = paged_step(model, t, cache)
     rows = np.stack(rows, 1)
-    assert len({tuple(r) for r in rows.tolist()}) == 3
+    assert len({tuple(r) for r in rows.tolist()}) == 4
 
 
 # --- prompt chunks (issue 27, item 16) -----------------------------------------------------------------------
@@ -208,9 +211,9 @@ def test_a_prompt_chunk_attends_its_own_fresh_kv_and_earlier_slots_as_stored(nam
                      prefill=True)
     got, _ = _chunk(model, prompts, allocate(dtype="float8_e4m3fn"))
     np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
-    # Two chunks: the first 6 and 5 tokens, then the rest.
-    _, cache = _chunk(model, [PROMPTS[1][:6], PROMPTS[2][:5]], allocate(dtype="float8_e4m3fn"))
-    rest = [PROMPTS[1][6:], PROMPTS[2][5:]]
+    # Two chunks: the first 9 and 5 tokens, then the rest (9 and 3): both chunks 9 wide, one compiled program.
+    _, cache = _chunk(model, [PROMPTS[1][:9], PROMPTS[2][:5]], allocate(dtype="float8_e4m3fn"))
+    rest = [PROMPTS[1][9:], PROMPTS[2][5:]]
     got, _ = _chunk(model, rest, cache)
     spec, _ = _chunk(model, rest, _dequantized(cache))
     np.testing.assert_allclose(got, spec, atol=ATOL, rtol=0)
@@ -407,14 +410,16 @@ def test_generate_n_greedy_samples_equal_each_prompt_alone():
 def test_generate_n_sampled_rows_differ_and_settings_are_per_prompt():
     model = model_for("gqa")
     out = jaxkv.generate(model, PROMPTS[:2], max_new_tokens=8, stop_tokens=[], n=3, temperature=[0.0, 2.0], seed=4)
-    greedy = jaxkv.generate(model, [PROMPTS[0]], max_new_tokens=8, stop_tokens=[]).tokens[0]
+    # prompt 0 alone greedy, in the batch of test_generate_n_greedy_samples_equal_each_prompt_alone (its programs)
+    greedy = jaxkv.generate(model, PROMPTS[:2], max_new_tokens=8, stop_tokens=[]).tokens[0]
     assert out.tokens[:3] == [greedy] * 3  # prompt 0 is greedy in all its samples
     assert len({tuple(t) for t in out.tokens[3:]}) == 3  # prompt 1's samples each draw their own tokens
 
 
 def test_generate_n_stops_rows_independently_and_finished_rows_take_no_pages():
     model = model_for("gqa")
-    free = jaxkv.generate(model, [PROMPTS[1]], max_new_tokens=12, stop_tokens=[]).tokens[0]
+    # prompt 1 greedy, in the batch of test_generate_n_greedy_samples_equal_each_prompt_alone (its programs)
+    free = jaxkv.generate(model, PROMPTS[:2], max_new_tokens=12, stop_tokens=[]).tokens[1]
     stop = free[2]
     out = jaxkv.generate(model, [PROMPTS[1]], max_new_tokens=12, stop_tokens=[stop], n=2, page_size=4)
     assert out.tokens == [free[:free.index(stop) + 1]] * 2 and out.finish_reasons == ["stop", "stop"]
@@ -425,8 +430,9 @@ def test_generate_n_stops_rows_independently_and_finished_rows_take_no_pages():
 def test_paged_generate_with_page_size_and_n_1_equals_contiguous():
     model = model_for("learned")
     want = contiguous_run(model, PROMPTS, 9)[0].tolist()  # greedy on the contiguous cache, as compiled above
-    assert jaxkv.generate(model, PROMPTS, max_new_tokens=9, stop_tokens=[], page_size=5).tokens == want
-    # max_len bounds each sequence's page table: 27 slots -> 6 entries of 5
+    # max_len bounds each sequence's page table: 27 slots -> 6 entries of 5. (The default max_len's page tables:
+    # every other paged generate here, e.g. test_generate_n_stops_rows_independently_and_finished_rows_take_no_pages;
+    # a second call at the default compiled its own prefill and decode loop, ~7 s.)
     out = jaxkv.generate(model, PROMPTS, max_new_tokens=9, stop_tokens=[], page_size=5, max_len=27)
     assert out.tokens == want and out.stats["cache_capacity"] == 30
 
@@ -483,8 +489,9 @@ def test_pool_attention_equals_per_sequence_gather(T, window):
     q = jnp.asarray(rng.normal(size=(B, T, N, H)), jnp.float32)
     q_slots = jnp.maximum(lengths[:, None] - T + jnp.arange(T)[None], 0)
     args = (jnp.asarray(table), lengths, q_slots)
-    want = pr.paged_attention(q, k, v, *args, scale=0.3, sliding_window=window)
-    got = pr.pool_attention(q, nan_k, nan_v, *args, scale=0.3, sliding_window=window)
+    # jitted: one compile each instead of dozens of op-by-op ones
+    want = jax.jit(functools.partial(pr.paged_attention, scale=0.3, sliding_window=window))(q, k, v, *args)
+    got = jax.jit(functools.partial(pr.pool_attention, scale=0.3, sliding_window=window))(q, nan_k, nan_v, *args)
     np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
 
 
@@ -521,7 +528,7 @@ def test_live_paged_attention_equals_the_full_table_gather(longest):
     nan_k, nan_v = (jnp.where(held, x, jnp.nan) for x in (k, v))
     q = jnp.asarray(rng.normal(size=(B, 1, N, H)), jnp.float32)
     args = (jnp.asarray(table), jnp.asarray(lengths), jnp.asarray(lengths - 1)[:, None])
-    want = pr.paged_attention(q, k, v, *args, scale=0.3)
+    want = jax.jit(functools.partial(pr.paged_attention, scale=0.3))(q, k, v, *args)  # one compile, not dozens
     got = jax.jit(functools.partial(pr.live_paged_attention, scale=0.3, min_prefix=16))(q, nan_k, nan_v, *args)
     np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
 
@@ -551,7 +558,8 @@ def test_ragged_paged_attention_equals_the_per_sequence_gather(window, quantized
                       v_scale=jnp.asarray(rng.uniform(0.01, 0.1, (P, K, ps)), jnp.float32))
     q = jnp.asarray(rng.normal(size=(B, 1, N, H)), jnp.float32)
     args = (jnp.asarray(table), jnp.asarray(lengths), jnp.asarray(np.maximum(lengths - 1, 0))[:, None])
-    want = pr.paged_attention(q, k, v, *args, scale=0.3, sliding_window=window, **scales)
+    want = jax.jit(functools.partial(pr.paged_attention, scale=0.3, sliding_window=window))(  # one compile
+        q, k, v, *args, **scales)
     nan_k, nan_v = ((jnp.where(held, x, jnp.nan) if not quantized else x) for x in (k, v))
     for min_prefix in (4, None):  # several branch sizes; one branch (the whole table)
         ragged = functools.partial(pr.ragged_paged_attention, scale=0.3, sliding_window=window,

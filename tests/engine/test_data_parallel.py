@@ -25,6 +25,11 @@ _reference = {}
 # per dispatch, so a few tokens reach mid-decode, and prompts of up to 30 tokens prefill in several chunks. The
 # single engine gets 3 slots: a third request decodes beside two as it does beside one of them on a shard of 2.
 KW = dict(max_len=64, page_size=8, prefill_chunk=8, steps_per_dispatch=2)
+# Every engine here decodes at its full width only: with the default widths each shard compiled the decode program
+# once per width (1 and 2; 1, 2 and 3 on the single engine), ~5 s each, for what the data-parallel engine does not
+# touch (a shard picks its width as any engine does: test_engine.py's test_decode_computes_only_the_occupied_width).
+ONE = dict(slots=3, decode_widths=[3], **KW)  # the single-device engine
+DP = dict(slots=2, decode_widths=[2], **KW)  # the data-parallel engine (each shard's slots)
 
 
 def mesh_of(data: int, model: int) -> Mesh:
@@ -40,7 +45,7 @@ def requests(seed: int, count: int = 10):
 def single_device(model, prompt, new, kwargs):
     key = (tuple(prompt), new, tuple(sorted(kwargs.items())))
     if key not in _reference:
-        engine = jaxkv.Engine(model, slots=3, **KW)  # the cancel tests' single engine: its programs
+        engine = jaxkv.Engine(model, **ONE)  # the cancel tests' single engine: its programs
         (_reference[key],) = engine.generate([{"prompt": prompt, "max_new_tokens": new, **kwargs}], stop_tokens=[])
     return _reference[key]
 
@@ -51,7 +56,7 @@ def single_device(model, prompt, new, kwargs):
 @pytest.mark.parametrize("shape", [(2, 1), (4, 2)])
 def test_outputs_equal_the_single_device_engine(shape):
     model = model_for("gqa")  # 2 KV heads: split over a model axis of 2
-    engine = jaxkv.Engine(model, slots=2, mesh=mesh_of(*shape), **KW)
+    engine = jaxkv.Engine(model, mesh=mesh_of(*shape), **DP)
     assert isinstance(engine, DataParallelEngine) and len(engine.shards) == shape[0]
     assert engine.slots == 2 * shape[0]
     rng = np.random.default_rng(sum(shape))
@@ -72,7 +77,7 @@ def test_outputs_equal_the_single_device_engine(shape):
 
 def test_cancels_free_their_shards():
     model = model_for("gqa")
-    engine = jaxkv.Engine(model, slots=2, mesh=mesh_of(2, 1), **KW)
+    engine = jaxkv.Engine(model, mesh=mesh_of(2, 1), **DP)
     ids = [engine.submit(p, max_new_tokens=20, stop_tokens=[]) for p, _, _ in requests(5, 6)]
     engine.step()
     assert engine.cancel(ids[0]) and engine.cancel(ids[3]) and not engine.cancel(12345)
@@ -85,7 +90,7 @@ def test_cancels_free_their_shards():
 
 def test_callbacks_and_events_carry_the_engines_ids():
     model = model_for("gqa")
-    engine = jaxkv.Engine(model, slots=2, mesh=mesh_of(2, 1), **KW)
+    engine = jaxkv.Engine(model, mesh=mesh_of(2, 1), **DP)
     seen = []
     ids = [engine.submit(p, max_new_tokens=3, stop_tokens=[], callback=lambda e: seen.append(e.id))
            for p, _, _ in requests(6, 4)]
@@ -98,7 +103,7 @@ def test_a_prompt_goes_to_the_shard_holding_its_prefix():
     model = model_for("gqa")
     mesh = mesh_of(2, 1)
     caches = [jaxkv.PrefixCache(model, num_pages=32, page_size=8, mesh=m) for m in data_shards(mesh)]
-    engine = jaxkv.Engine(model, slots=2, mesh=mesh, prefix_cache=caches, **KW)  # the raising shard test's
+    engine = jaxkv.Engine(model, mesh=mesh, prefix_cache=caches, **DP)  # the raising shard test's
     header = list(range(1, 33))  # 4 pages
     (first,) = engine.generate([header + [40, 41]], max_new_tokens=3, stop_tokens=[])
     holder = next(d for d, c in enumerate(caches) if c.cached_pages)
@@ -108,14 +113,14 @@ def test_a_prompt_goes_to_the_shard_holding_its_prefix():
     assert engine.shards[holder].stats["requests_admitted"] == 4
     assert engine.shards[1 - holder].stats.get("requests_admitted", 0) == 0
     with pytest.raises(ValueError, match="one per shard"):
-        jaxkv.Engine(model, slots=2, mesh=mesh, prefix_cache=caches[0], **KW)
+        jaxkv.Engine(model, mesh=mesh, prefix_cache=caches[0], **DP)
 
 
 def test_generate_with_one_bad_request_submits_none():
     """As Engine.generate: the third request is refused after two were placed on shards; neither runs, no shard
     keeps anything, and the next call's results and ids are those of an engine that never saw the bad call."""
     model = model_for("gqa")
-    engine = jaxkv.Engine(model, slots=2, mesh=mesh_of(2, 1), **KW)
+    engine = jaxkv.Engine(model, mesh=mesh_of(2, 1), **DP)
     (p0, n0, _), (p1, n1, _) = requests(9, 2)
     calls = [{"prompt": p0, "max_new_tokens": n0}, {"prompt": p1, "max_new_tokens": n1},
              {"prompt": p1, "max_new_tokens": 1000}]  # past max_len: refused by its shard's submit
@@ -198,8 +203,8 @@ def test_cancels_report_as_one_engine_does(when):
     last request or not, alone or beside others: the same events (per request, from run() and from callbacks)
     and results as the single-device engine's, on one engine used for every case in turn."""
     model = model_for("gqa")
-    single = jaxkv.Engine(model, slots=3, **KW)
-    dp = jaxkv.Engine(model, slots=2, mesh=mesh_of(2, 1), **KW)
+    single = jaxkv.Engine(model, **ONE)
+    dp = jaxkv.Engine(model, mesh=mesh_of(2, 1), **DP)
     for others in ["none", "cancelled", "running"]:
         if when == "prefill" and others == "none":
             continue  # alone, a prompt is prefilled whole in one step (nothing decodes to hold it up)
@@ -221,7 +226,7 @@ def test_take_and_run_left_early_as_one_engine():
     and a run() left early keeps the rest of its events queued for the next run, as the single engine's."""
     model = model_for("gqa")
     outcomes = []
-    for engine in [jaxkv.Engine(model, slots=3, **KW), jaxkv.Engine(model, slots=2, mesh=mesh_of(2, 1), **KW)]:
+    for engine in [jaxkv.Engine(model, **ONE), jaxkv.Engine(model, mesh=mesh_of(2, 1), **DP)]:
         (pa, _, _), (pb, _, _) = requests(12, 2)
         a, b = (engine.submit(p, max_new_tokens=6, stop_tokens=[]) for p in (pa, pb))
         engine.step()
@@ -245,7 +250,7 @@ def test_a_callback_cancels_a_request_stepped_before_it(loop):
     (Engine.run used to yield it first, before the round's events), on both engines alike."""
     model = model_for("gqa")
     outcomes = []
-    for engine in [jaxkv.Engine(model, slots=3, **KW), jaxkv.Engine(model, slots=2, mesh=mesh_of(2, 1), **KW)]:
+    for engine in [jaxkv.Engine(model, **ONE), jaxkv.Engine(model, mesh=mesh_of(2, 1), **DP)]:
         prompts = [p for p, _, _ in requests(14, 3)]
         cancel_zero = lambda event: engine.cancel(0) if event.tokens else None  # noqa: E731
         ids = [engine.submit(p, max_new_tokens=6, stop_tokens=[], callback=cancel_zero if i == 2 else None)
@@ -272,7 +277,7 @@ def test_callbacks_submit_and_cancel_from_the_shards_threads():
     ends); a cancel of a request on another shard lands at the end of the round. Every request submitted from a
     callback runs to its reference tokens, ids stay unique and in order, and the engine serves on afterwards."""
     model = model_for("gqa")
-    engine = jaxkv.Engine(model, slots=2, mesh=mesh_of(2, 1), **KW)
+    engine = jaxkv.Engine(model, mesh=mesh_of(2, 1), **DP)
     owner, clashes, lock = {}, [], threading.Lock()
 
     def guarded(d, shard):  # each shard records which thread steps it; a submit or cancel from another is a clash
@@ -343,8 +348,8 @@ def test_a_shard_that_raises_loses_no_other_shards_events():
     model = model_for("gqa")
     mesh = mesh_of(2, 1)
     caches = [jaxkv.PrefixCache(model, num_pages=32, page_size=8, mesh=m) for m in data_shards(mesh)]
-    engine = jaxkv.Engine(model, slots=2, mesh=mesh, prefix_cache=caches, **KW)
-    other = jaxkv.Engine(model, slots=2, mesh=data_shards(mesh)[0], prefix_cache=caches[0], **KW)
+    engine = jaxkv.Engine(model, mesh=mesh, prefix_cache=caches, **DP)
+    other = jaxkv.Engine(model, mesh=data_shards(mesh)[0], prefix_cache=caches[0], **DP)
     (p0, _, _), (p1, _, _), (p2, _, _) = requests(15, 3)
     other.submit(p2, max_new_tokens=8, stop_tokens=[])
     other.step()  # shard 0's pool is lent to `other` until its request finishes

@@ -212,9 +212,11 @@ def test_no_recompiles_when_a_prefix_cache_pool_comes_back():
     program compiled a second time)."""
     model = model_for("mqa")
     model = jaxkv.Model(model.config, jax.device_put(model.params, jax.local_devices()[0]))  # as jaxkv.load gives
-    engine = Engine(model, slots=2, max_len=64, page_size=8, prefill_chunk=16,
+    # one decode width (2): the pool's return is the point, not the widths (each compiles the decode program once
+    # more; test_no_recompiles_after_warm_up_over_200_requests warms several)
+    engine = Engine(model, slots=2, max_len=64, page_size=8, prefill_chunk=16, decode_widths=[2],
                     prefix_cache=jaxkv.PrefixCache(model, num_pages=24, page_size=8))
-    engine.warm_up()  # every program compiled once (each decode width), then the pool goes back to the cache
+    engine.warm_up()  # every program compiled once, then the pool goes back to the cache
     with count_compiles() as c:
         engine.generate([list(range(1, 30)), [7, 8, 9]], max_new_tokens=5, stop_tokens=[])
     assert c["n"] == 0
@@ -398,7 +400,7 @@ def test_on_a_mesh_the_pools_split_over_kv_heads_and_tokens_are_unchanged(model_
     mesh = jax.make_mesh((1, model_axis), ("data", "model"))
     rng = np.random.default_rng(2)
     prompts = [rng.integers(1, 97, n).tolist() for n in (5, 30, 12)]
-    engine = Engine(model, slots=2, max_len=64, page_size=8, mesh=mesh)
+    engine = Engine(model, slots=2, max_len=64, page_size=8, mesh=mesh, decode_widths=[2])  # one decode program
     got = engine.generate(prompts, max_new_tokens=8, stop_tokens=[], temperature=0.8, seed=3)
     for r, p in zip(got, prompts):
         assert r.tokens == alone(model, p, 8, temperature=0.8, seed=3).tokens[0]

@@ -127,10 +127,10 @@ def test_killed_at_random_moments_and_resumed_loses_and_repeats_nothing(job):
     want = {r["id"]: answer(r) for r in records(out)}
     path = root / "killed.jsonl"
     rng = np.random.default_rng(0)
-    # Four kills (ten before: each costs a process start, ~5 s of CPU): the first while the process starts, before
-    # any result (at a random poll), then three after a random 1-9 more results each (at a random moment while
-    # it writes). The final run resumes from wherever the last kill left the file.
-    for kill in range(4):
+    # Three kills (ten, then four before: each costs a process start, ~5 s of CPU): the first while the process
+    # starts, before any result (at a random poll), then two after a random 1-9 more results each (at a random
+    # moment while it writes). The final run resumes from wherever the last kill left the file.
+    for kill in range(3):
         before = len(path.read_text().splitlines()) if path.exists() else 0
         if before == len(want):
             break
@@ -152,14 +152,26 @@ def test_killed_at_random_moments_and_resumed_loses_and_repeats_nothing(job):
     assert {r["id"]: answer(r) for r in got} == want
 
 
-def test_two_processes_and_merge_equal_one(job):
-    root, model, inputs, env, out = job
+@pytest.fixture(scope="module")
+def split(job):
+    """The job's input over two processes (--num-processes 2), process 1 with --data-parallel-size 2 (an engine per
+    data shard, on 2 of the 8 host devices): the parts' path, and process 1's records, read before --merge.
+    test_data_parallel_engines_give_the_same_answers checks process 1's answers: a run of its own cost a process
+    start, a model load and the engines' compiles, ~10% of this file."""
+    root, model, inputs, env, _ = job
     parts = root / "split.jsonl"
     procs = [subprocess.Popen([sys.executable, "-m", "jaxkv.cli", "run-batch", "-i", str(inputs), "-o", str(parts),
                                "--model", str(model), *ENGINE, "--num-processes", "2", "--process-id", str(i),
-                               "--no-progress"], env=env, stderr=subprocess.PIPE, text=True) for i in range(2)]
+                               *(["--data-parallel-size", "2"] if i == 1 else []), "--no-progress"], env=env,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
     for p in procs:
         assert p.wait(timeout=600) == 0, p.stderr.read()
+    return parts, records(parts.with_name("split.jsonl.part-1-of-2"))
+
+
+def test_two_processes_and_merge_equal_one(job, split):
+    root, model, inputs, env, out = job
+    parts, _ = split
     first = records(parts.with_name("split.jsonl.part-0-of-2"))
     # process 0 took lines 0, 2, 4, ...: the even completions c0, c2, ... (lines 0-19)
     assert {int(r["custom_id"][1:]) % 2 for r in first if (r["custom_id"] or "")[1:].isdigit()} == {0}
@@ -195,14 +207,15 @@ def test_bad_flags_and_files_are_one_line_errors(job, tmp_path):
         assert proc.returncode == 2 and match in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
-def test_data_parallel_engines_give_the_same_answers(job):
+def test_data_parallel_engines_give_the_same_answers(job, split):
     """--data-parallel-size 2 (an engine per data shard, on 2 of the 8 host devices): every answer equals the
-    single engine's (greedy)."""
-    root, model, inputs, env, out = job
-    dp = root / "dp.jsonl"
-    run_batch("-i", inputs, "-o", dp, "--model", model, *ENGINE, "--data-parallel-size", "2", "--no-progress",
-              env=env)
-    assert {r["id"]: answer(r) for r in records(dp)} == {r["id"]: answer(r) for r in records(out)}
+    single engine's (greedy). Process 1 of the split run's (`split`): the odd lines, 14 of 28, completions with
+    n = 2 and logprobs, echo and stop strings, token-id prompts, chats, error records."""
+    _, _, _, _, out = job
+    _, dp = split
+    full = {r["id"]: answer(r) for r in records(out)}
+    assert len(dp) == 14
+    assert {r["id"]: answer(r) for r in dp} == {r["id"]: full[r["id"]] for r in dp}
 
 
 def test_bytes_that_are_not_utf8_cr_bom_and_blank_lines(job, tmp_path):
