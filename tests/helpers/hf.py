@@ -289,12 +289,14 @@ def check_moe_beam_search(hf, model, greedy):
     check_beam_search(hf, model, SINGLE + RAGGED, sorted({greedy[1][0][3], greedy[len(RAGGED)][0][6]}))
 
 
-def check_beam_search(hf, model, prompts, stops):
-    """Three beams and three hypotheses per prompt, ending at `stops`: transformers' tokens and scores (1e-4)."""
+def check_beam_search(hf, model, prompts, stops, num_pages=None):
+    """Three beams and three hypotheses per prompt, ending at `stops`: transformers' tokens and scores (1e-4).
+    `num_pages`: the page pool (default the plan's, which depends on the prompt lengths): one pool size for calls
+    with prompts of different lengths compiles the search once."""
     want = hf_beam_search(hf, prompts, stops, num_beams=3, length_penalty=1.0, early_stopping=True,
                           num_return_sequences=3)
     got = jaxkv.beam_search(model, prompts, num_beams=3, max_new_tokens=BEAM_NEW, length_penalty=1.0,
-                            early_stopping=True, num_return_sequences=3, stop_tokens=stops)
+                            early_stopping=True, num_return_sequences=3, stop_tokens=stops, num_pages=num_pages)
     assert got.tokens == [[tokens for tokens, _ in hyps] for hyps in want]
     for hyps, want_hyps in zip(got, want):
         for h, (_, score) in zip(hyps, want_hyps):
