@@ -148,14 +148,18 @@ def hf_routing(hf, tokens) -> dict[int, tuple]:
     return captured
 
 
+_FORWARDS = {}  # config -> the jitted forward pass sowing expert ids: one compile per config and shape
+
+
 def jaxkv_routing(model, tokens) -> dict[int, np.ndarray]:
     """layer -> expert ids int32[B, T, A], sown by each Moe block during a no-cache forward pass."""
     tokens = np.asarray(tokens, np.int32)
     positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
     # jitted: one compile instead of hundreds of op-by-op ones
-    forward = jax.jit(lambda params, t, p: Decoder(model.config).apply({"params": params}, t, p, None,
-                                                                       mutable=["intermediates"]))
-    _, state = forward(model.params, tokens, positions)
+    if model.config not in _FORWARDS:
+        _FORWARDS[model.config] = jax.jit(lambda params, t, p, config=model.config: Decoder(config).apply(
+            {"params": params}, t, p, None, mutable=["intermediates"]))
+    _, state = _FORWARDS[model.config](model.params, tokens, positions)
     return {i: np.asarray(state["intermediates"][f"layer_{i}"]["mlp"]["expert_ids"][0]) for i in MOE_LAYERS}
 
 
@@ -179,7 +183,7 @@ def test_a_wrong_correction_bias_changes_the_routing(tmp_path_factory):
     """The routing comparison can fail: dropping V3's correction bias routes some token differently."""
     hf, directory, _ = built("v3", tmp_path_factory)
     model = load_hf(directory)  # its own copy: the params are edited below
-    tokens = np.array(SINGLE)
+    tokens = np.array(SINGLE + [list(reversed(SINGLE[0]))])  # the routing test's [2, 12]: its compiled forward
     for i in MOE_LAYERS:
         model.params[f"layer_{i}"]["mlp"]["router_bias"] = model.params[f"layer_{i}"]["mlp"]["router_bias"] * 0
     theirs, ours = hf_routing(hf, tokens), jaxkv_routing(model, tokens)

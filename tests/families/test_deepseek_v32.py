@@ -145,19 +145,21 @@ def test_decoding_paths_equal_transformers(pair, path):
     forks' gathered reads, the engine's prompt chunks of 8 (masked after the first chunk), verify blocks."""
     hf, model, greedy = pair
     check_moe_path(path, hf, model, greedy, "deepseek-v3.2",
-                   routing=lambda: check_moe_routing(hf, model, MOE_LAYERS))
+                   routing=lambda: check_moe_routing(hf, model, MOE_LAYERS),
+                   decode_widths=[2])  # one engine decode dispatch compiled (tests/engine: the widths)
 
 
 @pytest.mark.parametrize("where", ["contiguous", "paged", "engine"])
 def test_mtp_speculation_equals_plain_decoding(pair, where):
     """A V3.2 MTP module (random, its block's attention with its own indexer and indexer-key cache) proposing for
-    `Speculation("mtp")`: the greedy tokens of plain decoding, with verifies run."""
+    `Speculation("mtp")`: the greedy tokens of plain decoding, with verifies run (transformers' tokens of the ragged
+    prompts, which plain decoding gives: test_decoding_paths_equal_transformers[greedy])."""
     from jaxkv.decoding.mtp import random_mtp
-    _, model, _ = pair
+    _, model, greedy = pair
     speculating = jaxkv.Model(model.config, model.params)
     speculating.mtp = random_mtp(model.config, seed=1)
     assert speculating.mtp.config.mla.indexer == model.config.mla.indexer
-    check_mtp_speculation(speculating, where)
+    check_mtp_speculation(speculating, where, RAGGED, [row[:16] for row in greedy[len(RAGGED)]], decode_widths=[2])
 
 
 def test_a_stored_mtp_layer_loads_with_its_indexer(pair, tmp_path_factory, tmp_path):
@@ -170,6 +172,7 @@ def test_a_stored_mtp_layer_loads_with_its_indexer(pair, tmp_path_factory, tmp_p
 
     from safetensors.numpy import load_file, save_file
     _, _, directory = loaded("deepseek_v32", tmp_path_factory)
+    greedy = pair[2]
     L, D = FIELDS["num_hidden_layers"], FIELDS["hidden_size"]
     target = tmp_path / "mtp"
     shutil.copytree(directory, target)
@@ -190,18 +193,20 @@ def test_a_stored_mtp_layer_loads_with_its_indexer(pair, tmp_path_factory, tmp_p
     for name, stored in (("index_wk", "wk.weight"), ("index_wq", "wq_b.weight"), ("index_norm_bias", "k_norm.bias"),
                          ("index_weights", "weights_proj.weight")):
         np.testing.assert_array_equal(np.asarray(indexer[name]), tensors[mtp + "self_attn.indexer." + stored])
-    check_mtp_speculation(model, "contiguous")
+    check_mtp_speculation(model, "contiguous", RAGGED, [row[:16] for row in greedy[len(RAGGED)]])
 
 
 def test_prefix_cache_equals_the_plain_run(pair):
-    """A prefix-cache hit (the indexer keys come back with the latent pages) equals the plain run."""
-    _, model, _ = pair
-    prompt = SINGLE[0] + RAGGED[1]  # 25 tokens: past the top-8
-    plain = jaxkv.generate(model, [prompt], max_new_tokens=16, stop_tokens=[])
+    """A prefix-cache hit (the indexer keys come back with the latent pages) equals the plain run: the ragged
+    prompts' whole pages hit (4 + 12 + 8 tokens; the 13-token prompt's 12 are past the top-8), and every call gives
+    transformers' greedy tokens, which plain decoding gives (test_decoding_paths_equal_transformers[greedy]; no
+    plain run compiled here)."""
+    _, model, greedy = pair
+    plain = [row[:16] for row in greedy[len(RAGGED)]]
     prefix = jaxkv.PrefixCache(model, num_pages=64, page_size=4)
-    for hits in (0, 24):
-        out = jaxkv.generate(model, [prompt], max_new_tokens=16, stop_tokens=[], prefix_cache=prefix)
-        assert out.tokens == plain.tokens and out.stats["prefix_hit_tokens"] == hits
+    for hits in (0, 4 + 12 + 8):
+        out = jaxkv.generate(model, RAGGED, max_new_tokens=16, stop_tokens=[], prefix_cache=prefix)
+        assert out.tokens == plain and out.stats["prefix_hit_tokens"] == hits
 
 
 @pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn"])

@@ -34,7 +34,8 @@ VOCAB, WINDOW = 128, 8
 NORM_MEAN, NORM_STD, EMBED_SCALE = 1.0, 0.5, 0.5
 # Every prompt is longer than the window of 8, so each sliding layer's ring wraps during the prompt already.
 SINGLE = [[17, 3, 99, 41, 8, 110, 23, 64, 5, 77, 120, 31]]
-RAGGED = [[44, 9, 101, 2, 61, 70, 13, 87, 20, 6], [7, 88, 19, 100, 33, 52, 101, 4, 66, 29, 115, 11, 93, 40, 72, 3, 58],
+# At most 16 tokens: the single prompt and the ragged batch pad to one prefill length (one compiled prefill).
+RAGGED = [[44, 9, 101, 2, 61, 70, 13, 87, 20, 6], [7, 88, 19, 100, 33, 52, 101, 4, 66, 29, 115, 11, 93, 40, 72, 3],
           [12, 5, 70, 103, 38, 26, 9, 81, 57, 90, 14, 122, 36]]
 
 TEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
@@ -189,11 +190,16 @@ FEATURES = {
 def test_each_feature_matters(tmp_path_factory, name, feature):
     """The parity above would catch each feature mapped wrong: without it jaxkv's logits move well past ATOL."""
     hf, model, _ = loaded(name, tmp_path_factory)
-    tokens = np.random.default_rng(1).integers(0, VOCAB, (1, 30))
+    # test_logits_match's tokens (2 x 30): the unchanged model's forward is its compiled one
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 30))
     ref = hf_logits(hf, tokens)
     np.testing.assert_allclose(jaxkv.logits(model, tokens), ref, atol=GEMMA_LOGITS_ATOL, rtol=0)
     changed = jaxkv.Model(model.config.replace(**FEATURES[name][feature]), model.params)
-    assert np.abs(np.asarray(jaxkv.logits(changed, tokens)) - ref).max() > 1e-2
+    # Op by op: the same code as the jitted forward (its float32 results within ~1e-5 of it, far below 1e-2), but
+    # each changed config would compile a forward of its own (~1.4 s each), where these ops compile once for all.
+    with jax.disable_jit():
+        moved = np.asarray(jaxkv.logits(changed, tokens))
+    assert np.abs(moved - ref).max() > 1e-2
 
 
 def test_multimodal_checkpoint_holds_the_vision_tower(tmp_path_factory):

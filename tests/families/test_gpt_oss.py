@@ -123,12 +123,15 @@ def test_paged_and_int8_caches_equal_the_contiguous_cache(pair):
     (the sliding layers' rings, the paged reads, the fresh chunk after a hit). The paged forks (n = 2) with sinks:
     test_decoding_paths_equal_transformers[n=2]."""
     hf, model, _ = pair
-    prompt = SINGLE[0] + RAGGED[1]  # 25 tokens: past the window of 8
+    # 15 tokens: past the window of 8; the miss's 15 tokens and the hit's 3 pad to one prefill length (one compile)
+    prompt = SINGLE[0] + RAGGED[0][:3]
     plain = hf_greedy(hf, [prompt], 16)
     prefix = jaxkv.PrefixCache(model, num_pages=64, page_size=4)
-    for hits in (0, 24):  # the second call hits the first's pages (6 whole pages of the 25-token prompt)
+    for hits in (0, 12):  # the second call hits the first's pages (3 whole pages of the 15-token prompt)
         out = jaxkv.generate(model, [prompt], max_new_tokens=16, stop_tokens=[], prefix_cache=prefix)
         assert out.tokens == plain and out.stats["prefix_hit_tokens"] == hits
+    prompt = SINGLE[0] + RAGGED[1]  # 25 tokens (the int8 run compiles its own programs at any length)
+    plain = hf_greedy(hf, [prompt], 16)
     quantized = jaxkv.generate(model, [prompt], max_new_tokens=16, stop_tokens=[], cache_dtype="int8")
     assert sum(a == b for a, b in zip(quantized.tokens[0], plain[0])) >= 8
 

@@ -12,6 +12,7 @@ prompt in a batch gets other temperatures than alone. jaxkv uses positions (as v
 compared with transformers' tokens for each prompt alone.
 """
 
+import jax
 import numpy as np
 import pytest
 
@@ -94,7 +95,10 @@ def test_the_features_move_the_logits(pair):
     c = model.config
     for changed in (c.replace(layer_types=None, attention_chunk_size=None), c.replace(attn_temperature=None),
                     c.replace(moe=c.moe.__class__(**{**c.moe.__dict__, "scale_expert_input": False}))):
-        other = np.asarray(jaxkv.logits(jaxkv.Model(changed, model.params), tokens))
+        # Op by op: the same code as the jitted forward (within float32 rounding of it, far below 100 x ATOL), but
+        # each changed config would compile a forward of its own (~2 s each), where these ops compile once for all.
+        with jax.disable_jit():
+            other = np.asarray(jaxkv.logits(jaxkv.Model(changed, model.params), tokens))
         assert np.abs(other - base).max() > 100 * ATOL
 
 
@@ -108,8 +112,9 @@ def test_decoding_paths_equal_transformers(pair, path):
     check_moe_path(path, hf, model, greedy, "llama4",
                    routing=lambda: check_moe_routing(hf, model, MOE_LAYERS, lambda layer: layer.feed_forward.router,
                                                      lambda out: (out[1], out[1].topk(A, dim=-1).indices)),
-                   beams=lambda: [check_beam_search(hf, model, [p], [greedy[1][0][3], greedy[len(RAGGED)][0][6]])
-                                  for p in SINGLE + RAGGED],
+                   # one pool for the four prompts (the plan's for the longest): one compiled search
+                   beams=lambda: [check_beam_search(hf, model, [p], [greedy[1][0][3], greedy[len(RAGGED)][0][6]],
+                                                    num_pages=8) for p in SINGLE + RAGGED],
                    decode_widths=[2])  # one engine decode dispatch compiled (tests/engine: the widths)
 
 
@@ -119,12 +124,14 @@ def test_chunked_rings_paged_and_prefix_cache_equal_plain(pair):
     tokens (transformers', for this prompt alone: what the contiguous cache gives in the greedy path test).
     The paged cache's forks (n = 2) over chunked layers: test_decoding_paths_equal_transformers[n=2]."""
     hf, model, _ = pair
-    prompt = SINGLE[0] + RAGGED[1]  # 25 tokens: three chunk boundaries
+    # 15 tokens and 16 new ones: three chunk boundaries (8, 16, 24); the hit (3 pages of 4) leaves positions 12-14
+    # in the chunk from 8, and the miss's 15 tokens and the hit's 3 pad to one prefill length: one compiled prefill
+    prompt = SINGLE[0] + RAGGED[0][:3]
     plain = hf_greedy(hf, [prompt], 16)
     cache = jaxkv.KVCache.allocate(model.config, 1, 64, ring=True)
     assert [cache.layer_capacity(i) for i in range(LAYERS)] == [8, 64, 8, 64]
     prefix = jaxkv.PrefixCache(model, num_pages=64, page_size=4)
-    for hits in (0, 24):
+    for hits in (0, 12):
         out = jaxkv.generate(model, [prompt], max_new_tokens=16, stop_tokens=[], prefix_cache=prefix)
         assert out.tokens == plain and out.stats["prefix_hit_tokens"] == hits
     # A quantized ring of the chunk: close to plain, not equal. (int8 only: float8's codec differs from int8's in
@@ -146,5 +153,6 @@ def test_the_text_part_of_a_multimodal_checkpoint_loads(pair, tmp_path):
     config.to_json_file(tmp_path / "config.json")
     safetensors_torch.save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
     multimodal = jaxkv.load(tmp_path)
-    tokens = np.random.default_rng(6).integers(0, VOCAB, (1, 16))
+    assert multimodal.config == model.config
+    tokens = np.random.default_rng(6).integers(0, VOCAB, (2, 24))  # test_logits_match's shape: its compiled forward
     np.testing.assert_array_equal(jaxkv.logits(multimodal, tokens), jaxkv.logits(model, tokens))

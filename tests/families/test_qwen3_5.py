@@ -178,11 +178,12 @@ def test_cached_decoding_equals_recompute(kind, tmp_path_factory):
     hf, model, _ = loaded(kind, tmp_path_factory)
     exact = copy.deepcopy(hf).double()
     exact.set_experts_implementation("eager")
-    prompts = [RAGGED[0], RAGGED[1]]
+    prompts = RAGGED  # the greedy test's ragged batch (padded to 4): its compiled prefill
     out = jaxkv.generate(model, prompts, max_new_tokens=40, stop_tokens=[], logprobs=1)
     for p, row, lps in zip(prompts, out.tokens, out.logprobs):
-        # right-padded to 64 (causal: the padding after them changes none of their logits): one compiled pass
-        full = np.asarray(jaxkv.logits(model, [p + row + [0] * (64 - len(p + row))])[0])[:len(p + row)]
+        # right-padded to 150 (causal: the padding after them changes none of their logits): one compiled pass,
+        # test_logits_match[moe-150]'s
+        full = np.asarray(jaxkv.logits(model, [p + row + [0] * (150 - len(p + row))])[0])[:len(p + row)]
         assert list(full[len(p) - 1:-1].argmax(-1)) == row, kind
         with torch.no_grad():
             want = _logprobs(exact(torch.tensor([p + row])).logits[0].numpy(), p, row)

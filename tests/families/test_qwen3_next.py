@@ -42,6 +42,18 @@ def pair(request, tmp_path_factory):
     return request.param, hf, model
 
 
+_HF_GREEDY = {}
+
+
+def hf_greedy_of(name, hf, prompts):
+    """transformers' greedy tokens (NEW_TOKENS) for `prompts` on the `name` model, computed once per module (its
+    reference implementation of the delta rule makes each run seconds)."""
+    key = (name, tuple(map(tuple, prompts)))
+    if key not in _HF_GREEDY:
+        _HF_GREEDY[key] = hf_greedy(hf, prompts)
+    return _HF_GREEDY[key]
+
+
 def test_config_maps_every_layer_kind(tmp_path_factory):
     _, model, _ = loaded("moe", tmp_path_factory)
     c = model.config
@@ -83,7 +95,7 @@ def test_greedy_generation_is_token_identical(pair):
     decided by a clear margin."""
     name, hf, model = pair
     for prompts, batch in greedy_cases(SINGLE, RAGGED):
-        expected = hf_greedy(hf, prompts)
+        expected = hf_greedy_of(name, hf, prompts)
         assert_clear_margins(hf, prompts, expected, name, MIN_MARGIN)
         got = jaxkv.generate(model, batch, max_new_tokens=NEW_TOKENS, stop_tokens=[]).tokens
         for b, row in enumerate(per_row(expected, batch)):
@@ -93,12 +105,14 @@ def test_greedy_generation_is_token_identical(pair):
 def test_cached_decoding_equals_recompute(pair):
     """40 decode steps (the recurrent form, one token at a time, states carried in the cache) after a ragged
     prefill (the chunked form): each step's logits equal the no-cache forward pass over the whole prefix, and the
-    padding before the short row never touched its state."""
+    padding before the short row never touched its state. (The recompute is right-padded to test_logits_match's
+    150 tokens, its compiled program: causal, so the padding after the tokens changes none of their logits.)"""
     name, _, model = pair
     prompts = [RAGGED[0], RAGGED[1]]
     out = jaxkv.generate(model, prompts, max_new_tokens=40, stop_tokens=[], logprobs=1)
     for p, row, lps in zip(prompts, out.tokens, out.logprobs):
-        full = jaxkv.logits(model, [p + row])[0]
+        seq = p + row
+        full = jaxkv.logits(model, [seq + [0] * (150 - len(seq))])[0, :len(seq)]
         want = full[len(p) - 1:-1]
         want = want - np.log(np.exp(want - want.max(-1, keepdims=True)).sum(-1, keepdims=True)) - want.max(
             -1, keepdims=True)
@@ -138,12 +152,12 @@ def test_unsupported_features_refuse_before_compute(call, tmp_path_factory):
 
 def test_jaxkv_format_round_trip(tmp_path_factory, tmp_path):
     """`jaxkv.save` then `jaxkv.load`: the config (its LinearAttention and MoE shared expert included) and the
-    weights come back; the logits are bit-identical."""
+    weights come back; the logits are bit-identical (test_logits_match[moe-40]'s shape: its compiled program)."""
     _, model, _ = loaded("moe", tmp_path_factory)
     jaxkv.save(model, tmp_path / "saved")
     again = jaxkv.load(tmp_path / "saved")
     assert again.config == model.config
-    tokens = [[5, 9, 33, 2, 140, 7]]
+    tokens = np.random.default_rng(6).integers(0, VOCAB, (2, 40))
     np.testing.assert_array_equal(jaxkv.logits(again, tokens), jaxkv.logits(model, tokens))
 
 
@@ -182,34 +196,50 @@ def test_pallas_decode_runs_the_state_kernel(tmp_path_factory, monkeypatch):
     np.testing.assert_allclose(np.array(pallas.logprobs), np.array(xla.logprobs), atol=ATOL, rtol=0)
 
 
-def test_mtp_layer_loads_and_matches_its_torch_composition(tmp_path):
+def copied(tmp_path_factory, name, target):
+    """The module's `name` model (transformers', and a copy of its saved directory at `target`)."""
+    import shutil
+
+    hf, _, directory = loaded(name, tmp_path_factory)
+    shutil.copytree(directory, target, dirs_exist_ok=True)
+    return hf
+
+
+def test_mtp_layer_loads_and_matches_its_torch_composition(tmp_path_factory, tmp_path):
     """The checkpoint's `mtp.*` layer loads into Model.mtp; its logits for the pairs (h_t, token_{t+1}) equal the
     torch module built from transformers' layers (helpers.hybrid.check_mtp_module)."""
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextDecoderLayer, Qwen3NextRMSNorm
 
-    hf = hf_model("Qwen3NextConfig", dict(FIELDS))
-    hf.save_pretrained(tmp_path, safe_serialization=True)
-    check_mtp_module(hf, tmp_path, Qwen3NextDecoderLayer, Qwen3NextRMSNorm)
+    check_mtp_module(copied(tmp_path_factory, "moe", tmp_path), tmp_path, Qwen3NextDecoderLayer, Qwen3NextRMSNorm)
+
+
+@pytest.fixture(scope="module")
+def mtp_speculation(tmp_path_factory):
+    """The dense model with an MTP layer added, and transformers' greedy tokens (16) of the ragged prompts, which
+    plain decoding gives (test_greedy_generation_is_token_identical[dense])."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextDecoderLayer, Qwen3NextRMSNorm
+
+    directory = tmp_path_factory.mktemp("mtp")
+    hf = copied(tmp_path_factory, "dense", directory)
+    add_mtp(hf, directory, Qwen3NextDecoderLayer, Qwen3NextRMSNorm)
+    return jaxkv.load(directory), [row[:16] for row in hf_greedy_of("dense", hf, RAGGED)]
 
 
 @pytest.mark.parametrize("where", ["contiguous", "paged", "engine"])
-def test_mtp_speculation_equals_plain(tmp_path_factory, where):
+def test_mtp_speculation_equals_plain(mtp_speculation, where):
     """Speculation("mtp") on the hybrid model (the module proposing, its own one-layer K/V cache, the target's
-    states restored after each verify): greedy tokens equal plain decoding's."""
-    directory = tmp_path_factory.mktemp("mtp")
-    hf = hf_model("Qwen3NextConfig", dict(FIELDS, num_experts=0))
-    hf.save_pretrained(directory, safe_serialization=True)
-    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextDecoderLayer, Qwen3NextRMSNorm
-
-    add_mtp(hf, directory, Qwen3NextDecoderLayer, Qwen3NextRMSNorm)
-    check_mtp_speculation(jaxkv.load(directory), where)
+    states restored after each verify): greedy tokens equal plain decoding's (transformers', on the ragged
+    prompts)."""
+    model, plain = mtp_speculation
+    check_mtp_speculation(model, where, RAGGED, plain, decode_widths=[2])  # one decode dispatch (tests/engine: widths)
 
 
 @pytest.mark.parametrize("moe", [True, False], ids=["moe", "dense"])
 def test_logits_within_1e4_at_transformers_default_init(tmp_path, moe):
     """With transformers' own initializer range (0.02, well-conditioned value heads) the float32 logits match to
-    the usual 1e-4 (measured 2e-7); the hybrid bound is needed only for the 0.25 models above (module docstring)."""
+    the usual 1e-4 (measured 2e-7); the hybrid bound is needed only for the 0.25 models above (module docstring).
+    (test_logits_match[40]'s shape: the same configs' compiled program.)"""
     hf = hf_model("Qwen3NextConfig", dict(FIELDS, initializer_range=0.02, **({} if moe else dict(num_experts=0))))
     hf.save_pretrained(tmp_path, safe_serialization=True)
-    tokens = np.random.default_rng(1).integers(0, VOCAB, (2, 64))
+    tokens = np.random.default_rng(1).integers(0, VOCAB, (2, 40))
     np.testing.assert_allclose(jaxkv.logits(jaxkv.load(tmp_path), tokens), hf_logits(hf, tokens), atol=ATOL, rtol=0)

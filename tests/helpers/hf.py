@@ -235,16 +235,18 @@ def check_speculative_greedy(model, expected, name="", prompts=RAGGED):
     assert got.stats["spec_acceptance_rate"] > 0.8 and got.stats["target_forwards"] < NEW_TOKENS // 2, name
 
 
-def check_mtp_speculation(model, where, prompts=None, plain=None):
+def check_mtp_speculation(model, where, prompts=None, plain=None, decode_widths=None):
     """Speculation("mtp") with the model's MTP module proposing ("contiguous", "paged" or "engine"): greedy tokens
     equal plain decoding's, with verifies run. `prompts` (default: two of the ragged prompts) and `plain`: their
-    16 plain greedy tokens where the caller has them already (transformers'); by default a plain jaxkv run."""
+    16 plain greedy tokens where the caller has them already (transformers'); by default a plain jaxkv run.
+    `decode_widths`: the engine's (default: its own, 1 and 2); [2] compiles one speculative decode dispatch
+    instead of two (tests/engine cover the widths)."""
     prompts = [RAGGED[0], RAGGED[2]] if prompts is None else prompts
     if plain is None:
         plain = jaxkv.generate(model, prompts, max_new_tokens=16, stop_tokens=[]).tokens
     spec = jaxkv.Speculation("mtp", num_tokens=2, adaptive=False)
     if where == "engine":
-        engine = jaxkv.Engine(model, slots=2, max_len=64, page_size=4, speculative=spec)
+        engine = jaxkv.Engine(model, slots=2, max_len=64, page_size=4, speculative=spec, decode_widths=decode_widths)
         tokens = [r.tokens for r in engine.generate(prompts, max_new_tokens=16, stop_tokens=[])]
         verifies = engine.stats["spec_verifies"]
     else:
@@ -289,12 +291,14 @@ def check_moe_beam_search(hf, model, greedy):
     check_beam_search(hf, model, SINGLE + RAGGED, sorted({greedy[1][0][3], greedy[len(RAGGED)][0][6]}))
 
 
-def check_beam_search(hf, model, prompts, stops):
-    """Three beams and three hypotheses per prompt, ending at `stops`: transformers' tokens and scores (1e-4)."""
+def check_beam_search(hf, model, prompts, stops, num_pages=None):
+    """Three beams and three hypotheses per prompt, ending at `stops`: transformers' tokens and scores (1e-4).
+    `num_pages`: the page pool (default the plan's, which depends on the prompt lengths): one pool size for calls
+    with prompts of different lengths compiles the search once."""
     want = hf_beam_search(hf, prompts, stops, num_beams=3, length_penalty=1.0, early_stopping=True,
                           num_return_sequences=3)
     got = jaxkv.beam_search(model, prompts, num_beams=3, max_new_tokens=BEAM_NEW, length_penalty=1.0,
-                            early_stopping=True, num_return_sequences=3, stop_tokens=stops)
+                            early_stopping=True, num_return_sequences=3, stop_tokens=stops, num_pages=num_pages)
     assert got.tokens == [[tokens for tokens, _ in hyps] for hyps in want]
     for hyps, want_hyps in zip(got, want):
         for h, (_, score) in zip(hyps, want_hyps):
