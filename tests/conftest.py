@@ -38,3 +38,13 @@ def _free_compiled_code():
     yield
     jax.clear_caches()
     gc.collect()
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the marks into the node ids
+def pytest_collection_modifyitems(config, items):
+    """Under `--dist loadgroup` a test without an xdist_group is a work unit of its own, so the two workers take
+    turns through every file and each compiles the programs the file's tests share. Grouped by file instead, a
+    file runs on one worker; explicit groups (one server shared by several files) are kept."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
