@@ -164,9 +164,11 @@ def test_planner_counts_the_state_rows(model):
 
 def test_engine_with_random_arrivals_equals_generate_alone(model):
     """Continuous batching: 8 requests arriving at random points into 3 slots, prompts of up to 30 tokens in chunks
-    of 8 (each chunk continues the staging row's state; right-padded chunks), rows moving from staging into slots
-    and down to lower slots: each request's tokens are generate's of it alone, its log-probabilities the no-cache
-    recomputation's, and afterwards every slot, page and state row is free (zeroed)."""
+    of 8 (each chunk continues the staging row's state; right-padded chunks), rows moving from staging into slots:
+    each request's tokens are generate's of it alone, its log-probabilities the no-cache recomputation's, and
+    afterwards every slot, page and state row is free (zeroed). Then a row moving down to a lower slot with its
+    recurrent state (the random arrivals need no move): three of the requests again, submitted together, the
+    longest last, so it is left alone in slot 2 and decodes on at width 2."""
     from helpers.engine import assert_all_free, drain, recomputed_logprobs
 
     rng = np.random.default_rng(5)
@@ -180,6 +182,16 @@ def test_engine_with_random_arrivals_equals_generate_alone(model):
         assert r.tokens == alone(model, prompt, new).tokens[0]
         _, want = recomputed_logprobs(model, prompt, r.tokens)
         np.testing.assert_allclose(r.logprobs, want, atol=ATOL)
+
+    moves = engine.stats.get("slot_moves", 0)
+    tail = [arrivals[7], arrivals[4], arrivals[1]]  # 1 and 4 new tokens, then 17
+    for prompt, new, kwargs in tail:
+        engine.submit(prompt, max_new_tokens=new, **kwargs)
+    results = engine.results()
+    assert engine.stats["slot_moves"] > moves
+    for (prompt, new, _), r in zip(tail, results):
+        assert r.tokens == alone(model, prompt, new).tokens[0]
+    assert_all_free(engine)
 
 
 def test_engine_cancel_frees_the_state_row(model):
