@@ -157,13 +157,11 @@ def test_int8_latent_cache(name, shape):
         assert scales.sharding.is_equivalent_to(NamedSharding(mesh, sharding.LATENT_SCALE_SPEC), 3)
         # One device holds its batch rows' whole rows: B / data rows, all R + E columns.
         assert rows.addressable_shards[0].data.shape == (B // data, 1, S, config.mla.row_dim)
-    if config.mla.indexer is None:
-        assert cache.values == () and cache.value_scales == ()
-    else:  # DeepSeek-V3.2's indexer keys: laid out as the rows
-        for keys, scales in zip(cache.values, cache.value_scales, strict=True):
-            assert keys.shape == (B, 1, S, config.mla.indexer.head_dim) and keys.dtype == np.int8
-            assert keys.sharding.is_equivalent_to(NamedSharding(mesh, sharding.LATENT_SPEC), 4)
-            assert scales.sharding.is_equivalent_to(NamedSharding(mesh, sharding.LATENT_SCALE_SPEC), 3)
+    assert cache.values  # DeepSeek-V3.2's indexer keys (the one model here has them): laid out as the rows
+    for keys, scales in zip(cache.values, cache.value_scales, strict=True):
+        assert keys.shape == (B, 1, S, config.mla.indexer.head_dim) and keys.dtype == np.int8
+        assert keys.sharding.is_equivalent_to(NamedSharding(mesh, sharding.LATENT_SPEC), 4)
+        assert scales.sharding.is_equivalent_to(NamedSharding(mesh, sharding.LATENT_SCALE_SPEC), 3)
     assert sharding.cache_bytes_per_device(cache) == latent_bytes(config, B, S, "int8") // data
 
 
